@@ -1,0 +1,6 @@
+"""Sampling: parameters, logits processors and samplers (numpy and torch paths)."""
+
+from onnxgen.sampling.params import SamplingParams
+from onnxgen.sampling.sampler import LogitsProcessor, Sampler
+
+__all__ = ["LogitsProcessor", "SamplingParams", "Sampler"]

@@ -1,0 +1,60 @@
+"""onnxgen: run generative ONNX model packages fast, keeping each conversation's KV cache alive.
+
+    import onnxgen
+    model = onnxgen.load()                      # the embedded default (SmolLM2-135M-Instruct)
+    r = model.generate([{"role": "user", "content": "What is the capital of France?"}])
+    print(r.text, r.stats)
+
+Importing onnxgen is light: onnxruntime, torch and friends load only when a backend needs them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from onnxgen.errors import OnnxgenError
+
+if TYPE_CHECKING:
+    from onnxgen.engine.engine import Engine as Model
+    from onnxgen.engine.result import Result, Stats
+    from onnxgen.engine.session import Session
+
+__version__ = "0.1.0"
+__all__ = ["Model", "OnnxgenError", "Result", "Session", "Stats", "load"]
+
+
+def load(
+    path: str | None = None,
+    backend: str = "auto",
+    device: str = "cpu",
+    **options: Any,
+) -> Model:
+    """Load a model package and return a ready `Model`.
+
+    path: a package folder; omitted (or "default") means the embedded default model, built on first
+    use (needs the `convert` extra). backend: "auto" (native on CUDA, ort on CPU), "ort" or
+    "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, and backend
+    options (threads, kv_floor, ...).
+    """
+    from onnxgen.convert.default import resolve_model_path
+    from onnxgen.engine.engine import Engine
+    from onnxgen.package.spec import load_spec
+
+    spec = load_spec(resolve_model_path(path))
+    return Engine(spec, backend=backend, device=device, **options)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Model":
+        from onnxgen.engine.engine import Engine
+
+        return Engine
+    if name in ("Result", "Stats"):
+        from onnxgen.engine import result
+
+        return getattr(result, name)
+    if name == "Session":
+        from onnxgen.engine.session import Session
+
+        return Session
+    raise AttributeError(name)

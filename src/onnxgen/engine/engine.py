@@ -1,0 +1,215 @@
+"""The engine: one loaded package, its decoders, sessions and the request path.
+
+`Engine` is what `onnxgen.load()` returns (exported as `onnxgen.Model`). One request reads as three
+calls: prepare (tokens, identity, reuse plan) → run (the decode loop) → finish (result, stats).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from onnxgen.backends import create_decoder, resolve_backend
+from onnxgen.backends.base import Decoder
+from onnxgen.engine import loop
+from onnxgen.engine import reuse as reuse_policy
+from onnxgen.engine.identity import Identity, make_identity
+from onnxgen.engine.result import Result, Stats
+from onnxgen.engine.session import DecoderPool, Session, SessionRegistry
+from onnxgen.errors import ContextOverflow, EmptyPrompt, InvalidRequest
+from onnxgen.package.spec import ModelSpec
+from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+
+
+class Engine:
+    """A loaded model package ready to generate. Create with `onnxgen.load()`.
+
+    Thread-safety: each `Session` serialises its own requests; different sessions may run
+    concurrently (each has its own decoder and cache; weights are shared).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        backend: str = "auto",
+        device: str = "cpu",
+        chunk_size: int | None = None,
+        max_sessions: int = 8,
+        max_kv_bytes: int | None = None,
+        **backend_options: Any,
+    ) -> None:
+        from onnxgen.text import ChatTemplate, Tokenizer
+
+        self.spec = spec.with_chunk_size(chunk_size)
+        self.device = device
+        self.backend = resolve_backend(backend, device)
+        self.tokenizer = Tokenizer.from_spec(self.spec)
+        self.chat_template = ChatTemplate.from_spec(self.spec, self.tokenizer)
+        self.eos_token_ids = tuple(dict.fromkeys((*self.spec.eos_token_ids, *self.tokenizer.eos_token_ids)))
+        self._prototype = create_decoder(self.spec, self.backend, device, **backend_options)
+        self._prototype_lock = threading.Lock()
+        self.pool = DecoderPool(self._new_decoder)
+        self.pool.release(self._prototype)
+        self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
+        self._default_session = Session(self, name="default")
+        self.package_key = f"{self.spec.path.resolve()}|{self.spec.kv_dtype}|{self.backend}|{device}"
+
+    # --- decoders & sessions -------------------------------------------------------------
+
+    def _new_decoder(self) -> Decoder:
+        fork = getattr(self._prototype, "fork", None)
+        if fork is not None:
+            with self._prototype_lock:
+                return fork()
+        return create_decoder(self.spec, self.backend, self.device)
+
+    def session(self, name: str | None = None) -> Session:
+        """A new conversation whose KV is retained between its requests."""
+        return Session(self, name)
+
+    @property
+    def default_session(self) -> Session:
+        return self._default_session
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> Result:
+        """Generate on the implicit default session (so stateless callers reuse too).
+
+        prompt: `str` (raw text), a list of `{"role", "content"}` dicts (rendered through the chat
+        template) or a list of token ids. Keyword arguments: max_new_tokens, temperature, top_k,
+        top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed, stop,
+        output_logits, on_token, reuse, inputs, processors, cancel. See `run_request`.
+        """
+        return self._default_session.generate(prompt, **kwargs)
+
+    # --- prompts -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: raw text, chat messages or ids (validated)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            if self.chat_template is None:
+                raise InvalidRequest(
+                    f"{self.spec.path}: the package has no chat template; pass raw text or token ids "
+                    "(or add chat_template.jinja to the package)",
+                    field="prompt",
+                )
+            text = self.chat_template.render(list(prompt), add_generation_prompt=True)  # type: ignore[arg-type]
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})", field="prompt"
+                )
+        else:
+            raise InvalidRequest(
+                "prompt must be a string, a list of {'role', 'content'} messages, or a list of token ids",
+                field="prompt",
+            )
+        if not ids:
+            raise EmptyPrompt()
+        if len(ids) >= self.spec.context_length:
+            raise ContextOverflow(len(ids), self.spec.context_length)
+        return ids
+
+    # --- the request path ----------------------------------------------------------------
+
+    def run_request(
+        self,
+        decoder: Decoder,
+        held: Identity | None,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        output_logits: bool = False,
+        on_token: Callable[[str], Any] | None = None,
+        reuse: bool = True,
+        inputs: Mapping[str, Any] | None = None,
+        processors: Sequence[LogitsProcessor] = (),
+        cancel: threading.Event | None = None,
+    ) -> tuple[Result, Identity]:
+        """Run one request on `decoder`, whose cache holds `held` (None: unknown/empty).
+
+        Returns the result and the identity of what the cache holds afterwards (prompt + every
+        generated token except the last). Raises typed errors for bad input; backend errors
+        propagate with their cause; the caller owns dropping the cache on any exception.
+        """
+        t0 = time.perf_counter()
+        ids = self.encode_prompt(prompt)
+        if max_new_tokens is None:
+            max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}", field="max_new_tokens")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise InvalidRequest("stop must be a string or a list of strings", field="stop")
+        params = SamplingParams.resolve(
+            self.spec.search, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed,
+        )  # fmt: skip
+        self._check_inputs(inputs)
+        identity = make_identity(ids, inputs, self.package_key)
+        reused = reuse_policy.prepare(decoder, held if reuse else None, identity)
+        from onnxgen.text import IncrementalDetokenizer
+
+        out = loop.run(
+            decoder, ids, reused, Sampler(params, ids, processors),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            max_new_tokens=max_new_tokens, context_length=self.spec.context_length,
+            eos_ids=self.eos_token_ids, stop=stops, chunk_size=self.spec.chunk_size, inputs=inputs,
+            on_token=on_token, output_logits=output_logits, cancel=cancel,
+        )  # fmt: skip
+        fed = (ids + out.tokens)[: out.fed]
+        n = len(out.tokens)
+        stats = Stats(
+            prompt_tokens=len(ids),
+            reused_tokens=reused,
+            prefilled_tokens=len(ids) - reused,
+            generated_tokens=n,
+            ttft_s=out.ttft_s,
+            decode_tok_s=(n - 1) / out.decode_s if n > 1 and out.decode_s > 0 else 0.0,
+            total_s=time.perf_counter() - t0,
+            backend=self.backend,
+            device=self.device,
+            chunk_size=self.spec.chunk_size,
+        )
+        result = Result(
+            text=out.text, tokens=out.tokens, finish_reason=out.finish_reason, stats=stats,
+            prompt_ids=ids, logits=out.logits,
+        )  # fmt: skip
+        return result, Identity(tuple(fed), identity.digest)
+
+    def _check_inputs(self, inputs: Mapping[str, Any] | None) -> None:
+        if inputs is None:
+            return
+        if not isinstance(inputs, Mapping):
+            raise InvalidRequest("inputs must be a mapping of graph input name to array or bytes", field="inputs")
+        known = {i.name for i in self.spec.extra_inputs}
+        for name in inputs:
+            if name not in known:
+                raise InvalidRequest(
+                    f"the graph has no extra input {name!r}; it accepts: {', '.join(sorted(known)) or 'none'}",
+                    field="inputs",
+                )
+
+    def close(self) -> None:
+        self._default_session.evict()

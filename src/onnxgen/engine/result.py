@@ -1,0 +1,51 @@
+"""What a request returns: `Result` with its `Stats`. Small frozen values that cross module boundaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Per-request numbers. `reused_tokens + prefilled_tokens == prompt_tokens`."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    decode_tok_s: float
+    total_s: float
+    backend: str
+    device: str
+    chunk_size: int | None = None
+
+    @property
+    def reused_fraction(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def line(self) -> str:
+        """One human line: `[ 613 in · 598 reused (98%) · 15 prefilled · 64 out · ttft 41 ms · 38.2 tok/s ]`."""
+        return (
+            f"[ {self.prompt_tokens} in · {self.reused_tokens} reused ({self.reused_fraction:.0%}) · "
+            f"{self.prefilled_tokens} prefilled · {self.generated_tokens} out · "
+            f"ttft {self.ttft_s * 1000:.0f} ms · {self.decode_tok_s:.1f} tok/s · {self.backend}/{self.device} ]"
+        )
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished generation.
+
+    `text` excludes EOS and stop strings; `tokens` are the generated ids, including the EOS that
+    ended generation; `finish_reason` is "stop" (EOS or a stop string) or "length"; `logits` (when
+    asked) holds the raw float32 logits of each generated step before any processor, `[n, vocab]`.
+    """
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: Stats
+    prompt_ids: list[int] = field(repr=False, default_factory=list)
+    logits: Any = field(repr=False, default=None)

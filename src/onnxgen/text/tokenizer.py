@@ -1,0 +1,214 @@
+"""A tokenizer over Hugging Face `tokenizers` (`tokenizer.json`), with special tokens from
+`tokenizer_config.json` and the package's `genai_config.json`.
+
+Semantics follow transformers' `TokenizersBackend` (v5): encoding uses the tokenizer's own
+post-processor, except that when `tokenizer_config.json` sets `add_bos_token` / `add_eos_token`
+explicitly (or `tokenizer.json` has no post-processor) the post-processor is rebuilt as
+`[bos] $A [eos]` from those flags, as transformers does. Decoding is the `tokenizers` decoder
+with no extra clean-up, so that streaming (see `detok.py`) can reproduce it exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from onnxgen.errors import MissingTokenizer
+
+if TYPE_CHECKING:
+    import tokenizers
+
+    from onnxgen.package.spec import ModelSpec
+
+
+def token_str(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config (a string or an AddedToken dict) as a string."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MissingTokenizer(f"{path}: not valid JSON ({exc}); fix or regenerate the file", path) from exc
+    if not isinstance(data, dict):
+        raise MissingTokenizer(f"{path}: must hold a JSON object", path)
+    return data
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. Immutable after construction and safe to share across threads
+    for encode/decode (the underlying `tokenizers.Tokenizer` is only read).
+
+    Attributes:
+        vocab_size: size of the vocabulary including added tokens.
+        bos_token / eos_token: the strings chat templates see (from tokenizer_config, else derived from ids).
+        bos_token_id: id of `bos_token` (else the package's `bos_token_id`).
+        eos_token_ids: union of tokenizer_config's EOS and the package's EOS ids, in that order.
+        special_ids: ids of the added tokens flagged special, i.e. exactly the ids that
+            `decode(..., skip_special_tokens=True)` drops.
+        config: the raw tokenizer_config dict (read-only by convention).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        config: Mapping[str, Any] | None = None,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Wrap a `tokenizers.Tokenizer`. `config` is tokenizer_config.json's dict; `bos_token_id` and
+        `eos_token_ids` are the package's ids (genai_config), used when the config names none / merged in.
+        The backend object is modified only when its post-processor must be rebuilt (see module doc)."""
+        self._tok = backend
+        self.config: dict[str, Any] = dict(config or {})
+        cfg = self.config
+
+        bos = token_str(cfg.get("bos_token"))
+        if bos is None and bos_token_id is not None:
+            bos = backend.id_to_token(bos_token_id)
+        self.bos_token: str | None = bos
+        bid = backend.token_to_id(bos) if bos is not None else None
+        self.bos_token_id: int | None = bid if bid is not None else bos_token_id
+
+        eos = token_str(cfg.get("eos_token"))
+        ids: list[int] = []
+        eid = backend.token_to_id(eos) if eos is not None else None
+        if eid is not None:
+            ids.append(eid)
+        for i in eos_token_ids:
+            if i not in ids:
+                ids.append(int(i))
+        if eos is None and ids:
+            eos = backend.id_to_token(ids[0])
+        self.eos_token: str | None = eos
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+
+        added = backend.get_added_tokens_decoder()
+        self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._maybe_rebuild_post_processor()
+
+    # --- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> Tokenizer:
+        """The tokenizer of a loaded package (its tokenizer.json, tokenizer_config and EOS/BOS ids).
+        Raises MissingTokenizer when tokenizer.json cannot be read."""
+        return cls(
+            cls._load_backend(Path(spec.tokenizer_path)),
+            spec.tokenizer_config,
+            bos_token_id=spec.bos_token_id,
+            eos_token_ids=spec.eos_token_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Read `tokenizer.json` (required), `tokenizer_config.json` and, if present, the BOS/EOS ids of
+        `genai_config.json` from a folder. Raises MissingTokenizer naming the file at fault."""
+        root = Path(path).expanduser()
+        tok_path = root / "tokenizer.json"
+        if not tok_path.is_file():
+            raise MissingTokenizer(f"{tok_path}: missing; copy the model's tokenizer.json into {root}", tok_path)
+        cfg_path = root / "tokenizer_config.json"
+        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+        bos_id: int | None = None
+        eos_ids: list[int] = []
+        genai = root / "genai_config.json"
+        if genai.is_file():
+            try:
+                model = json.loads(genai.read_text(encoding="utf-8")).get("model", {})
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                model = {}
+            if isinstance(model, dict):
+                b = model.get("bos_token_id")
+                bos_id = b if isinstance(b, int) and not isinstance(b, bool) else None
+                e = model.get("eos_token_id")
+                eos_ids = [v for v in (e if isinstance(e, list) else [e]) if isinstance(v, int) and not isinstance(v, bool)]
+        return cls(cls._load_backend(tok_path), cfg, bos_token_id=bos_id, eos_token_ids=eos_ids)
+
+    @staticmethod
+    def _load_backend(path: Path) -> tokenizers.Tokenizer:
+        import tokenizers
+
+        if not path.is_file():
+            raise MissingTokenizer(f"{path}: missing; copy the model's tokenizer.json into the package", path)
+        try:
+            return tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise MissingTokenizer(f"{path}: cannot be read by `tokenizers` ({exc}); regenerate it", path) from exc
+
+    def _maybe_rebuild_post_processor(self) -> None:
+        """Mirror transformers: explicit add_bos_token/add_eos_token (or no post-processor at all) means
+        the post-processor is `[bos] $A [eos]` per those flags."""
+        cfg = self.config
+        explicit = "add_bos_token" in cfg or "add_eos_token" in cfg
+        if not explicit and self._tok.post_processor is not None:
+            return
+        from tokenizers import processors
+
+        add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token is not None and self.bos_token_id is not None
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token is not None else None
+        add_eos = bool(cfg.get("add_eos_token", False)) and eos_id is not None
+        single = f"{(self.bos_token + ':0 ') if add_bos else ''}$A:0{(' ' + self.eos_token + ':0') if add_eos else ''}"  # type: ignore[operator]
+        pair = f"{single}{(' ' + self.bos_token + ':1') if add_bos else ''} $B:1{(' ' + self.eos_token + ':1') if add_eos else ''}"  # type: ignore[operator]
+        special: list[tuple[str, int]] = []
+        if add_bos:
+            special.append((self.bos_token, self.bos_token_id))  # type: ignore[arg-type]
+        if add_eos:
+            special.append((self.eos_token, eos_id))  # type: ignore[arg-type]
+        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+    # --- encode / decode ------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer` (do not mutate it)."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special-token strings inside `text` map to their ids (as in transformers).
+        `add_special_tokens` applies the post-processor (e.g. a BOS); raw prompts usually want True,
+        rendered chat templates (which carry their own markers) usually False."""
+        if not isinstance(text, str):
+            from onnxgen.errors import InvalidRequest
+
+            raise InvalidRequest(f"text to encode must be a str, got {type(text).__name__}", field="prompt")
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` through the tokenizer's decoder (no clean-up of spaces). Invalid UTF-8 byte
+        runs become U+FFFD. With `skip_special_tokens`, ids in `special_ids` are dropped first."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, tok: str) -> int | None:
+        return self._tok.token_to_id(tok)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def special_tokens(self) -> dict[str, str]:
+        """Named special tokens of tokenizer_config (`bos_token`, `eos_token`, `unk_token`, `pad_token`,
+        ...) as strings; the variables a chat template sees besides the messages."""
+        out: dict[str, str] = {}
+        for key, value in self.config.items():
+            if key.endswith("_token") and (s := token_str(value)) is not None:
+                out[key] = s
+        if self.bos_token is not None:
+            out["bos_token"] = self.bos_token
+        if self.eos_token is not None:
+            out["eos_token"] = self.eos_token
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
+            f"eos_ids={self.eos_token_ids})"
+        )
