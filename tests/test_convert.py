@@ -33,20 +33,12 @@ torch = pytest.importorskip("torch")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def smollm2_dir() -> Path:
-    """The real default package (the lead will replace this by the `smollm2_dir` fixture)."""
-    path = default_model_dir()
-    if not dflt.looks_built(path):
-        pytest.skip(f"the default model is not built at {path}")
-    return path
-
-
 @pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_hf(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random 2-layer Llama (hidden 64, SmolLM2's 49152-token vocab and tokenizer files)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    src_tok = smollm2_dir()
+    src_tok = smollm2_dir  # SmolLM2's tokenizer files
     d = tmp_path_factory.mktemp("tiny_hf")
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -71,17 +63,8 @@ def tiny_pkg(tiny_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ckpt.convert_checkpoint(tiny_hf, out, progress=False)
 
 
-def _ort_prefill(pkg: Path, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Run the package's graph with plain onnxruntime from an empty KV; return logits and presents."""
-    import onnxruntime as ort
-
-    spec = load_spec(pkg)
-    sess = ort.InferenceSession(str(spec.decoder_path), providers=["CPUExecutionProvider"])
-    return _ort_step(sess, spec, ids, past=None)
-
-
 def _ort_step(sess, spec, ids: np.ndarray, past: dict[str, np.ndarray] | None):  # type: ignore[no-untyped-def]
-    n_past = 0 if past is None else past[spec.past_key_names[0]].shape[2]
+    n_past = 0 if past is None else past[spec.present_key_names[0]].shape[2]
     t = ids.shape[0]
     feeds: dict[str, np.ndarray] = {spec.input_ids_name: ids[None].astype(np.int64)}
     if spec.attention_mask_name:
@@ -162,7 +145,9 @@ def test_builder_failure_raises_and_leaves_no_out(tmp_path: Path) -> None:
     src = tmp_path / "broken"
     src.mkdir()
     # Valid JSON, but an architecture the builder does not know: the subprocess itself fails.
-    (src / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}))
+    (src / "config.json").write_text(
+        json.dumps({"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"})
+    )
     out = tmp_path / "out"
     with pytest.raises(ConversionError) as info:
         ckpt.convert_checkpoint(src, out, progress=False)
@@ -228,9 +213,11 @@ def test_chat_template_fallback_from_tokenizer_config(tmp_path: Path) -> None:
 
 def test_builder_progress_parser() -> None:
     p = ckpt._BuilderProgress(num_layers=30)
-    assert p.feed("Reading layer 4") == ("Building the ONNX graph (layers)", 5, 30)
-    desc, n, t = p.feed("Saving lm_head.MatMul.weight (f32, [576,49152]): 100%|##########| 214/214 [00:02<00:00]")
-    assert (desc, n, t) == ("Writing model.onnx and its weights", 214, 214)
+    assert p.feed("Reading layer 4") == ("building layers", 5, 30)
+    desc, n, t = p.feed(
+        "Saving lm_head.MatMul.weight (f32, [576,49152]): 100%|##########| 214/214 [00:02<00:00]"
+    )
+    assert (desc, n, t) == ("writing model.onnx", 214, 214)
     assert p.feed("GroupQueryAttention (GQA) is used in this model.") == (None, None, None)
 
 
@@ -249,7 +236,9 @@ def test_fast_path_imports_nothing_heavy(tiny_pkg: Path, tmp_path: Path) -> None
         heavy = sorted(m for m in ("torch", "transformers", "onnxruntime", "onnx", "rich") if m in sys.modules)
         print(p, heavy, round(time.perf_counter() - t, 3))
     """)
-    res = subprocess.run([sys.executable, "-c", code], env=_env(home), capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=_env(home), capture_output=True, text=True, check=True
+    )
     path, rest = res.stdout.split(" ", 1)
     assert Path(path) == home / "models" / default_model_dir().name
     assert rest.startswith("[]"), res.stdout
@@ -279,46 +268,60 @@ RACER = textwrap.dedent("""
     import os, shutil, sys, time
     from pathlib import Path
     from onnxgen.convert import default
-    src, counter = Path(sys.argv[1]), Path(sys.argv[2])
+    src, counter, go = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     def slow_copy(dest, progress):
         with open(counter, "a") as f:
             f.write(f"{os.getpid()}\\n")
         dest.mkdir()
         for p in sorted(src.iterdir()):          # one file at a time, slowly: a non-atomic
             shutil.copy(p, dest / p.name)        # install would be visible half-written
-            time.sleep(0.15)
+            time.sleep(0.05)
+        while not go.exists():                   # hold the lock until the test says go
+            time.sleep(0.02)
     print(default._ensure(slow_copy, progress=True))
 """)
 
 
 def test_two_processes_race_one_builds(tiny_pkg: Path, tmp_path: Path) -> None:
+    """A builds (holding the lock); B, started meanwhile, waits; both return the same complete folder."""
     home = tmp_path / "home"
-    script, counter = tmp_path / "racer.py", tmp_path / "builds.txt"
+    script, counter, go = tmp_path / "racer.py", tmp_path / "builds.txt", tmp_path / "go"
     script.write_text(RACER)
     target = home / "models" / default_model_dir().name
     want = {p.name: p.stat().st_size for p in tiny_pkg.iterdir()}
 
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(tiny_pkg), str(counter)], env=_env(home),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]  # fmt: skip
-    views = 0
-    while any(p.poll() is None for p in procs):
-        if target.exists():  # whenever it is visible it is complete
-            assert {p.name: p.stat().st_size for p in target.iterdir()} == want
-            views += 1
-        time.sleep(0.005)
-    outs = [p.communicate() for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    def start() -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, str(script), str(tiny_pkg), str(counter), str(go)],
+                                env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def watch(seconds: float) -> None:
+        """Poll the target: whenever it is visible it must be complete."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            if target.exists():
+                assert {p.name: p.stat().st_size for p in target.iterdir()} == want
+            time.sleep(0.005)
+
+    a = start()
+    deadline = time.monotonic() + 30
+    while not counter.exists() and time.monotonic() < deadline:
+        watch(0.02)
+    assert counter.exists(), a.communicate()
+    b = start()
+    watch(1.5)  # B has started and is blocked on the lock
+    assert b.poll() is None and a.poll() is None and not target.exists()
+    go.touch()
+    while a.poll() is None or b.poll() is None:
+        watch(0.02)
+    outs = [p.communicate() for p in (a, b)]
+    assert (a.returncode, b.returncode) == (0, 0), outs
     assert [Path(o.strip()) for o, _ in outs] == [target, target]
     assert len(counter.read_text().split()) == 1  # exactly one process built
+    assert "Waiting for another process" in outs[1][1] and "not built yet" in outs[0][1]
     assert {p.name: p.stat().st_size for p in target.iterdir()} == want
     load_spec(target)
-    # The loser waited for the winner (it was started while the build ran, which takes > 0.6 s).
-    assert sum("Waiting for another process" in e for _, e in outs) == 1, outs
+    # No temporary folder is left behind.
     assert sorted(p.name for p in target.parent.iterdir()) == [".smollm2.lock", target.name]
-    assert views > 0 or True  # the poller may or may not see the target before both exit
 
 
 def test_cli_convert_refuses_and_reports(tiny_hf: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

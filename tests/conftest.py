@@ -1,0 +1,63 @@
+"""Shared fixtures: the real default model (built on first use) and tiny synthetic packages."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def has_cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def native_available() -> bool:
+    return importlib.util.find_spec("torch") is not None and importlib.util.find_spec(
+        "onnxgen.backends.native.decoder"
+    ) is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (runs on the GPU host)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default package (SmolLM2-135M-Instruct, fp32), built once if missing."""
+    from onnxgen.convert.default import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_ort(smollm2_dir: Path):
+    import onnxgen
+
+    return onnxgen.load(str(smollm2_dir), backend="ort", threads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny fp32 builder-style (GroupQueryAttention) package with random weights."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    return write_package(tmp_path_factory.mktemp("tiny") / "pkg", SyntheticConfig(num_layers=2, context_length=1024))
+
+
+@pytest.fixture(scope="session")
+def tiny_plain_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny fp32 package with plain ai.onnx attention (explicit past/present concat)."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    cfg = SyntheticConfig(num_layers=2, context_length=1024, attention="plain")
+    return write_package(tmp_path_factory.mktemp("tiny_plain") / "pkg", cfg)
