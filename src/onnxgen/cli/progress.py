@@ -77,14 +77,21 @@ class Bar:
 
         In plain mode a changed description prints one line (so phases stay visible in logs).
         """
-        if total is not None:
-            self.total = total
+        new_phase = description is not None and description != self.description
+        if total is not None or new_phase:
+            self.total = total  # a new phase without a total is a spinner again
         if completed is not None:
             self.completed = completed
-        if description is not None and description != self.description:
+        if new_phase:
+            assert description is not None
             self.description = description
             if self._plain:
                 info(f"  {description} ...")
+            if self._progress is not None and self._task is not None:
+                self._progress.reset(
+                    self._task, total=self.total, completed=self.completed, description=description
+                )
+                return
         if self._progress is not None and self._task is not None:
             self._progress.update(
                 self._task,

@@ -108,9 +108,16 @@ def convert_checkpoint(
         if kind == "gguf":
             hf_dir = work / "hf"
             _run_logged(
-                [sys.executable, "-m", "onnxgen.convert.checkpoint", "gguf-to-hf", str(src_path), str(hf_dir)],
+                [
+                    sys.executable,
+                    "-m",
+                    "onnxgen.convert.checkpoint",
+                    "gguf-to-hf",
+                    str(src_path),
+                    str(hf_dir),
+                ],
                 log_path,
-                "Reading the GGUF file (dequantizing to float32)",
+                "Reading the GGUF",
                 _GgufProgress(),
                 progress,
                 what=f"reading {src_path}",
@@ -126,7 +133,7 @@ def convert_checkpoint(
         _run_logged(
             cmd,
             log_path,
-            f"Building the {precision} {execution_provider} ONNX package",
+            f"Building the ONNX package ({precision}/{execution_provider})",
             _BuilderProgress(_num_layers(hf_dir)),
             progress,
             what="onnxruntime-genai's model builder",
@@ -184,7 +191,9 @@ def _source_kind(src: Path) -> str:
             raise ConversionError(f"{cfg}: not valid JSON ({exc}); fix the checkpoint's config.json") from exc
         return "hf"
     if src.is_file():
-        raise ConversionError(f"{src}: unsupported checkpoint file; pass a Hugging Face folder or a .gguf file")
+        raise ConversionError(
+            f"{src}: unsupported checkpoint file; pass a Hugging Face folder or a .gguf file"
+        )
     raise ConversionError(f"{src}: no such file or folder")
 
 
@@ -236,23 +245,23 @@ class _BuilderProgress(_LineProgress):
         if m:
             n, t = float(m["n"]), float(m["t"])
             if m["desc"].startswith("Loading weights"):
-                return "Loading the checkpoint's weights", n, t
+                return "loading weights", n, t
             if m["desc"].startswith("Saving"):
-                return "Writing model.onnx and its weights", n, t
+                return "writing model.onnx", n, t
             return None, n, t
         if line.startswith("Reading embedding layer"):
-            return "Building the ONNX graph (layers)", 0, self.num_layers
+            return "building layers", 0, self.num_layers
         m = re.match(r"Reading layer (\d+)", line)
         if m:
-            return "Building the ONNX graph (layers)", int(m[1]) + 1, self.num_layers
+            return "building layers", int(m[1]) + 1, self.num_layers
         if line.startswith(("Reading final norm", "Reading LM head")):
-            return "Building the ONNX graph (layers)", self.num_layers, self.num_layers
+            return "building layers", self.num_layers, self.num_layers
         if line.startswith("Saving ONNX model"):
-            return "Writing model.onnx and its weights", 0, None
+            return "writing model.onnx", 0, None
         if line.startswith("Saving GenAI config"):
-            return "Writing genai_config.json", 0, None
+            return "writing genai_config.json", 0, None
         if line.startswith("Saving processing files"):
-            return "Writing the tokenizer files", 0, None
+            return "writing tokenizer files", 0, None
         return None, None, None
 
 
@@ -408,14 +417,14 @@ def _gguf_to_hf(gguf: Path, dest: Path) -> None:
 
     print("PHASE: loading the tokenizer", flush=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    print("PHASE: dequantizing the weights", flush=True)
+    print("PHASE: dequantizing weights", flush=True)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # The weights are plain float32 tensors now; without this save_pretrained refuses
     # ("quantized with gguf and is not serializable").
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    print("PHASE: saving the Hugging Face folder", flush=True)
+    print("PHASE: saving as a Hugging Face folder", flush=True)
     model.save_pretrained(str(dest))
     tok.save_pretrained(str(dest))
 

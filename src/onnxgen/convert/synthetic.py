@@ -24,7 +24,7 @@ model dtype, optional packed uint8 zero points `[N*ceil(K/32/2)]`, default zero 
 
 onnxruntime (CPU) coverage, checked with onnxruntime 1.32:
 - float32: every style, with and without int4.
-- float16: "gqa" and "plain" run on CPU; "onnx23" may lack CPU fp16 kernels.
+- float16: every style runs on CPU (int4 included).
 - bfloat16: ORT's CPU provider has no bf16 MatMul/GroupQueryAttention kernels, so bf16 packages
   only run on CUDA (ORT CUDA EP) or with onnxgen's native backend.
 
@@ -110,7 +110,9 @@ class SyntheticConfig:
             if getattr(self, key) < 1:
                 raise bad(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.num_heads % self.num_kv_heads:
-            raise bad(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise bad(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise bad(f"head_size must be even for rotary embeddings, got {self.head_dim}")
         if self.dtype not in _DTYPES:
@@ -221,7 +223,14 @@ def random_weights(cfg: SyntheticConfig, seed: int = 0) -> dict[str, np.ndarray]
 
 
 class _Source:
-    """Yields HF-named float32 tensors (numpy, or torch on CUDA for big random models)."""
+    """Yields HF-named float32 tensors, one at a time.
+
+    Given weights: numpy float32 copies. Random weights: numpy (== `random_weights`) up to
+    2**27 parameters; above that torch (CUDA when available, else CPU), which is several times
+    faster. Torch-generated 2-D weights are drawn in the ONNX [in, out] layout and returned as a
+    transposed view, so writing them needs no transpose copy (the values are iid, so the
+    distribution is the same).
+    """
 
     def __init__(self, cfg: SyntheticConfig, weights: Mapping[str, Any] | None, seed: int) -> None:
         self.cfg = cfg
@@ -234,8 +243,7 @@ class _Source:
             try:
                 import torch
 
-                if torch.cuda.is_available():
-                    self.torch_device = "cuda"
+                self.torch_device = "cuda" if torch.cuda.is_available() else "cpu"
             except ImportError:
                 pass
         if weights is not None:
@@ -244,7 +252,9 @@ class _Source:
     def _check_given(self, weights: Mapping[str, Any]) -> None:
         for name, shape in self.shapes.items():
             if name not in weights:
-                raise ConversionError(f"weights lack {name!r} (expected shape {shape}); pass every HF Llama weight")
+                raise ConversionError(
+                    f"weights lack {name!r} (expected shape {shape}); pass every HF Llama weight"
+                )
             got = tuple(weights[name].shape)
             if got != shape:
                 raise ConversionError(f"weights[{name!r}] has shape {got}, expected {shape}")
@@ -260,16 +270,23 @@ class _Source:
             import torch
 
             mean, std = _init_scale(name, shape, self.cfg)
-            g = torch.Generator(device=self.torch_device).manual_seed(self.seed * 1_000_003 + self.index[name])
-            x = torch.randn(shape, generator=g, device=self.torch_device, dtype=torch.float32)
-            return x.mul_(std).add_(mean)
+            g = torch.Generator(device=self.torch_device).manual_seed(
+                self.seed * 1_000_003 + self.index[name]
+            )
+            transposed = len(shape) == 2 and (name != "model.embed_tokens.weight" or self.cfg.tie_embeddings)
+            draw = shape[::-1] if transposed else shape
+            x = torch.randn(draw, generator=g, device=self.torch_device, dtype=torch.float32)
+            x = x.mul_(std).add_(mean) if mean else x.mul_(std)
+            return x.t() if transposed else x
         return _np_weight(self.cfg, self.seed, self.index[name], name, shape)
 
 
 # --- int4 block quantization ------------------------------------------------------------------------
 
 
-def quantize_int4(w: np.ndarray, zero_points: bool = False, block_size: int = BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def quantize_int4(
+    w: np.ndarray, zero_points: bool = False, block_size: int = BLOCK_SIZE
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Quantize `w` [N, K] block-wise along K: returns (packed [N, ceil(K/bs), bs/2] uint8,
     scales [N, ceil(K/bs)] float32, packed zero points [N, ceil(nb/2)] uint8 or None).
 
@@ -302,7 +319,9 @@ def quantize_int4(w: np.ndarray, zero_points: bool = False, block_size: int = BL
     return packed, scale, zpp
 
 
-def dequantize_int4(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int) -> np.ndarray:
+def dequantize_int4(
+    packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int
+) -> np.ndarray:
     """Inverse of `quantize_int4` (returns float32 [N, k])."""
     n, nb, _ = packed.shape
     q = np.empty((n, nb, packed.shape[2] * 2), dtype=np.float32)
@@ -332,7 +351,9 @@ def _round_to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(x, dtype=np.float32).astype(_np_dtype(dtype)).astype(np.float32)
 
 
-def reference_weights(cfg: SyntheticConfig, weights: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+def reference_weights(
+    cfg: SyntheticConfig, weights: Mapping[str, Any] | None = None, seed: int = 0
+) -> dict[str, np.ndarray]:
     """The float32 HF-named weights a package written with (cfg, weights, seed) effectively uses.
 
     Without quantization these are the weights themselves (rounded to cfg.dtype); with
@@ -410,6 +431,8 @@ def _cast_bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _xp_cat(parts: list[Any], axis: int) -> Any:
+    if len(parts) == 1:
+        return parts[0]
     if hasattr(parts[0], "detach"):
         import torch
 
@@ -418,7 +441,15 @@ def _xp_cat(parts: list[Any], axis: int) -> Any:
 
 
 def _xp_t(x: Any) -> Any:
-    return x.t() if hasattr(x, "detach") else np.ascontiguousarray(x.T)
+    """Transpose a 2-D array: a view for torch, a (torch-accelerated when possible) copy for numpy."""
+    if hasattr(x, "detach"):
+        return x.t()
+    try:
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).t().contiguous().numpy()
+    except ImportError:
+        return np.ascontiguousarray(x.T)
 
 
 def _as_np(x: Any) -> np.ndarray:
@@ -477,7 +508,9 @@ class _Graph:
         if key in self.consts:
             return self.consts[key]
         if kind == "BFLOAT16":
-            tensor = helper.make_tensor(key, 16, np.shape(value), np.asarray(value, np.float32).reshape(-1).tolist())
+            tensor = helper.make_tensor(
+                key, 16, np.shape(value), np.asarray(value, np.float32).reshape(-1).tolist()
+            )
         else:
             npd = {"INT64": np.int64, "INT32": np.int32, "FLOAT": np.float32, "FLOAT16": np.float16}[kind]
             tensor = numpy_helper.from_array(np.asarray(value, dtype=npd), key)
@@ -510,12 +543,19 @@ class _Builder:
                output: str | None = None) -> str:  # fmt: skip
         """`x @ W.T` for W = concat(hf_names) [out, in]: float MatMul or MatMulNBits."""
         cfg, g, src = self.cfg, self.g, self.src
-        k = cfg.hidden_size if not hf_names[0].endswith(("o_proj.weight", "down_proj.weight")) else (
-            cfg.q_size if hf_names[0].endswith("o_proj.weight") else cfg.intermediate_size)
+        k = (
+            cfg.hidden_size
+            if not hf_names[0].endswith(("o_proj.weight", "down_proj.weight"))
+            else (cfg.q_size if hf_names[0].endswith("o_proj.weight") else cfg.intermediate_size)
+        )
         if cfg.quant is None:
-            w = g.init(onnx_weight, (k, out_features), lambda: _xp_t(_xp_cat([src.get(n) for n in hf_names], 0)))
+            w = g.init(
+                onnx_weight, (k, out_features), lambda: _xp_t(_xp_cat([src.get(n) for n in hf_names], 0))
+            )
             return g.node("MatMul", [x, w], f"{base}/MatMul", outputs=[output] if output else None)
-        q = self.quant_weight(onnx_weight, out_features, k, lambda: _xp_cat([src.get(n) for n in hf_names], 0))
+        q = self.quant_weight(
+            onnx_weight, out_features, k, lambda: _xp_cat([src.get(n) for n in hf_names], 0)
+        )
         return g.node("MatMulNBits", [x, *q], f"{base}/MatMul_Q4", domain="com.microsoft",
                       outputs=[output] if output else None, K=k, N=out_features, bits=4,
                       block_size=BLOCK_SIZE, accuracy_level=cfg.accuracy_level)  # fmt: skip
@@ -555,17 +595,33 @@ class _Builder:
         t = self.g.elem
         kvshape = ["batch_size", cfg.num_kv_heads, "past_sequence_length", "kv_cache_dim"]
         pshape = ["batch_size", cfg.num_kv_heads, "total_sequence_length", "kv_cache_dim"]
-        self.inputs.append(helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]))
-        self.inputs.append(helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]))
+        self.inputs.append(
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"])
+        )
+        self.inputs.append(
+            helper.make_tensor_value_info(
+                "attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]
+            )
+        )
         if cfg.attention != "gqa":
-            self.inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]))
+            self.inputs.append(
+                helper.make_tensor_value_info(
+                    "position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]
+                )
+            )
         for kind in ("key", "value"):
             for i in range(cfg.num_layers):
                 self.inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", t, kvshape))
         for name in cfg.extra_inputs:
-            self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch_size", 3, 8, 8]))
+            self.inputs.append(
+                helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch_size", 3, 8, 8])
+            )
         logits_t = TensorProto.FLOAT if cfg.dtype == "bfloat16" else t
-        self.outputs.append(helper.make_tensor_value_info("logits", logits_t, ["batch_size", "sequence_length", cfg.vocab_size]))
+        self.outputs.append(
+            helper.make_tensor_value_info(
+                "logits", logits_t, ["batch_size", "sequence_length", cfg.vocab_size]
+            )
+        )
         for kind in ("key", "value"):
             for i in range(cfg.num_layers):
                 self.outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", t, pshape))
@@ -581,26 +637,50 @@ class _Builder:
                 names = ["lm_head.MatMul.weight_Q4", "lm_head.MatMul.weight_scales"]
                 if cfg.quant_zero_points:
                     names.append("lm_head.MatMul.weight_zero_points")
-                data = g.node("Reshape", [names[0], g.const([v, nb * BLOCK_SIZE // 2], "INT64")], f"{base}/Reshape")
+                data = g.node(
+                    "Reshape", [names[0], g.const([v, nb * BLOCK_SIZE // 2], "INT64")], f"{base}/Reshape"
+                )
                 scales = g.node("Reshape", [names[1], g.const([v, nb], "INT64")], f"{base}/Reshape_1")
                 ins = [data, "input_ids", scales]
                 if cfg.quant_zero_points:
-                    ins.append(g.node("Reshape", [names[2], g.const([v, (nb + 1) // 2], "INT64")], f"{base}/Reshape_2"))
+                    ins.append(
+                        g.node(
+                            "Reshape", [names[2], g.const([v, (nb + 1) // 2], "INT64")], f"{base}/Reshape_2"
+                        )
+                    )
             else:
-                qn = self.quant_weight("model.embed_tokens.weight", v, k, lambda: src.get("model.embed_tokens.weight"))
-                data = g.node("Reshape", [qn[0], g.const([v, nb * BLOCK_SIZE // 2], "INT64")], f"{base}/Reshape")
-                ins = [data, "input_ids", g.node("Reshape", [qn[1], g.const([v, nb], "INT64")], f"{base}/Reshape_1")]
+                qn = self.quant_weight(
+                    "model.embed_tokens.weight", v, k, lambda: src.get("model.embed_tokens.weight")
+                )
+                data = g.node(
+                    "Reshape", [qn[0], g.const([v, nb * BLOCK_SIZE // 2], "INT64")], f"{base}/Reshape"
+                )
+                ins = [
+                    data,
+                    "input_ids",
+                    g.node("Reshape", [qn[1], g.const([v, nb], "INT64")], f"{base}/Reshape_1"),
+                ]
                 if cfg.quant_zero_points:
-                    ins.append(g.node("Reshape", [qn[2], g.const([v, (nb + 1) // 2], "INT64")], f"{base}/Reshape_2"))
+                    ins.append(
+                        g.node("Reshape", [qn[2], g.const([v, (nb + 1) // 2], "INT64")], f"{base}/Reshape_2")
+                    )
             out = g.node("GatherBlockQuantized", ins, f"{base}/GatherBlockQuantized", domain="com.microsoft",
                          bits=4, block_size=BLOCK_SIZE, gather_axis=0, quantize_axis=1)  # fmt: skip
             if nb * BLOCK_SIZE != k:
-                out = g.node("Slice", [out, g.const([0], "INT64"), g.const([k], "INT64"), g.const([-1], "INT64")], f"{base}/Slice")
+                out = g.node(
+                    "Slice",
+                    [out, g.const([0], "INT64"), g.const([k], "INT64"), g.const([-1], "INT64")],
+                    f"{base}/Slice",
+                )
         elif cfg.tie_embeddings and cfg.quant is None and cfg.attention == "gqa":
             tr = g.node("Transpose", ["lm_head.MatMul.weight"], f"{base}/Transpose", perm=[1, 0])
             out = g.node("Gather", [tr, "input_ids"], f"{base}/Gather")
         else:
-            w = g.init("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), lambda: src.get("model.embed_tokens.weight"))
+            w = g.init(
+                "model.embed_tokens.weight",
+                (cfg.vocab_size, cfg.hidden_size),
+                lambda: src.get("model.embed_tokens.weight"),
+            )
             out = g.node("Gather", [w, "input_ids"], f"{base}/Gather")
         for name in cfg.extra_inputs:
             # Consume the extra input so onnxruntime demands it: embeddings + ReduceMean(x) * 0.
@@ -621,10 +701,14 @@ class _Builder:
             wt = g.node("Transpose", ["model.embed_tokens.weight"], "/lm_head/Transpose", perm=[1, 0])
             out = g.node("MatMul", [x, wt], "/lm_head/MatMul", outputs=[final] if final else None)
         elif cfg.quant is None:
-            w = g.init("lm_head.MatMul.weight", (cfg.hidden_size, cfg.vocab_size), lambda: _xp_t(src.get(head)))
+            w = g.init(
+                "lm_head.MatMul.weight", (cfg.hidden_size, cfg.vocab_size), lambda: _xp_t(src.get(head))
+            )
             out = g.node("MatMul", [x, w], "/lm_head/MatMul", outputs=[final] if final else None)
         else:
-            q = self.quant_weight("lm_head.MatMul.weight", cfg.vocab_size, cfg.hidden_size, lambda: src.get(head))
+            q = self.quant_weight(
+                "lm_head.MatMul.weight", cfg.vocab_size, cfg.hidden_size, lambda: src.get(head)
+            )
             out = g.node("MatMulNBits", [x, *q], "/lm_head/MatMul_Q4", domain="com.microsoft",
                          outputs=[final] if final else None, K=cfg.hidden_size, N=cfg.vocab_size, bits=4,
                          block_size=BLOCK_SIZE, accuracy_level=cfg.accuracy_level)  # fmt: skip
@@ -638,12 +722,22 @@ class _Builder:
         cfg, g = self.cfg, self.g
         b = f"/model/layers.{i}/mlp"
         p = f"model.layers.{i}.mlp."
-        gate = self.linear(f"{b}/gate_proj", x, [p + "gate_proj.weight"], f"{p}gate_proj.MatMul.weight", cfg.intermediate_size)
-        up = self.linear(f"{b}/up_proj", x, [p + "up_proj.weight"], f"{p}up_proj.MatMul.weight", cfg.intermediate_size)
+        gate = self.linear(
+            f"{b}/gate_proj",
+            x,
+            [p + "gate_proj.weight"],
+            f"{p}gate_proj.MatMul.weight",
+            cfg.intermediate_size,
+        )
+        up = self.linear(
+            f"{b}/up_proj", x, [p + "up_proj.weight"], f"{p}up_proj.MatMul.weight", cfg.intermediate_size
+        )
         sig = g.node("Sigmoid", [gate], f"{b}/act_fn/Sigmoid")
         act = g.node("Mul", [gate, sig], f"{b}/act_fn/Mul")
         prod = g.node("Mul", [act, up], f"{b}/Mul")
-        return self.linear(f"{b}/down_proj", prod, [p + "down_proj.weight"], f"{p}down_proj.MatMul.weight", cfg.hidden_size)
+        return self.linear(
+            f"{b}/down_proj", prod, [p + "down_proj.weight"], f"{p}down_proj.MatMul.weight", cfg.hidden_size
+        )
 
     # -- gqa (builder) style --
 
@@ -687,8 +781,14 @@ class _Builder:
                 num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, scale=1.0 / math.sqrt(cfg.head_dim),
                 local_window_size=cfg.local_window_size, softcap=float(cfg.softcap), do_rotary=1,
                 rotary_interleaved=0,
-            )  # fmt: skip
-            o = self.linear(f"{b}/attn/o_proj", attn, [p + "self_attn.o_proj.weight"], f"{p}attn.o_proj.MatMul.weight", cfg.hidden_size)
+            )[0]  # fmt: skip
+            o = self.linear(
+                f"{b}/attn/o_proj",
+                attn,
+                [p + "self_attn.o_proj.weight"],
+                f"{p}attn.o_proj.MatMul.weight",
+                cfg.hidden_size,
+            )
             w = self.norm_weight(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
             pb = f"{b}/post_attention_layernorm"
             g.node("SkipSimplifiedLayerNormalization", [residual, o, w], f"{pb}/SkipLayerNorm", domain="com.microsoft",
@@ -703,7 +803,9 @@ class _Builder:
                        outputs=[f"{nb}/output_0", "", "", f"{nb}/output_3"], epsilon=cfg.rms_norm_eps)  # fmt: skip
                 normed, residual = f"{nb}/output_0", f"{nb}/output_3"
         fb = f"/model/layers.{cfg.num_layers}/final_norm_layernorm"
-        w = self.norm_weight(f"model.layers.{cfg.num_layers}.final_norm_layernorm.weight", "model.norm.weight")
+        w = self.norm_weight(
+            f"model.layers.{cfg.num_layers}.final_norm_layernorm.weight", "model.norm.weight"
+        )
         g.node("SkipSimplifiedLayerNormalization", [residual, down, w], f"{fb}/SkipLayerNorm", domain="com.microsoft",
                outputs=[f"{fb}/output_0"], epsilon=cfg.rms_norm_eps)  # fmt: skip
         self.lm_head(f"{fb}/output_0")
@@ -727,7 +829,11 @@ class _Builder:
         pad = g.node("Cast", ["attention_mask"], f"{b}/Cast", to=9)
         pad4 = g.node("Unsqueeze", [pad, g.const([1, 2], "INT64")], f"{b}/Unsqueeze_M")  # [B, 1, 1, T]
         allowed = g.node("And", [causal, pad4], f"{b}/And")  # [B, 1, S, T]
-        neg = float(np.finfo(np.float32).min) if self.cfg.dtype != "float16" else float(np.finfo(np.float16).min)
+        neg = (
+            float(np.finfo(np.float32).min)
+            if self.cfg.dtype != "float16"
+            else float(np.finfo(np.float16).min)
+        )
         if self.cfg.dtype == "bfloat16":
             neg = -3.3895313892515355e38  # most negative finite bfloat16
         return g.node("Where", [allowed, g.const(0.0, "T"), g.const(neg, "T")], f"{b}/Where")
@@ -751,12 +857,26 @@ class _Builder:
                                epsilon=self.cfg.rms_norm_eps, stash_type=1)  # fmt: skip
         return self.rms_plain(x, w, base)
 
+    def heads(self, x: str, n: int, base: str) -> str:
+        """[B, S, n*D] -> [B, n, S, D]."""
+        g = self.g
+        r = g.node("Reshape", [x, g.const([0, 0, n, self.cfg.head_dim], "INT64")], f"{base}/Reshape")
+        return g.node("Transpose", [r], f"{base}/Transpose", perm=[0, 2, 1, 3])
+
     def rope_plain(self, x: str, cos: str, sin: str, base: str) -> str:
         """x [B, N, S, D] * cos + rotate_half(x) * sin, cos/sin [B, 1, S, D]."""
         g = self.g
         half = self.cfg.head_dim // 2
-        x1 = g.node("Slice", [x, g.const([0], "INT64"), g.const([half], "INT64"), g.const([-1], "INT64")], f"{base}/Slice_1")
-        x2 = g.node("Slice", [x, g.const([half], "INT64"), g.const([2 * half], "INT64"), g.const([-1], "INT64")], f"{base}/Slice_2")
+        x1 = g.node(
+            "Slice",
+            [x, g.const([0], "INT64"), g.const([half], "INT64"), g.const([-1], "INT64")],
+            f"{base}/Slice_1",
+        )
+        x2 = g.node(
+            "Slice",
+            [x, g.const([half], "INT64"), g.const([2 * half], "INT64"), g.const([-1], "INT64")],
+            f"{base}/Slice_2",
+        )
         rot = g.node("Concat", [g.node("Neg", [x2], f"{base}/Neg"), x1], f"{base}/Concat", axis=-1)
         a = g.node("Mul", [x, cos], f"{base}/Mul_cos")
         bb = g.node("Mul", [rot, sin], f"{base}/Mul_sin")
@@ -781,16 +901,36 @@ class _Builder:
                                        g.const([1], "INT64")], f"{rb}/Unsqueeze_cos")  # fmt: skip
             sin = g.node("Unsqueeze", [g.node("Gather", ["sin_cache", "position_ids"], f"{rb}/Gather_sin"),
                                        g.const([1], "INT64")], f"{rb}/Unsqueeze_sin")  # fmt: skip
-            bias5 = g.node("Unsqueeze", [bias, g.const([1], "INT64")], "/model/attn_mask/Unsqueeze_5d")  # [B,1,1,S,T]
+            bias5 = g.node(
+                "Unsqueeze", [bias, g.const([1], "INT64")], "/model/attn_mask/Unsqueeze_5d"
+            )  # [B,1,1,S,T]
         x = self.embedding()
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             b = f"/model/layers.{i}"
             a = f"{b}/self_attn"
             normed = self.rms(x, p + "input_layernorm.weight", f"{b}/input_layernorm")
-            q = self.linear(f"{a}/q_proj", normed, [p + "self_attn.q_proj.weight"], f"{p}self_attn.q_proj.MatMul.weight", cfg.q_size)
-            k = self.linear(f"{a}/k_proj", normed, [p + "self_attn.k_proj.weight"], f"{p}self_attn.k_proj.MatMul.weight", cfg.kv_size)
-            v = self.linear(f"{a}/v_proj", normed, [p + "self_attn.v_proj.weight"], f"{p}self_attn.v_proj.MatMul.weight", cfg.kv_size)
+            q = self.linear(
+                f"{a}/q_proj",
+                normed,
+                [p + "self_attn.q_proj.weight"],
+                f"{p}self_attn.q_proj.MatMul.weight",
+                cfg.q_size,
+            )
+            k = self.linear(
+                f"{a}/k_proj",
+                normed,
+                [p + "self_attn.k_proj.weight"],
+                f"{p}self_attn.k_proj.MatMul.weight",
+                cfg.kv_size,
+            )
+            v = self.linear(
+                f"{a}/v_proj",
+                normed,
+                [p + "self_attn.v_proj.weight"],
+                f"{p}self_attn.v_proj.MatMul.weight",
+                cfg.kv_size,
+            )
             if onnx23:
                 q = g.node("RotaryEmbedding", [q, "cos_cache", "sin_cache", "position_ids"], f"{a}/q_rotary",
                            num_heads=h, interleaved=0)  # fmt: skip
@@ -798,17 +938,25 @@ class _Builder:
                            num_heads=kvh, interleaved=0)  # fmt: skip
                 attn = g.node("Attention", [q, k, v, bias, f"past_key_values.{i}.key", f"past_key_values.{i}.value"],
                               f"{a}/Attention", outputs=[f"{a}/Attention/output_0", f"present.{i}.key", f"present.{i}.value"],
-                              q_num_heads=h, kv_num_heads=kvh, scale=1.0 / math.sqrt(d), is_causal=0)  # fmt: skip
+                              q_num_heads=h, kv_num_heads=kvh, scale=1.0 / math.sqrt(d), is_causal=0)[0]  # fmt: skip
             else:
-                def heads(t: str, n: int, nm: str) -> str:
-                    r = g.node("Reshape", [t, g.const([0, 0, n, d], "INT64")], f"{a}/Reshape_{nm}")
-                    return g.node("Transpose", [r], f"{a}/Transpose_{nm}", perm=[0, 2, 1, 3])
-
-                qh = self.rope_plain(heads(q, h, "q"), cos, sin, f"{a}/rotary_q")
-                kh = self.rope_plain(heads(k, kvh, "k"), cos, sin, f"{a}/rotary_k")
-                vh = heads(v, kvh, "v")
-                pk = g.node("Concat", [f"past_key_values.{i}.key", kh], f"{a}/Concat_k", outputs=[f"present.{i}.key"], axis=2)
-                pv = g.node("Concat", [f"past_key_values.{i}.value", vh], f"{a}/Concat_v", outputs=[f"present.{i}.value"], axis=2)
+                qh = self.rope_plain(self.heads(q, h, f"{a}/q"), cos, sin, f"{a}/rotary_q")
+                kh = self.rope_plain(self.heads(k, kvh, f"{a}/k"), cos, sin, f"{a}/rotary_k")
+                vh = self.heads(v, kvh, f"{a}/v")
+                pk = g.node(
+                    "Concat",
+                    [f"past_key_values.{i}.key", kh],
+                    f"{a}/Concat_k",
+                    outputs=[f"present.{i}.key"],
+                    axis=2,
+                )
+                pv = g.node(
+                    "Concat",
+                    [f"past_key_values.{i}.value", vh],
+                    f"{a}/Concat_v",
+                    outputs=[f"present.{i}.value"],
+                    axis=2,
+                )
                 q5 = g.node("Reshape", [qh, g.const([0, kvh, grp, -1, d], "INT64")], f"{a}/Reshape_q5")
                 k5 = g.node("Unsqueeze", [pk, g.const([2], "INT64")], f"{a}/Unsqueeze_k5")
                 v5 = g.node("Unsqueeze", [pv, g.const([2], "INT64")], f"{a}/Unsqueeze_v5")
@@ -825,7 +973,13 @@ class _Builder:
                 o4 = g.node("Reshape", [o5, g.const([0, h, -1, d], "INT64")], f"{a}/Reshape_o4")
                 ot = g.node("Transpose", [o4], f"{a}/Transpose_o", perm=[0, 2, 1, 3])
                 attn = g.node("Reshape", [ot, g.const([0, 0, h * d], "INT64")], f"{a}/Reshape_o")
-            o = self.linear(f"{a}/o_proj", attn, [p + "self_attn.o_proj.weight"], f"{p}self_attn.o_proj.MatMul.weight", cfg.hidden_size)
+            o = self.linear(
+                f"{a}/o_proj",
+                attn,
+                [p + "self_attn.o_proj.weight"],
+                f"{p}self_attn.o_proj.MatMul.weight",
+                cfg.hidden_size,
+            )
             x = g.node("Add", [x, o], f"{b}/Add_attn")
             normed = self.rms(x, p + "post_attention_layernorm.weight", f"{b}/post_attention_layernorm")
             x = g.node("Add", [x, self.mlp(i, normed)], f"{b}/Add_mlp")
@@ -847,7 +1001,9 @@ class _Builder:
         imports = [helper.make_opsetid("", opset)]
         if any(n.domain == "com.microsoft" for n in self.g.nodes):
             imports.append(helper.make_opsetid("com.microsoft", 1))
-        model = helper.make_model(graph, opset_imports=imports, producer_name="onnxgen.synthetic", ir_version=10)
+        model = helper.make_model(
+            graph, opset_imports=imports, producer_name="onnxgen.synthetic", ir_version=10
+        )
         return model
 
 
@@ -887,7 +1043,9 @@ def _stream_initializers(inits: list[_Init], data_path: Path, progress: bool, wo
             data = fut.result()
             want = math.prod(spec.shape) * {1: 4, 10: 2, 16: 2, 2: 1}[spec.elem]
             if len(data) != want:
-                raise ConversionError(f"internal: initializer {spec.name} has {len(data)} bytes, expected {want}")
+                raise ConversionError(
+                    f"internal: initializer {spec.name} has {len(data)} bytes, expected {want}"
+                )
             if offset % align:
                 f.write(b"\0" * (align - offset % align))
                 offset += align - offset % align
@@ -897,7 +1055,11 @@ def _stream_initializers(inits: list[_Init], data_path: Path, progress: bool, wo
             t.data_type = spec.elem
             t.dims.extend(spec.shape)
             t.data_location = TensorProto.EXTERNAL
-            for key, val in (("location", data_path.name), ("offset", str(offset)), ("length", str(len(data)))):
+            for key, val in (
+                ("location", data_path.name),
+                ("offset", str(offset)),
+                ("length", str(len(data))),
+            ):
                 e = t.external_data.add()
                 e.key, e.value = key, val
             offset += len(data)
@@ -906,7 +1068,11 @@ def _stream_initializers(inits: list[_Init], data_path: Path, progress: bool, wo
             del data
             if progress:
                 el = time.time() - t0
-                print(f"\r[synthetic] {done / total:6.1%} {offset / 2**30:7.2f} GiB {el:6.1f}s  {spec.name[:60]:<60}", end="", flush=True)
+                print(
+                    f"\r[synthetic] {done / total:6.1%} {offset / 2**30:7.2f} GiB {el:6.1f}s  {spec.name[:60]:<60}",
+                    end="",
+                    flush=True,
+                )
     if progress:
         print()
     return protos
@@ -988,7 +1154,12 @@ def _token_ids(tok_json: str, tok_cfg: dict[str, Any]) -> tuple[int | None, list
         if t is not None and t not in eos:
             eos.append(t)
     pad = tid(tok_cfg.get("pad_token"))
-    return bos, eos, pad if pad is not None else (eos[0] if eos else None), tok.get_vocab_size(with_added_tokens=True)
+    return (
+        bos,
+        eos,
+        pad if pad is not None else (eos[0] if eos else None),
+        tok.get_vocab_size(with_added_tokens=True),
+    )
 
 
 def _genai_config(cfg: SyntheticConfig, bos: int | None, eos: list[int], pad: int | None) -> dict[str, Any]:
@@ -1005,7 +1176,11 @@ def _genai_config(cfg: SyntheticConfig, bos: int | None, eos: list[int], pad: in
             "head_size": cfg.head_dim,
             "hidden_size": cfg.hidden_size,
             "inputs": inputs,
-            "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+            "outputs": {
+                "logits": "logits",
+                "present_key_names": "present.%d.key",
+                "present_value_names": "present.%d.value",
+            },
             "num_attention_heads": cfg.num_heads,
             "num_hidden_layers": cfg.num_layers,
             "num_key_value_heads": cfg.num_kv_heads,
@@ -1016,18 +1191,19 @@ def _genai_config(cfg: SyntheticConfig, bos: int | None, eos: list[int], pad: in
         "vocab_size": cfg.vocab_size,
     }
     if cfg.attention == "gqa" and cfg.local_window_size > 0:
-        model["decoder"]["sliding_window"] = {"window_size": cfg.local_window_size, "slide_key_value_cache": False}
+        model["decoder"]["sliding_window"] = {
+            "window_size": cfg.local_window_size,
+            "slide_key_value_cache": False,
+        }
     if cfg.chunk_size is not None:
         model["runtime_configurable"] = {"chunked_prefill": {"chunk_size": cfg.chunk_size}}
-    return {
-        "model": model,
-        "search": {
-            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-            "max_length": cfg.context_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-            "num_return_sequences": 1, "past_present_share_buffer": cfg.attention == "gqa",
-            "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-        },  # fmt: skip
-    }
+    search = {
+        "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+        "max_length": cfg.context_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
+        "num_return_sequences": 1, "past_present_share_buffer": cfg.attention == "gqa",
+        "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+    }  # fmt: skip
+    return {"model": model, "search": search}
 
 
 def write_package(out_dir: str | os.PathLike[str], cfg: SyntheticConfig, weights: Mapping[str, Any] | None = None, *,
@@ -1055,17 +1231,25 @@ def write_package(out_dir: str | os.PathLike[str], cfg: SyntheticConfig, weights
         tok_json = (td / "tokenizer.json").read_text(encoding="utf-8")
         tok_cfg_path = td / "tokenizer_config.json"
         tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8")) if tok_cfg_path.is_file() else {}
-        template = (td / "chat_template.jinja").read_text(encoding="utf-8") if (td / "chat_template.jinja").is_file() else None
+        template = (
+            (td / "chat_template.jinja").read_text(encoding="utf-8")
+            if (td / "chat_template.jinja").is_file()
+            else None
+        )
     else:
         tok_json, tok_cfg = _default_tokenizer(cfg)
         template = CHAT_TEMPLATE
     bos, eos, pad, tok_size = _token_ids(tok_json, tok_cfg)
     if tok_size > cfg.vocab_size:
-        raise ConversionError(f"the tokenizer has {tok_size} tokens but vocab_size is {cfg.vocab_size}; raise vocab_size")
+        raise ConversionError(
+            f"the tokenizer has {tok_size} tokens but vocab_size is {cfg.vocab_size}; raise vocab_size"
+        )
     if cfg.eos_token_ids:
         eos = list(cfg.eos_token_ids)
     (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tok_cfg, indent=2, ensure_ascii=False), encoding="utf-8"
+    )
     if template is not None:
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
     if tokenizer_dir is not None:
@@ -1081,7 +1265,9 @@ def write_package(out_dir: str | os.PathLike[str], cfg: SyntheticConfig, weights
     protos = _stream_initializers(b.g.inits, out / "model.onnx.data", progress, workers)
     model.graph.initializer.extend(protos)
     onnx.save_model(model, str(out / "model.onnx"))
-    (out / "genai_config.json").write_text(json.dumps(_genai_config(cfg, bos, eos, pad), indent=4), encoding="utf-8")
+    (out / "genai_config.json").write_text(
+        json.dumps(_genai_config(cfg, bos, eos, pad), indent=4), encoding="utf-8"
+    )
     return out
 
 
@@ -1107,3 +1293,42 @@ def to_hf_llama_config(cfg: SyntheticConfig) -> dict[str, Any]:
         "eos_token_id": 2,
         "pad_token_id": 2,
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m onnxgen.convert.synthetic OUT --preset 8b [--layers N] [--dtype ...] [--progress]`."""
+    import argparse
+    import dataclasses
+
+    presets = {"tiny": SyntheticConfig(), "1b": LLAMA_1B, "8b": LLAMA_8B}
+    ap = argparse.ArgumentParser(prog="python -m onnxgen.convert.synthetic", description=main.__doc__)
+    ap.add_argument("out")
+    ap.add_argument("--preset", choices=sorted(presets), default="tiny")
+    ap.add_argument("--layers", type=int, help="override num_layers (e.g. a truncated 1B for timing)")
+    ap.add_argument("--dtype", choices=_DTYPES)
+    ap.add_argument("--attention", choices=_ATTENTION)
+    ap.add_argument("--quant", choices=["int4"])
+    ap.add_argument("--context-length", type=int)
+    ap.add_argument("--tokenizer-dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--progress", action="store_true")
+    args = ap.parse_args(argv)
+    over = {
+        k: v
+        for k, v in (("num_layers", args.layers), ("dtype", args.dtype), ("attention", args.attention),
+                     ("quant", args.quant), ("context_length", args.context_length))
+        if v is not None
+    }  # fmt: skip
+    cfg = dataclasses.replace(presets[args.preset], **over)
+    t0 = time.time()
+    out = write_package(
+        args.out, cfg, seed=args.seed, tokenizer_dir=args.tokenizer_dir, progress=args.progress
+    )
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(
+        f"wrote {out} ({cfg.num_parameters / 1e9:.3f}B params, {size / 2**30:.2f} GiB) in {time.time() - t0:.1f}s"
+    )
+
+
+if __name__ == "__main__":
+    main()

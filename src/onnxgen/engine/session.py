@@ -129,13 +129,13 @@ class Session:
         state = self._retained
         return state.decoder.kv_bytes() if state is not None else 0
 
-    def reset(self) -> None:
-        """Forget the retained context (e.g. the REPL's /reset)."""
+    def clear(self) -> None:
+        """Forget the retained context (e.g. the REPL's /reset); waits for a running request."""
         with self._request_lock:
             self.evict()
 
     def close(self) -> None:
-        self.reset()
+        self.clear()
         self.closed = True
         self.engine.registry.forget(self)
 

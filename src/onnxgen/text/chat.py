@@ -70,7 +70,11 @@ def _content_text(content: Any, index: int) -> str | None:
     if isinstance(content, list):
         texts: list[str] = []
         for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, Mapping)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise InvalidRequest(
                     f"messages[{index}].content[{j}] must be {{'type': 'text', 'text': str}}, got a {kind!r} part "
@@ -92,16 +96,22 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     The caller's objects are not modified.
     """
     if not isinstance(messages, (list, tuple)):
-        raise InvalidRequest(f"messages must be a list of dicts, got {type(messages).__name__}", field="messages")
+        raise InvalidRequest(
+            f"messages must be a list of dicts, got {type(messages).__name__}", field="messages"
+        )
     if not messages:
-        raise InvalidRequest("messages is empty: pass at least one {'role', 'content'} message", field="messages")
+        raise InvalidRequest(
+            "messages is empty: pass at least one {'role', 'content'} message", field="messages"
+        )
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise InvalidRequest(f"messages[{i}] must be a dict, got {type(msg).__name__}", field="messages")
         role = msg.get("role")
         if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"messages[{i}].role must be a non-empty str, got {role!r}", field="messages")
+            raise InvalidRequest(
+                f"messages[{i}].role must be a non-empty str, got {role!r}", field="messages"
+            )
         m = {k: v for k, v in msg.items() if v is not None}
         content = msg.get("content")
         if content is None and msg.get("tool_calls"):
@@ -134,12 +144,14 @@ def _make_environment() -> jinja2.Environment:
         def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
             # NOTE: jinja2 renders an unsafe attribute as an Undefined that only fails on further use;
             # failing at the access itself makes escapes loud and keeps the template from probing.
-            raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+            raise SecurityError(
+                f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+            )
 
     class _Generation(jinja2.ext.Extension):
         """HF's `{% generation %}...{% endgeneration %}` marks assistant text; here it renders its body."""
 
-        tags = frozenset({"generation"})  # noqa: RUF012 - jinja reads a set
+        tags = frozenset({"generation"})
 
         def parse(self, parser: Any) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
@@ -172,9 +184,15 @@ def _make_environment() -> jinja2.Environment:
         raise TemplateError(f"chat template error: {message}")
 
     def tojson(
-        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
     ) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
@@ -195,7 +213,9 @@ class ChatTemplate:
     """A compiled chat template plus the special-token variables it renders with. Immutable; `render`
     is safe to call from several threads."""
 
-    def __init__(self, source: str, *, bos_token: str | None = None, eos_token: str | None = None, **extra: Any) -> None:
+    def __init__(
+        self, source: str, *, bos_token: str | None = None, eos_token: str | None = None, **extra: Any
+    ) -> None:
         """Compile `source`. `bos_token`, `eos_token` and `extra` (e.g. `unk_token`, `pad_token`) become
         template variables; None values are left undefined, as transformers does.
         Raises TemplateError on a syntax error, naming the line."""
@@ -205,7 +225,9 @@ class ChatTemplate:
             raise TemplateError(f"a chat template must be a str, got {type(source).__name__}")
         self.source = source
         self.variables: dict[str, Any] = {
-            k: _plain(v) for k, v in {"bos_token": bos_token, "eos_token": eos_token, **extra}.items() if v is not None
+            k: _plain(v)
+            for k, v in {"bos_token": bos_token, "eos_token": eos_token, **extra}.items()
+            if v is not None
         }
         try:
             self._template = _make_environment().from_string(source)
@@ -223,7 +245,9 @@ class ChatTemplate:
             return None
         return cls(source, **tokenizer.special_tokens())
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render a conversation to the prompt text (to be encoded without adding special tokens).
 
         `messages` is validated by `normalize_messages`; `tools` (a list of JSON-schema dicts) and
@@ -253,7 +277,11 @@ class ChatTemplate:
         except OnnxgenError:
             raise
         except jinja2.TemplateError as exc:
-            kind = "sandbox violation" if isinstance(exc, jinja2.exceptions.SecurityError) else type(exc).__name__
+            kind = (
+                "sandbox violation"
+                if isinstance(exc, jinja2.exceptions.SecurityError)
+                else type(exc).__name__
+            )
             raise TemplateError(f"chat template failed ({kind}): {exc}{_where(exc)}") from exc
         except Exception as exc:  # a template can raise anything (TypeError from `'a' + none`, ...)
             raise TemplateError(f"chat template failed ({type(exc).__name__}): {exc}{_where(exc)}") from exc
@@ -270,7 +298,9 @@ def _where(exc: BaseException) -> str:
     return f" (template line {line})" if line is not None else ""
 
 
-def render_messages(template: ChatTemplate | None, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+def render_messages(
+    template: ChatTemplate | None, messages: Sequence[Mapping[str, Any]], **kwargs: Any
+) -> str:
     """Render with `template`, or raise TemplateError saying the package has no chat template."""
     if template is None:
         raise TemplateError(

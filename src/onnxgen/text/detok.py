@@ -16,6 +16,10 @@ When text is emitted, `prefix` moves to the old `read` and `read` to the end, so
 a window of a few tokens: O(1) per token for valid text. (A long run of truly invalid bytes keeps
 the window open until a valid character follows; it costs O(run) per token, never wrong text.)
 
+A ByteFallback decoder (sentencepiece-style `<0xE4>` byte tokens) is not local: one invalid byte
+turns its whole run of consecutive byte tokens into U+FFFD. So while the last token is a byte
+token nothing is emitted; the run's text comes out with the first non-byte token (or at flush).
+
 With `skip_special_tokens`, special ids are dropped before they enter the window, which is what
 `tokenizers` does before decoding, so a skipped token can never become the "start" of a window.
 
@@ -45,6 +49,7 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._special = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._byte_ids = tokenizer.byte_fallback_ids
         self._ids: list[int] = []
         self._prefix = 0  # start of the left-context window
         self._read = 0  # end of the emitted part
@@ -65,6 +70,12 @@ class IncrementalDetokenizer:
         return tuple(self._ids)
 
     @property
+    def resyncs(self) -> int:
+        """How often a window decode disagreed with its prefix and a full decode was used instead
+        (0 for every tokenizer onnxgen has been tested with; kept as a safety net, see `push`)."""
+        return self._fallbacks
+
+    @property
     def pending_tokens(self) -> int:
         """Tokens pushed whose text has not been emitted yet."""
         return len(self._ids) - self._read
@@ -82,6 +93,8 @@ class IncrementalDetokenizer:
         if token_id in self._special:
             return ""
         self._ids.append(int(token_id))
+        if token_id in self._byte_ids:
+            return ""  # a byte run is final only once a non-byte token closes it
         new_text = self._decode(self._ids[self._prefix :])
         if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(self._prefix_text):
             return ""

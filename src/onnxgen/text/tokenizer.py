@@ -1,11 +1,11 @@
 """A tokenizer over Hugging Face `tokenizers` (`tokenizer.json`), with special tokens from
 `tokenizer_config.json` and the package's `genai_config.json`.
 
-Semantics follow transformers' `TokenizersBackend` (v5): encoding uses the tokenizer's own
-post-processor, except that when `tokenizer_config.json` sets `add_bos_token` / `add_eos_token`
-explicitly (or `tokenizer.json` has no post-processor) the post-processor is rebuilt as
-`[bos] $A [eos]` from those flags, as transformers does. Decoding is the `tokenizers` decoder
-with no extra clean-up, so that streaming (see `detok.py`) can reproduce it exactly.
+Semantics follow transformers v5 loading a folder with a `tokenizer.json`: the tokenizer's own
+post-processor decides which special tokens `encode` adds (transformers then ignores
+`add_bos_token` / `add_eos_token` in tokenizer_config, and so does onnxgen). Decoding is the
+`tokenizers` decoder with no extra clean-up of spaces, so that streaming (see `detok.py`) can
+reproduce it exactly.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class Tokenizer:
         eos_token_ids: union of tokenizer_config's EOS and the package's EOS ids, in that order.
         special_ids: ids of the added tokens flagged special, i.e. exactly the ids that
             `decode(..., skip_special_tokens=True)` drops.
+        byte_fallback_ids: the `<0xXX>` byte tokens of a ByteFallback decoder (empty otherwise).
         config: the raw tokenizer_config dict (read-only by convention).
     """
 
@@ -66,7 +67,7 @@ class Tokenizer:
     ) -> None:
         """Wrap a `tokenizers.Tokenizer`. `config` is tokenizer_config.json's dict; `bos_token_id` and
         `eos_token_ids` are the package's ids (genai_config), used when the config names none / merged in.
-        The backend object is modified only when its post-processor must be rebuilt (see module doc)."""
+        The backend object is not modified."""
         self._tok = backend
         self.config: dict[str, Any] = dict(config or {})
         cfg = self.config
@@ -94,7 +95,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self._maybe_rebuild_post_processor()
+        self.byte_fallback_ids: frozenset[int] = self._byte_fallback_ids()
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -116,7 +117,9 @@ class Tokenizer:
         root = Path(path).expanduser()
         tok_path = root / "tokenizer.json"
         if not tok_path.is_file():
-            raise MissingTokenizer(f"{tok_path}: missing; copy the model's tokenizer.json into {root}", tok_path)
+            raise MissingTokenizer(
+                f"{tok_path}: missing; copy the model's tokenizer.json into {root}", tok_path
+            )
         cfg_path = root / "tokenizer_config.json"
         cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
         bos_id: int | None = None
@@ -131,7 +134,11 @@ class Tokenizer:
                 b = model.get("bos_token_id")
                 bos_id = b if isinstance(b, int) and not isinstance(b, bool) else None
                 e = model.get("eos_token_id")
-                eos_ids = [v for v in (e if isinstance(e, list) else [e]) if isinstance(v, int) and not isinstance(v, bool)]
+                eos_ids = [
+                    v
+                    for v in (e if isinstance(e, list) else [e])
+                    if isinstance(v, int) and not isinstance(v, bool)
+                ]
         return cls(cls._load_backend(tok_path), cfg, bos_token_id=bos_id, eos_token_ids=eos_ids)
 
     @staticmethod
@@ -143,28 +150,22 @@ class Tokenizer:
         try:
             return tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
-            raise MissingTokenizer(f"{path}: cannot be read by `tokenizers` ({exc}); regenerate it", path) from exc
+            raise MissingTokenizer(
+                f"{path}: cannot be read by `tokenizers` ({exc}); regenerate it", path
+            ) from exc
 
-    def _maybe_rebuild_post_processor(self) -> None:
-        """Mirror transformers: explicit add_bos_token/add_eos_token (or no post-processor at all) means
-        the post-processor is `[bos] $A [eos]` per those flags."""
-        cfg = self.config
-        explicit = "add_bos_token" in cfg or "add_eos_token" in cfg
-        if not explicit and self._tok.post_processor is not None:
-            return
-        from tokenizers import processors
+    def _byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of the `<0xXX>` byte tokens when the decoder has a ByteFallback step, else empty.
 
-        add_bos = bool(cfg.get("add_bos_token", False)) and self.bos_token is not None and self.bos_token_id is not None
-        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token is not None else None
-        add_eos = bool(cfg.get("add_eos_token", False)) and eos_id is not None
-        single = f"{(self.bos_token + ':0 ') if add_bos else ''}$A:0{(' ' + self.eos_token + ':0') if add_eos else ''}"  # type: ignore[operator]
-        pair = f"{single}{(' ' + self.bos_token + ':1') if add_bos else ''} $B:1{(' ' + self.eos_token + ':1') if add_eos else ''}"  # type: ignore[operator]
-        special: list[tuple[str, int]] = []
-        if add_bos:
-            special.append((self.bos_token, self.bos_token_id))  # type: ignore[arg-type]
-        if add_eos:
-            special.append((self.eos_token, eos_id))  # type: ignore[arg-type]
-        self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+        NOTE: ByteFallback decodes a run of consecutive byte tokens together and, if the run is not
+        valid UTF-8, turns *every* byte of the run into U+FFFD, so text from such a run is final only
+        once a non-byte token ends it. The streaming detokenizer needs these ids to honour that.
+        """
+        dec = self._tok.decoder
+        if dec is None or b"ByteFallback" not in dec.__getstate__():
+            return frozenset()
+        ids = (self._tok.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(i for i in ids if i is not None)
 
     # --- encode / decode ------------------------------------------------------------------------
 
@@ -186,7 +187,7 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` through the tokenizer's decoder (no clean-up of spaces). Invalid UTF-8 byte
         runs become U+FFFD. With `skip_special_tokens`, ids in `special_ids` are dropped first."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, tok: str) -> int | None:
         return self._tok.token_to_id(tok)

@@ -1,0 +1,236 @@
+"""NativeDecoder: an ONNX Runtime GenAI package's graph lowered to torch, with the KV owned by the runtime.
+
+See `onnxgen.backends.base` for the Decoder contract. Specifics:
+- `forward` returns the last position's logits as a 1-D float32 torch tensor on the device (a fresh
+  tensor each call, never a view of a CUDA-graph buffer).
+- KV lives in `onnxgen.kv.buffers.KVBuffers` (model dtype, on the device, written in place, capacity in
+  power-of-two buckets from `kv_floor`); `rewind_to` is O(1).
+- On CUDA, a one-token forward of a graph whose attention ops are all fused (GroupQueryAttention or
+  ai.onnx Attention without a mask input) replays a CUDA graph captured once per KV capacity bucket;
+  the token, its position and the sequence length are copied into device buffers first. Any other
+  forward runs the lowered program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are
+  dequantized once at load into the model's float dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from onnxgen.backends.native.lowering import Program, describe, lower
+from onnxgen.backends.native.ops import NotCapturable, RunCtx
+from onnxgen.errors import (
+    BackendUnavailable,
+    ContextOverflow,
+    DeviceOutOfMemory,
+    InvalidRequest,
+    MissingRequiredInput,
+)
+from onnxgen.kv.buffers import KVBuffers
+
+log = logging.getLogger(__name__)
+
+_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class NativeDecoder:
+    """Decoder protocol over a lowered ONNX graph (backend "native")."""
+
+    backend = "native"
+    can_rewind = True
+
+    def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
+                 **_: Any) -> None:  # fmt: skip
+        t0 = time.perf_counter()
+        if device not in ("cpu", "cuda"):
+            raise InvalidRequest(f"unknown device {device!r}; choose cpu or cuda", field="device")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendUnavailable("device='cuda' but torch sees no CUDA device; use device='cpu'")
+        self.spec = spec
+        self.device = device
+        self._dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        if spec.kv_dtype not in _KV_DTYPES:
+            raise BackendUnavailable(f"the native backend does not support KV dtype {spec.kv_dtype!r}")
+        self.program: Program = lower(spec.decoder_path, spec, self._dev)
+        self.kv = KVBuffers(
+            spec.num_layers, spec.num_kv_heads, spec.head_size, _KV_DTYPES[spec.kv_dtype], self._dev,
+            floor=kv_floor, max_capacity=spec.context_length,
+        )  # fmt: skip
+        self._use_graphs = bool(cuda_graphs) and device == "cuda" and self.program.static_ok
+        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._graph_gen = -1
+        self._pool: Any = None
+        if device == "cuda":
+            self._step_host = torch.zeros(3, dtype=torch.int64).pin_memory()
+            self._step_dev = torch.zeros(3, dtype=torch.int64, device=self._dev)
+        p = self.program
+        self._in_ids = p.input_slots.get(spec.input_ids_name, -1)
+        self._in_mask = p.input_slots.get(spec.attention_mask_name or "", -1)
+        self._in_pos = p.input_slots.get(spec.position_ids_name or "", -1)
+        self._mask_dtype = _input_dtype(spec, spec.attention_mask_name, torch.int64)
+        self._pos_dtype = _input_dtype(spec, spec.position_ids_name, torch.int64)
+        self._ids_dtype = _input_dtype(spec, spec.input_ids_name, torch.int64)
+        self._extra = [i for i in spec.extra_inputs if i.name in p.input_slots]
+        self.load_seconds = time.perf_counter() - t0
+        self.info: dict[str, Any] = {
+            "program": describe(p),
+            "cuda_graphs": self._use_graphs,
+            "int4": "dequantized at load",
+            "load_s": round(self.load_seconds, 3),
+        }
+        log.info("native decoder: %s (load %.2fs)", self.info["program"], self.load_seconds)
+
+    # --- the seam ------------------------------------------------------------------------------
+
+    def kv_len(self) -> int:
+        return self.kv.length
+
+    def rewind_to(self, n: int) -> bool:
+        if not 0 <= n <= self.kv.length:
+            raise InvalidRequest(f"rewind_to({n}) outside [0, {self.kv.length}]", field="n")
+        self.kv.rewind_to(n)
+        return True
+
+    def reset(self) -> None:
+        self.kv.reset(free=False)
+
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes()
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+        self.kv.reset(free=True)
+
+    # --- running --------------------------------------------------------------------------------
+
+    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None) -> torch.Tensor:
+        assert start_pos == self.kv.length, f"start_pos {start_pos} != kv_len {self.kv.length}"
+        n = len(tokens)
+        if n == 0:
+            raise InvalidRequest("forward() needs at least one token", field="tokens")
+        total = start_pos + n
+        if total > self.spec.context_length:
+            raise ContextOverflow(total, self.spec.context_length)
+        extra = self._extra_values(inputs)
+        try:
+            self.kv.reserve(total)
+            if n == 1 and self._use_graphs and not extra:
+                out = self._decode_graph(int(tokens[0]), start_pos)
+                if out is not None:
+                    self.kv.set_length(total)
+                    return out
+            logits = self._run_eager(tokens, start_pos, extra)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise DeviceOutOfMemory(f"the device ran out of memory running {n} token(s) at position {start_pos}") from exc
+        self.kv.set_length(total)
+        return logits
+
+    def _extra_values(self, inputs: Mapping[str, Any] | None) -> dict[int, torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        for io in self._extra:
+            if inputs is None or io.name not in inputs:
+                raise MissingRequiredInput(io.name)
+            v = inputs[io.name]
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
+            out[self.program.input_slots[io.name]] = t.to(self._dev)
+        return out
+
+    def _env(self) -> list[Any]:
+        env: list[Any] = [None] * self.program.nslots
+        for s, t in self.program.consts.items():
+            env[s] = t
+        return env
+
+    def _exec(self, env: list[Any], ctx: RunCtx) -> torch.Tensor:
+        for st in self.program.steps:
+            args = [env[i] if i >= 0 else None for i in st.ins]
+            try:
+                res = st.fn(ctx, *args)
+            except NotCapturable:
+                raise
+            except Exception as exc:
+                exc.add_note(f"in node {st.node.name!r} ({st.node.domain or 'ai.onnx'}::{st.node.op})")
+                raise
+            for o, v in zip(st.outs, res, strict=False):
+                if o >= 0:
+                    env[o] = v
+            for f in st.frees:
+                env[f] = None
+        return env[self.program.logits_slot]
+
+    def _run_eager(self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor]) -> torch.Tensor:
+        n = len(tokens)
+        env = self._env()
+        env[self._in_ids] = torch.tensor([list(tokens)], dtype=self._ids_dtype, device=self._dev)
+        positions = torch.arange(start, start + n, device=self._dev)
+        if self._in_mask >= 0:
+            env[self._in_mask] = torch.ones((1, start + n), dtype=self._mask_dtype)  # host: shape arithmetic
+        if self._in_pos >= 0:
+            env[self._in_pos] = positions.to(self._pos_dtype).unsqueeze(0)
+        for s, t in extra.items():
+            env[s] = t
+        ctx = RunCtx(self.kv, start, n, positions)
+        logits = self._exec(env, ctx)
+        return logits.reshape(-1, logits.shape[-1])[-1].to(torch.float32, copy=True)
+
+    # --- CUDA graphs -----------------------------------------------------------------------------
+
+    def _decode_graph(self, token: int, start: int) -> torch.Tensor | None:
+        if self._graph_gen != self.kv.generation:
+            self._graphs.clear()
+            self._graph_gen = self.kv.generation
+        self._step_host[0], self._step_host[1], self._step_host[2] = token, start, start + 1
+        self._step_dev.copy_(self._step_host, non_blocking=True)
+        entry = self._graphs.get(self.kv.capacity)
+        if entry is None:
+            try:
+                entry = self._capture(start)
+            except NotCapturable as exc:
+                log.warning("decode is not capturable (%s); running eagerly", exc)
+                self._use_graphs = False
+                self.info["cuda_graphs"] = False
+                return None
+            self._graphs[self.kv.capacity] = entry
+        graph, out = entry
+        graph.replay()
+        return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
+
+    def _static_env(self) -> tuple[list[Any], RunCtx]:
+        env = self._env()
+        env[self._in_ids] = self._step_dev[0:1].view(1, 1).to(self._ids_dtype) if self._ids_dtype != torch.int64 \
+            else self._step_dev[0:1].view(1, 1)  # fmt: skip
+        positions = self._step_dev[1:2]
+        if self._in_pos >= 0:
+            env[self._in_pos] = positions.view(1, 1).to(self._pos_dtype)
+        ctx = RunCtx(self.kv, -1, 1, positions, seqlen=self._step_dev[2:3], static=True)
+        return env, ctx
+
+    def _capture(self, start: int) -> tuple[Any, torch.Tensor]:
+        # Warm up on a side stream (compiles Triton kernels, settles allocator), then capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            env, ctx = self._static_env()
+            self._exec(env, ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            env, ctx = self._static_env()
+            out = self._exec(env, ctx)
+        return graph, out
+
+
+def _input_dtype(spec: Any, name: str | None, default: torch.dtype) -> torch.dtype:
+    if not name:
+        return default
+    for io in spec.inputs:
+        if io.name == name:
+            return {"int32": torch.int32, "int64": torch.int64}.get(io.dtype, default)
+    return default

@@ -1,0 +1,300 @@
+"""Fused kernels for the native backend: Triton on CUDA, plain torch elsewhere.
+
+Each public function has one torch reference implementation (used on the CPU and as the ground truth
+in tests) and, when the tensors live on a CUDA device and Triton imports, a Triton kernel:
+
+- `rms_norm(x, skip, w, eps)`: (skip-)RMSNorm in one pass, returning `(y, x + skip)`.
+- `silu_mul(g, u)`: `silu(g) * u`.
+- `decode_attention(q, kbuf, vbuf, seqlen, ...)`: one query token against the first `seqlen` positions
+  of a KV buffer (split-K "flash decoding" with a device-side length, so it can live in a CUDA graph
+  whose buffers have a fixed capacity; only the valid KV is read).
+- `rope_qkv_write(qkv, cos, sin, positions, kv, layer, ...)`: for one decode token, split a packed QKV
+  row, rotate q and k, write k and v into the KV buffers at `positions` and return q.
+
+`FORCE_TRITON` (tests) runs the Triton kernels on CPU tensors under `TRITON_INTERPRET=1`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FORCE_TRITON = os.environ.get("ONNXGEN_FORCE_TRITON") == "1"
+_TRITON: Any = None
+_TRITON_OK: bool | None = None
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    global _TRITON_OK
+    if not (t.is_cuda or FORCE_TRITON):
+        return False
+    if _TRITON_OK is None:
+        try:
+            _build()
+            _TRITON_OK = True
+        except Exception:  # triton missing or broken: torch path
+            _TRITON_OK = False
+    return bool(_TRITON_OK)
+
+
+def triton_available() -> bool:
+    return _use_triton(torch.empty(0, device="cuda")) if torch.cuda.is_available() else False
+
+
+# --- torch references ----------------------------------------------------------------------------
+
+
+def rms_norm_ref(x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, Any]:
+    s = x + skip if skip is not None else x
+    sf = s.float()
+    y = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return y, (s if skip is not None else None)
+
+
+def decode_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, seqlen: torch.Tensor,
+                         scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
+    """Static-shape reference: scores over the whole capacity, masked to `[0, seqlen)` on the device."""
+    n, hkv, cap = q.shape[1], kbuf.shape[1], kbuf.shape[2]
+    k = kbuf.repeat_interleave(n // hkv, dim=1).float()
+    v = vbuf.repeat_interleave(n // hkv, dim=1).float()
+    s = torch.matmul(q.float(), k.transpose(-1, -2)) * scale  # [1, N, 1, cap]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    idx = torch.arange(cap, device=q.device)
+    total = seqlen.reshape(()).long()
+    keep = idx < total
+    if window >= 0:
+        keep = keep & (idx >= total - 1 - window)
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v).to(q.dtype)
+
+
+# --- public entry points -----------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, Any]:
+    if not _use_triton(x) or not x.is_contiguous() or (skip is not None and not skip.is_contiguous()):
+        return rms_norm_ref(x, skip, w, eps)
+    tl_k = _TRITON
+    n = x.shape[-1]
+    rows = x.numel() // n
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if skip is not None else x
+    block = max(16, 1 << (n - 1).bit_length())
+    tl_k["rms"][(rows,)](
+        x, skip if skip is not None else x, w, y, s, n, eps,
+        HAS_SKIP=skip is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
+    return y, (s if skip is not None else None)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    if not _use_triton(g) or g.shape != u.shape or not (g.is_contiguous() and u.is_contiguous()):
+        return F.silu(g) * u
+    out = torch.empty_like(g)
+    n = g.numel()
+    block = 2048
+    _TRITON["silu_mul"][(triton_cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def decode_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, seqlen: torch.Tensor,
+                     scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
+    """`q` `[1, N, 1, D]`; `kbuf`/`vbuf` `[1, Hkv, cap, D]`; `seqlen` `[1]` int32 on the device (valid
+    positions, the current token included). Returns `[1, N, 1, D]` in q's dtype."""
+    if not _use_triton(q):
+        return decode_attention_ref(q, kbuf, vbuf, seqlen, scale, softcap, window)
+    n, d = q.shape[1], q.shape[3]
+    hkv, cap = kbuf.shape[1], kbuf.shape[2]
+    g = n // hkv
+    gp = max(16, 1 << (g - 1).bit_length())
+    dp = max(16, 1 << (d - 1).bit_length())
+    block_n = 64 if dp <= 128 else 32
+    nsplit = max(1, min(64, cap // 256))
+    split = max(block_n, triton_cdiv(triton_cdiv(cap, nsplit), block_n) * block_n)
+    nsplit = triton_cdiv(cap, split)
+    qc = q.contiguous()
+    acc = torch.empty((hkv, nsplit, gp, dp), dtype=torch.float32, device=q.device)
+    ml = torch.empty((2, hkv, nsplit, gp), dtype=torch.float32, device=q.device)
+    k_ = _TRITON
+    k_["dec_split"][(hkv, nsplit)](
+        qc, kbuf, vbuf, seqlen, acc, ml, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
+        float(scale), float(softcap), int(window), hkv * nsplit * gp,
+        G=g, GP=gp, D=d, DP=dp, BLOCK_N=block_n, SPLIT=split, NSPLIT=nsplit, SOFTCAP=softcap > 0,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    out = torch.empty_like(qc)
+    k_["dec_combine"][(n,)](
+        acc, ml, out, hkv * nsplit * gp, G=g, GP=gp, D=d, DP=dp, NSPLIT=nsplit,
+        NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, positions: torch.Tensor,
+                   kv: Any, layer: int, n: int, hkv: int, d: int, interleaved: bool) -> torch.Tensor:  # fmt: skip
+    """One token's packed QKV `[1, 1, (n + 2*hkv) * d]` -> rotated q `[1, n, 1, d]`; rotated k and v are
+    written into `kv.keys[layer]` / `kv.values[layer]` at `positions` (`[1]` int64 on the device)."""
+    kb, vb = kv.keys[layer], kv.values[layer]
+    if not _use_triton(qkv):
+        from onnxgen.backends.native.ops import rope
+
+        q = qkv[..., : n * d].reshape(1, 1, n, d)
+        k = qkv[..., n * d : (n + hkv) * d].reshape(1, 1, hkv, d)
+        v = qkv[..., (n + hkv) * d :].reshape(1, 1, hkv, d)
+        cos = cos_c.index_select(0, positions).unsqueeze(1)
+        sin = sin_c.index_select(0, positions).unsqueeze(1)
+        q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
+        kv.write_at(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
+        return q.transpose(1, 2).contiguous()
+    qkv = qkv.contiguous()
+    qout = torch.empty((1, n, 1, d), dtype=qkv.dtype, device=qkv.device)
+    half = cos_c.shape[1]
+    _TRITON["rope_qkv"][(n + 2 * hkv,)](
+        qkv, cos_c, sin_c, positions, qout, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
+        cos_c.stride(0), n, hkv, D=d, HALF=half, DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved,
+        num_warps=1,
+    )  # fmt: skip
+    return qout
+
+
+# --- Triton kernels (built on first use) -------------------------------------------------------------
+
+
+def _build() -> None:
+    global _TRITON
+    if _TRITON is not None:
+        return
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        x = tl.load(X + row * N + cols, mask=m, other=0.0)
+        if HAS_SKIP:
+            x = x + tl.load(S + row * N + cols, mask=m, other=0.0)
+            tl.store(SUM + row * N + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / N
+        y = (xf * (1.0 / tl.sqrt(var + eps))).to(X.dtype.element_ty)
+        w = tl.load(W + cols, mask=m, other=0.0)
+        tl.store(Y + row * N + cols, (y * w).to(X.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _silu_mul(G, U, O, N, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(U + offs, mask=m, other=0.0)
+        s = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)
+        tl.store(O + offs, (s * u).to(U.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _dec_split(Q, K, V, SEQ, ACC, ML, sk_h, sk_s, sv_h, sv_s, scale, softcap, window, ML_STRIDE,
+                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                   SPLIT: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        h = tl.program_id(0)
+        sp = tl.program_id(1)
+        seqlen = tl.load(SEQ).to(tl.int32)
+        rows = tl.arange(0, GP)
+        dcol = tl.arange(0, DP)
+        rmask = rows < G
+        dmask = dcol < D
+        q = tl.load(Q + (h * G + rows)[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        lo = sp * SPLIT
+        hi = tl.minimum(lo + SPLIT, seqlen)
+        if window >= 0:
+            lo = tl.maximum(lo, seqlen - 1 - window)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        kbase = K + h.to(tl.int64) * sk_h
+        vbase = V + h.to(tl.int64) * sv_h
+        for start in range(lo, hi, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            nm = offs < hi
+            k = tl.load(kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            if SOFTCAP:
+                s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
+            s = tl.where(nm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        base = (h * NSPLIT + sp) * GP
+        tl.store(ACC + (base + rows)[:, None] * DP + dcol[None, :], acc)
+        tl.store(ML + base + rows, m_i)
+        tl.store(ML + ML_STRIDE + base + rows, l_i)
+
+    @triton.jit
+    def _dec_combine(ACC, ML, O, ML_STRIDE, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                     DP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+        qh = tl.program_id(0)
+        h = qh // G
+        r = qh % G
+        sp = tl.arange(0, NSP)
+        smask = sp < NSPLIT
+        dcol = tl.arange(0, DP)
+        idx = (h * NSPLIT + sp) * GP + r
+        m = tl.load(ML + idx, mask=smask, other=float("-inf"))
+        l = tl.load(ML + ML_STRIDE + idx, mask=smask, other=0.0)
+        mx = tl.max(m, 0)
+        w = tl.where(smask & (m > float("-inf")), tl.exp(m - mx), 0.0)
+        den = tl.sum(w * l, 0)
+        acc = tl.load(ACC + idx[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / den
+        tl.store(O + qh * D + dcol, o.to(O.dtype.element_ty), mask=dcol < D)
+
+    @triton.jit
+    def _rope_qkv(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
+                  D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+        hh = tl.program_id(0)
+        pos = tl.load(POS).to(tl.int64)
+        j = tl.arange(0, DP)
+        mj = j < D
+        rot = (j < 2 * HALF) & (hh < N + HKV)
+        if INTERLEAVED:
+            fi = j // 2
+            partner = j ^ 1
+            sign = tl.where(j % 2 == 0, -1.0, 1.0)
+        else:
+            fi = tl.where(j < HALF, j, j - HALF)
+            partner = tl.where(j < HALF, j + HALF, j - HALF)
+            sign = tl.where(j < HALF, -1.0, 1.0)
+        base = QKV + hh * D
+        x = tl.load(base + j, mask=mj, other=0.0).to(tl.float32)
+        xp = tl.load(base + partner, mask=mj & rot, other=0.0).to(tl.float32)
+        c = tl.load(COS + pos * cos_stride + fi, mask=mj & rot, other=1.0).to(tl.float32)
+        s = tl.load(SIN + pos * cos_stride + fi, mask=mj & rot, other=0.0).to(tl.float32)
+        o = tl.where(rot, x * c + sign * xp * s, x).to(QO.dtype.element_ty)
+        if hh < N:
+            tl.store(QO + hh * D + j, o, mask=mj)
+        elif hh < N + HKV:
+            tl.store(KB + (hh - N).to(tl.int64) * sk_h + pos * sk_s + j, o, mask=mj)
+        else:
+            tl.store(VB + (hh - N - HKV).to(tl.int64) * sv_h + pos * sv_s + j, o, mask=mj)
+
+    _TRITON = {"rms": _rms, "silu_mul": _silu_mul, "dec_split": _dec_split, "dec_combine": _dec_combine,
+               "rope_qkv": _rope_qkv}  # fmt: skip
+
+

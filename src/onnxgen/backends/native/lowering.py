@@ -1,0 +1,451 @@
+"""Lower an ONNX decoder graph once into a `Program`: a flat list of torch closures over value slots.
+
+Passes, in order:
+1. read the graph (no weights) and its initializers as zero-copy views of the memory-mapped data;
+2. check every op is supported (else `UnsupportedOp` at load, naming op, domain, node, supported ops);
+3. bind KV: the attention op (GroupQueryAttention / ai.onnx Attention) or the `Concat(past, new)` that
+   consumes `past_key_values.L.*` and produces `present.L.*` is bound to the runtime's KV layer L;
+   its past/present edges and the seqlens/total-length inputs disappear from the graph;
+4. slice before the lm_head: the MatMul that produces the logits (through per-position ops) gets only
+   the last position, so prefill never builds a `[seq, vocab]` tensor;
+5. peephole fusions (`x * sigmoid(x)` -> Silu, `silu(g) * u` -> SiluMul; constant-weight MatMul /
+   MatMulNBits (int4 dequantized at load) -> Linear);
+6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
+   stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from onnxgen.backends.native import ops as O
+from onnxgen.backends.native.weights import ExternalData, tensor_from_proto
+from onnxgen.errors import UnsupportedModel, UnsupportedOp
+
+log = logging.getLogger(__name__)
+
+_NOT_FOLDABLE = {"GroupQueryAttention", "Attention", "KVConcat", "SliceLast"}
+_PER_POSITION = {"Cast", "Identity", "Tanh", "Mul", "Div", "Add", "Sub", "Softcap"}
+
+
+@dataclass
+class Step:
+    fn: Callable[..., tuple[Any, ...]]
+    ins: tuple[int, ...]  # -1 = absent optional input
+    outs: tuple[int, ...]  # -1 = output not used
+    frees: tuple[int, ...]  # slots dead after this step
+    node: O.Node
+
+
+@dataclass
+class Program:
+    steps: list[Step]
+    nslots: int
+    consts: dict[int, torch.Tensor]
+    input_slots: dict[str, int]
+    logits_slot: int
+    kv_layers: int
+    uses_attention_mask: bool
+    static_ok: bool  # every KV binding is a fused attention op (decode can be captured)
+    weight_bytes: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _attr_value(a: Any, ext: ExternalData) -> Any:
+    from onnx import AttributeProto, helper
+
+    if a.type == AttributeProto.TENSOR:
+        return tensor_from_proto(a.t, ext)
+    v = helper.get_attribute_value(a)
+    if isinstance(v, bytes):
+        return v.decode()
+    return v
+
+
+def _norm_domain(d: str) -> str:
+    return "" if d in ("", "ai.onnx") else d
+
+
+def lower(path: Path, spec: Any, device: torch.device) -> Program:
+    """Read `path` (the package's decoder graph) and build its Program for `device`."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    if model.graph.node and any(n.op_type in ("If", "Loop", "Scan") for n in model.graph.node):
+        bad = next(n for n in model.graph.node if n.op_type in ("If", "Loop", "Scan"))
+        raise UnsupportedOp(bad.op_type, bad.domain, bad.name, O.supported_ops())
+    ext = ExternalData(path.parent)
+    consts: dict[str, torch.Tensor] = {}
+    int4_meta: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for init in model.graph.initializer:
+        consts[init.name] = tensor_from_proto(init, ext)
+        if init.data_type in (21, 22):  # UINT4 / INT4: packed bytes; keep the logical shape
+            int4_meta[init.name] = (tuple(int(d) for d in init.dims), init.data_type == 22)
+    nodes: list[O.Node] = []
+    for i, n in enumerate(model.graph.node):
+        attrs = {a.name: _attr_value(a, ext) for a in n.attribute}
+        nodes.append(O.Node(n.op_type, _norm_domain(n.domain), n.name or f"{n.op_type}_{i}",
+                            list(n.input), list(n.output), attrs))  # fmt: skip
+
+    # Constant nodes -> constants.
+    rest = []
+    for n in nodes:
+        if n.op == "Constant" and n.domain == "":
+            consts[n.outputs[0]] = _constant_value(n)
+        else:
+            rest.append(n)
+    nodes = rest
+
+    for n in nodes:
+        if (n.domain, n.op) not in O.BUILDERS:
+            raise UnsupportedOp(n.op, n.domain, n.name, O.supported_ops())
+
+    graph_inputs = [i.name for i in model.graph.input if i.name not in consts]
+    nodes, static_ok = _bind_kv(nodes, spec)
+    nodes = _slice_before_lm_head(nodes, spec.logits_name, consts)
+    nodes = _fuse_silu(nodes, spec.logits_name)
+    nodes = _dce(nodes, [spec.logits_name])
+    nodes = _fold_constants(nodes, consts)
+    nodes = _prepare_linear(nodes, consts, device, int4_meta)
+    nodes = _dce(nodes, [spec.logits_name])
+
+    # Placement: every constant a step reads.
+    used: set[str] = {x for n in nodes for x in n.inputs if x}
+    placed: dict[str, torch.Tensor] = {}
+    memo: dict[tuple[Any, ...], torch.Tensor] = {}
+    weight_bytes = 0
+    for name in used:
+        if name not in consts:
+            continue
+        t = consts[name]
+        if not _is_host(t) and device.type != "cpu":
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            dt = memo.get(key)
+            if dt is None:
+                dt = t.to(device)
+                if not dt.is_contiguous():
+                    dt = dt.contiguous()
+                memo[key] = dt
+            t = dt
+        placed[name] = t
+        if t.numel() > 1024:
+            weight_bytes += t.numel() * t.element_size()
+    del consts, memo
+
+    # Slots.
+    slot: dict[str, int] = {}
+
+    def sid(name: str) -> int:
+        if not name:
+            return -1
+        if name not in slot:
+            slot[name] = len(slot)
+        return slot[name]
+
+    input_slots = {name: sid(name) for name in graph_inputs}
+    const_slots = {sid(name): t for name, t in placed.items()}
+    last_use: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        for x in n.inputs:
+            if x:
+                last_use[sid(x)] = i
+    logits_slot = sid(spec.logits_name)
+    consumed = {x for n in nodes for x in n.inputs if x}
+    steps: list[Step] = []
+    for i, n in enumerate(nodes):
+        ins = tuple(sid(x) for x in n.inputs)
+        # trim trailing absent inputs so builders' optional defaults apply
+        while ins and ins[-1] == -1:
+            ins = ins[:-1]
+        outs = tuple(sid(o) if (o and (o in consumed or o == spec.logits_name)) else -1 for o in n.outputs)
+        frees = tuple(s for s in set(ins) if s >= 0 and s not in const_slots and last_use.get(s) == i
+                      and s != logits_slot)  # fmt: skip
+        steps.append(Step(O.BUILDERS[(n.domain, n.op)](n), ins, outs, frees, n))
+    mask_name = spec.attention_mask_name
+    uses_mask = bool(mask_name) and mask_name in consumed
+    return Program(
+        steps=steps, nslots=len(slot), consts=const_slots, input_slots=input_slots, logits_slot=logits_slot,
+        kv_layers=spec.num_layers, uses_attention_mask=uses_mask, static_ok=static_ok and not uses_mask,
+        weight_bytes=weight_bytes,
+        info={"ops": sorted({f"{n.domain + '::' if n.domain else ''}{n.op}" for n in nodes}), "steps": len(steps)},
+    )  # fmt: skip
+
+
+def _is_host(t: torch.Tensor) -> bool:
+    """Small integer tensors stay on the host: they are shapes, axes and indices."""
+    return (not t.dtype.is_floating_point) and t.numel() <= 1024
+
+
+def _constant_value(n: O.Node) -> torch.Tensor:
+    a = n.attrs
+    if "value" in a:
+        return a["value"]
+    if "value_float" in a:
+        return torch.tensor(float(a["value_float"]), dtype=torch.float32)
+    if "value_floats" in a:
+        return torch.tensor(list(a["value_floats"]), dtype=torch.float32)
+    if "value_int" in a:
+        return torch.tensor(int(a["value_int"]), dtype=torch.int64)
+    if "value_ints" in a:
+        return torch.tensor(list(a["value_ints"]), dtype=torch.int64)
+    raise UnsupportedOp("Constant", "", n.name, O.supported_ops())
+
+
+# --- KV binding --------------------------------------------------------------------------------------
+
+
+def _bind_kv(nodes: list[O.Node], spec: Any) -> tuple[list[O.Node], bool]:
+    past = {}
+    for layer, (k, v) in enumerate(zip(spec.past_key_names, spec.past_value_names, strict=True)):
+        past[k] = (layer, "key")
+        past[v] = (layer, "value")
+    present = set(spec.present_key_names) | set(spec.present_value_names)
+    bound: dict[int, list[str]] = {}
+    static_ok = True
+    out = []
+    for n in nodes:
+        hits = [(i, x) for i, x in enumerate(n.inputs) if x in past]
+        if not hits:
+            out.append(n)
+            continue
+        layers = {past[x][0] for _, x in hits}
+        if len(layers) != 1:
+            raise UnsupportedModel(f"node {n.name!r} reads the past KV of several layers; cannot bind the KV cache")
+        layer = layers.pop()
+        if n.domain == "com.microsoft" and n.op == "GroupQueryAttention":
+            if {i for i, _ in hits} != {3, 4}:
+                raise UnsupportedModel(f"{n.name}: past KV in unexpected GroupQueryAttention inputs")
+            _check_gqa(n)
+            n.inputs = [x if i not in (3, 4, 5, 6, 9) else "" for i, x in enumerate(n.inputs)]
+            n.outputs = [n.outputs[0], "", ""] + n.outputs[3:]
+            n.layer = layer
+            if len(n.inputs) > 10 and n.inputs[10]:
+                static_ok = False
+        elif n.domain == "" and n.op == "Attention":
+            if {i for i, _ in hits} != {4, 5}:
+                raise UnsupportedModel(f"{n.name}: past KV in unexpected Attention inputs")
+            if int(n.attr("qk_matmul_output_mode", 0)) or (len(n.outputs) > 3 and n.outputs[3]):
+                raise UnsupportedOp("Attention(qk_matmul_output)", "", n.name, O.supported_ops())
+            if len(n.inputs) > 6 and n.inputs[6]:
+                raise UnsupportedOp("Attention(nonpad_kv_seqlen)", "", n.name, O.supported_ops())
+            n.inputs = [x if i not in (4, 5) else "" for i, x in enumerate(n.inputs)]
+            n.outputs = [n.outputs[0], "", ""] + [""] * (len(n.outputs) - 3)
+            n.layer = layer
+            if len(n.inputs) > 3 and n.inputs[3]:
+                static_ok = False
+        elif n.domain == "" and n.op == "Concat" and len(n.inputs) == 2 and hits[0][0] == 0 and len(hits) == 1:
+            ax = int(n.attr("axis"))
+            if ax not in (2, -2) or n.outputs[0] not in present:
+                raise UnsupportedModel(f"{n.name}: Concat over the past KV must be on axis 2 and produce a present output")
+            n.op, n.domain = "KVConcat", "onnxgen"
+            n.layer, n.kv_role = layer, past[hits[0][1]][1]
+            static_ok = False
+        else:
+            raise UnsupportedModel(
+                f"node {n.name!r} ({n.op}) consumes the past KV {hits[0][1]!r}; the native backend binds KV only "
+                "through GroupQueryAttention, ai.onnx Attention or Concat(past, new) -> present"
+            )
+        bound.setdefault(layer, []).append(n.name)
+        out.append(n)
+    missing = [i for i in range(spec.num_layers) if i not in bound]
+    if missing:
+        raise UnsupportedModel(f"no attention consumes the past KV of layer(s) {missing}; cannot bind the KV cache")
+    return out, static_ok
+
+
+def _check_gqa(n: O.Node) -> None:
+    def bad(feature: str) -> None:
+        raise UnsupportedOp(f"GroupQueryAttention({feature})", "com.microsoft", n.name, O.supported_ops())
+
+    ins = n.inputs + [""] * 17
+    if ins[11]:
+        bad("head_sink")
+    if ins[12] or ins[13] or n.attr("kv_cache_bit_width"):
+        bad("quantized KV")
+    if ins[16]:
+        bad("query_seqlens")
+    if int(n.attr("smooth_softmax", 0)):
+        bad("smooth_softmax")
+    if int(n.attr("causal", 1)) != 1:
+        bad("causal=0")
+    if int(n.attr("sliding_window_cache", 0)):
+        bad("sliding_window_cache")
+    if int(n.attr("qk_output", 0)):
+        bad("qk_output")
+    if int(n.attr("do_rotary", 0)) and not (ins[7] and ins[8]):
+        bad("do_rotary without cos/sin caches")
+
+
+# --- logits: last position only ----------------------------------------------------------------------
+
+
+def _slice_before_lm_head(nodes: list[O.Node], logits: str, consts: dict[str, torch.Tensor]) -> list[O.Node]:
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    cur = producer.get(logits)
+    while cur is not None and cur.op in _PER_POSITION and cur.domain == "":
+        dyn = [x for x in cur.inputs if x and x not in consts]
+        if len(dyn) != 1:
+            cur = None
+            break
+        cur = producer.get(dyn[0])
+    if cur is None or not (
+        (cur.op in ("MatMul", "Gemm") and cur.domain == "") or (cur.op == "MatMulNBits" and cur.domain == "com.microsoft")
+    ):
+        log.warning("could not find the lm_head MatMul; logits of every position are computed")
+        tail = O.Node("SliceLast", "onnxgen", "onnxgen/slice_logits", [logits + "::all"], [logits])
+        for n in nodes:
+            n.outputs = [logits + "::all" if o == logits else o for o in n.outputs]
+        return [*nodes, tail]
+    src = cur.inputs[0]
+    sliced = src + "::last"
+    cut = O.Node("SliceLast", "onnxgen", "onnxgen/slice_last", [src], [sliced])
+    out = []
+    for n in nodes:
+        if n is cur:
+            out.append(cut)
+            n.inputs = [sliced, *n.inputs[1:]]
+        out.append(n)
+    return out
+
+
+# --- fusions ------------------------------------------------------------------------------------------
+
+
+def _fuse_silu(nodes: list[O.Node], logits: str) -> list[O.Node]:
+    consumers: dict[str, list[O.Node]] = {}
+    for n in nodes:
+        for x in n.inputs:
+            if x:
+                consumers.setdefault(x, []).append(n)
+    drop: set[int] = set()
+    for n in nodes:
+        if n.op != "Sigmoid" or n.domain != "":
+            continue
+        x, sig = n.inputs[0], n.outputs[0]
+        users = consumers.get(sig, [])
+        if len(users) != 1 or users[0].op != "Mul" or set(users[0].inputs) != {x, sig}:
+            continue
+        mul = users[0]
+        drop.add(id(n))
+        mul.op, mul.domain, mul.inputs = "Silu", "onnxgen", [x]
+        # silu(g) * u -> SiluMul(g, u)
+        s_users = consumers.get(mul.outputs[0], [])
+        if len(s_users) == 1 and s_users[0].op == "Mul" and s_users[0].domain == "" and mul.outputs[0] != logits:
+            m2 = s_users[0]
+            other = [v for v in m2.inputs if v != mul.outputs[0]]
+            if len(other) == 1:
+                drop.add(id(mul))
+                m2.op, m2.domain, m2.inputs = "SiluMul", "onnxgen", [x, other[0]]
+    return [n for n in nodes if id(n) not in drop]
+
+
+def _prepare_linear(
+    nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device,
+    int4_meta: dict[str, tuple[tuple[int, ...], bool]],
+) -> list[O.Node]:  # fmt: skip
+    """Constant-weight MatMul / MatMulNBits -> Linear; GatherBlockQuantized -> Gather over a dequantized table."""
+    cuda = device.type == "cuda"
+    for n in nodes:
+        if n.domain == "" and n.op == "MatMul" and n.inputs[1] in consts and consts[n.inputs[1]].dim() == 2:
+            w = consts[n.inputs[1]]
+            if cuda:
+                name = n.inputs[1] + "::T"
+                if name not in consts:
+                    consts[name] = w.t()  # made contiguous on the device at placement
+                n.inputs = [n.inputs[0], name]
+                n.attrs["_transposed"] = 1
+            n.op, n.domain = "Linear", "onnxgen"
+        elif n.domain == "com.microsoft" and n.op == "MatMulNBits":
+            if len(n.inputs) > 4 and n.inputs[4]:
+                raise UnsupportedOp("MatMulNBits(g_idx)", n.domain, n.name, O.supported_ops())
+            if not all(x in consts for x in n.inputs[1:4] if x):
+                raise UnsupportedOp("MatMulNBits(non-constant weights)", n.domain, n.name, O.supported_ops())
+            k, nn = int(n.attr("K")), int(n.attr("N"))
+            bits, block = int(n.attr("bits", 4)), int(n.attr("block_size"))
+            zp = consts[n.inputs[3]] if len(n.inputs) > 3 and n.inputs[3] else None
+            scales = consts[n.inputs[2]]
+            dev = device if cuda else torch.device("cpu")
+            w = O.dequant_matmul_nbits(
+                consts[n.inputs[1]].to(dev), scales.to(dev), None if zp is None else zp.to(dev), k, nn, bits, block,
+                scales.dtype,
+            )  # fmt: skip
+            name = n.name + "::dequant"
+            if cuda:
+                consts[name] = w  # [N, K]
+                n.attrs["_transposed"] = 1
+            else:
+                consts[name] = w.t()  # [K, N] view for x @ w
+            bias = n.inputs[5] if len(n.inputs) > 5 and n.inputs[5] else ""
+            n.inputs = [n.inputs[0], name] + ([bias] if bias else [])
+            n.op, n.domain = "Linear", "onnxgen"
+        elif n.domain == "com.microsoft" and n.op == "GatherBlockQuantized":
+            data, _idx, sc = n.inputs[0], n.inputs[1], n.inputs[2]
+            zp = n.inputs[3] if len(n.inputs) > 3 else ""
+            if data not in consts or sc not in consts or (zp and zp not in consts):
+                raise UnsupportedOp("GatherBlockQuantized(non-constant table)", n.domain, n.name, O.supported_ops())
+            if int(n.attr("gather_axis", 0)) != 0:
+                raise UnsupportedOp("GatherBlockQuantized(gather_axis!=0)", n.domain, n.name, O.supported_ops())
+            shape, signed = int4_meta.get(data, (None, False))
+            raw = consts[data]
+            scales = consts[sc]
+            if shape is None:  # uint8 packed: last dim holds two values per byte
+                shape = (*raw.shape[:-1], raw.shape[-1] * 2)
+            table = O.dequant_gather_block(
+                raw, scales, consts[zp] if zp else None, bits=int(n.attr("bits", 4)),
+                block=int(n.attr("block_size", 128)), quant_axis=int(n.attr("quantize_axis", 1)), signed=signed,
+                shape=tuple(shape),
+            )  # fmt: skip
+            name = n.name + "::dequant"
+            consts[name] = table
+            n.inputs = [name, n.inputs[1]]
+            n.op, n.domain = "Gather", ""
+            n.attrs = {"axis": 0}
+    return nodes
+
+
+# --- folding & DCE ------------------------------------------------------------------------------------
+
+
+def _fold_constants(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> list[O.Node]:
+    out = []
+    for n in nodes:
+        if (
+            n.op in _NOT_FOLDABLE
+            or n.domain in ("onnxgen",)
+            or (n.domain == "com.microsoft" and n.op in ("MatMulNBits", "GatherBlockQuantized"))
+            or not all((not x) or x in consts for x in n.inputs)
+        ):
+            out.append(n)
+            continue
+        fn = O.BUILDERS[(n.domain, n.op)](n)
+        args = [consts[x] if x else None for x in n.inputs]
+        while args and args[-1] is None:
+            args.pop()
+        res = fn(None, *args)
+        for name, val in zip(n.outputs, res, strict=False):
+            if name and val is not None:
+                consts[name] = val
+    return out
+
+
+def _dce(nodes: list[O.Node], outputs: list[str]) -> list[O.Node]:
+    need = set(outputs)
+    keep = []
+    for n in reversed(nodes):
+        if any(o in need for o in n.outputs if o) or n.layer is not None:
+            keep.append(n)
+            need.update(x for x in n.inputs if x)
+    keep.reverse()
+    return keep
+
+
+def describe(program: Program) -> str:
+    return f"{len(program.steps)} steps, {program.weight_bytes / 1e9:.2f} GB weights, ops: {', '.join(program.info['ops'])}"
+
+
