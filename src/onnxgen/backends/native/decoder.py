@@ -44,7 +44,10 @@ class NativeDecoder:
     can_rewind = True
 
     def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
-                 **_: Any) -> None:  # fmt: skip
+                 static_decode: bool = False, **_: Any) -> None:  # fmt: skip
+        """`kv_floor`: smallest KV capacity bucket. `cuda_graphs`: capture decode on CUDA.
+        `static_decode` (testing): run one-token forwards through the static-shape code path that CUDA
+        graphs capture, without capturing (works on the CPU)."""
         t0 = time.perf_counter()
         if device not in ("cpu", "cuda"):
             raise InvalidRequest(f"unknown device {device!r}; choose cpu or cuda", field="device")
@@ -64,9 +67,11 @@ class NativeDecoder:
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._graph_gen = -1
         self._pool: Any = None
+        self._static_decode = bool(static_decode) and self.program.static_ok
+        self._step_host = torch.zeros(3, dtype=torch.int64)
         if device == "cuda":
-            self._step_host = torch.zeros(3, dtype=torch.int64).pin_memory()
-            self._step_dev = torch.zeros(3, dtype=torch.int64, device=self._dev)
+            self._step_host = self._step_host.pin_memory()
+        self._step_dev = torch.zeros(3, dtype=torch.int64, device=self._dev)
         p = self.program
         self._in_ids = p.input_slots.get(spec.input_ids_name, -1)
         self._in_mask = p.input_slots.get(spec.attention_mask_name or "", -1)
@@ -124,6 +129,12 @@ class NativeDecoder:
                 if out is not None:
                     self.kv.set_length(total)
                     return out
+            if n == 1 and self._static_decode and not extra:
+                self._set_step(int(tokens[0]), start_pos)
+                env, ctx = self._static_env()
+                out = self._exec(env, ctx)
+                self.kv.set_length(total)
+                return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
             logits = self._run_eager(tokens, start_pos, extra)
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(f"the device ran out of memory running {n} token(s) at position {start_pos}") from exc
@@ -184,8 +195,7 @@ class NativeDecoder:
         if self._graph_gen != self.kv.generation:
             self._graphs.clear()
             self._graph_gen = self.kv.generation
-        self._step_host[0], self._step_host[1], self._step_host[2] = token, start, start + 1
-        self._step_dev.copy_(self._step_host, non_blocking=True)
+        self._set_step(token, start)
         entry = self._graphs.get(self.kv.capacity)
         if entry is None:
             try:
@@ -199,6 +209,10 @@ class NativeDecoder:
         graph, out = entry
         graph.replay()
         return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
+
+    def _set_step(self, token: int, start: int) -> None:
+        self._step_host[0], self._step_host[1], self._step_host[2] = token, start, start + 1
+        self._step_dev.copy_(self._step_host, non_blocking=self._dev.type == "cuda")
 
     def _static_env(self) -> tuple[list[Any], RunCtx]:
         env = self._env()

@@ -66,8 +66,8 @@ def decode_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor
     idx = torch.arange(cap, device=q.device)
     total = seqlen.reshape(()).long()
     keep = idx < total
-    if window >= 0:
-        keep = keep & (idx >= total - 1 - window)
+    if window > 0:  # the last `window` positions (onnxruntime's local_window_size)
+        keep = keep & (idx >= total - window)
     s = s.masked_fill(~keep, float("-inf"))
     return torch.matmul(torch.softmax(s, -1), v).to(q.dtype)
 
@@ -213,8 +213,8 @@ def _build() -> None:
         q = tl.load(Q + (h * G + rows)[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
         lo = sp * SPLIT
         hi = tl.minimum(lo + SPLIT, seqlen)
-        if window >= 0:
-            lo = tl.maximum(lo, seqlen - 1 - window)
+        if window > 0:
+            lo = tl.maximum(lo, seqlen - window)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)

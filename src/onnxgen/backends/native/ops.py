@@ -735,7 +735,7 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     """Append `k`/`v` (`[1, Hkv, S, D]`) to layer `layer`'s KV and attend `q` (`[1, N, S, D]`) over it.
 
     Causal, aligned bottom-right: query i (absolute position pos0 + i) sees keys j <= pos0 + i, and with
-    `window` >= 0 only keys j >= pos0 + i - window. `bias` is added to the scores; `mask` (bool, True =
+    `window` > 0 only the last `window` of them, j > pos0 + i - window (onnxruntime's local_window_size). `bias` is added to the scores; `mask` (bool, True =
     keep, or additive float) is combined with the causal mask. Returns `[1, N, S, D]`."""
     kv = ctx.kv
     s = q.shape[2]
@@ -761,7 +761,7 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
             scores = scores + _as_additive(mask, torch.float32)
         p = torch.softmax(scores, dim=-1)
         return torch.matmul(p, vv.float()).to(q.dtype)
-    if bias is None and mask is None and window < 0 and (pos0 == 0 or s == 1):
+    if bias is None and mask is None and window <= 0 and (pos0 == 0 or s == 1):
         attn_mask, causal = None, s > 1
     else:
         attn_mask = _causal_bias(pos0, s, total, window, q.device, q.dtype)
@@ -786,8 +786,8 @@ def _causal_bias(pos0: int, s: int, total: int, window: int, device: Any, dtype:
     qpos = torch.arange(pos0, pos0 + s, device=device).unsqueeze(1)
     kpos = torch.arange(total, device=device).unsqueeze(0)
     keep = kpos <= qpos
-    if window >= 0:
-        keep = keep & (kpos >= qpos - window)
+    if window > 0:
+        keep = keep & (kpos > qpos - window)
     out = torch.zeros((s, total), dtype=dtype, device=device)
     return out.masked_fill_(~keep, float("-inf"))
 
