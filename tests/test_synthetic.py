@@ -427,3 +427,39 @@ def test_manual_llama_1b_write_speed(tmp_path: Path) -> None:
     full = size + 14 * per_layer
     print(f"\n2-layer 1B: {size / 2**30:.2f} GiB in {dt:.1f}s -> full 1B ~{dt * full / size:.0f}s")
     assert dt * full / size < 600
+
+
+@pytest.mark.parametrize("kw", [{}, {"attention": "plain", "quant": "int4"}], ids=["gqa", "plain-int4"])
+def test_onnxruntime_genai_runs_the_package(tmp: Path, kw: dict) -> None:
+    """The reference runtime loads the package (config, graph, tokenizer) and decodes greedily as we do."""
+    og = pytest.importorskip("onnxruntime_genai")
+    cfg = SyntheticConfig(**kw)
+    pkg = _write(tmp, cfg, "og-" + "-".join(map(str, kw.values())))
+    model = og.Model(str(pkg))
+    tok = og.Tokenizer(model)
+    text = "Hello 日本 🚀"
+    assert tok.decode(tok.encode(text)) == text
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(PROMPT) + 5, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(PROMPT)
+    got = []
+    while not gen.is_done():
+        gen.generate_next_token()
+        got.append(int(gen.get_next_tokens()[0]))
+    w, seq = reference_weights(cfg), list(PROMPT)
+    for _ in range(5):
+        seq.append(int(ref_logits(w, cfg, seq)[-1].argmax()))
+    assert got == seq[len(PROMPT) :]
+
+
+def test_tokenizer_dir_from_the_default_model(tmp: Path) -> None:
+    from onnxgen.package.home import default_model_dir
+
+    real = default_model_dir()
+    if not (real / "tokenizer.json").is_file():
+        pytest.skip("default model not built")
+    pkg = write_package(tmp / "smoltok", SyntheticConfig(num_layers=1, vocab_size=49152), tokenizer_dir=real)
+    spec = spec_mod.load_spec(pkg)
+    assert spec.bos_token_id == 1 and set(spec.eos_token_ids) == {2, 0} and spec.pad_token_id == 2
+    assert spec.chat_template == (real / "chat_template.jinja").read_text()

@@ -1212,9 +1212,11 @@ def write_package(out_dir: str | os.PathLike[str], cfg: SyntheticConfig, weights
 
     `weights`: HF Llama names (see `hf_weight_shapes`), numpy arrays or torch tensors of any float
     dtype, cast to cfg.dtype. None: random weights, generated one tensor at a time and streamed
-    into model.onnx.data (never the whole model in memory); for models under 2**27 parameters, or
-    without CUDA, they equal `random_weights(cfg, seed)` exactly; larger ones on a CUDA host use
-    torch's CUDA generator (same distributions, other values). `tokenizer_dir`: copy
+    into model.onnx.data (never the whole model in memory). Up to 2**27 parameters they equal
+    `random_weights(cfg, seed)` exactly; larger models use torch's generator (CUDA when available,
+    else CPU; same distributions, other values; `reference_weights(cfg, None, seed)` on the same
+    host reproduces them). Measured: LLAMA_1B in 6 s and LLAMA_8B in 17 s (2.2 GB peak RSS) on an
+    H200 host with 16 cores; LLAMA_1B in ~45 s on 2 CPU cores. `tokenizer_dir`: copy
     tokenizer.json / tokenizer_config.json / chat_template.jinja from there (cfg.vocab_size must be
     >= its size) instead of building the tiny byte-level BPE. Returns the package path.
     Raises ConversionError for missing/mis-shaped weights or a too-small vocab.
@@ -1252,10 +1254,8 @@ def write_package(out_dir: str | os.PathLike[str], cfg: SyntheticConfig, weights
     )
     if template is not None:
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
-    if tokenizer_dir is not None:
-        for extra in ("special_tokens_map.json", "generation_config.json"):
-            if (Path(tokenizer_dir) / extra).is_file() and extra != "generation_config.json":
-                shutil.copy(Path(tokenizer_dir) / extra, out / extra)
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "special_tokens_map.json").is_file():
+        shutil.copy(Path(tokenizer_dir) / "special_tokens_map.json", out / "special_tokens_map.json")
 
     src = _Source(cfg, weights, seed)
     b = _Builder(cfg, src)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,7 +59,7 @@ class NativeDecoder:
         self._dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         if spec.kv_dtype not in _KV_DTYPES:
             raise BackendUnavailable(f"the native backend does not support KV dtype {spec.kv_dtype!r}")
-        self.program: Program = lower(spec.decoder_path, spec, self._dev)
+        self.program: Program = _shared_program(spec, self._dev)
         self.kv = KVBuffers(
             spec.num_layers, spec.num_kv_heads, spec.head_size, _KV_DTYPES[spec.kv_dtype], self._dev,
             floor=kv_floor, max_capacity=spec.context_length,
@@ -239,6 +240,21 @@ class NativeDecoder:
             env, ctx = self._static_env()
             out = self._exec(env, ctx)
         return graph, out
+
+
+_PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
+
+
+def _shared_program(spec: Any, dev: torch.device) -> Program:
+    """Decoders of one package on one device share the lowered program (and so the weights)."""
+    path = spec.decoder_path
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name)
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+        prog = lower(path, spec, dev)
+        _PROGRAMS[key] = prog
+    return prog
 
 
 def _input_dtype(spec: Any, name: str | None, default: torch.dtype) -> torch.dtype:

@@ -23,13 +23,14 @@ import torch
 import torch.nn.functional as F
 
 FORCE_TRITON = os.environ.get("ONNXGEN_FORCE_TRITON") == "1"
+DISABLE_TRITON = os.environ.get("ONNXGEN_NO_TRITON") == "1"
 _TRITON: Any = None
 _TRITON_OK: bool | None = None
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     global _TRITON_OK
-    if not (t.is_cuda or FORCE_TRITON):
+    if DISABLE_TRITON or not (t.is_cuda or FORCE_TRITON):
         return False
     if _TRITON_OK is None:
         try:
@@ -205,24 +206,27 @@ def _build() -> None:
                    SPLIT: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
         h = tl.program_id(0)
         sp = tl.program_id(1)
-        seqlen = tl.load(SEQ).to(tl.int32)
+        seqlen = tl.max(tl.load(SEQ + tl.arange(0, 2), mask=tl.arange(0, 2) < 1, other=0), 0).to(tl.int32)
         rows = tl.arange(0, GP)
         dcol = tl.arange(0, DP)
         rmask = rows < G
         dmask = dcol < D
         q = tl.load(Q + (h * G + rows)[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-        lo = sp * SPLIT
-        hi = tl.minimum(lo + SPLIT, seqlen)
+        base_n = sp * SPLIT
+        hi = tl.minimum(base_n + SPLIT, seqlen)
+        lo = base_n
         if window > 0:
-            lo = tl.maximum(lo, seqlen - window)
+            lo = tl.maximum(base_n, seqlen - window)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
         kbase = K + h.to(tl.int64) * sk_h
         vbase = V + h.to(tl.int64) * sv_h
-        for start in range(lo, hi, BLOCK_N):
-            offs = start + tl.arange(0, BLOCK_N)
-            nm = offs < hi
+        # A fixed trip count (blocks past `hi` are fully masked: no memory traffic) keeps the kernel
+        # free of data-dependent loop bounds.
+        for i in range(0, SPLIT // BLOCK_N):
+            offs = base_n + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            nm = (offs < hi) & (offs >= lo)
             k = tl.load(kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -232,8 +236,9 @@ def _build() -> None:
                 s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
             s = tl.where(nm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
             if IEEE:
@@ -269,7 +274,7 @@ def _build() -> None:
     def _rope_qkv(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
                   D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
         hh = tl.program_id(0)
-        pos = tl.load(POS).to(tl.int64)
+        pos = tl.max(tl.load(POS + tl.arange(0, 2), mask=tl.arange(0, 2) < 1, other=0), 0).to(tl.int64)
         j = tl.arange(0, DP)
         mj = j < D
         rot = (j < 2 * HALF) & (hh < N + HKV)
@@ -287,12 +292,11 @@ def _build() -> None:
         c = tl.load(COS + pos * cos_stride + fi, mask=mj & rot, other=1.0).to(tl.float32)
         s = tl.load(SIN + pos * cos_stride + fi, mask=mj & rot, other=0.0).to(tl.float32)
         o = tl.where(rot, x * c + sign * xp * s, x).to(QO.dtype.element_ty)
-        if hh < N:
-            tl.store(QO + hh * D + j, o, mask=mj)
-        elif hh < N + HKV:
-            tl.store(KB + (hh - N).to(tl.int64) * sk_h + pos * sk_s + j, o, mask=mj)
-        else:
-            tl.store(VB + (hh - N - HKV).to(tl.int64) * sv_h + pos * sv_s + j, o, mask=mj)
+        tl.store(QO + hh * D + j, o, mask=mj & (hh < N))
+        kh = tl.minimum(tl.maximum(hh - N, 0), HKV - 1).to(tl.int64)
+        tl.store(KB + kh * sk_h + pos * sk_s + j, o, mask=mj & (hh >= N) & (hh < N + HKV))
+        vh = tl.minimum(tl.maximum(hh - N - HKV, 0), HKV - 1).to(tl.int64)
+        tl.store(VB + vh * sv_h + pos * sv_s + j, o, mask=mj & (hh >= N + HKV))
 
     _TRITON = {"rms": _rms, "silu_mul": _silu_mul, "dec_split": _dec_split, "dec_combine": _dec_combine,
                "rope_qkv": _rope_qkv}  # fmt: skip

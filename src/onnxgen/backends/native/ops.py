@@ -584,7 +584,7 @@ def _simplified_ln(node: Node) -> Fn:
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         dims = x.dim() - _axis(axis, x.dim())
-        if dims == 1 and x.device.type != "cpu":
+        if dims == 1:
             return (kernels.rms_norm(x, None, w, eps)[0], None)
         return (_rms(x, w, eps, dims), None)
 
@@ -598,9 +598,9 @@ def _skip_simplified_ln(node: Node) -> Fn:
     def f(ctx: Any, x: Any, skip: Any, w: Any, bias: Any = None) -> tuple[Any, ...]:
         if bias is not None:
             x = x + bias
-        if x.device.type != "cpu" and x.shape == skip.shape:
+        if x.shape == skip.shape:
             y, s = kernels.rms_norm(x, skip, w, eps)
-            return (y, None, None, s)
+            return (y, None, None, s if want_sum else None)
         s = x + skip
         return (_rms(s, w, eps), None, None, s if want_sum else None)
 
@@ -640,7 +640,7 @@ def _rms_norm23(node: Node) -> Fn:
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         dims = x.dim() - _axis(axis, x.dim())
-        if dims == 1 and x.device.type != "cpu":
+        if dims == 1:
             return (kernels.rms_norm(x, None, w, eps)[0],)
         return (_rms(x, w, eps, dims),)
 

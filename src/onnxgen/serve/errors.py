@@ -1,0 +1,71 @@
+"""HTTP errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onnxgen.errors import Cancelled, ContextOverflow, InvalidRequest, OnnxgenError, TemplateError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """An error response. `param` names the offending request field (OpenAI's convention)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def from_engine_error(exc: BaseException, *, prompt_field: str = "messages") -> APIError:
+    """Map a typed onnxgen error to an APIError (bad input → 400 naming the field)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextOverflow):
+        return APIError(400, str(exc), param=prompt_field, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequest):
+        field = exc.field
+        if field == "prompt":
+            field = prompt_field
+        elif field == "max_new_tokens":
+            field = "max_tokens"
+        return APIError(400, str(exc), param=field, code="invalid_value")
+    if isinstance(exc, TemplateError):
+        return APIError(400, f"the chat template failed on these messages: {exc}", param=prompt_field,
+                        code="invalid_value")  # fmt: skip
+    if isinstance(exc, Cancelled):
+        return APIError(499, "the request was cancelled", code="cancelled")
+    if isinstance(exc, OnnxgenError):
+        return APIError(500, f"{type(exc).__name__}: {exc}", code="internal_error")
+    return APIError(500, f"internal error: {type(exc).__name__}", code="internal_error")

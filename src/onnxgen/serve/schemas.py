@@ -1,0 +1,85 @@
+"""OpenAI request schemas (pydantic lives only in `serve/`). Responses are plain dicts built in
+`app.py` in the same shapes as the OpenAI API.
+
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; types are checked here and
+ranges by the engine (`SamplingParams`), so there is one source of truth for valid values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class JsonSchemaSpec(_Model):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Model):
+    """`text`, `json_object`, `json_schema` (OpenAI) and the extensions `regex` (field `regex`)
+    and `lark` / `grammar` (field `grammar`, a Lark grammar in llguidance's dialect)."""
+
+    type: Literal["text", "json_object", "json_schema", "regex", "lark", "grammar"]
+    json_schema: JsonSchemaSpec | None = None
+    regex: str | None = None
+    grammar: str | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None

@@ -1,0 +1,64 @@
+"""The server's session registry: session ids → engine sessions, scoped to API keys.
+
+Ids are random 128-bit values (`secrets.token_hex(16)`). A session is visible only to the key that
+created it; each key has its own default session (for requests without `X-Session-Id`), so
+retained KV, and therefore prefix reuse, never crosses keys.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any
+
+
+class SessionLimit(Exception):
+    """The key already holds `max_per_key` sessions."""
+
+
+class SessionStore:
+    def __init__(self, model: Any, max_per_key: int = 1024) -> None:
+        self.model = model
+        self.max_per_key = max_per_key
+        self._lock = threading.Lock()
+        self._sessions: dict[str, tuple[str, Any]] = {}  # id -> (owner key id, Session)
+        self._defaults: dict[str, Any] = {}  # owner key id -> Session
+        self._per_key: dict[str, int] = {}
+
+    def create(self, owner: str) -> str:
+        with self._lock:
+            if self._per_key.get(owner, 0) >= self.max_per_key:
+                raise SessionLimit()
+            sid = secrets.token_hex(16)
+            self._sessions[sid] = (owner, self.model.session(name=f"http-{sid[:8]}"))
+            self._per_key[owner] = self._per_key.get(owner, 0) + 1
+            return sid
+
+    def get(self, owner: str, sid: str) -> Any | None:
+        """The session `sid` if it exists and belongs to `owner` (else None: indistinguishable)."""
+        with self._lock:
+            hit = self._sessions.get(sid)
+        if hit is None or not secrets.compare_digest(hit[0], owner):
+            return None
+        return hit[1]
+
+    def default(self, owner: str) -> Any:
+        with self._lock:
+            s = self._defaults.get(owner)
+            if s is None:
+                s = self._defaults[owner] = self.model.session(name=f"default-{owner[:8]}")
+            return s
+
+    def remove(self, owner: str, sid: str) -> Any | None:
+        """Forget `sid` (if `owner` holds it) and return its Session for closing, else None."""
+        with self._lock:
+            hit = self._sessions.get(sid)
+            if hit is None or not secrets.compare_digest(hit[0], owner):
+                return None
+            del self._sessions[sid]
+            self._per_key[owner] -= 1
+            return hit[1]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions) + len(self._defaults)

@@ -1,0 +1,82 @@
+"""One engine worker per model: a thread that runs requests in arrival order, behind a bounded queue.
+
+`submit(fn)` enqueues a job and returns it at once; a full queue raises `QueueFull` (the app
+answers 429 with Retry-After). Each job carries a `cancel` event: set before the job starts, the
+job is skipped; set while it runs, the engine raises `Cancelled` at its next step and the session
+drops its retained state (REUSE.md invariant 2). The job's outcome lands in a
+`concurrent.futures.Future` (await it with `asyncio.wrap_future`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from onnxgen.errors import Cancelled
+
+
+class QueueFull(Exception):
+    """The worker's queue holds `max_queue` waiting requests already."""
+
+
+class Job:
+    def __init__(self, fn: Callable[[threading.Event], Any]) -> None:
+        self.fn = fn
+        self.cancel = threading.Event()
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+
+class EngineWorker:
+    """Runs jobs one at a time on a dedicated thread. `max_queue` bounds the jobs waiting (not
+    counting the one running)."""
+
+    def __init__(self, max_queue: int = 64, name: str = "onnxgen-engine") -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.max_queue = max_queue
+        self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._running = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting plus the one running."""
+        return self._q.qsize() + self._running
+
+    def submit(self, fn: Callable[[threading.Event], Any]) -> Job:
+        """Enqueue `fn(cancel_event)`; raises QueueFull when `max_queue` jobs already wait."""
+        job = Job(fn)
+        try:
+            self._q.put_nowait(job)
+        except queue.Full:
+            raise QueueFull() from None
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            if job.cancel.is_set():
+                job.future.set_exception(Cancelled("cancelled while queued"))
+                continue
+            self._running = 1
+            try:
+                result = job.fn(job.cancel)
+            except BaseException as exc:
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+            finally:
+                self._running = 0
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """Stop after the queued jobs (blocks while the queue is full)."""
+        self._q.put(None)
+        self._thread.join(timeout)
