@@ -8,7 +8,7 @@ from pathlib import Path
 import onnxgen
 
 SRC = Path(onnxgen.__file__).parent
-SEAM = {"kv_len", "rewind_to", "reset"}
+SEAM = {"kv_len", "rewind_to"}  # names unique to the decoder seam; reset() is checked at run time below
 
 
 def _calls(path: Path) -> list[tuple[str, int]]:
@@ -41,6 +41,46 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     return names
+
+
+def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch):
+    """Every kv_len/rewind_to/reset call on a decoder during generation, reuse, eviction, failure
+    and cancellation comes from engine/reuse.py (or from inside the backend itself)."""
+    import sys
+    import threading
+
+    from onnxgen.backends.ort.decoder import OrtDecoder
+
+    callers: list[str] = []
+
+    def spy(name):
+        original = getattr(OrtDecoder, name)
+
+        def wrapped(self, *a, **k):
+            callers.append(Path(sys._getframe(1).f_code.co_filename).as_posix())
+            return original(self, *a, **k)
+
+        monkeypatch.setattr(OrtDecoder, name, wrapped)
+
+    for name in ("kv_len", "rewind_to", "reset"):
+        spy(name)
+    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1, max_sessions=1)
+    a, b = m.session(), m.session()
+    base = list(range(3, 40))
+    r = a.generate(base, max_new_tokens=4)
+    a.generate(base + r.tokens + [5], max_new_tokens=4)  # Keep
+    a.generate(base[:10] + [7] + base[11:], max_new_tokens=4)  # Rewind
+    b.generate(base, max_new_tokens=4)  # evicts a (max_sessions=1)
+    ev = threading.Event()
+    try:
+        b.generate(base, max_new_tokens=4, on_token=lambda _: ev.set(), cancel=ev)
+    except onnxgen.OnnxgenError:
+        pass
+    m.generate(base, max_new_tokens=2, reuse=False)
+    b.clear()
+    assert callers, "the spy saw no seam calls"
+    bad = sorted({c for c in callers if not (c.endswith("onnxgen/engine/reuse.py") or "/onnxgen/backends/" in c)})
+    assert bad == []
 
 
 def test_backends_do_not_import_the_engine_and_kv_imports_no_backend():

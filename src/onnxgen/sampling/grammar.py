@@ -26,7 +26,7 @@ import json
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -60,8 +60,8 @@ class GrammarCompiler:
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self.ll_tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=list(self.eos_ids))
 
-    _cache: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
-    _cache_lock = threading.Lock()
+    _cache: ClassVar[weakref.WeakKeyDictionary[Any, GrammarCompiler]] = weakref.WeakKeyDictionary()
+    _cache_lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
     def for_model(cls, model: Any) -> GrammarCompiler:

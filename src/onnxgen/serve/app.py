@@ -3,7 +3,7 @@
     app = create_app(onnxgen.load(path), ServerConfig(api_keys=("secret",)))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-This module owns HTTP only. A request is validated here (JSON, schema types, model name, sampling
+This module (FastAPI, imported only by the server) owns HTTP only. A request is validated here (JSON, schema types, model name, sampling
 ranges through the engine's `SamplingParams`, prompt length through `Model.encode_prompt`), turned
 into token ids + keyword arguments for `Session.generate`, and handed to the model's single
 `EngineWorker`, which runs requests in order. Generation, reuse and sampling live in the engine.
@@ -25,9 +25,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from onnxgen.errors import Cancelled, GrammarError, InvalidRequest
 from onnxgen.serve.errors import APIError, from_engine_error
 from onnxgen.serve.metrics import Metrics
+from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
 from onnxgen.serve.sessions import SessionLimit, SessionStore
 from onnxgen.serve.worker import EngineWorker, QueueFull
 
@@ -95,11 +101,9 @@ class _Server:
         scheme, _, token = auth.partition(" ")
         token = token.strip()
         if scheme.lower() == "bearer" and token:
-            kid = _key_id(token)
             for known_id, key in self.keys.items():
                 if secrets.compare_digest(token.encode(), key.encode()):
                     return known_id
-            del kid
         raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     async def read_json(self, request: Any, schema: Any) -> Any:
@@ -357,13 +361,6 @@ def _flatten_content(content: Any, i: int) -> str:
 
 def create_app(model: Any, config: ServerConfig | None = None) -> Any:
     """A FastAPI app serving `model` (an `onnxgen.Model`). See the module docstring."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
-
     server = _Server(model, config or ServerConfig())
     app = FastAPI(title="onnxgen", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -382,17 +379,7 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
         err = from_engine_error(exc)
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Any) -> Any:
-        path = request.url.path
-        route = path if path in ROUTES else ("/v1/sessions/{id}" if path.startswith("/v1/sessions/") else "other")
-        try:
-            response = await call_next(request)
-        except Exception:
-            server.metrics.request(route, 500)
-            raise
-        server.metrics.request(route, response.status_code)
-        return response
+    app.add_middleware(_CountRequests, metrics=server.metrics)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -470,9 +457,23 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         if prep.stream:
-            return StreamingResponse(_stream(request, prep, chat=chat, rid=rid, created=created),
-                                     media_type="text/event-stream",
-                                     headers={**headers, "Cache-Control": "no-cache"})  # fmt: skip
+            # Queue the job before the response starts, so a full queue is still a plain 429.
+            loop = asyncio.get_running_loop()
+            items: asyncio.Queue[tuple[str, Any, Any]] = asyncio.Queue()
+            rec = prep.recorder
+            sent = [0]
+
+            def on_token(piece: str) -> None:  # on the worker thread
+                new = None
+                if rec is not None:
+                    new = rec.entries[sent[0] :]
+                    sent[0] += len(new)
+                loop.call_soon_threadsafe(items.put_nowait, ("token", piece, new))
+
+            job = server.submit(prep, on_token)
+            job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(items.put_nowait, ("done", f, None)))
+            gen = _stream(prep, job, items, sent, chat=chat, rid=rid, created=created)
+            return StreamingResponse(gen, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
         job = server.submit(prep)
         try:
             result = await _await_job(request, job, server)
@@ -509,22 +510,11 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
     def _sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-    async def _stream(request: Request, prep: _Prepared, *, chat: bool, rid: str, created: int) -> AsyncIterator[str]:
-        # The job is queued before the response starts, so a full queue is still a plain 429.
-        loop = asyncio.get_running_loop()
-        items: asyncio.Queue[tuple[str, Any, Any]] = asyncio.Queue()
+    async def _stream(
+        prep: _Prepared, job: Any, items: asyncio.Queue[tuple[str, Any, Any]], sent: list[int],
+        *, chat: bool, rid: str, created: int,
+    ) -> AsyncIterator[str]:  # fmt: skip
         rec = prep.recorder
-        sent = [0]
-
-        def on_token(piece: str) -> None:  # worker thread
-            new = None
-            if rec is not None:
-                new = rec.entries[sent[0] :]
-                sent[0] += len(new)
-            loop.call_soon_threadsafe(items.put_nowait, ("token", piece, new))
-
-        job = server.submit(prep, on_token)
-        job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(items.put_nowait, ("done", f, None)))
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": created, "model": server.model_id, "system_fingerprint": None}
         usage_null = {"usage": None} if prep.include_usage else {}
@@ -572,6 +562,32 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
                 job.future.add_done_callback(_consume)
 
     return app
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting responses by route and status (streams stay unbuffered)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        route = path if path in ROUTES else ("/v1/sessions/{id}" if path.startswith("/v1/sessions/") else "other")
+        status = [500]
+
+        async def send_wrapper(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.request(route, status[0])
 
 
 class RunningServer:

@@ -1,0 +1,72 @@
+"""`onnxgen serve`: the OpenAI-compatible HTTP server (see onnxgen.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from onnxgen.cli.options import add_model_args
+from onnxgen.errors import InvalidRequest
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions, /health and /metrics. "
+        "Binds 127.0.0.1 unless --host says otherwise. Conversations reuse their KV across requests: name a "
+        "session with the X-Session-Id header (POST /v1/sessions creates one), or rely on the per-key default.",
+    )
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (repeatable)")  # fmt: skip
+    p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
+                   help="read API keys from FILE, one per line (# comments allowed)")  # fmt: skip
+    p.add_argument("--max-sessions", type=int, default=8, metavar="N",
+                   help="sessions whose KV is retained at once (LRU beyond; default: 8)")  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait for the engine; beyond, 429 with Retry-After (default: 64)")  # fmt: skip
+    p.add_argument("--model-id", default=None, help="the model name clients use (default: the package folder's name)")
+    p.set_defaults(func=run)
+
+
+def read_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = [k.strip() for k in args.api_key or [] if k.strip()]
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise InvalidRequest(f"{args.api_key_file}: cannot read API keys ({exc})", field="api_key_file") from exc
+        keys += [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        if not keys:
+            raise InvalidRequest(f"{args.api_key_file}: holds no API key", field="api_key_file")
+    return tuple(dict.fromkeys(keys))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from onnxgen.serve.app import ServerConfig, create_app
+    except ImportError as exc:
+        raise InvalidRequest(f"the server needs the serve extra: pip install 'onnxgen[serve]' ({exc})") from exc
+    if args.max_sessions < 1 or args.max_queue < 1:
+        raise InvalidRequest("--max-sessions and --max-queue must be >= 1", field="max_sessions")
+    keys = read_keys(args)
+    import onnxgen
+
+    opts: dict[str, Any] = {"max_sessions": args.max_sessions}
+    if args.threads:
+        opts["threads"] = args.threads
+    model = onnxgen.load(args.model, backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
+    app = create_app(model, ServerConfig(api_keys=keys, max_queue=args.max_queue, model_id=args.model_id))
+    auth = f"{len(keys)} API key(s)" if keys else "no API key (anyone who can reach the port can use it)"
+    print(f"onnxgen: serving {app.state.server.model_id!r} on http://{args.host}:{args.port}/v1 · "
+          f"{model.backend}/{model.device} · {auth}", file=sys.stderr)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    app.state.server.close()
+    return 0

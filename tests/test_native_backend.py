@@ -1,0 +1,319 @@
+"""The native backend (ONNX graph lowered to torch, KV owned by the runtime) against independent references.
+
+References: a plain `onnxruntime.InferenceSession` on the same package fed past/present KV by hand
+(teacher-forced: both sides get the reference's greedy tokens), and for int4 a float64 torch Llama
+forward on the dequantized weights. Errors are norm-relative per step: ||out - ref|| / ||ref||.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+
+from onnxgen.backends.native.decoder import NativeDecoder  # noqa: E402
+from onnxgen.convert.synthetic import SyntheticConfig, reference_weights, write_package  # noqa: E402
+from onnxgen.errors import UnsupportedOp  # noqa: E402
+from onnxgen.package.spec import load_spec  # noqa: E402
+
+TINY = SyntheticConfig(num_layers=2, context_length=2048)
+
+
+class OrtRef:
+    """onnxruntime on the package, past/present KV carried by hand (growing concat-style past)."""
+
+    def __init__(self, spec: Any) -> None:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        self.spec = spec
+        self.sess = ort.InferenceSession(str(spec.decoder_path), so, providers=["CPUExecutionProvider"])
+        self.out_names = [o.name for o in self.sess.get_outputs()]
+        self.reset()
+
+    def reset(self) -> None:
+        s = self.spec
+        dt = {"float32": np.float32, "float16": np.float16}[s.kv_dtype]
+        empty = np.zeros((1, s.num_kv_heads, 0, s.head_size), dt)
+        self.past = {n: empty for n in (*s.past_key_names, *s.past_value_names)}
+        self.n = 0
+
+    def forward(self, toks: list[int]) -> np.ndarray:
+        s = self.spec
+        total = self.n + len(toks)
+        feeds = {s.input_ids_name: np.array([toks], np.int64), **self.past}
+        if s.attention_mask_name:
+            feeds[s.attention_mask_name] = np.ones((1, total), np.int64)
+        if s.position_ids_name:
+            feeds[s.position_ids_name] = np.arange(self.n, total, dtype=np.int64)[None]
+        res = dict(zip(self.out_names, self.sess.run(None, feeds), strict=True))
+        for pk, pv, ck, cv in zip(s.past_key_names, s.past_value_names, s.present_key_names,
+                                  s.present_value_names, strict=True):  # fmt: skip
+            self.past[pk], self.past[pv] = res[ck], res[cv]
+        self.n = total
+        return res[s.logits_name][0, -1].astype(np.float64)
+
+
+def rel(out: Any, ref: np.ndarray) -> float:
+    o = out.detach().cpu().double().numpy() if hasattr(out, "detach") else np.asarray(out, np.float64)
+    return float(np.linalg.norm(o - ref) / np.linalg.norm(ref))
+
+
+def teacher_forced(dec: NativeDecoder, ref: OrtRef, prompt: list[int], steps: int) -> list[float]:
+    """Prefill `prompt`, then `steps` single-token steps fed with the reference's greedy tokens."""
+    r = ref.forward(prompt)
+    out = dec.forward(prompt, 0)
+    assert out.dtype == torch.float32 and out.dim() == 1 and out.shape[0] == dec.spec.vocab_size
+    errs = [rel(out, r)]
+    for _ in range(steps):
+        t = int(np.argmax(r))
+        r = ref.forward([t])
+        errs.append(rel(dec.forward([t], dec.kv_len()), r))
+    return errs
+
+
+def _pkg(tmp_path_factory: pytest.TempPathFactory, name: str, cfg: SyntheticConfig, seed: int = 1) -> Path:
+    return write_package(tmp_path_factory.mktemp(name) / "pkg", cfg, seed=seed)
+
+
+def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+# --- parity -------------------------------------------------------------------------------------------
+
+
+def test_smollm2_parity_vs_onnxruntime(smollm2_dir: Path) -> None:
+    spec = load_spec(smollm2_dir)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(spec.tokenizer_path))
+    prompt = tok.encode("The history of the printing press begins in the fifteenth century, when").ids
+    errs = teacher_forced(NativeDecoder(spec), OrtRef(spec), prompt, 60)
+    assert len(errs) == 61
+    assert max(errs) <= 1e-5, errs
+
+
+STYLES = {
+    "gqa": TINY,
+    "plain": dataclasses.replace(TINY, attention="plain"),
+    "onnx23": dataclasses.replace(TINY, attention="onnx23"),
+    "tied": dataclasses.replace(TINY, tie_embeddings=True),
+    "window_softcap": dataclasses.replace(TINY, local_window_size=8, softcap=30.0),
+    "odd_heads": dataclasses.replace(TINY, hidden_size=96, num_heads=6, num_kv_heads=2, head_size=48),
+}
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_tiny_fixture_parity(style: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    spec = load_spec(_pkg(tmp_path_factory, style, STYLES[style]))
+    errs = teacher_forced(NativeDecoder(spec, kv_floor=16), OrtRef(spec), _prompt(20, 384), 60)
+    assert max(errs) <= 1e-5, errs
+
+
+@pytest.mark.parametrize("style", ["gqa", "window_softcap"])
+def test_static_decode_path_matches_onnxruntime(style: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The code path CUDA graphs capture (device-side length, writes by index, masked attention over the
+    whole bucket, fused rope+KV write) run eagerly on the CPU."""
+    spec = load_spec(_pkg(tmp_path_factory, "static_" + style, STYLES[style]))
+    dec = NativeDecoder(spec, kv_floor=16, static_decode=True)
+    assert dec._static_decode
+    errs = teacher_forced(dec, OrtRef(spec), _prompt(12, 384), 40)  # crosses the 16 -> 32 -> 64 buckets
+    assert max(errs) <= 1e-5, errs
+
+
+def test_fp16_package_close_to_onnxruntime(tmp_path_factory: pytest.TempPathFactory) -> None:
+    spec = load_spec(_pkg(tmp_path_factory, "fp16", dataclasses.replace(TINY, dtype="float16")))
+    dec = NativeDecoder(spec)
+    assert dec.kv.dtype == torch.float16
+    errs = teacher_forced(dec, OrtRef(spec), _prompt(20, 384), 20)
+    assert max(errs) <= 1e-2, errs
+
+
+# --- int4 ---------------------------------------------------------------------------------------------
+
+
+def _llama_f64(cfg: SyntheticConfig, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """Float64 Llama forward (all positions) on HF-named weights: the int4 reference."""
+    t = {k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in w.items()}
+    x = t["model.embed_tokens.weight"][torch.tensor(ids)]
+    n, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    s = len(ids)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.arange(s, dtype=torch.float64)[:, None] * inv[None]
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1), torch.cat((ang.sin(), ang.sin()), -1)
+
+    def norm(v: Any, g: Any) -> Any:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * g
+
+    def rot(v: Any) -> Any:  # [H, S, D]
+        half = d // 2
+        return v * cos + torch.cat((-v[..., half:], v[..., :half]), -1) * sin
+
+    mask = torch.full((s, s), float("-inf"), dtype=torch.float64).triu(1)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, t[p + "input_layernorm.weight"])
+        q = (h @ t[p + "self_attn.q_proj.weight"].T).reshape(s, n, d).transpose(0, 1)
+        k = (h @ t[p + "self_attn.k_proj.weight"].T).reshape(s, hkv, d).transpose(0, 1)
+        v = (h @ t[p + "self_attn.v_proj.weight"].T).reshape(s, hkv, d).transpose(0, 1)
+        q, k = rot(q), rot(k)
+        k, v = k.repeat_interleave(n // hkv, 0), v.repeat_interleave(n // hkv, 0)
+        a = torch.softmax(q @ k.transpose(-1, -2) / d**0.5 + mask, -1) @ v
+        x = x + a.transpose(0, 1).reshape(s, n * d) @ t[p + "self_attn.o_proj.weight"].T
+        h = norm(x, t[p + "post_attention_layernorm.weight"])
+        g = h @ t[p + "mlp.gate_proj.weight"].T
+        x = x + (torch.nn.functional.silu(g) * (h @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+    x = norm(x, t["model.norm.weight"])
+    head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    return (x @ head.T).numpy()
+
+
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_int4_matmulnbits_vs_float64_and_onnxruntime(zero_points: bool, tmp_path_factory: pytest.TempPathFactory) -> None:
+    cfg = dataclasses.replace(TINY, quant="int4", accuracy_level=1, quant_zero_points=zero_points,
+                              quant_embeddings=zero_points)  # fmt: skip
+    pkg = _pkg(tmp_path_factory, f"int4_{zero_points}", cfg, seed=3)
+    spec = load_spec(pkg)
+    dec, ref = NativeDecoder(spec), OrtRef(spec)
+    prompt = _prompt(16, 384, seed=5)
+    # greedy with the native decoder, then check every step against float64 and onnxruntime
+    seq = list(prompt)
+    out = dec.forward(prompt, 0)
+    outs = [out]
+    ort_out = [ref.forward(prompt)]
+    for _ in range(40):
+        t = int(out.argmax())
+        assert t == int(np.argmax(ort_out[-1])), "greedy token differs from onnxruntime"
+        seq.append(t)
+        out = dec.forward([t], dec.kv_len())
+        outs.append(out)
+        ort_out.append(ref.forward([t]))
+    full = _llama_f64(cfg, reference_weights(cfg, seed=3), seq)
+    for j, o in enumerate(outs):
+        assert rel(o, full[len(prompt) - 1 + j]) <= 1e-3
+        assert rel(o, ort_out[j]) <= 1e-3
+
+
+# --- KV: rewind, buckets, chunks ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return load_spec(_pkg(tmp_path_factory, "tiny_kv", TINY, seed=2))
+
+
+def test_rewind_then_refeed_gives_identical_logits(tiny_spec: Any) -> None:
+    dec = NativeDecoder(tiny_spec, kv_floor=16)
+    prompt = _prompt(10, 384)
+    dec.forward(prompt, 0)
+    toks = [11, 22, 33, 44, 55]
+    first = [dec.forward([t], dec.kv_len()).clone() for t in toks]
+    assert dec.kv_len() == 15
+    assert dec.rewind_to(12) and dec.kv_len() == 12
+    again = [dec.forward([t], dec.kv_len()) for t in toks[2:]]
+    for a, b in zip(first[2:], again, strict=True):
+        assert torch.equal(a, b)
+    dec.reset()
+    assert dec.kv_len() == 0
+    assert rel(dec.forward(prompt, 0), NativeDecoder(tiny_spec).forward(prompt, 0).double().numpy()) <= 1e-6
+
+
+def test_bucket_growth_256_512_1024_in_one_sequence(tiny_spec: Any) -> None:
+    dec = NativeDecoder(tiny_spec)  # default floor 256
+    ref = OrtRef(tiny_spec)
+    seen = []
+    toks = _prompt(1030, 384, seed=9)
+    pos = 0
+    for chunk in (200, 100, 250, 300, 170):
+        out = dec.forward(toks[pos : pos + chunk], pos)
+        r = ref.forward(toks[pos : pos + chunk])
+        pos += chunk
+        seen.append(dec.kv.capacity)
+        assert rel(out, r) <= 1e-5
+    while pos < 1030:
+        out = dec.forward([toks[pos]], pos)
+        r = ref.forward([toks[pos]])
+        pos += 1
+        seen.append(dec.kv.capacity)
+    assert rel(out, r) <= 1e-5
+    assert sorted(set(seen)) == [256, 512, 1024, 2048]
+    assert dec.kv_bytes() == 2 * 2 * 2 * 2048 * 16 * 4  # layers * (K,V) * heads * cap * dim * fp32
+
+
+def test_chunked_prefill_after_cached_tokens_equals_unchunked(tiny_spec: Any) -> None:
+    toks = _prompt(45, 384, seed=4)
+    whole = NativeDecoder(tiny_spec, kv_floor=16)
+    ref = whole.forward(toks, 0).double().numpy()
+    chunked = NativeDecoder(tiny_spec, kv_floor=16)
+    pos = 0
+    for c in (10, 7, 1, 27):
+        out = chunked.forward(toks[pos : pos + c], pos)
+        pos += c
+    assert rel(out, ref) <= 1e-5
+    nxt = int(np.argmax(ref))
+    assert rel(chunked.forward([nxt], 45), whole.forward([nxt], 45).double().numpy()) <= 1e-5
+
+
+def test_kv_stays_in_model_dtype_and_is_not_mirrored(tmp_path_factory: pytest.TempPathFactory) -> None:
+    spec = load_spec(_pkg(tmp_path_factory, "bf16", dataclasses.replace(TINY, dtype="bfloat16")))
+    dec = NativeDecoder(spec, kv_floor=16)
+    out = dec.forward(_prompt(5, 384), 0)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert all(k.dtype == torch.bfloat16 for k in dec.kv.keys + dec.kv.values)
+    assert dec.kv_bytes() == 2 * 2 * 2 * 16 * 16 * 2
+
+
+def test_unsupported_op_fails_at_load(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import onnx
+
+    pkg = _pkg(tmp_path_factory, "unsupported", TINY)
+    model = onnx.load(str(pkg / "model.onnx"), load_external_data=False)
+    victim = next(n for n in model.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    victim.op_type, victim.domain, victim.name = "FancyNorm", "com.example", "the_victim"
+    onnx.save(model, str(pkg / "model.onnx"))
+    with pytest.raises(UnsupportedOp) as info:
+        NativeDecoder(load_spec(pkg))
+    msg = str(info.value)
+    assert "com.example::FancyNorm" in msg and "the_victim" in msg and "com.microsoft::GroupQueryAttention" in msg
+    assert info.value.op == "FancyNorm" and info.value.node == "the_victim"
+
+
+def test_prefill_never_builds_seq_by_vocab_logits(tiny_spec: Any) -> None:
+    dec = NativeDecoder(tiny_spec)
+    shapes = []
+    for st in dec.program.steps:
+        if dec.program.logits_slot in st.outs:
+            fn = st.fn
+
+            def spy(*a: Any, _fn: Any = fn) -> Any:
+                res = _fn(*a)
+                shapes.append(tuple(res[0].shape))
+                return res
+
+            st.fn = spy
+    dec.forward(_prompt(30, 384), 0)
+    assert shapes == [(1, 1, 384)]
+
+
+# --- GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_matches_cpu(graphs: bool, tiny_spec: Any) -> None:
+    cpu = NativeDecoder(tiny_spec)
+    gpu = NativeDecoder(tiny_spec, "cuda", cuda_graphs=graphs, kv_floor=16)
+    assert gpu.info["cuda_graphs"] == graphs
+    toks = _prompt(20, 384)
+    a, b = cpu.forward(toks, 0), gpu.forward(toks, 0)
+    assert b.device.type == "cuda"
+    assert rel(b, a.double().numpy()) <= 1e-4
+    for t in range(40):
+        a, b = cpu.forward([t + 3], cpu.kv_len()), gpu.forward([t + 3], gpu.kv_len())
+        assert rel(b, a.double().numpy()) <= 1e-4
