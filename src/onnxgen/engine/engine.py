@@ -56,7 +56,10 @@ class Engine:
         self._prototype = create_decoder(self.spec, self.backend, device, **backend_options)
         self._prototype_lock = threading.Lock()
         self.pool = DecoderPool(self._new_decoder)
-        self.pool.release(self._prototype)
+        if getattr(self._prototype, "fork", None) is None:
+            # Without fork the prototype is an ordinary decoder. With fork it must stay out of the
+            # pool: the pool closes surplus decoders, and a closed prototype cannot fork.
+            self.pool.release(self._prototype)
         self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
         self._default_session = Session(self, name="default")
         self.package_key = f"{self.spec.path.resolve()}|{self.spec.kv_dtype}|{self.backend}|{device}"
