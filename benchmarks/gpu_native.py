@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_native_out")
 OUT.mkdir(parents=True, exist_ok=True)
-LOG = open(OUT / "gpu_native.log", "a", buffering=1)  # noqa: SIM115
+LOG = open(OUT / "gpu_native.log", "a", buffering=1)
 RESULTS: dict[str, Any] = {}
 
 
@@ -132,7 +132,9 @@ def kernels_check() -> None:
             out = K.decode_attention(q, kb, vb, seq, 0.1, sc, win)
             e = rel(out, ref)
             ok &= e < tol
-            log(f"decode_attention {dt} n={n} hkv={hkv} d={d} cap={cap} len={L} softcap={sc} win={win}: err {e:.2e}")
+            log(
+                f"decode_attention {dt} n={n} hkv={hkv} d={d} cap={cap} len={L} softcap={sc} win={win}: err {e:.2e}"
+            )
         x = torch.randn(7, 4096, dtype=dt, device="cuda")
         s = torch.randn_like(x)
         w = torch.randn(4096, dtype=dt, device="cuda")
@@ -188,7 +190,9 @@ def _hf_model(cfg: Any, weights: dict[str, np.ndarray] | None, dtype: torch.dtyp
     if weights is not None:
         sd = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dtype) for k, v in weights.items()}
         missing, unexpected = model.load_state_dict(sd, strict=False)
-        missing = [m for m in missing if "rotary" not in m and not (cfg.tie_embeddings and m == "lm_head.weight")]
+        missing = [
+            m for m in missing if "rotary" not in m and not (cfg.tie_embeddings and m == "lm_head.weight")
+        ]
         assert not missing and not unexpected, (missing, unexpected)
     return model.eval()
 
@@ -333,11 +337,18 @@ def bench(shapes: list[str], with_hf: bool) -> None:
         int(first.argmax())
         r["load_to_first_token_s"] = time.perf_counter() - t0
         r["load_s"] = t_load
-        log(name, "native load", f"{t_load:.1f}s", "to first token", f"{r['load_to_first_token_s']:.1f}s", dec.info)
+        log(
+            name,
+            "native load",
+            f"{t_load:.1f}s",
+            "to first token",
+            f"{r['load_to_first_token_s']:.1f}s",
+            dec.info,
+        )
         for plen in (512, 4096):
             prompt = rng.integers(0, 32000, plen).tolist()
 
-            def pre(prompt: list[int] = prompt) -> None:
+            def pre(prompt: list[int] = prompt, dec: Any = dec) -> None:
                 dec.reset()
                 dec.forward(prompt, 0)
 
@@ -405,7 +416,9 @@ def memory(with_hf: bool) -> None:
         kv = 2 * LLAMA_8B.num_layers * LLAMA_8B.num_kv_heads * LLAMA_8B.head_dim * plen * 2
         hf = torch.cuda.max_memory_allocated() - base - kv
         RESULTS["mem_hf_8k_beyond_GB"] = hf / 1e9
-        log(f"transformers 8k prefill: peak beyond weights+KV {hf / 1e9:.3f} GB; ratio native/hf {nat / hf:.2f}")
+        log(
+            f"transformers 8k prefill: peak beyond weights+KV {hf / 1e9:.3f} GB; ratio native/hf {nat / hf:.2f}"
+        )
         del model, cache
         _free()
 
@@ -440,11 +453,16 @@ def profile() -> None:
                 rows.append((ev.key, dev_t / reps / 1e3, ev.count / reps))
         rows.sort(key=lambda r: -r[1])
         total = sum(r[1] for r in rows)
-        (OUT / f"profile_{mode}.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=60))
+        (OUT / f"profile_{mode}.txt").write_text(
+            prof.key_averages().table(sort_by="self_device_time_total", row_limit=60)
+        )
         log(f"per-kernel breakdown of one 8B decode step ({mode}); kernel time {total:.3f} ms/step")
         for k, ms, cnt in rows[:14]:
             log(f"  {ms:8.3f} ms  {cnt:6.1f}x  {k[:90]}")
-        RESULTS[f"profile_{mode}"] = {"kernel_ms_per_step": total, "top": [(k[:80], ms, cnt) for k, ms, cnt in rows[:20]]}
+        RESULTS[f"profile_{mode}"] = {
+            "kernel_ms_per_step": total,
+            "top": [(k[:80], ms, cnt) for k, ms, cnt in rows[:20]],
+        }
         if rows:
             break
     dec.close()
@@ -452,11 +470,17 @@ def profile() -> None:
 
 def table() -> None:
     log("\n================ summary ================")
-    log(f"copy bandwidth {RESULTS.get('copy_bw_TBps', float('nan')):.2f} TB/s; kernels ok: {RESULTS.get('kernels_ok')}")
+    log(
+        f"copy bandwidth {RESULTS.get('copy_bw_TBps', float('nan')):.2f} TB/s; kernels ok: {RESULTS.get('kernels_ok')}"
+    )
     for k, v in RESULTS.items():
         if k.startswith("parity_"):
-            log(f"{k:32s} max err {v['max_err']:.2e} argmax {v['argmax_agree']} pass={v['pass']} graphs={v['cuda_graphs']}")
-    log(f"{'shape':5s} {'prompt':>6s} {'TTFT native':>12s} {'TTFT hf':>9s} {'tok/s native':>13s} {'tok/s hf':>9s} {'floor%':>7s}")
+            log(
+                f"{k:32s} max err {v['max_err']:.2e} argmax {v['argmax_agree']} pass={v['pass']} graphs={v['cuda_graphs']}"
+            )
+    log(
+        f"{'shape':5s} {'prompt':>6s} {'TTFT native':>12s} {'TTFT hf':>9s} {'tok/s native':>13s} {'tok/s hf':>9s} {'floor%':>7s}"
+    )
     for name in ("1b", "8b"):
         r = RESULTS.get(f"bench_{name}")
         if not r:
@@ -465,7 +489,9 @@ def table() -> None:
             log(f"{name:5s} {plen:6d} {r.get(f'native_ttft_{plen}_ms', float('nan')):10.1f}ms "
                 f"{r.get(f'hf_ttft_{plen}_ms', float('nan')):7.1f}ms {r.get(f'native_decode_{plen}_tps', float('nan')):13.1f} "
                 f"{r.get(f'hf_decode_{plen}_tps', float('nan')):9.1f} {r.get(f'native_decode_{plen}_floor_frac', float('nan')):7.0%}")  # fmt: skip
-        log(f"{name}: load {r.get('load_s', float('nan')):.1f}s, load-to-first-token {r.get('load_to_first_token_s', float('nan')):.1f}s")
+        log(
+            f"{name}: load {r.get('load_s', float('nan')):.1f}s, load-to-first-token {r.get('load_to_first_token_s', float('nan')):.1f}s"
+        )
     if "mem_native_8k_beyond_GB" in RESULTS:
         log(f"8k prefill (8B) peak beyond weights+KV: native {RESULTS['mem_native_8k_beyond_GB']:.3f} GB, "
             f"transformers {RESULTS.get('mem_hf_8k_beyond_GB', float('nan')):.3f} GB")  # fmt: skip

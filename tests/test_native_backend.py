@@ -168,14 +168,20 @@ def _llama_f64(cfg: SyntheticConfig, w: dict[str, np.ndarray], ids: list[int]) -
         x = x + a.transpose(0, 1).reshape(s, n * d) @ t[p + "self_attn.o_proj.weight"].T
         h = norm(x, t[p + "post_attention_layernorm.weight"])
         g = h @ t[p + "mlp.gate_proj.weight"].T
-        x = x + (torch.nn.functional.silu(g) * (h @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+        x = (
+            x
+            + (torch.nn.functional.silu(g) * (h @ t[p + "mlp.up_proj.weight"].T))
+            @ t[p + "mlp.down_proj.weight"].T
+        )
     x = norm(x, t["model.norm.weight"])
     head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
     return (x @ head.T).numpy()
 
 
 @pytest.mark.parametrize("zero_points", [False, True])
-def test_int4_matmulnbits_vs_float64_and_onnxruntime(zero_points: bool, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_int4_matmulnbits_vs_float64_and_onnxruntime(
+    zero_points: bool, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     cfg = dataclasses.replace(TINY, quant="int4", accuracy_level=1, quant_zero_points=zero_points,
                               quant_embeddings=zero_points)  # fmt: skip
     pkg = _pkg(tmp_path_factory, f"int4_{zero_points}", cfg, seed=3)
@@ -280,7 +286,11 @@ def test_unsupported_op_fails_at_load(tmp_path_factory: pytest.TempPathFactory) 
     with pytest.raises(UnsupportedOp) as info:
         NativeDecoder(load_spec(pkg))
     msg = str(info.value)
-    assert "com.example::FancyNorm" in msg and "the_victim" in msg and "com.microsoft::GroupQueryAttention" in msg
+    assert (
+        "com.example::FancyNorm" in msg
+        and "the_victim" in msg
+        and "com.microsoft::GroupQueryAttention" in msg
+    )
     assert info.value.op == "FancyNorm" and info.value.node == "the_victim"
 
 

@@ -70,7 +70,9 @@ class KVBuffers:
         new_k, new_v = [], []
         for layer in range(self.num_layers):
             k = torch.empty((1, self.num_kv_heads, cap, self.head_dim), dtype=self.dtype, device=self.device)
-            v = torch.empty((1, self.num_kv_heads, cap, self.value_head_dim), dtype=self.dtype, device=self.device)
+            v = torch.empty(
+                (1, self.num_kv_heads, cap, self.value_head_dim), dtype=self.dtype, device=self.device
+            )
             if n:
                 k[:, :, :n].copy_(self.keys[layer][:, :, :n])
                 v[:, :, :n].copy_(self.values[layer][:, :, :n])

@@ -56,7 +56,9 @@ class NativeDecoder:
             raise BackendUnavailable("device='cuda' but torch sees no CUDA device; use device='cpu'")
         self.spec = spec
         self.device = device
-        self._dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self._dev = (
+            torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        )
         if spec.kv_dtype not in _KV_DTYPES:
             raise BackendUnavailable(f"the native backend does not support KV dtype {spec.kv_dtype!r}")
         self.program: Program = _shared_program(spec, self._dev)
@@ -114,7 +116,9 @@ class NativeDecoder:
 
     # --- running --------------------------------------------------------------------------------
 
-    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None
+    ) -> torch.Tensor:
         assert start_pos == self.kv.length, f"start_pos {start_pos} != kv_len {self.kv.length}"
         n = len(tokens)
         if n == 0:
@@ -138,7 +142,9 @@ class NativeDecoder:
                 return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
             logits = self._run_eager(tokens, start_pos, extra)
         except torch.cuda.OutOfMemoryError as exc:
-            raise DeviceOutOfMemory(f"the device ran out of memory running {n} token(s) at position {start_pos}") from exc
+            raise DeviceOutOfMemory(
+                f"the device ran out of memory running {n} token(s) at position {start_pos}"
+            ) from exc
         self.kv.set_length(total)
         return logits
 

@@ -48,7 +48,9 @@ def triton_available() -> bool:
 # --- torch references ----------------------------------------------------------------------------
 
 
-def rms_norm_ref(x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, Any]:
+def rms_norm_ref(
+    x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, Any]:
     s = x + skip if skip is not None else x
     sf = s.float()
     y = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
@@ -76,7 +78,9 @@ def decode_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor
 # --- public entry points -----------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, Any]:
+def rms_norm(
+    x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, Any]:
     if not _use_triton(x) or not x.is_contiguous() or (skip is not None and not skip.is_contiguous()):
         return rms_norm_ref(x, skip, w, eps)
     tl_k = _TRITON
@@ -192,13 +196,13 @@ def _build() -> None:
         tl.store(Y + row * N + cols, (y * w).to(X.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _silu_mul(G, U, O, N, BLOCK: tl.constexpr):
+    def _silu_mul(G, U, OUT, N, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = offs < N
         g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
         u = tl.load(U + offs, mask=m, other=0.0)
         s = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)
-        tl.store(O + offs, (s * u).to(U.dtype.element_ty), mask=m)
+        tl.store(OUT + offs, (s * u).to(U.dtype.element_ty), mask=m)
 
     @triton.jit
     def _dec_split(Q, K, V, SEQ, ACC, ML, sk_h, sk_s, sv_h, sv_s, scale, softcap, window, ML_STRIDE,
@@ -211,7 +215,9 @@ def _build() -> None:
         dcol = tl.arange(0, DP)
         rmask = rows < G
         dmask = dcol < D
-        q = tl.load(Q + (h * G + rows)[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            Q + (h * G + rows)[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0
+        )
         base_n = sp * SPLIT
         hi = tl.minimum(base_n + SPLIT, seqlen)
         lo = base_n
@@ -227,7 +233,11 @@ def _build() -> None:
         for i in range(0, SPLIT // BLOCK_N):
             offs = base_n + i * BLOCK_N + tl.arange(0, BLOCK_N)
             nm = (offs < hi) & (offs >= lo)
-            k = tl.load(kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+            k = tl.load(
+                kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :],
+                mask=nm[:, None] & dmask[None, :],
+                other=0.0,
+            )
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
@@ -240,7 +250,11 @@ def _build() -> None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(
+                vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :],
+                mask=nm[:, None] & dmask[None, :],
+                other=0.0,
+            )
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -252,7 +266,7 @@ def _build() -> None:
         tl.store(ML + ML_STRIDE + base + rows, l_i)
 
     @triton.jit
-    def _dec_combine(ACC, ML, O, ML_STRIDE, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    def _dec_combine(ACC, ML, OUT, ML_STRIDE, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                      DP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
         qh = tl.program_id(0)
         h = qh // G
@@ -262,13 +276,13 @@ def _build() -> None:
         dcol = tl.arange(0, DP)
         idx = (h * NSPLIT + sp) * GP + r
         m = tl.load(ML + idx, mask=smask, other=float("-inf"))
-        l = tl.load(ML + ML_STRIDE + idx, mask=smask, other=0.0)
+        lsum = tl.load(ML + ML_STRIDE + idx, mask=smask, other=0.0)
         mx = tl.max(m, 0)
         w = tl.where(smask & (m > float("-inf")), tl.exp(m - mx), 0.0)
-        den = tl.sum(w * l, 0)
+        den = tl.sum(w * lsum, 0)
         acc = tl.load(ACC + idx[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], 0) / den
-        tl.store(O + qh * D + dcol, o.to(O.dtype.element_ty), mask=dcol < D)
+        tl.store(OUT + qh * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
 
     @triton.jit
     def _rope_qkv(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
@@ -300,5 +314,3 @@ def _build() -> None:
 
     _TRITON = {"rms": _rms, "silu_mul": _silu_mul, "dec_split": _dec_split, "dec_combine": _dec_combine,
                "rope_qkv": _rope_qkv}  # fmt: skip
-
-

@@ -216,14 +216,16 @@ def _bind_kv(nodes: list[O.Node], spec: Any) -> tuple[list[O.Node], bool]:
             continue
         layers = {past[x][0] for _, x in hits}
         if len(layers) != 1:
-            raise UnsupportedModel(f"node {n.name!r} reads the past KV of several layers; cannot bind the KV cache")
+            raise UnsupportedModel(
+                f"node {n.name!r} reads the past KV of several layers; cannot bind the KV cache"
+            )
         layer = layers.pop()
         if n.domain == "com.microsoft" and n.op == "GroupQueryAttention":
             if {i for i, _ in hits} != {3, 4}:
                 raise UnsupportedModel(f"{n.name}: past KV in unexpected GroupQueryAttention inputs")
             _check_gqa(n)
             n.inputs = [x if i not in (3, 4, 5, 6, 9) else "" for i, x in enumerate(n.inputs)]
-            n.outputs = [n.outputs[0], "", ""] + n.outputs[3:]
+            n.outputs = [n.outputs[0], "", "", *n.outputs[3:]]
             n.layer = layer
             if len(n.inputs) > 10 and n.inputs[10]:
                 static_ok = False
@@ -239,10 +241,14 @@ def _bind_kv(nodes: list[O.Node], spec: Any) -> tuple[list[O.Node], bool]:
             n.layer = layer
             if len(n.inputs) > 3 and n.inputs[3]:
                 static_ok = False
-        elif n.domain == "" and n.op == "Concat" and len(n.inputs) == 2 and hits[0][0] == 0 and len(hits) == 1:
+        elif (
+            n.domain == "" and n.op == "Concat" and len(n.inputs) == 2 and hits[0][0] == 0 and len(hits) == 1
+        ):
             ax = int(n.attr("axis"))
             if ax not in (2, -2) or n.outputs[0] not in present:
-                raise UnsupportedModel(f"{n.name}: Concat over the past KV must be on axis 2 and produce a present output")
+                raise UnsupportedModel(
+                    f"{n.name}: Concat over the past KV must be on axis 2 and produce a present output"
+                )
             n.op, n.domain = "KVConcat", "onnxgen"
             n.layer, n.kv_role = layer, past[hits[0][1]][1]
             static_ok = False
@@ -255,7 +261,9 @@ def _bind_kv(nodes: list[O.Node], spec: Any) -> tuple[list[O.Node], bool]:
         out.append(n)
     missing = [i for i in range(spec.num_layers) if i not in bound]
     if missing:
-        raise UnsupportedModel(f"no attention consumes the past KV of layer(s) {missing}; cannot bind the KV cache")
+        raise UnsupportedModel(
+            f"no attention consumes the past KV of layer(s) {missing}; cannot bind the KV cache"
+        )
     return out, static_ok
 
 
@@ -295,7 +303,8 @@ def _slice_before_lm_head(nodes: list[O.Node], logits: str, consts: dict[str, to
             break
         cur = producer.get(dyn[0])
     if cur is None or not (
-        (cur.op in ("MatMul", "Gemm") and cur.domain == "") or (cur.op == "MatMulNBits" and cur.domain == "com.microsoft")
+        (cur.op in ("MatMul", "Gemm") and cur.domain == "")
+        or (cur.op == "MatMulNBits" and cur.domain == "com.microsoft")
     ):
         log.warning("could not find the lm_head MatMul; logits of every position are computed")
         tail = O.Node("SliceLast", "onnxgen", "onnxgen/slice_logits", [logits + "::all"], [logits])
@@ -336,7 +345,12 @@ def _fuse_silu(nodes: list[O.Node], logits: str) -> list[O.Node]:
         mul.op, mul.domain, mul.inputs = "Silu", "onnxgen", [x]
         # silu(g) * u -> SiluMul(g, u)
         s_users = consumers.get(mul.outputs[0], [])
-        if len(s_users) == 1 and s_users[0].op == "Mul" and s_users[0].domain == "" and mul.outputs[0] != logits:
+        if (
+            len(s_users) == 1
+            and s_users[0].op == "Mul"
+            and s_users[0].domain == ""
+            and mul.outputs[0] != logits
+        ):
             m2 = s_users[0]
             other = [v for v in m2.inputs if v != mul.outputs[0]]
             if len(other) == 1:
@@ -388,9 +402,13 @@ def _prepare_linear(
             data, _idx, sc = n.inputs[0], n.inputs[1], n.inputs[2]
             zp = n.inputs[3] if len(n.inputs) > 3 else ""
             if data not in consts or sc not in consts or (zp and zp not in consts):
-                raise UnsupportedOp("GatherBlockQuantized(non-constant table)", n.domain, n.name, O.supported_ops())
+                raise UnsupportedOp(
+                    "GatherBlockQuantized(non-constant table)", n.domain, n.name, O.supported_ops()
+                )
             if int(n.attr("gather_axis", 0)) != 0:
-                raise UnsupportedOp("GatherBlockQuantized(gather_axis!=0)", n.domain, n.name, O.supported_ops())
+                raise UnsupportedOp(
+                    "GatherBlockQuantized(gather_axis!=0)", n.domain, n.name, O.supported_ops()
+                )
             shape, signed = int4_meta.get(data, (None, False))
             raw = consts[data]
             scales = consts[sc]
@@ -447,5 +465,3 @@ def _dce(nodes: list[O.Node], outputs: list[str]) -> list[O.Node]:
 
 def describe(program: Program) -> str:
     return f"{len(program.steps)} steps, {program.weight_bytes / 1e9:.2f} GB weights, ops: {', '.join(program.info['ops'])}"
-
-

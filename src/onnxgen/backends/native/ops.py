@@ -331,7 +331,9 @@ def _split(node: Node) -> Fn:
 
     def f(ctx: Any, x: Any, split: Any = None) -> tuple[Any, ...]:
         a = _axis(axis, x.dim())
-        sizes = _ints(split, ctx) if split is not None else (list(attr_split) if attr_split is not None else None)
+        sizes = (
+            _ints(split, ctx) if split is not None else (list(attr_split) if attr_split is not None else None)
+        )
         if sizes is None:
             n = int(num_outputs or nout)
             chunk = -(-x.shape[a] // n)
@@ -615,7 +617,9 @@ def _layer_norm(node: Node) -> Fn:
         a = _axis(axis, x.dim())
         shape = tuple(x.shape[a:])
         xf = x.float()
-        y = F.layer_norm(xf, shape, w.float().expand(shape), None if b is None else b.float().expand(shape), eps)
+        y = F.layer_norm(
+            xf, shape, w.float().expand(shape), None if b is None else b.float().expand(shape), eps
+        )
         return (y.to(x.dtype), None, None)
 
     return f
@@ -742,7 +746,9 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if ctx.static:
         assert s == 1 and bias is None and mask is None
         kv.write_at(layer, ctx.positions, k, v)
-        return kernels.decode_attention(q, kv.keys[layer], kv.values[layer], ctx.seqlen, scale, softcap, window)
+        return kernels.decode_attention(
+            q, kv.keys[layer], kv.values[layer], ctx.seqlen, scale, softcap, window
+        )
     pos0 = ctx.pos0
     kv.write(layer, pos0, k, v)
     total = pos0 + s
@@ -772,7 +778,9 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
         causal = False
     if q.device.type == "cuda":
         with _sdpa_kernels():
-            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, is_causal=causal, scale=scale)
+            return F.scaled_dot_product_attention(
+                q, kk, vv, attn_mask=attn_mask, is_causal=causal, scale=scale
+            )
     # CPU: explicit math (torch's CPU flash kernel costs milliseconds per call at decode sizes)
     scores = torch.matmul(q, kk.transpose(-1, -2)) * scale
     if causal:
@@ -819,20 +827,19 @@ def _gqa(node: Node) -> Fn:
         b, s, _h = query.shape
         if key is None:
             d = query.shape[2] // (n + 2 * hkv)
-            if (
-                not ctx.static
-                or qnw is not None
-                or not do_rotary
-                or query.device.type == "cpu"
-            ):
+            if not ctx.static or qnw is not None or not do_rotary or query.device.type == "cpu":
                 q = query[..., : n * d].reshape(b, s, n, d)
                 k = query[..., n * d : (n + hkv) * d].reshape(b, s, hkv, d)
                 v = query[..., (n + hkv) * d :].reshape(b, s, hkv, d)
             else:  # fused rotary + KV write for the static decode step
-                q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved)
+                q = kernels.rope_qkv_write(
+                    query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved
+                )
                 scale = scale_attr or 1.0 / math.sqrt(d)
                 kv = ctx.kv
-                o = kernels.decode_attention(q, kv.keys[layer], kv.values[layer], ctx.seqlen, scale, softcap, window)
+                o = kernels.decode_attention(
+                    q, kv.keys[layer], kv.values[layer], ctx.seqlen, scale, softcap, window
+                )
                 return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         else:
             d = query.shape[2] // n
@@ -959,7 +966,11 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
             zv = zv.reshape(-1).to(torch.int16)
         else:  # INT4/UINT4 tensor: packed flat
             zraw = zp.reshape(-1).to(torch.uint8)
-            zv = torch.stack(((zraw & 0x0F), (zraw >> 4)), dim=-1).reshape(-1)[: math.prod(zshape)].to(torch.int16)
+            zv = (
+                torch.stack(((zraw & 0x0F), (zraw >> 4)), dim=-1)
+                .reshape(-1)[: math.prod(zshape)]
+                .to(torch.int16)
+            )
         if signed:
             zv = torch.where(zv >= 8, zv - 16, zv)
         z = zv.reshape(zshape).float().repeat_interleave(block, dim=qa).narrow(qa, 0, shape[qa])
