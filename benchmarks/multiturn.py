@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _util import genai_model, machine, median, table  # noqa: E402
-
-import onnxgen  # noqa: E402
-from onnxgen.convert.default import resolve_model_path  # noqa: E402
-from onnxgen.engine.reuse import common_prefix  # noqa: E402
+import onnxgen
+from _util import genai_model, machine, median, table
+from onnxgen.convert.default import resolve_model_path
+from onnxgen.engine.reuse import common_prefix
 
 QUESTIONS = [
     "Hi! I'm planning a trip to Paris next spring. What should I see first?",

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _util import genai_generate, genai_model, interleave, machine, medians, table  # noqa: E402
-
-import onnxgen  # noqa: E402
-from onnxgen.convert.default import resolve_model_path  # noqa: E402
+import onnxgen
+from _util import genai_generate, genai_model, interleave, machine, medians, table
+from onnxgen.convert.default import resolve_model_path
 
 LONG = (
     "Here is a description of a small town. " * 3

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from onnxgen.errors import InvalidConfig, MissingModelFile, MissingTokenizer, PackageNotFound, UnsupportedModel
+from onnxgen.errors import (
+    InvalidConfig,
+    MissingModelFile,
+    MissingTokenizer,
+    PackageNotFound,
+    UnsupportedModel,
+)
 from onnxgen.package import load_spec
 
 
@@ -47,7 +53,7 @@ def test_missing_folder(tmp_path):
 
 def test_missing_config(pkg):
     (pkg / "genai_config.json").unlink()
-    with pytest.raises(InvalidConfig, match="genai_config.json: missing.*onnxgen convert"):
+    with pytest.raises(InvalidConfig, match=r"genai_config.json: missing.*onnxgen convert"):
         load_spec(pkg)
 
 
@@ -84,13 +90,13 @@ def test_mistyped_key(pkg):
 
 def test_layer_count_mismatch_names_the_missing_input(pkg):
     edit_config(pkg, lambda c: c["model"]["decoder"].__setitem__("num_hidden_layers", 3))
-    with pytest.raises(InvalidConfig, match="past_key_values.2.key"):
+    with pytest.raises(InvalidConfig, match=r"past_key_values\.2\.key"):
         load_spec(pkg)
 
 
 def test_missing_onnx_file(pkg):
     (pkg / "model.onnx").unlink()
-    with pytest.raises(MissingModelFile, match="model.onnx.*missing"):
+    with pytest.raises(MissingModelFile, match=r"model.onnx.*missing"):
         load_spec(pkg)
 
 
@@ -108,7 +114,7 @@ def test_corrupt_onnx_file(pkg):
 
 def test_missing_tokenizer(pkg):
     (pkg / "tokenizer.json").unlink()
-    with pytest.raises(MissingTokenizer, match="tokenizer.json: missing"):
+    with pytest.raises(MissingTokenizer, match=r"tokenizer\.json: missing"):
         load_spec(pkg)
 
 
