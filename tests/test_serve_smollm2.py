@@ -104,8 +104,9 @@ def test_twenty_json_schema_requests_all_validate(client):
 
 def test_json_object_and_regex_extensions(client):
     model_id = client.models.list().data[0].id
-    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Give me a JSON object."}],
-                                       max_tokens=200, response_format={"type": "json_object"})  # fmt: skip
+    r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content":
+                                       'Reply with a JSON object with the key "answer": what is 2+2?'}],
+                                       max_tokens=200, temperature=0, response_format={"type": "json_object"})  # fmt: skip
     assert isinstance(json.loads(r.choices[0].message.content), dict) and r.choices[0].finish_reason == "stop"
     r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "What year is it?"}],
                                        max_tokens=20, extra_body={"response_format": {"type": "regex",

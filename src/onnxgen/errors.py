@@ -131,5 +131,10 @@ class UnsupportedOp(UnsupportedModel):
         self.node = node
 
 
+class NotCapturable(OnnxgenError):
+    """Internal to the native backend: a step cannot run in a captured CUDA graph (it needs host
+    values or dynamic shapes); the decoder falls back to eager execution. Never reaches users."""
+
+
 class Cancelled(OnnxgenError):
     """The generation was cancelled by its caller (e.g. a client disconnected)."""

@@ -53,6 +53,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_spec(self.spec)
         self.chat_template = ChatTemplate.from_spec(self.spec, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys((*self.spec.eos_token_ids, *self.tokenizer.eos_token_ids)))
+        self._backend_options = dict(backend_options)
         self._prototype = create_decoder(self.spec, self.backend, device, **backend_options)
         self._prototype_lock = threading.Lock()
         self.pool = DecoderPool(self._new_decoder)
@@ -71,7 +72,7 @@ class Engine:
         if fork is not None:
             with self._prototype_lock:
                 return fork()
-        return create_decoder(self.spec, self.backend, self.device)
+        return create_decoder(self.spec, self.backend, self.device, **self._backend_options)
 
     def session(self, name: str | None = None) -> Session:
         """A new conversation whose KV is retained between its requests."""

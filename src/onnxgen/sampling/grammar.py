@@ -34,6 +34,11 @@ from onnxgen.errors import GrammarError
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 
+# JSON is laid out like json.dumps: `{"a": 1, "b": [2, 3]}`. Flexible whitespace lets a sampling
+# model wander through newlines and spaces until max_tokens; a fixed layout ends promptly. A schema
+# may override it with llguidance's "x-guidance" key (e.g. {"whitespace_flexible": true}).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 def _llg() -> Any:
     try:
@@ -84,7 +89,7 @@ class GrammarCompiler:
         field = "response_format"
         try:
             if kind == "json_object":
-                grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+                grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
             elif kind == "json_schema":
                 if isinstance(source, str):
                     try:
@@ -93,7 +98,7 @@ class GrammarCompiler:
                         raise GrammarError(f"the JSON schema is not valid JSON: {exc}", field=field) from exc
                 if not isinstance(source, Mapping):
                     raise GrammarError("the JSON schema must be a JSON object", field=field)
-                grammar = llg.LLMatcher.grammar_from_json_schema(dict(source))
+                grammar = llg.LLMatcher.grammar_from_json_schema(dict(source), defaults=JSON_LAYOUT)
             elif kind == "regex":
                 if not isinstance(source, str) or not source:
                     raise GrammarError("the regex must be a non-empty string", field=field)
@@ -157,8 +162,8 @@ class GrammarProcessor:
             allowed[list(self.compiler.eos_ids)] = True  # end cleanly rather than emit garbage
             return allowed
         m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        return bits[: self.compiler.vocab_size].astype(bool)
+        bits = np.unpackbits(self._bits.view(np.uint8), count=self.compiler.vocab_size, bitorder="little")
+        return bits.view(bool)
 
     def __call__(self, logits: Any, generated: Sequence[int]) -> Any:
         allowed = self.allowed(generated)
@@ -173,7 +178,7 @@ class GrammarProcessor:
             return logits
         x = logits if isinstance(logits, np.ndarray) and logits.dtype.kind == "f" else np.asarray(logits, np.float32)
         n = min(allowed.shape[0], x.shape[-1])
-        x[..., :n][..., ~allowed[:n]] = -np.inf
+        np.copyto(x[..., :n], np.float32(-np.inf), where=~allowed[:n])
         if x.shape[-1] > n:
             x[..., n:] = -np.inf
         return x

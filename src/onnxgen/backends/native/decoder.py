@@ -23,13 +23,14 @@ from typing import Any
 import torch
 
 from onnxgen.backends.native.lowering import Program, describe, lower
-from onnxgen.backends.native.ops import NotCapturable, RunCtx
+from onnxgen.backends.native.ops import RunCtx
 from onnxgen.errors import (
     BackendUnavailable,
     ContextOverflow,
     DeviceOutOfMemory,
     InvalidRequest,
     MissingRequiredInput,
+    NotCapturable,
 )
 from onnxgen.kv.buffers import KVBuffers
 

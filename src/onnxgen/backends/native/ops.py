@@ -23,12 +23,10 @@ import torch.nn.functional as F
 
 from onnxgen.backends.native import kernels
 from onnxgen.backends.native.weights import ONNX_TO_TORCH
+from onnxgen.errors import NotCapturable
 
 Fn = Callable[..., tuple[Any, ...]]
 
-
-class NotCapturable(RuntimeError):
-    """Raised inside a static (CUDA-graph) step when an op needs host data that changes per step."""
 
 
 @dataclass
