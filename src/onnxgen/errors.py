@@ -138,3 +138,35 @@ class NotCapturable(OnnxgenError):
 
 class Cancelled(OnnxgenError):
     """The generation was cancelled by its caller (e.g. a client disconnected)."""
+
+
+# --- server ---------------------------------------------------------------------------------
+
+
+class APIError(OnnxgenError):
+    """An HTTP error response of the server, OpenAI-shaped. `param` names the request field at
+    fault; `headers` are sent with the response (e.g. Retry-After)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+class QueueFull(OnnxgenError):
+    """The engine worker's queue already holds its maximum of waiting requests."""
+
+
+class SessionLimit(OnnxgenError):
+    """An API key already holds the maximum number of server sessions."""

@@ -3,4 +3,4 @@
 from onnxgen.sampling.params import SamplingParams
 from onnxgen.sampling.sampler import LogitsProcessor, Sampler
 
-__all__ = ["LogitsProcessor", "SamplingParams", "Sampler"]
+__all__ = ["LogitsProcessor", "Sampler", "SamplingParams"]

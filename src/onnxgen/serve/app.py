@@ -30,12 +30,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from onnxgen.errors import Cancelled, GrammarError, InvalidRequest
-from onnxgen.serve.errors import APIError, from_engine_error
+from onnxgen.errors import APIError, Cancelled, GrammarError, InvalidRequest, QueueFull, SessionLimit
+from onnxgen.serve.errors import error_body, from_engine_error
 from onnxgen.serve.metrics import Metrics
 from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
-from onnxgen.serve.sessions import SessionLimit, SessionStore
-from onnxgen.serve.worker import EngineWorker, QueueFull
+from onnxgen.serve.sessions import SessionStore
+from onnxgen.serve.worker import EngineWorker
 
 SESSION_HEADER = "X-Session-Id"
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/sessions")
@@ -367,17 +367,17 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        return JSONResponse(error_body(err), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         err = from_engine_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(error_body(err), status_code=err.status)
 
     app.add_middleware(_CountRequests, metrics=server.metrics)
 
@@ -543,7 +543,7 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
                 exc = payload.exception()
                 if exc is not None:
                     err = from_engine_error(exc)
-                    yield _sse(err.body())
+                    yield _sse(error_body(err))
                     break
                 result = payload.result()
                 server.record(result)
@@ -601,6 +601,7 @@ class RunningServer:
 
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from onnxgen.errors import Cancelled, ContextOverflow, InvalidRequest, OnnxgenError, TemplateError
+from onnxgen.errors import APIError, Cancelled, ContextOverflow, InvalidRequest, OnnxgenError, TemplateError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -18,34 +18,16 @@ _TYPES = {
 }
 
 
-class APIError(Exception):
-    """An error response. `param` names the offending request field (OpenAI's convention)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": _TYPES.get(self.status, "invalid_request_error"),
-                "param": self.param,
-                "code": self.code,
-            }
+def error_body(exc: APIError) -> dict[str, Any]:
+    """The JSON body of an error response."""
+    return {
+        "error": {
+            "message": exc.message,
+            "type": _TYPES.get(exc.status, "invalid_request_error"),
+            "param": exc.param,
+            "code": exc.code,
         }
+    }
 
 
 def from_engine_error(exc: BaseException, *, prompt_field: str = "messages") -> APIError:

@@ -11,9 +11,7 @@ import secrets
 import threading
 from typing import Any
 
-
-class SessionLimit(Exception):
-    """The key already holds `max_per_key` sessions."""
+from onnxgen.errors import SessionLimit
 
 
 class SessionStore:

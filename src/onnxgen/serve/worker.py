@@ -15,11 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from onnxgen.errors import Cancelled
-
-
-class QueueFull(Exception):
-    """The worker's queue holds `max_queue` waiting requests already."""
+from onnxgen.errors import Cancelled, QueueFull
 
 
 class Job:
