@@ -107,6 +107,13 @@ class OrtDecoder:
         self.can_rewind = device == "cpu"
         self._input_names = {i.name for i in self._session.get_inputs()}
         self._extra = [i for i in spec.extra_inputs if i.name in self._input_names]
+        logits_io = next(o for o in spec.outputs if o.name == spec.logits_name)
+        self._logits_dtype = _np_dtype(logits_io.dtype)
+        self._step_logits = np.empty((1, 1, spec.vocab_size), dtype=self._logits_dtype)
+        self._step_logits_ov = ort.OrtValue.ortvalue_from_numpy(self._step_logits)
+        self._ones = np.ones((1, 0), dtype=np.int64)
+        self._io: Any = None
+        self._io_kv: Any = None
         self._len = 0
         self._cap = 0
         self._keys: list[np.ndarray] = []
@@ -129,6 +136,7 @@ class OrtDecoder:
         self._len = 0
         self._cap = 0
         self._keys, self._values, self._kv_ov = [], [], []
+        self._io = self._io_kv = None
         if self.kv_mode == "concat":
             self._set_concat_kv(None)
 
@@ -202,26 +210,26 @@ class OrtDecoder:
         assert n > 0, "forward needs at least one token"
         spec = self.spec
         total = start_pos + n
-        io = self._session.io_binding()
+        if self.kv_mode == "shared":
+            self._ensure_capacity(total)
+            io = self._shared_binding()
+        else:
+            io = self._session.io_binding()
         io.bind_cpu_input(spec.input_ids_name, np.asarray([tokens], dtype=np.int64))
         if spec.attention_mask_name in self._input_names:
-            io.bind_cpu_input(spec.attention_mask_name, np.ones((1, total), dtype=np.int64))
+            if self._ones.shape[1] < total:
+                self._ones = np.ones((1, max(total, self._cap)), dtype=np.int64)
+            io.bind_cpu_input(spec.attention_mask_name, self._ones[:, :total])
         if spec.position_ids_name in self._input_names:
             io.bind_cpu_input(spec.position_ids_name, np.arange(start_pos, total, dtype=np.int64)[None, :])
         self._bind_extra(io, inputs)
-        if self.kv_mode == "shared":
-            self._ensure_capacity(total)
-        # NOTE: outputs come back in binding order: logits first, then (concat mode) k0, v0, k1, v1, ...
-        io.bind_output(spec.logits_name, "cpu")
-        for i in range(spec.num_layers):
-            k, v = self._kv_ov[2 * i], self._kv_ov[2 * i + 1]
-            io.bind_ortvalue_input(spec.past_key_names[i], k)
-            io.bind_ortvalue_input(spec.past_value_names[i], v)
-            if self.kv_mode == "shared":
-                io.bind_ortvalue_output(spec.present_key_names[i], k)
-                io.bind_ortvalue_output(spec.present_value_names[i], v)
+        # logits land in a host array we own (no per-step allocation for one-token steps)
+        logits = self._step_logits if n == 1 else np.empty((1, n, spec.vocab_size), dtype=self._logits_dtype)
+        io.bind_ortvalue_output(spec.logits_name, self._step_logits_ov if n == 1 else self._ort.OrtValue.ortvalue_from_numpy(logits))
         if self.kv_mode == "concat":
             for i in range(spec.num_layers):
+                io.bind_ortvalue_input(spec.past_key_names[i], self._kv_ov[2 * i])
+                io.bind_ortvalue_input(spec.past_value_names[i], self._kv_ov[2 * i + 1])
                 io.bind_output(spec.present_key_names[i], self.device)
                 io.bind_output(spec.present_value_names[i], self.device)
         try:
@@ -230,13 +238,27 @@ class OrtDecoder:
             if "bad_alloc" in str(exc) or "Failed to allocate memory" in str(exc):
                 raise DeviceOutOfMemory(f"onnxruntime ran out of memory on {self.device}: {exc}") from exc
             raise
-        outs = io.get_outputs()
-        logits = outs[0].numpy()
         if self.kv_mode == "concat":
-            self._kv_ov = list(outs[1:])
+            # NOTE: outputs come back in binding order: logits, then k0, v0, k1, v1, ...
+            self._kv_ov = list(io.get_outputs()[1:])
             self._hold = []
         self._len = total
-        return np.asarray(logits[0, -1], dtype=np.float32)
+        return np.array(logits[0, -1], dtype=np.float32)
+
+    def _shared_binding(self) -> Any:
+        """Shared mode's IO binding with every KV buffer bound as both past and present. Kept across
+        steps; rebuilt only when the buffers change (capacity growth or reset)."""
+        if self._io is None or self._io_kv is not self._kv_ov:
+            io = self._session.io_binding()
+            spec = self.spec
+            for i in range(spec.num_layers):
+                k, v = self._kv_ov[2 * i], self._kv_ov[2 * i + 1]
+                io.bind_ortvalue_input(spec.past_key_names[i], k)
+                io.bind_ortvalue_input(spec.past_value_names[i], v)
+                io.bind_ortvalue_output(spec.present_key_names[i], k)
+                io.bind_ortvalue_output(spec.present_value_names[i], v)
+            self._io, self._io_kv = io, self._kv_ov
+        return self._io
 
 
 def default_threads() -> int:
