@@ -48,18 +48,19 @@ def build_conversation(model, reply_tokens: int) -> list[list[dict[str, str]]]:
     return turns
 
 
-def run_session(model, turns, reply_tokens) -> list[float]:
+def run_session(model, prompts, reply_tokens) -> list[float]:
+    """Each turn's token ids (as onnxruntime-genai gets them: equal tokenisation work on both sides)."""
     s = model.session()
     out = []
-    for msgs in turns:
-        r = s.generate(msgs, max_new_tokens=reply_tokens)
+    for ids in prompts:
+        r = s.generate(ids, max_new_tokens=reply_tokens)
         out.append(r.stats.ttft_s)
     s.close()
     return out
 
 
-def run_fresh(model, turns) -> list[float]:
-    return [model.generate(msgs, max_new_tokens=1, reuse=False).stats.ttft_s for msgs in turns]
+def run_fresh(model, prompts) -> list[float]:
+    return [model.generate(ids, max_new_tokens=1, reuse=False).stats.ttft_s for ids in prompts]
 
 
 def run_genai(og_model, prompts: list[list[int]], reply_tokens: int) -> list[float]:
@@ -114,8 +115,8 @@ def main() -> int:
     turns = build_conversation(first, args.reply_tokens)
     prompts = [first.encode_prompt(t) for t in turns]
     og_model = genai_model(path, args.threads)
-    contenders = {f"{b} reuse": (lambda m=m: run_session(m, turns, args.reply_tokens)) for b, m in models.items()}
-    contenders |= {f"{b} fresh": (lambda m=m: run_fresh(m, turns)) for b, m in models.items()}
+    contenders = {f"{b} reuse": (lambda m=m: run_session(m, prompts, args.reply_tokens)) for b, m in models.items()}
+    contenders |= {f"{b} fresh": (lambda m=m: run_fresh(m, prompts)) for b, m in models.items()}
     contenders["ort-genai append"] = lambda: run_genai(og_model, prompts, args.reply_tokens)
     for fn in contenders.values():
         fn()  # warm-up

@@ -82,3 +82,17 @@ def test_plain_graph_uses_concat_and_matches_gqa(tiny_plain_dir, tiny_dir):
     b = run_steps(gqa, list(range(3, 25)), [30, 31, 32])
     for x, y in zip(a, b, strict=True):
         assert rel(x, y) < 1e-4
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dir", "tiny_plain_dir"])
+def test_last_position_graph_gives_the_same_logits(request, fixture):
+    spec = load_spec(request.getfixturevalue(fixture))
+    sliced = OrtDecoder(spec, threads=1)
+    full = OrtDecoder(spec, threads=1, last_logits=False)
+    assert sliced.last_logits and not full.last_logits
+    prompt = list(range(3, 50))
+    a = run_steps(sliced, prompt, [60, 61])
+    b = run_steps(full, prompt, [60, 61])
+    for x, y in zip(a, b, strict=True):
+        assert x.shape == (spec.vocab_size,) and rel(x, y) < 1e-6
+    assert sliced.fork().last_logits

@@ -134,14 +134,6 @@ class Engine:
         prompt: Prompt,
         *,
         max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         output_logits: bool = False,
         on_token: Callable[[str], Any] | None = None,
@@ -149,8 +141,12 @@ class Engine:
         inputs: Mapping[str, Any] | None = None,
         processors: Sequence[LogitsProcessor] = (),
         cancel: threading.Event | None = None,
+        **sampling: Any,
     ) -> tuple[Result, Identity]:
         """Run one request on `decoder`, whose cache holds `held` (None: unknown/empty).
+
+        `sampling` holds the `SamplingParams.resolve` keywords (temperature, top_k, top_p, min_p,
+        repetition_penalty, presence_penalty, frequency_penalty, seed); None means "not given".
 
         Returns the result and the identity of what the cache holds afterwards (prompt + every
         generated token except the last). Raises typed errors for bad input; backend errors
@@ -165,11 +161,10 @@ class Engine:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) for s in stops):
             raise InvalidRequest("stop must be a string or a list of strings", field="stop")
-        params = SamplingParams.resolve(
-            self.spec.search, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, seed=seed,
-        )  # fmt: skip
+        try:
+            params = SamplingParams.resolve(self.spec.search, **sampling)
+        except TypeError as exc:  # an unknown keyword argument
+            raise InvalidRequest(f"unknown generate() argument: {exc}", field="sampling") from exc
         self._check_inputs(inputs)
         identity = make_identity(ids, inputs, self.package_key)
         reused = reuse_policy.prepare(decoder, held if reuse else None, identity)

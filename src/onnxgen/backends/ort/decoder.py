@@ -39,11 +39,46 @@ def _np_dtype(name: str) -> Any:
     raise BackendUnavailable(f"the ort backend cannot hold KV of dtype {name!r}")
 
 
-def _graph_uses_gqa(spec: ModelSpec) -> bool:
+def _last_position_graph(model: Any, logits_name: str) -> bool:
+    """Rewrite `model` (in place) so the lm_head sees only the last position: a Slice of the hidden
+    states before the MatMul that produces the logits (possibly through a Cast). Prefill then never
+    computes a `[seq, vocab]` product. Returns False (model untouched) if the pattern is not found."""
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    node = producer.get(logits_name)
+    if node is not None and node.op_type == "Cast":
+        node = producer.get(node.input[0])
+    if node is None or node.op_type not in ("MatMul", "MatMulNBits", "Gemm"):
+        return False
+    hidden = node.input[0]
+    prefix = "/onnxgen/last_position"
+    graph.initializer.extend([
+        helper.make_tensor(f"{prefix}/starts", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor(f"{prefix}/ends", TensorProto.INT64, [1], [2**62]),
+        helper.make_tensor(f"{prefix}/axes", TensorProto.INT64, [1], [1]),
+    ])  # fmt: skip
+    sliced = f"{prefix}/output"
+    at = list(graph.node).index(node)
+    graph.node.insert(at, helper.make_node("Slice", [hidden, f"{prefix}/starts", f"{prefix}/ends", f"{prefix}/axes"],
+                                           [sliced], name=prefix))  # fmt: skip
+    node.input[0] = sliced
+    return True
+
+
+def _open_session(spec: ModelSpec, opts: Any, providers: list[str], last_logits: bool) -> tuple[Any, bool, bool]:
+    """Create the InferenceSession; returns (session, uses GroupQueryAttention, last-position logits)."""
     import onnx
+    import onnxruntime as ort
 
     model = onnx.load(str(spec.decoder_path), load_external_data=False)
-    return any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    gqa = any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    if last_logits and _last_position_graph(model, spec.logits_name):
+        # the graph comes from memory; its external weights stay in the package folder
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(spec.decoder_path.parent))
+        return ort.InferenceSession(model.SerializeToString(), opts, providers=providers), gqa, True
+    return ort.InferenceSession(str(spec.decoder_path), opts, providers=providers), gqa, False
 
 
 def _bucket(n: int, floor: int, limit: int) -> int:
@@ -57,7 +92,8 @@ class OrtDecoder:
     """Decoder over onnxruntime (see module docstring). Batch 1, one sequence.
 
     `threads` sets intra-op threads (None: onnxruntime's default). `kv_mode` forces "shared" or
-    "concat" (None: shared for GroupQueryAttention graphs on CPU).
+    "concat" (None: shared for GroupQueryAttention graphs on CPU). `last_logits` (default True)
+    rewrites the graph in memory so the lm_head runs on the last position only.
     """
 
     backend = "ort"
@@ -70,7 +106,8 @@ class OrtDecoder:
         threads: int | None = None,
         kv_floor: int = 256,
         kv_mode: str | None = None,
-        _shared: tuple[Any, str] | None = None,
+        last_logits: bool = True,
+        _shared: tuple[Any, str, bool] | None = None,
         **_: Any,
     ) -> None:
         import onnxruntime as ort
@@ -89,16 +126,16 @@ class OrtDecoder:
             raise InvalidRequest(f"unknown device {device!r}; choose cpu or cuda", field="device")
         self._ort = ort
         if _shared is not None:  # a fork: same InferenceSession (weights), own KV
-            self._session, kv_mode = _shared
+            self._session, kv_mode, self.last_logits = _shared
         else:
             opts = ort.SessionOptions()
             if threads:
                 opts.intra_op_num_threads = threads
                 opts.inter_op_num_threads = 1
             opts.log_severity_level = 3
-            self._session = ort.InferenceSession(str(spec.decoder_path), opts, providers=providers)
+            self._session, gqa, self.last_logits = _open_session(spec, opts, providers, last_logits)
             if kv_mode is None:
-                kv_mode = "shared" if device == "cpu" and _graph_uses_gqa(spec) else "concat"
+                kv_mode = "shared" if device == "cpu" and gqa else "concat"
         self._dtype = _np_dtype(spec.kv_dtype)
         self._kv_floor = kv_floor
         if kv_mode not in ("shared", "concat"):
@@ -157,7 +194,8 @@ class OrtDecoder:
 
     def fork(self) -> OrtDecoder:
         """A new decoder with an empty cache that shares this one's InferenceSession (weights)."""
-        return OrtDecoder(self.spec, self.device, kv_floor=self._kv_floor, _shared=(self._session, self.kv_mode))
+        shared = (self._session, self.kv_mode, self.last_logits)
+        return OrtDecoder(self.spec, self.device, kv_floor=self._kv_floor, _shared=shared)
 
     def close(self) -> None:
         self.reset()
@@ -224,8 +262,9 @@ class OrtDecoder:
             io.bind_cpu_input(spec.position_ids_name, np.arange(start_pos, total, dtype=np.int64)[None, :])
         self._bind_extra(io, inputs)
         # logits land in a host array we own (no per-step allocation for one-token steps)
-        logits = self._step_logits if n == 1 else np.empty((1, n, spec.vocab_size), dtype=self._logits_dtype)
-        io.bind_ortvalue_output(spec.logits_name, self._step_logits_ov if n == 1 else self._ort.OrtValue.ortvalue_from_numpy(logits))
+        one_row = n == 1 or self.last_logits
+        logits = self._step_logits if one_row else np.empty((1, n, spec.vocab_size), dtype=self._logits_dtype)
+        io.bind_ortvalue_output(spec.logits_name, self._step_logits_ov if one_row else self._ort.OrtValue.ortvalue_from_numpy(logits))
         if self.kv_mode == "concat":
             for i in range(spec.num_layers):
                 io.bind_ortvalue_input(spec.past_key_names[i], self._kv_ov[2 * i])
