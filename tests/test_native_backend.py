@@ -327,3 +327,24 @@ def test_cuda_matches_cpu(graphs: bool, tiny_spec: Any) -> None:
     for t in range(40):
         a, b = cpu.forward([t + 3], cpu.kv_len()), gpu.forward([t + 3], gpu.kv_len())
         assert rel(b, a.double().numpy()) <= 1e-4
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_prefill_and_chunks_after_cache_match_cpu(tmp_path: Any) -> None:
+    """bf16 on CUDA (flash attention, bottom-right causal over cached tokens) against the CPU path."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+    from onnxgen.package.spec import load_spec
+
+    cfg = SyntheticConfig(num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,
+                          vocab_size=384, dtype="bfloat16")  # fmt: skip
+    spec = load_spec(write_package(tmp_path / "bf16", cfg))
+    toks = _prompt(100, 384)
+    ref = NativeDecoder(spec).forward(toks, 0)
+    whole = NativeDecoder(spec, "cuda", kv_floor=16).forward(toks, 0)
+    gpu = NativeDecoder(spec, "cuda", kv_floor=16)
+    gpu.forward(toks[:40], 0)
+    gpu.forward(toks[40:57], 40)
+    chunked = gpu.forward(toks[57:], 57)
+    assert rel(whole, ref.double().numpy()) <= 2e-2
+    assert rel(chunked, ref.double().numpy()) <= 2e-2
+    assert int(chunked.argmax()) == int(ref.argmax())

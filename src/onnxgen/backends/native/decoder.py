@@ -201,7 +201,11 @@ class NativeDecoder:
 
     def _decode_graph(self, token: int, start: int) -> torch.Tensor | None:
         if self._graph_gen != self.kv.generation:
+            # NOTE: the KV buffers were reallocated, so every captured graph is stale. Dropping the
+            # graphs frees their private memory pool: forget its handle too, or the next capture
+            # would reuse a dead pool (PyTorch asserts `use_count > 0` in the caching allocator).
             self._graphs.clear()
+            self._pool = None
             self._graph_gen = self.kv.generation
         self._set_step(token, start)
         entry = self._graphs.get(self.kv.capacity)

@@ -96,10 +96,14 @@ def rms_norm(
     return y, (s if skip is not None else None)
 
 
-def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(g) * u`. With `out=g` the result overwrites `g` (callers guarantee nobody else reads it)."""
     if not _use_triton(g) or g.shape != u.shape or not (g.is_contiguous() and u.is_contiguous()):
+        if out is g and g.shape == torch.broadcast_shapes(g.shape, u.shape):
+            return F.silu(g, inplace=True).mul_(u)
         return F.silu(g) * u
-    out = torch.empty_like(g)
+    if out is None:
+        out = torch.empty_like(g)
     n = g.numel()
     block = 2048
     _TRITON["silu_mul"][(triton_cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
@@ -145,27 +149,29 @@ def decode_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, se
 
 def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, positions: torch.Tensor,
                    kv: Any, layer: int, n: int, hkv: int, d: int, interleaved: bool) -> torch.Tensor:  # fmt: skip
-    """One token's packed QKV `[1, 1, (n + 2*hkv) * d]` -> rotated q `[1, n, 1, d]`; rotated k and v are
-    written into `kv.keys[layer]` / `kv.values[layer]` at `positions` (`[1]` int64 on the device)."""
+    """Packed QKV of S tokens `[1, S, (n + 2*hkv) * d]` -> rotated q `[1, n, S, d]`; rotated k and v are
+    written into `kv.keys[layer]` / `kv.values[layer]` at `positions` (`[S]` int64 on the device).
+    One kernel launch on CUDA (decode and prefill alike)."""
     kb, vb = kv.keys[layer], kv.values[layer]
+    s = qkv.shape[1]
     if not _use_triton(qkv):
         from onnxgen.backends.native.ops import rope
 
-        q = qkv[..., : n * d].reshape(1, 1, n, d)
-        k = qkv[..., n * d : (n + hkv) * d].reshape(1, 1, hkv, d)
-        v = qkv[..., (n + hkv) * d :].reshape(1, 1, hkv, d)
+        q = qkv[..., : n * d].reshape(1, s, n, d)
+        k = qkv[..., n * d : (n + hkv) * d].reshape(1, s, hkv, d)
+        v = qkv[..., (n + hkv) * d :].reshape(1, s, hkv, d)
         cos = cos_c.index_select(0, positions).unsqueeze(1)
         sin = sin_c.index_select(0, positions).unsqueeze(1)
         q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
         kv.write_at(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
         return q.transpose(1, 2).contiguous()
     qkv = qkv.contiguous()
-    qout = torch.empty((1, n, 1, d), dtype=qkv.dtype, device=qkv.device)
+    qout = torch.empty((1, n, s, d), dtype=qkv.dtype, device=qkv.device)
     half = cos_c.shape[1]
-    _TRITON["rope_qkv"][(n + 2 * hkv,)](
+    _TRITON["rope_qkv"][(n + 2 * hkv, s)](
         qkv, cos_c, sin_c, positions, qout, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
-        cos_c.stride(0), n, hkv, D=d, HALF=half, DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved,
-        num_warps=1,
+        cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, s, D=d, HALF=half, DP=max(16, 1 << (d - 1).bit_length()),
+        INTERLEAVED=interleaved, num_warps=1,
     )  # fmt: skip
     return qout
 
@@ -285,10 +291,11 @@ def _build() -> None:
         tl.store(OUT + qh * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
 
     @triton.jit
-    def _rope_qkv(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
+    def _rope_qkv(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV, ROW, S,
                   D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
-        hh = tl.program_id(0)
-        pos = tl.max(tl.load(POS + tl.arange(0, 2), mask=tl.arange(0, 2) < 1, other=0), 0).to(tl.int64)
+        hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
+        t = tl.program_id(1)  # token
+        pos = tl.load(POS + t).to(tl.int64)
         j = tl.arange(0, DP)
         mj = j < D
         rot = (j < 2 * HALF) & (hh < N + HKV)
@@ -300,13 +307,13 @@ def _build() -> None:
             fi = tl.where(j < HALF, j, j - HALF)
             partner = tl.where(j < HALF, j + HALF, j - HALF)
             sign = tl.where(j < HALF, -1.0, 1.0)
-        base = QKV + hh * D
+        base = QKV + t.to(tl.int64) * ROW + hh * D
         x = tl.load(base + j, mask=mj, other=0.0).to(tl.float32)
         xp = tl.load(base + partner, mask=mj & rot, other=0.0).to(tl.float32)
         c = tl.load(COS + pos * cos_stride + fi, mask=mj & rot, other=1.0).to(tl.float32)
         s = tl.load(SIN + pos * cos_stride + fi, mask=mj & rot, other=0.0).to(tl.float32)
         o = tl.where(rot, x * c + sign * xp * s, x).to(QO.dtype.element_ty)
-        tl.store(QO + hh * D + j, o, mask=mj & (hh < N))
+        tl.store(QO + (hh * S + t).to(tl.int64) * D + j, o, mask=mj & (hh < N))
         kh = tl.minimum(tl.maximum(hh - N, 0), HKV - 1).to(tl.int64)
         tl.store(KB + kh * sk_h + pos * sk_s + j, o, mask=mj & (hh >= N) & (hh < N + HKV))
         vh = tl.minimum(tl.maximum(hh - N - HKV, 0), HKV - 1).to(tl.int64)

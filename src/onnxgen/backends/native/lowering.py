@@ -333,6 +333,7 @@ def _fuse_silu(nodes: list[O.Node], logits: str) -> list[O.Node]:
             if x:
                 consumers.setdefault(x, []).append(n)
     drop: set[int] = set()
+    produced = {o for n in nodes for o in n.outputs}
     for n in nodes:
         if n.op != "Sigmoid" or n.domain != "":
             continue
@@ -356,6 +357,10 @@ def _fuse_silu(nodes: list[O.Node], logits: str) -> list[O.Node]:
             if len(other) == 1:
                 drop.add(id(mul))
                 m2.op, m2.domain, m2.inputs = "SiluMul", "onnxgen", [x, other[0]]
+                # NOTE: when the gate is a node's output used only by this silu, SiluMul may overwrite
+                # it in place: the prefill activation peak then holds two [seq, inter] tensors, not three.
+                if x in produced and len(consumers.get(x, [])) == 2 and x not in (logits, other[0]):
+                    m2.attrs["gate_dead"] = 1
     return [n for n in nodes if id(n) not in drop]
 
 

@@ -217,6 +217,8 @@ def _silu(node: Node) -> Fn:  # fused by the lowering: x * sigmoid(x)
 
 
 def _silu_mul(node: Node) -> Fn:  # fused by the lowering: (g * sigmoid(g)) * u
+    if node.attr("gate_dead", 0):  # the lowering proved g has no other reader: write the result into it
+        return lambda ctx, g, u: (kernels.silu_mul(g, u, out=g),)
     return lambda ctx, g, u: (kernels.silu_mul(g, u),)
 
 
@@ -731,10 +733,14 @@ def _sdpa_kernels() -> Any:
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+_FLASH = [True]  # cleared if this torch build cannot run flash attention on our shapes
+
+
+def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *, scale: float,
            softcap: float = 0.0, window: int = -1, bias: torch.Tensor | None = None,
            mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """Append `k`/`v` (`[1, Hkv, S, D]`) to layer `layer`'s KV and attend `q` (`[1, N, S, D]`) over it.
+    """Append `k`/`v` (`[1, Hkv, S, D]`; None when already written) to layer `layer`'s KV and attend
+    `q` (`[1, N, S, D]`) over it.
 
     Causal, aligned bottom-right: query i (absolute position pos0 + i) sees keys j <= pos0 + i, and with
     `window` > 0 only the last `window` of them, j > pos0 + i - window (onnxruntime's local_window_size). `bias` is added to the scores; `mask` (bool, True =
@@ -748,10 +754,24 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
             q, kv.keys[layer], kv.values[layer], ctx.seqlen, scale, softcap, window
         )
     pos0 = ctx.pos0
-    kv.write(layer, pos0, k, v)
+    if k is not None:  # None: the caller already wrote this step's k/v at [pos0, pos0 + s)
+        kv.write(layer, pos0, k, v)
     total = pos0 + s
     kk, vv = kv.view(layer, total)
     n, hkv = q.shape[1], kk.shape[1]
+    if (_FLASH[0] and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and softcap <= 0
+            and bias is None and mask is None and window <= 0 and q.shape[-1] % 8 == 0):  # fmt: skip
+        # Flash attention reads the grouped KV as it is (no repeat_interleave copy of the whole cache) and
+        # its causal mask is aligned bottom-right, which is what a chunk after cached tokens needs.
+        try:
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                q, kk, vv, 0.0, is_causal=True, return_debug_mask=False, scale=scale
+            )[0]
+        except RuntimeError as exc:  # an unsupported shape/build: fall back for the rest of the process
+            _FLASH[0] = False
+            import logging
+
+            logging.getLogger(__name__).warning("flash attention unavailable (%s); using SDPA", exc)
     if n != hkv:
         kk = kk.repeat_interleave(n // hkv, dim=1)
         vv = vv.repeat_interleave(n // hkv, dim=1)
@@ -847,12 +867,20 @@ def _gqa(node: Node) -> Fn:
         if qnw is not None:
             q = _rms(q, qnw, qn_eps)
             k = _rms(k, knw, kn_eps)
+        scale = scale_attr or 1.0 / math.sqrt(d)
+        if key is None and do_rotary and qnw is None and not ctx.static:
+            # one fused launch: rotary on q and k, k/v written into the cache at their positions
+            assert ctx.pos0 + s <= ctx.kv.capacity
+            q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved)
+            if bias is not None:
+                bias, = _same(ctx, bias)  # fmt: skip
+            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
+            return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:
             pos = ctx.positions
             cos = cos_c.index_select(0, pos).unsqueeze(1)  # [S, 1, rd/2]
             sin = sin_c.index_select(0, pos).unsqueeze(1)
             q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
-        scale = scale_attr or 1.0 / math.sqrt(d)
         if bias is not None:
             bias, = _same(ctx, bias)  # fmt: skip
         o = attend(ctx, layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
