@@ -388,3 +388,20 @@ def test_random_request_sequences_match_fresh_runs(model, ops):
         assert r.stats.reused_tokens + r.stats.prefilled_tokens == len(prompt)
         check_same(r, fresh(model, prompt))
         history[cur] = prompt + r.tokens
+
+
+@pytest.mark.skipif(not native_available(), reason="native backend not importable")
+def test_capacity_bucket_growth_during_one_turn(tiny_dir):
+    """Native KV buckets (floor 16 here): turn 1 ends in the 32 bucket; turn 2 crosses the 64, 128 and
+    256 buckets in one request and still equals a fresh run."""
+    model = onnxgen.load(str(tiny_dir), backend="native", kv_floor=16)
+    s = model.session()
+    short = BASE[:12]
+    r1 = run(s, short)
+    assert s.kv_bytes() == 2 * 32 * model.spec.num_layers * model.spec.num_kv_heads * model.spec.head_size * 4
+    turn2 = short + r1.tokens + [int(t) % 300 + 3 for t in range(200, 420)]
+    r2 = run(s, turn2)
+    assert r2.stats.reused_tokens == len(short) + len(r1.tokens) - 1
+    assert r2.stats.prefilled_tokens == len(turn2) - r2.stats.reused_tokens
+    check_same(r2, fresh(model, turn2))
+    assert s.kv_bytes() == 2 * 256 * model.spec.num_layers * model.spec.num_kv_heads * model.spec.head_size * 4
