@@ -21,8 +21,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/onnxgen generate --prompt "What is the capital of France?"
 
+# pytest's exit code 5 (no tests collected) is a failure, never a pass.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	@$(BIN)/python -m pytest -q -p no:cacheprovider; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
