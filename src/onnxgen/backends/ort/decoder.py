@@ -17,7 +17,6 @@ OrtValues wrap without copying.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -299,10 +298,3 @@ class OrtDecoder:
             self._io, self._io_kv = io, self._kv_ov
         return self._io
 
-
-def default_threads() -> int:
-    """The number of cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1
