@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from onnxgen.backends import create_decoder, resolve_backend
 from onnxgen.backends.base import Decoder
 from onnxgen.engine import loop
@@ -23,6 +25,11 @@ from onnxgen.package.spec import ModelSpec
 from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def _all_ints(seq: Sequence[Any]) -> bool:
+    """True when every element is a plain int (bool excluded); fast for long lists of ids."""
+    return set(map(type, seq)) <= {int}
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
@@ -107,12 +114,13 @@ class Engine:
                 )
             text = self.chat_template.render(list(prompt), add_generation_prompt=True)  # type: ignore[arg-type]
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-            if bad:
+        elif isinstance(prompt, Sequence) and _all_ints(prompt):
+            ids = list(prompt)
+            arr = np.asarray(ids, dtype=np.int64)  # NOTE: vectorised: prompts may hold many thousand ids
+            if ids and (arr.min() < 0 or arr.max() >= self.spec.vocab_size):
+                bad = int(arr[(arr < 0) | (arr >= self.spec.vocab_size)][0])
                 raise InvalidRequest(
-                    f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})", field="prompt"
+                    f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})", field="prompt"
                 )
         else:
             raise InvalidRequest(

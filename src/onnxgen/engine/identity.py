@@ -55,4 +55,4 @@ def make_identity(tokens: Sequence[int], inputs: Mapping[str, Any] | None, packa
     for name in sorted(inputs or {}):
         if not _absorb(h, name, (inputs or {})[name]):
             return Identity(tuple(tokens), None)
-    return Identity(tuple(int(t) for t in tokens), h.digest())
+    return Identity(tuple(tokens), h.digest())
