@@ -426,12 +426,7 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
             messages.append({"role": role, "content": _flatten_content(m.content, i)})
-        try:
-            ids = model.encode_prompt(messages)
-        except Exception as exc:
-            raise from_engine_error(exc, prompt_field="messages") from None
-        prep = await run_in_threadpool(server.prepare, req, ids, session, chat=True, prompt_field="messages")
-        return await _respond(request, prep, chat=True)
+        return await _encode_and_respond(request, req, session, messages, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -443,12 +438,16 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt", code="invalid_value")
             prompt = prompt[0]
+        return await _encode_and_respond(request, req, session, prompt, chat=False)
+
+    async def _encode_and_respond(request: Request, req: Any, session: Any, prompt: Any, *, chat: bool) -> Response:
+        field = "messages" if chat else "prompt"
         try:
             ids = model.encode_prompt(prompt)
         except Exception as exc:
-            raise from_engine_error(exc, prompt_field="prompt") from None
-        prep = await run_in_threadpool(server.prepare, req, ids, session, chat=False, prompt_field="prompt")
-        return await _respond(request, prep, chat=False)
+            raise from_engine_error(exc, prompt_field=field) from None
+        prep = await run_in_threadpool(server.prepare, req, ids, session, chat=chat, prompt_field=field)
+        return await _respond(request, prep, chat=chat)
 
     async def _respond(request: Request, prep: _Prepared, *, chat: bool) -> Response:
         headers = {}
