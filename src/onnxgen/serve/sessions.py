@@ -32,13 +32,17 @@ class SessionStore:
             self._per_key[owner] = self._per_key.get(owner, 0) + 1
             return sid
 
-    def get(self, owner: str, sid: str) -> Any | None:
-        """The session `sid` if it exists and belongs to `owner` (else None: indistinguishable)."""
-        with self._lock:
-            hit = self._sessions.get(sid)
+    def _owned(self, owner: str, sid: str) -> Any | None:
+        """The session `sid` if it exists and belongs to `owner`; call with `_lock` held."""
+        hit = self._sessions.get(sid)
         if hit is None or not secrets.compare_digest(hit[0], owner):
             return None
         return hit[1]
+
+    def get(self, owner: str, sid: str) -> Any | None:
+        """The session `sid` if it exists and belongs to `owner` (else None: indistinguishable)."""
+        with self._lock:
+            return self._owned(owner, sid)
 
     def default(self, owner: str) -> Any:
         with self._lock:
@@ -50,12 +54,11 @@ class SessionStore:
     def remove(self, owner: str, sid: str) -> Any | None:
         """Forget `sid` (if `owner` holds it) and return its Session for closing, else None."""
         with self._lock:
-            hit = self._sessions.get(sid)
-            if hit is None or not secrets.compare_digest(hit[0], owner):
-                return None
-            del self._sessions[sid]
-            self._per_key[owner] -= 1
-            return hit[1]
+            session = self._owned(owner, sid)
+            if session is not None:
+                del self._sessions[sid]
+                self._per_key[owner] -= 1
+            return session
 
     def __len__(self) -> int:
         with self._lock:

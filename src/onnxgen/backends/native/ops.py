@@ -580,17 +580,24 @@ def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float, dims: int = 1) -> 
     return y * w if w is not None else y
 
 
-def _simplified_ln(node: Node) -> Fn:
+def _rms_norm_fn(node: Node, extra_outputs: int) -> Fn:
+    """RMS normalisation over the axes from `axis` on; `extra_outputs` trailing None outputs (the
+    com.microsoft op declares an inverse-std-dev output nothing reads)."""
     eps = float(node.attr("epsilon", 1e-5))
     axis = int(node.attr("axis", -1))
+    pad = (None,) * extra_outputs
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         dims = x.dim() - _axis(axis, x.dim())
         if dims == 1:
-            return (kernels.rms_norm(x, None, w, eps)[0], None)
-        return (_rms(x, w, eps, dims), None)
+            return (kernels.rms_norm(x, None, w, eps)[0], *pad)
+        return (_rms(x, w, eps, dims), *pad)
 
     return f
+
+
+def _simplified_ln(node: Node) -> Fn:
+    return _rms_norm_fn(node, 1)
 
 
 def _skip_simplified_ln(node: Node) -> Fn:
@@ -639,16 +646,7 @@ def _skip_ln(node: Node) -> Fn:
 
 
 def _rms_norm23(node: Node) -> Fn:
-    eps = float(node.attr("epsilon", 1e-5))
-    axis = int(node.attr("axis", -1))
-
-    def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
-        dims = x.dim() - _axis(axis, x.dim())
-        if dims == 1:
-            return (kernels.rms_norm(x, None, w, eps)[0],)
-        return (_rms(x, w, eps, dims),)
-
-    return f
+    return _rms_norm_fn(node, 0)
 
 
 # --- rotary ---------------------------------------------------------------------------------------
