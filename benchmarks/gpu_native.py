@@ -122,18 +122,21 @@ def kernels_check() -> None:
     ok = True
     for dt in (torch.bfloat16, torch.float32):
         tol = 1e-2 if dt == torch.bfloat16 else 1e-5
-        for n, hkv, d, cap, L, sc, win in [(32, 8, 128, 8192, 5000, 0.0, -1), (32, 8, 64, 512, 300, 0.0, -1),
-                                          (8, 2, 64, 1024, 700, 30.0, 100), (12, 4, 80, 256, 1, 0.0, -1)]:  # fmt: skip
-            q = torch.randn(1, n, 1, d, dtype=dt, device="cuda")
+        for n, hkv, d, cap, L, m, sc, win in [
+            (32, 8, 128, 8192, 5000, 1, 0.0, -1), (32, 8, 64, 512, 300, 1, 0.0, -1), (8, 2, 64, 1024, 700, 1, 30.0, 100),
+            (12, 4, 80, 256, 1, 1, 0.0, -1), (32, 8, 128, 8192, 8000, 64, 0.0, -1), (32, 8, 128, 8192, 7000, 256, 0.0, -1),
+            (8, 2, 64, 1024, 500, 37, 30.0, 100), (32, 8, 128, 512, 0, 512, 0.0, -1),
+        ]:  # fmt: skip
+            q = torch.randn(1, n, m, d, dtype=dt, device="cuda")
             kb = torch.randn(1, hkv, cap, d, dtype=dt, device="cuda")
             vb = torch.randn(1, hkv, cap, d, dtype=dt, device="cuda")
-            seq = torch.tensor([L], device="cuda")
-            ref = K.decode_attention_ref(q.double(), kb.double(), vb.double(), seq, 0.1, sc, win)
-            out = K.decode_attention(q, kb, vb, seq, 0.1, sc, win)
+            past = torch.tensor([L - 1 if m == 1 else L], device="cuda")
+            ref = K.cache_attention_ref(q.double(), kb.double(), vb.double(), past, 0.1, sc, win)
+            out = K.cache_attention(q, kb, vb, past, 0.1, sc, win)
             e = rel(out, ref)
             ok &= e < tol
             log(
-                f"decode_attention {dt} n={n} hkv={hkv} d={d} cap={cap} len={L} softcap={sc} win={win}: err {e:.2e}"
+                f"cache_attention {dt} n={n} hkv={hkv} d={d} cap={cap} past={int(past)} m={m} softcap={sc} win={win}: err {e:.2e}"
             )
         x = torch.randn(7, 4096, dtype=dt, device="cuda")
         s = torch.randn_like(x)
@@ -440,7 +443,7 @@ def profile() -> None:
     reps = 10
     for mode in ("graph", "eager-static"):
         if mode == "eager-static":
-            dec._use_graphs, dec._static_decode = False, True
+            dec._use_graphs, dec._static_steps = False, True
         torch.cuda.synchronize()
         with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(reps):

@@ -64,26 +64,57 @@ def main() -> int:
     turns = [torch.randint(100, vocab - 1, (args.turn,), generator=g).tolist() for _ in range(args.runs + 1)]
     eng.generate(ctx[:128], max_new_tokens=4, reuse=False)  # warm-up (kernels, graphs)
 
-    # 1. fresh 8k prefill vs a 64-token turn on the retained 8k context
+    # 1. fresh 8k prefill vs a 64-token turn on the retained 8k context. Two engines on the same weights
+    #    (decoders share the lowered program), run interleaved: prefill chunks as CUDA graphs (the
+    #    default) and every prefill eager (graph_max_tokens=0, the previous behaviour).
     fresh = [eng.generate(ctx, max_new_tokens=1, reuse=False).stats.ttft_s for _ in range(3)]
-    s = eng.session()
-    first = s.generate(ctx, max_new_tokens=1)
-    ttfts, reused = [], []
+    eager = onnxgen.load(str(pkg), backend="native", device=device, graph_max_tokens=0)
+    variants = {"graphs": eng, "eager": eager}
+    sessions = {k: e.session() for k, e in variants.items()}
+    firsts = {k: s.generate(ctx, max_new_tokens=1) for k, s in sessions.items()}
+    ttfts: dict[str, list[float]] = {k: [] for k in variants}
+    walls: dict[str, list[float]] = {k: [] for k in variants}
+    reused: list[int] = []
     for tk in turns:
-        r = s.generate(ctx + tk, max_new_tokens=1)
-        ttfts.append(r.stats.ttft_s)
-        reused.append(r.stats.reused_tokens)
-    ttfts = ttfts[1:]  # the first turn is a Keep; the rest are Rewind(8192) + 64 new tokens
-    decode = s.generate(ctx + turns[0], max_new_tokens=64, temperature=0.0)
+        for k, s in sessions.items():
+            sync()
+            t = time.perf_counter()
+            r = s.generate(ctx + tk, max_new_tokens=1)
+            walls[k].append(time.perf_counter() - t)
+            ttfts[k].append(r.stats.ttft_s)
+            if k == "graphs":
+                reused.append(r.stats.reused_tokens)
+    # the first two turns of a shape run eagerly and then capture; report the rest
+    ttft_ms = {k: statistics.median(v[2:]) * 1000 for k, v in ttfts.items()}
+    wall_ms = {k: statistics.median(v[2:]) * 1000 for k, v in walls.items()}
+    # the same turn as a bare decoder forward (no engine around it), for where the time goes
+    bare: dict[str, float] = {}
+    for k, s in sessions.items():
+        dec = s._retained.decoder  # benchmark introspection
+        xs = []
+        for tk in turns[:5]:
+            dec.rewind_to(args.context)
+            sync()
+            t = time.perf_counter()
+            int(dec.forward(tk, args.context).argmax())
+            xs.append(time.perf_counter() - t)
+        bare[k] = statistics.median(xs) * 1000
+    decode = sessions["graphs"].generate(ctx + turns[0], max_new_tokens=64, temperature=0.0)
     results |= {
         "fresh_prefill_ttft_ms": statistics.median(fresh) * 1000,
-        "turn_ttft_ms": statistics.median(ttfts) * 1000,
-        "turn_ttft_all_ms": [x * 1000 for x in ttfts],
+        "turn_ttft_ms": ttft_ms["graphs"],
+        "turn_ttft_eager_ms": ttft_ms["eager"],
+        "turn_wall_ms": wall_ms,
+        "turn_bare_forward_ms": bare,
+        "turn_ttft_all_ms": {k: [x * 1000 for x in v] for k, v in ttfts.items()},
         "turn_reused_tokens": reused,
-        "first_prefill_ttft_ms": first.stats.ttft_s * 1000,
+        "first_prefill_ttft_ms": {k: r.stats.ttft_s * 1000 for k, r in firsts.items()},
         "decode_tok_s_at_8k": decode.stats.decode_tok_s,
+        "graph_info": sessions["graphs"]._retained.decoder.info,
     }
-    s.close()
+    for s in sessions.values():
+        s.close()
+    eager.close()
     eng.close()
     gc.collect()
     if cuda:
@@ -92,11 +123,11 @@ def main() -> int:
     # 2. chunked prefill: activation peak beyond weights + KV
     kv_bytes = eng.spec.kv_bytes_per_token * args.context
     chunk_rows = []
-    for chunk in (256, 512, 1024, None):
-        e = onnxgen.load(str(pkg), backend="native", device=device, chunk_size=chunk)
+    for chunk, gmax in ((256, 256), (512, 256), (512, 512), (1024, 256), (None, 256)):
+        e = onnxgen.load(str(pkg), backend="native", device=device, chunk_size=chunk, graph_max_tokens=gmax)
         e.generate(ctx[:64], max_new_tokens=1, reuse=False)
         times, peaks = [], []
-        for _ in range(3):
+        for i in range(7):  # the first two runs of a prefill shape run eagerly / capture: not timed
             gc.collect()
             sync()
             if cuda:
@@ -105,9 +136,10 @@ def main() -> int:
             base = mem()
             r = e.generate(ctx, max_new_tokens=1, reuse=False)
             sync()
-            peaks.append(torch.cuda.max_memory_allocated(dev) - base - kv_bytes if cuda else 0)
-            times.append(r.stats.ttft_s)
-        chunk_rows.append({"chunk": chunk or "none", "ttft_ms": statistics.median(times) * 1000,
+            if i >= 2:
+                peaks.append(torch.cuda.max_memory_allocated(dev) - base - kv_bytes if cuda else 0)
+                times.append(r.stats.ttft_s)
+        chunk_rows.append({"chunk": chunk or "none", "graph_max_tokens": gmax, "ttft_ms": statistics.median(times) * 1000,
                            "activation_peak_gb": max(peaks) / 1e9})  # fmt: skip
         e.close()
         del e
@@ -121,13 +153,17 @@ def main() -> int:
     print(f"\n8B-shape bf16 package written in {write_s:.1f} s; load {load_s:.1f} s; weights {weights / 1e9:.2f} GB; "
           f"KV of {args.context} tokens {kv_bytes / 1e9:.2f} GB")  # fmt: skip
     print(f"fresh {args.context}-token prefill TTFT: {results['fresh_prefill_ttft_ms']:.1f} ms")
-    print(f"{args.turn}-token turn on a retained {args.context}-token context: TTFT "
-          f"{results['turn_ttft_ms']:.1f} ms (median of {len(ttfts)}; reused {reused[-1]} tokens)")  # fmt: skip
+    print(f"{args.turn}-token turn on a retained {args.context}-token context (median of {len(turns) - 2}; "
+          f"reused {reused[-1]} tokens):")  # fmt: skip
+    for k in ("graphs", "eager"):
+        print(f"  prefill {k:6s}: TTFT {ttft_ms[k]:.1f} ms, generate() wall {wall_ms[k]:.1f} ms, "
+              f"bare forward+argmax {bare[k]:.1f} ms")  # fmt: skip
     print(f"decode at {args.context} context: {results['decode_tok_s_at_8k']:.1f} tok/s\n")
-    print("| chunk | TTFT ms (8k prefill) | vs none | activation peak beyond weights+KV (GB) |")
-    print("|---|---|---|---|")
+    print("| chunk | graph_max_tokens | TTFT ms (8k prefill) | vs none | activation peak beyond weights+KV (GB) |")
+    print("|---|---|---|---|---|")
     for row in chunk_rows:
-        print(f"| {row['chunk']} | {row['ttft_ms']:.1f} | {row['ttft_vs_none']:.2f}x | {row['activation_peak_gb']:.3f} |")
+        print(f"| {row['chunk']} | {row['graph_max_tokens']} | {row['ttft_ms']:.1f} | {row['ttft_vs_none']:.2f}x "
+              f"| {row['activation_peak_gb']:.3f} |")  # fmt: skip
     return 0
 
 

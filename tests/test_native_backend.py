@@ -121,10 +121,44 @@ def test_static_decode_path_matches_onnxruntime(style: str, tmp_path_factory: py
     """The code path CUDA graphs capture (device-side length, writes by index, masked attention over the
     whole bucket, fused rope+KV write) run eagerly on the CPU."""
     spec = load_spec(_pkg(tmp_path_factory, "static_" + style, STYLES[style]))
-    dec = NativeDecoder(spec, kv_floor=16, static_decode=True)
-    assert dec._static_decode
+    dec = NativeDecoder(spec, kv_floor=16, static_steps=True)
+    assert dec._static_steps
     errs = teacher_forced(dec, OrtRef(spec), _prompt(12, 384), 40)  # crosses the 16 -> 32 -> 64 buckets
     assert max(errs) <= 1e-5, errs
+
+
+@pytest.mark.parametrize("style", ["gqa", "window_softcap"])
+def test_static_prefill_chunks_match_onnxruntime(style: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Prefill chunks through the captured code path: padded to a power-of-two step, start position and
+    last real token read from device memory. Chunks of 2..40 tokens after cached ones, a chunk that
+    would not fit the capacity once padded (runs eagerly), and decode after them: logits equal
+    onnxruntime's, and the padding's keys never leak into later steps."""
+    spec = load_spec(_pkg(tmp_path_factory, "static_prefill_" + style, STYLES[style]))
+    dec = NativeDecoder(spec, kv_floor=16, static_steps=True, graph_max_tokens=64)
+    ref = OrtRef(spec)
+    calls: list[int] = []
+    real_exec = dec._static_env
+
+    def spy(m: int) -> Any:
+        calls.append(m)
+        return real_exec(m)
+
+    dec._static_env = spy  # type: ignore[method-assign]
+    toks = _prompt(200, 384, seed=5)
+    pos = 0
+    for c in (20, 5, 17, 3, 40, 33, 1, 9):
+        out = dec.forward(toks[pos : pos + c], pos)
+        assert rel(out, ref.forward(toks[pos : pos + c])) <= 1e-5, (c, pos)
+        pos += c
+    # (chunk@start -> step; capacity): 20@0 -> 32 (32); 5@20 -> 16 would end at 36 > 32: eager;
+    # 17@25 -> 32 (64); 3@42 -> 16; 40@45 -> 64 (128); 33@85 -> 64 ends at 149 > 128: eager; 1 -> 1;
+    # 9@119 -> 16 ends at 135 > 128: eager
+    assert calls == [32, 32, 16, 64, 1], calls
+    for _ in range(30):
+        t = int(out.argmax())
+        out = dec.forward([t], pos)
+        assert rel(out, ref.forward([t])) <= 1e-5
+        pos += 1
 
 
 def test_fp16_package_close_to_onnxruntime(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -348,3 +382,24 @@ def test_cuda_bf16_prefill_and_chunks_after_cache_match_cpu(tmp_path: Any) -> No
     assert rel(whole, ref.double().numpy()) <= 2e-2
     assert rel(chunked, ref.double().numpy()) <= 2e-2
     assert int(chunked.argmax()) == int(ref.argmax())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_prefill_chunks_match_cpu(tiny_spec: Any) -> None:
+    """Prefill chunks replayed from CUDA graphs (each shape runs eagerly once, is captured on its second
+    use and replayed after) give the CPU path's logits, and decode after them too."""
+    cpu = NativeDecoder(tiny_spec, kv_floor=128)
+    gpu = NativeDecoder(tiny_spec, "cuda", kv_floor=128, graph_max_tokens=64)
+    toks = _prompt(120, 384, seed=6)
+    base = 40
+    cpu.forward(toks[:base], 0)
+    gpu.forward(toks[:base], 0)
+    for _ in range(3):
+        for c in (7, 20, 33):  # steps of 16, 32 and 64 tokens
+            assert cpu.rewind_to(base) and gpu.rewind_to(base)
+            a, b = cpu.forward(toks[base : base + c], base), gpu.forward(toks[base : base + c], base)
+            assert rel(b, a.double().numpy()) <= 1e-4
+            for t in toks[100:103]:
+                a, b = cpu.forward([t], cpu.kv_len()), gpu.forward([t], gpu.kv_len())
+                assert rel(b, a.double().numpy()) <= 1e-4
+    assert {m for m, _cap in gpu._graphs} == {1, 16, 32, 64}

@@ -5,11 +5,16 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   tensor each call, never a view of a CUDA-graph buffer).
 - KV lives in `onnxgen.kv.buffers.KVBuffers` (model dtype, on the device, written in place, capacity in
   power-of-two buckets from `kv_floor`); `rewind_to` is O(1).
-- On CUDA, a one-token forward of a graph whose attention ops are all fused (GroupQueryAttention or
-  ai.onnx Attention without a mask input) replays a CUDA graph captured once per KV capacity bucket;
-  the token, its position and the sequence length are copied into device buffers first. Any other
-  forward runs the lowered program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are
-  dequantized once at load into the model's float dtype.
+- On CUDA, forwards of a graph whose attention ops are all fused (GroupQueryAttention or ai.onnx
+  Attention without a mask input) replay CUDA graphs: one per (step size, KV capacity bucket), where the
+  step size is 1 for decode and, for a prefill chunk of n <= `graph_max_tokens` tokens, the next power
+  of two >= max(n, 16) (the chunk is padded with copies of its last token; the padding's keys land
+  past the valid length and are never read). The start position, the token ids and the index of the
+  last real token are copied into device buffers first (pinned staging, no stream sync). Decode
+  graphs are captured on first use, prefill graphs on the second use of their shape (the first runs
+  eagerly), so one-off prompt shapes never pay a capture. Every other forward runs the lowered
+  program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are dequantized once at load into
+  the model's float dtype.
 """
 
 from __future__ import annotations
@@ -46,10 +51,11 @@ class NativeDecoder:
     can_rewind = True
 
     def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
-                 static_decode: bool = False, **_: Any) -> None:  # fmt: skip
-        """`kv_floor`: smallest KV capacity bucket. `cuda_graphs`: capture decode on CUDA.
-        `static_decode` (testing): run one-token forwards through the static-shape code path that CUDA
-        graphs capture, without capturing (works on the CPU)."""
+                 graph_max_tokens: int = 256, static_steps: bool = False, **_: Any) -> None:  # fmt: skip
+        """`kv_floor`: smallest KV capacity bucket. `cuda_graphs`: replay CUDA graphs on CUDA.
+        `graph_max_tokens`: largest prefill chunk run as a static step (0: decode only; larger chunks
+        run eagerly). `static_steps` (testing): run the static-shape steps CUDA graphs capture without
+        capturing (works on the CPU)."""
         t0 = time.perf_counter()
         if device not in ("cpu", "cuda"):
             raise InvalidRequest(f"unknown device {device!r}; choose cpu or cuda", field="device")
@@ -67,15 +73,19 @@ class NativeDecoder:
             spec.num_layers, spec.num_kv_heads, spec.head_size, _KV_DTYPES[spec.kv_dtype], self._dev,
             floor=kv_floor, max_capacity=spec.context_length,
         )  # fmt: skip
+        if graph_max_tokens < 0:
+            raise InvalidRequest(f"graph_max_tokens must be >= 0, got {graph_max_tokens}", field="graph_max_tokens")
         self._use_graphs = bool(cuda_graphs) and device == "cuda" and self.program.static_ok
-        self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._static_steps = bool(static_steps) and self.program.static_ok
+        self._graph_max = _bucket(graph_max_tokens, 1 << 30) if graph_max_tokens > 1 else 1
+        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._seen: set[tuple[int, int]] = set()
         self._graph_gen = -1
         self._pool: Any = None
-        self._static_decode = bool(static_decode) and self.program.static_ok
-        self._step_host = torch.zeros(3, dtype=torch.int64)
-        if device == "cuda":
-            self._step_host = self._step_host.pin_memory()
-        self._step_dev = torch.zeros(3, dtype=torch.int64, device=self._dev)
+        self._staging = _Staging(self._dev)
+        # device step buffer: [start, index of the last real token, token ids (padded)...]
+        self._step_dev = torch.zeros(2 + self._graph_max, dtype=torch.int64, device=self._dev)
+        self._arange = torch.arange(self._graph_max, dtype=torch.int64, device=self._dev)
         p = self.program
         self._in_ids = p.input_slots.get(spec.input_ids_name, -1)
         self._in_mask = p.input_slots.get(spec.attention_mask_name or "", -1)
@@ -112,6 +122,7 @@ class NativeDecoder:
 
     def close(self) -> None:
         self._graphs.clear()
+        self._seen.clear()
         self._pool = None
         self.kv.reset(free=True)
 
@@ -130,18 +141,9 @@ class NativeDecoder:
         extra = self._extra_values(inputs)
         try:
             self.kv.reserve(total)
-            if n == 1 and self._use_graphs and not extra:
-                out = self._decode_graph(int(tokens[0]), start_pos)
-                if out is not None:
-                    self.kv.set_length(total)
-                    return out
-            if n == 1 and self._static_decode and not extra:
-                self._set_step(int(tokens[0]), start_pos)
-                env, ctx = self._static_env()
-                out = self._exec(env, ctx)
-                self.kv.set_length(total)
-                return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
-            logits = self._run_eager(tokens, start_pos, extra)
+            logits = None if extra else self._static_forward(tokens, start_pos)
+            if logits is None:
+                logits = self._run_eager(tokens, start_pos, extra)
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(
                 f"the device ran out of memory running {n} token(s) at position {start_pos}"
@@ -185,7 +187,9 @@ class NativeDecoder:
     def _run_eager(self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor]) -> torch.Tensor:
         n = len(tokens)
         env = self._env()
-        env[self._in_ids] = torch.tensor([list(tokens)], dtype=self._ids_dtype, device=self._dev)
+        ids = torch.empty(n, dtype=torch.int64, device=self._dev)
+        self._staging.upload(torch.as_tensor(tokens, dtype=torch.int64), ids)
+        env[self._in_ids] = ids.view(1, n).to(self._ids_dtype)
         positions = torch.arange(start, start + n, device=self._dev)
         if self._in_mask >= 0:
             env[self._in_mask] = torch.ones((1, start + n), dtype=self._mask_dtype)  # host: shape arithmetic
@@ -197,60 +201,126 @@ class NativeDecoder:
         logits = self._exec(env, ctx)
         return logits.reshape(-1, logits.shape[-1])[-1].to(torch.float32, copy=True)
 
-    # --- CUDA graphs -----------------------------------------------------------------------------
+    # --- static steps and CUDA graphs ------------------------------------------------------------
 
-    def _decode_graph(self, token: int, start: int) -> torch.Tensor | None:
+    def _static_forward(self, tokens: Sequence[int], start: int) -> torch.Tensor | None:
+        """Run `tokens` as a static step (a CUDA graph replay on CUDA); None when it cannot be one."""
+        if not (self._use_graphs or self._static_steps):
+            return None
+        n = len(tokens)
+        m = _bucket(n, self._graph_max)
+        if m == 0 or start + m > self.kv.capacity:
+            return None
+        if not self._use_graphs:  # the captured code path, run eagerly (tests, CPU)
+            self._set_step(tokens, start, m)
+            env, ctx = self._static_env(m)
+            out = self._exec(env, ctx)
+            return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
         if self._graph_gen != self.kv.generation:
             # NOTE: the KV buffers were reallocated, so every captured graph is stale. Dropping the
             # graphs frees their private memory pool: forget its handle too, or the next capture
             # would reuse a dead pool (PyTorch asserts `use_count > 0` in the caching allocator).
             self._graphs.clear()
+            self._seen.clear()
             self._pool = None
             self._graph_gen = self.kv.generation
-        self._set_step(token, start)
-        entry = self._graphs.get(self.kv.capacity)
+        key = (m, self.kv.capacity)
+        entry = self._graphs.get(key)
+        if entry is None and m > 1 and key not in self._seen:
+            self._seen.add(key)  # a prefill shape is captured on its second use
+            return None
+        self._set_step(tokens, start, m)
         if entry is None:
             try:
-                entry = self._capture(start)
+                entry = self._capture(m)
             except NotCapturable as exc:
-                log.warning("decode is not capturable (%s); running eagerly", exc)
-                self._use_graphs = False
-                self.info["cuda_graphs"] = False
+                if m == 1:
+                    log.warning("decode is not capturable (%s); running eagerly", exc)
+                    self._use_graphs = False
+                    self.info["cuda_graphs"] = False
+                else:
+                    log.warning("prefill chunks are not capturable (%s); running them eagerly", exc)
+                    self._graph_max = 1
                 return None
-            self._graphs[self.kv.capacity] = entry
+            self._graphs[key] = entry
         graph, out = entry
         graph.replay()
         return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
 
-    def _set_step(self, token: int, start: int) -> None:
-        self._step_host[0], self._step_host[1], self._step_host[2] = token, start, start + 1
-        self._step_dev.copy_(self._step_host, non_blocking=self._dev.type == "cuda")
+    def _set_step(self, tokens: Sequence[int], start: int, m: int) -> None:
+        n = len(tokens)
+        step = torch.empty(2 + m, dtype=torch.int64)
+        step[0], step[1] = start, n - 1
+        step[2 : 2 + n] = torch.as_tensor(tokens, dtype=torch.int64)
+        step[2 + n :] = int(tokens[-1])  # padding: a valid id; its keys land past the valid length
+        self._staging.upload(step, self._step_dev[: 2 + m])
 
-    def _static_env(self) -> tuple[list[Any], RunCtx]:
+    def _static_env(self, m: int) -> tuple[list[Any], RunCtx]:
         env = self._env()
-        env[self._in_ids] = self._step_dev[0:1].view(1, 1).to(self._ids_dtype) if self._ids_dtype != torch.int64 \
-            else self._step_dev[0:1].view(1, 1)  # fmt: skip
-        positions = self._step_dev[1:2]
+        env[self._in_ids] = self._step_dev[2 : 2 + m].view(1, m).to(self._ids_dtype)
+        past = self._step_dev[0:1]
+        positions = self._arange[:m] + past
         if self._in_pos >= 0:
-            env[self._in_pos] = positions.view(1, 1).to(self._pos_dtype)
-        ctx = RunCtx(self.kv, -1, 1, positions, seqlen=self._step_dev[2:3], static=True)
+            env[self._in_pos] = positions.view(1, m).to(self._pos_dtype)
+        ctx = RunCtx(self.kv, -1, m, positions, past=past, last=self._step_dev[1:2] if m > 1 else None)
         return env, ctx
 
-    def _capture(self, start: int) -> tuple[Any, torch.Tensor]:
+    def _capture(self, m: int) -> tuple[Any, torch.Tensor]:
         # Warm up on a side stream (compiles Triton kernels, settles allocator), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            env, ctx = self._static_env()
+            env, ctx = self._static_env(m)
             self._exec(env, ctx)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            env, ctx = self._static_env()
+            env, ctx = self._static_env(m)
             out = self._exec(env, ctx)
         return graph, out
+
+
+def _bucket(n: int, largest: int) -> int:
+    """Static step size for `n` tokens: 1 for one token, else the next power of two >= max(n, 16);
+    0 when that exceeds `largest`."""
+    if n == 1:
+        return 1
+    m = max(16, 1 << (n - 1).bit_length())
+    return m if m <= largest else 0
+
+
+class _Staging:
+    """Host-to-device copies of small int64 vectors that never synchronise the stream: pinned
+    staging buffers in a ring, each rewritten only after the copy that last read it has completed
+    (an event per buffer), so back-to-back forwards cannot race their own uploads."""
+
+    def __init__(self, dev: torch.device, slots: int = 4) -> None:
+        self._cuda = dev.type == "cuda"
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._events: list[Any] = [None] * slots
+        self._i = 0
+
+    def upload(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the 1-D int64 CPU tensor `values` into the device tensor `out` (same length)."""
+        if not self._cuda:
+            out.copy_(values)
+            return
+        i = self._i
+        self._i = (i + 1) % len(self._bufs)
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()
+        else:
+            ev.synchronize()
+        buf = self._bufs[i]
+        k = values.numel()
+        if buf is None or buf.numel() < k:
+            buf = self._bufs[i] = torch.empty(max(k, 256), dtype=torch.int64).pin_memory()
+        buf[:k].copy_(values)
+        out.copy_(buf[:k], non_blocking=True)
+        ev.record()
 
 
 _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()

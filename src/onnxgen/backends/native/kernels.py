@@ -5,11 +5,13 @@ in tests) and, when the tensors live on a CUDA device and Triton imports, a Trit
 
 - `rms_norm(x, skip, w, eps)`: (skip-)RMSNorm in one pass, returning `(y, x + skip)`.
 - `silu_mul(g, u)`: `silu(g) * u`.
-- `decode_attention(q, kbuf, vbuf, seqlen, ...)`: one query token against the first `seqlen` positions
-  of a KV buffer (split-K "flash decoding" with a device-side length, so it can live in a CUDA graph
-  whose buffers have a fixed capacity; only the valid KV is read).
-- `rope_qkv_write(qkv, cos, sin, positions, kv, layer, ...)`: for one decode token, split a packed QKV
-  row, rotate q and k, write k and v into the KV buffers at `positions` and return q.
+- `cache_attention(q, kbuf, vbuf, past, ...)`: M query tokens at positions `past .. past + M - 1`
+  against a KV buffer that already holds their keys, causal (query t sees keys `[0, past + t]`), with
+  the length read from device memory: static shapes over a fixed capacity, so decode (M = 1) and
+  prefill chunks alike can live in a CUDA graph. Split-K ("flash decoding") over the keys, the query
+  heads that share a KV head packed into one tile; only the valid KV is read.
+- `rope_qkv_write(qkv, cos, sin, positions, kv, layer, ...)`: split packed QKV rows, rotate q and k,
+  write k and v into the KV buffers at `positions` and return q.
 
 `FORCE_TRITON` (tests) runs the Triton kernels on CPU tensors under `TRITON_INTERPRET=1`.
 """
@@ -57,20 +59,22 @@ def rms_norm_ref(
     return y, (s if skip is not None else None)
 
 
-def decode_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, seqlen: torch.Tensor,
-                         scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
-    """Static-shape reference: scores over the whole capacity, masked to `[0, seqlen)` on the device."""
-    n, hkv, cap = q.shape[1], kbuf.shape[1], kbuf.shape[2]
-    k = kbuf.repeat_interleave(n // hkv, dim=1).float()
-    v = vbuf.repeat_interleave(n // hkv, dim=1).float()
-    s = torch.matmul(q.float(), k.transpose(-1, -2)) * scale  # [1, N, 1, cap]
+def cache_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, past: torch.Tensor,
+                        scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
+    """Static-shape reference: scores over the whole capacity, masked on the device (see `cache_attention`)."""
+    n, m, hkv, cap = q.shape[1], q.shape[2], kbuf.shape[1], kbuf.shape[2]
+    idx = torch.arange(cap, device=q.device)
+    p0 = past.reshape(()).long()
+    limit = p0 + torch.arange(m, device=q.device).unsqueeze(1) + 1  # [M, 1]: exclusive end per query
+    keep = idx.unsqueeze(0) < limit
+    if window > 0:  # the last `window` positions (onnxruntime's local_window_size)
+        keep = keep & (idx.unsqueeze(0) >= limit - window)
+    written = (idx < p0 + m).unsqueeze(-1)  # positions past the chunk are garbage (maybe NaN): never read
+    k = torch.where(written, kbuf, 0).repeat_interleave(n // hkv, dim=1).float()
+    v = torch.where(written, vbuf, 0).repeat_interleave(n // hkv, dim=1).float()
+    s = torch.matmul(q.float(), k.transpose(-1, -2)) * scale  # [1, N, M, cap]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    idx = torch.arange(cap, device=q.device)
-    total = seqlen.reshape(()).long()
-    keep = idx < total
-    if window > 0:  # the last `window` positions (onnxruntime's local_window_size)
-        keep = keep & (idx >= total - window)
     s = s.masked_fill(~keep, float("-inf"))
     return torch.matmul(torch.softmax(s, -1), v).to(q.dtype)
 
@@ -114,36 +118,47 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def decode_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, seqlen: torch.Tensor,
-                     scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
-    """`q` `[1, N, 1, D]`; `kbuf`/`vbuf` `[1, Hkv, cap, D]`; `seqlen` `[1]` int32 on the device (valid
-    positions, the current token included). Returns `[1, N, 1, D]` in q's dtype."""
+def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, past: torch.Tensor,
+                    scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
+    """Attention of M new tokens over a KV buffer that already holds their keys and values.
+
+    `q` `[1, N, M, D]` (contiguous): queries at absolute positions `past .. past + M - 1`; `kbuf`/`vbuf`
+    `[1, Hkv, cap, D]` valid at `[0, past + M)`; `past` `[1]` integer on the device. Query t sees keys
+    `[0, past + t]` (with `window` > 0 only the last `window` of them); scores are soft-capped when
+    `softcap` > 0. Returns `[1, N, M, D]` in q's dtype. Shapes depend only on M and the capacity."""
     if not _use_triton(q):
-        return decode_attention_ref(q, kbuf, vbuf, seqlen, scale, softcap, window)
-    n, d = q.shape[1], q.shape[3]
+        return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window)
+    n, m, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, cap = kbuf.shape[1], kbuf.shape[2]
     g = n // hkv
-    gp = max(16, 1 << (g - 1).bit_length())
+    rows = g * m  # per KV head: its G query heads x M tokens, contiguous in q
     dp = max(16, 1 << (d - 1).bit_length())
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     block_n = 64 if dp <= 128 else 32
-    nsplit = max(1, min(64, cap // 256))
+    rblocks = triton_cdiv(rows, block_m)
+    rp = rblocks * block_m
+    # Split the keys so that about 2 waves of programs run (decode: up to 64 splits of >= 256 keys).
+    want = 64 if m == 1 else triton_cdiv(256, hkv * rblocks)
+    nsplit = max(1, min(want, cap // 256))
     split = max(block_n, triton_cdiv(triton_cdiv(cap, nsplit), block_n) * block_n)
     nsplit = triton_cdiv(cap, split)
     qc = q.contiguous()
-    acc = torch.empty((hkv, nsplit, gp, dp), dtype=torch.float32, device=q.device)
-    ml = torch.empty((2, hkv, nsplit, gp), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(qc)
+    direct = nsplit == 1
+    acc = qc if direct else torch.empty((hkv, nsplit, rp, dp), dtype=torch.float32, device=q.device)
+    ml = qc if direct else torch.empty((2, hkv, nsplit, rp), dtype=torch.float32, device=q.device)
     k_ = _TRITON
-    k_["dec_split"][(hkv, nsplit)](
-        qc, kbuf, vbuf, seqlen, acc, ml, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
-        float(scale), float(softcap), int(window), hkv * nsplit * gp,
-        G=g, GP=gp, D=d, DP=dp, BLOCK_N=block_n, SPLIT=split, NSPLIT=nsplit, SOFTCAP=softcap > 0,
+    k_["attn_split"][(hkv, rblocks, nsplit)](
+        qc, kbuf, vbuf, past, acc, ml, out, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
+        float(scale), float(softcap), int(window), m, rows, rp, hkv * nsplit * rp, split,
+        D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, NSPLIT=nsplit, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
     )  # fmt: skip
-    out = torch.empty_like(qc)
-    k_["dec_combine"][(n,)](
-        acc, ml, out, hkv * nsplit * gp, G=g, GP=gp, D=d, DP=dp, NSPLIT=nsplit,
-        NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=4,
-    )  # fmt: skip
+    if not direct:
+        k_["attn_combine"][(n * m,)](
+            acc, ml, out, rows, rp, hkv * nsplit * rp, D=d, DP=dp, NSPLIT=nsplit,
+            NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -211,34 +226,33 @@ def _build() -> None:
         tl.store(OUT + offs, (s * u).to(U.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _dec_split(Q, K, V, SEQ, ACC, ML, sk_h, sk_s, sv_h, sv_s, scale, softcap, window, ML_STRIDE,
-                   G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-        h = tl.program_id(0)
-        sp = tl.program_id(1)
-        seqlen = tl.max(tl.load(SEQ + tl.arange(0, 2), mask=tl.arange(0, 2) < 1, other=0), 0).to(tl.int32)
-        rows = tl.arange(0, GP)
+    def _attn_split(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, scale, softcap, window, M, R, RP,
+                    ML_STRIDE, SPLIT, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        h = tl.program_id(0)  # KV head
+        rb = tl.program_id(1)  # block of rows (query head within the group x token)
+        sp = tl.program_id(2)  # split of the keys
+        past = tl.load(PAST).to(tl.int32)
+        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < R
+        limit = past + rows % M + 1  # exclusive end of the keys each row's token sees
         dcol = tl.arange(0, DP)
-        rmask = rows < G
         dmask = dcol < D
-        q = tl.load(
-            Q + (h * G + rows)[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0
-        )
+        qrow = (h * R + rows).to(tl.int64)
+        q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
         base_n = sp * SPLIT
-        hi = tl.minimum(base_n + SPLIT, seqlen)
+        hi = tl.minimum(base_n + SPLIT, tl.max(tl.where(rmask, limit, 0), 0))
         lo = base_n
         if window > 0:
-            lo = tl.maximum(base_n, seqlen - window)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, DP], tl.float32)
+            lo = tl.maximum(base_n, tl.min(tl.where(rmask, limit, 1 << 30), 0) - window)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DP], tl.float32)
         kbase = K + h.to(tl.int64) * sk_h
         vbase = V + h.to(tl.int64) * sv_h
-        # A fixed trip count (blocks past `hi` are fully masked: no memory traffic) keeps the kernel
-        # free of data-dependent loop bounds.
-        for i in range(0, SPLIT // BLOCK_N):
-            offs = base_n + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            nm = (offs < hi) & (offs >= lo)
+        for start in range(lo, hi, BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)
+            nm = offs < hi
             k = tl.load(
                 kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :],
                 mask=nm[:, None] & dmask[None, :],
@@ -250,7 +264,10 @@ def _build() -> None:
                 s = tl.dot(q, tl.trans(k)) * scale
             if SOFTCAP:
                 s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
-            s = tl.where(nm[None, :], s, float("-inf"))
+            keep = nm[None, :] & (offs[None, :] < limit[:, None])
+            if window > 0:
+                keep = keep & (offs[None, :] >= limit[:, None] - window)
+            s = tl.where(keep, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
@@ -266,29 +283,34 @@ def _build() -> None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        base = (h * NSPLIT + sp) * GP
-        tl.store(ACC + (base + rows)[:, None] * DP + dcol[None, :], acc)
-        tl.store(ML + base + rows, m_i)
-        tl.store(ML + ML_STRIDE + base + rows, l_i)
+        if NSPLIT == 1:  # one split: normalise and write the output here
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
+                     mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+        else:
+            base = (h * NSPLIT + sp) * RP
+            tl.store(ACC + (base + rows)[:, None].to(tl.int64) * DP + dcol[None, :], acc)
+            tl.store(ML + base + rows, m_i)
+            tl.store(ML + ML_STRIDE + base + rows, l_i)
 
     @triton.jit
-    def _dec_combine(ACC, ML, OUT, ML_STRIDE, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                     DP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
-        qh = tl.program_id(0)
-        h = qh // G
-        r = qh % G
+    def _attn_combine(ACC, ML, OUT, R, RP, ML_STRIDE, D: tl.constexpr, DP: tl.constexpr, NSPLIT: tl.constexpr,
+                      NSP: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)  # global query row: KV head h, row r within it
+        h = row // R
+        r = row % R
         sp = tl.arange(0, NSP)
         smask = sp < NSPLIT
         dcol = tl.arange(0, DP)
-        idx = (h * NSPLIT + sp) * GP + r
+        idx = (h * NSPLIT + sp) * RP + r
         m = tl.load(ML + idx, mask=smask, other=float("-inf"))
         lsum = tl.load(ML + ML_STRIDE + idx, mask=smask, other=0.0)
         mx = tl.max(m, 0)
         w = tl.where(smask & (m > float("-inf")), tl.exp(m - mx), 0.0)
         den = tl.sum(w * lsum, 0)
-        acc = tl.load(ACC + idx[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
+        acc = tl.load(ACC + idx[:, None].to(tl.int64) * DP + dcol[None, :], mask=smask[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], 0) / den
-        tl.store(OUT + qh * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
+        tl.store(OUT + row.to(tl.int64) * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
 
     @triton.jit
     def _rope_qkv(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV, ROW, S,
@@ -319,5 +341,5 @@ def _build() -> None:
         vh = tl.minimum(tl.maximum(hh - N - HKV, 0), HKV - 1).to(tl.int64)
         tl.store(VB + vh * sv_h + pos * sv_s + j, o, mask=mj & (hh >= N + HKV))
 
-    _TRITON = {"rms": _rms, "silu_mul": _silu_mul, "dec_split": _dec_split, "dec_combine": _dec_combine,
+    _TRITON = {"rms": _rms, "silu_mul": _silu_mul, "attn_split": _attn_split, "attn_combine": _attn_combine,
                "rope_qkv": _rope_qkv}  # fmt: skip

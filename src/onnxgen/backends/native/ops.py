@@ -5,7 +5,9 @@ A builder takes a `Node` (op type, domain, attributes, input/output names) and r
 small integer constants) are CPU tensors and stay on the CPU as long as every input of an op is on
 the CPU, so `Shape -> Gather -> Concat -> Reshape` chains never touch the device. When an op mixes
 host and device inputs, the host ones are moved to the device (never during a static-shape decode
-step, where that raises `NotCapturable` so the decoder falls back to eager execution).
+step, where that raises `NotCapturable` so the decoder falls back to eager execution). A static step
+(decode, or a prefill chunk padded to a bucket) reads its start position, positions and last real
+token from device memory, so one captured CUDA graph serves every position.
 
 Attention ops (`GroupQueryAttention`, ai.onnx `Attention`) and the plain `Concat(past, new)` KV
 pattern are bound to the runtime's KV buffers (`onnxgen.kv.buffers.KVBuffers`) through `ctx`.
@@ -47,14 +49,15 @@ class Node:
 class RunCtx:
     """Per-forward state the ops read: KV buffers, positions, and whether the step is static."""
 
-    def __init__(self, kv: Any, pos0: int, n: int, positions: torch.Tensor | None,
-                 seqlen: torch.Tensor | None = None, static: bool = False) -> None:  # fmt: skip
+    def __init__(self, kv: Any, pos0: int, n: int, positions: torch.Tensor | None, *,
+                 past: torch.Tensor | None = None, last: torch.Tensor | None = None) -> None:  # fmt: skip
         self.kv = kv
-        self.pos0 = pos0  # KV length before this forward (host int; unused when static)
-        self.n = n  # tokens in this forward
+        self.pos0 = pos0  # KV length before this forward (host int; -1 when static)
+        self.n = n  # tokens in this forward (static: the bucket size, padding included)
         self.positions = positions  # [n] int64 on the device: pos0 + arange(n)
-        self.seqlen = seqlen  # [1] int32 on the device: pos0 + n (static decode only)
-        self.static = static
+        self.past = past  # static only: [1] int64 on the device, the KV length before this forward
+        self.last = last  # static only: [1] int64 on the device, index of the last real token
+        self.static = past is not None
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -746,11 +749,9 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: 
     kv = ctx.kv
     s = q.shape[2]
     if ctx.static:
-        assert s == 1 and bias is None and mask is None
+        assert bias is None and mask is None
         kv.write_at(layer, ctx.positions, k, v)
-        return kernels.decode_attention(
-            q, kv.keys[layer], kv.values[layer], ctx.seqlen, scale, softcap, window
-        )
+        return kernels.cache_attention(q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window)
     pos0 = ctx.pos0
     if k is not None:  # None: the caller already wrote this step's k/v at [pos0, pos0 + s)
         kv.write(layer, pos0, k, v)
@@ -847,14 +848,14 @@ def _gqa(node: Node) -> Fn:
                 q = query[..., : n * d].reshape(b, s, n, d)
                 k = query[..., n * d : (n + hkv) * d].reshape(b, s, hkv, d)
                 v = query[..., (n + hkv) * d :].reshape(b, s, hkv, d)
-            else:  # fused rotary + KV write for the static decode step
+            else:  # fused rotary + KV write for a static step
                 q = kernels.rope_qkv_write(
                     query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved
                 )
                 scale = scale_attr or 1.0 / math.sqrt(d)
                 kv = ctx.kv
-                o = kernels.decode_attention(
-                    q, kv.keys[layer], kv.values[layer], ctx.seqlen, scale, softcap, window
+                o = kernels.cache_attention(
+                    q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window
                 )
                 return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         else:
@@ -1002,8 +1003,15 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
 
 
 def _slice_last(node: Node) -> Fn:
-    """Inserted by the lowering before the lm_head: keep only the last position (`[B, 1, H]`)."""
-    return lambda ctx, x: (x[:, -1:],)
+    """Inserted by the lowering before the lm_head: keep only the last real position (`[B, 1, H]`;
+    in a padded static step its index comes from device memory)."""
+
+    def f(ctx: RunCtx, x: Any) -> tuple[Any, ...]:
+        if ctx is not None and ctx.last is not None:
+            return (x.index_select(1, ctx.last),)
+        return (x[:, -1:],)
+
+    return f
 
 
 # --- registry ---------------------------------------------------------------------------------------
