@@ -123,7 +123,7 @@ def main() -> int:
     # 2. chunked prefill: activation peak beyond weights + KV
     kv_bytes = eng.spec.kv_bytes_per_token * args.context
     chunk_rows = []
-    for chunk, gmax in ((256, 256), (512, 256), (512, 512), (1024, 256), (None, 256)):
+    for chunk, gmax in ((256, 256), (512, 256), (512, 512), (1024, 256), (1024, 1024), (None, 256)):
         e = onnxgen.load(str(pkg), backend="native", device=device, chunk_size=chunk, graph_max_tokens=gmax)
         e.generate(ctx[:64], max_new_tokens=1, reuse=False)
         times, peaks = [], []
