@@ -138,6 +138,25 @@ def kernels_check() -> None:
             log(
                 f"cache_attention {dt} n={n} hkv={hkv} d={d} cap={cap} past={int(past)} m={m} softcap={sc} win={win}: err {e:.2e}"
             )
+        if dt == torch.bfloat16:  # prefill-chunk attention speed: the Triton kernel's configs vs flash attention
+            for m, past in ((64, 8000), (512, 7600), (1024, 7100)):
+                cap, total = 8192, past + m
+                q = torch.randn(1, 32, m, 128, dtype=dt, device="cuda")
+                kb = torch.randn(1, 8, cap, 128, dtype=dt, device="cuda")
+                vb = torch.randn(1, 8, cap, 128, dtype=dt, device="cuda")
+                p = torch.tensor([past], device="cuda")
+                flops = 4 * 32 * m * (past + (m + 1) / 2) * 128
+                fa = cuda_time(lambda q=q, kb=kb, vb=vb, total=total: torch.ops.aten._scaled_dot_product_flash_attention(
+                    q, kb[:, :, :total], vb[:, :, :total], 0.0, is_causal=True, scale=0.1), reps=20, warmup=3)  # fmt: skip
+                cells = [f"flash {fa:.3f} ms ({flops / fa / 1e9:.0f} TFLOP/s)"]
+                for cfg in (None, (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2)):
+                    try:
+                        ms = cuda_time(lambda q=q, kb=kb, vb=vb, p=p, cfg=cfg: K.cache_attention(
+                            q, kb, vb, p, 0.1, config=cfg), reps=20, warmup=3)  # fmt: skip
+                        cells.append(f"{cfg or 'default'} {ms:.3f} ms ({flops / ms / 1e9:.0f})")
+                    except Exception as exc:  # a config that does not compile
+                        cells.append(f"{cfg} failed: {type(exc).__name__}")
+                log(f"cache_attention speed m={m} past={past}: " + "; ".join(cells))
         x = torch.randn(7, 4096, dtype=dt, device="cuda")
         s = torch.randn_like(x)
         w = torch.randn(4096, dtype=dt, device="cuda")

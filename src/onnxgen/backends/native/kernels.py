@@ -119,13 +119,15 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, past: torch.Tensor,
-                    scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
+                    scale: float, softcap: float = 0.0, window: int = -1,
+                    config: tuple[int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
     """Attention of M new tokens over a KV buffer that already holds their keys and values.
 
     `q` `[1, N, M, D]` (contiguous): queries at absolute positions `past .. past + M - 1`; `kbuf`/`vbuf`
     `[1, Hkv, cap, D]` valid at `[0, past + M)`; `past` `[1]` integer on the device. Query t sees keys
     `[0, past + t]` (with `window` > 0 only the last `window` of them); scores are soft-capped when
-    `softcap` > 0. Returns `[1, N, M, D]` in q's dtype. Shapes depend only on M and the capacity."""
+    `softcap` > 0. Returns `[1, N, M, D]` in q's dtype. Shapes depend only on M and the capacity.
+    `config` (benchmarks): (rows per program, warps, pipeline stages) instead of the defaults."""
     if not _use_triton(q):
         return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window)
     n, m, d = q.shape[1], q.shape[2], q.shape[3]
@@ -134,6 +136,9 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
     rows = g * m  # per KV head: its G query heads x M tokens, contiguous in q
     dp = max(16, 1 << (d - 1).bit_length())
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    warps, stages = 4, 2
+    if config is not None:
+        block_m, warps, stages = config
     block_n = 64 if dp <= 128 else 32
     rblocks = triton_cdiv(rows, block_m)
     rp = rblocks * block_m
@@ -152,7 +157,7 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
         qc, kbuf, vbuf, past, acc, ml, out, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
         float(scale), float(softcap), int(window), m, rows, rp, hkv * nsplit * rp, split,
         D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, NSPLIT=nsplit, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if not direct:
         k_["attn_combine"][(n * m,)](
