@@ -149,7 +149,7 @@ def kernels_check() -> None:
                 fa = cuda_time(lambda q=q, kb=kb, vb=vb, total=total: torch.ops.aten._scaled_dot_product_flash_attention(
                     q, kb[:, :, :total], vb[:, :, :total], 0.0, is_causal=True, scale=0.1), reps=20, warmup=3)  # fmt: skip
                 cells = [f"flash {fa:.3f} ms ({flops / fa / 1e9:.0f} TFLOP/s)"]
-                for cfg in (None, (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2)):
+                for cfg in (None, (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2)):
                     try:
                         ms = cuda_time(lambda q=q, kb=kb, vb=vb, p=p, cfg=cfg: K.cache_attention(
                             q, kb, vb, p, 0.1, config=cfg), reps=20, warmup=3)  # fmt: skip

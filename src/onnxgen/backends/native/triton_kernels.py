@@ -1,0 +1,183 @@
+"""The Triton kernels behind `onnxgen.backends.native.kernels` (imported only when Triton is used).
+
+Contracts (shapes, masks, what each writes) are documented on the dispatching functions in
+`kernels.py`; this module holds only the device code. Scores inside the attention kernels are kept in
+base 2 (`qk_scale` includes log2(e)) so the softmax uses `exp2`.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(X + row * N + cols, mask=m, other=0.0)
+    if HAS_SKIP:
+        x = x + tl.load(S + row * N + cols, mask=m, other=0.0)
+        tl.store(SUM + row * N + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / N
+    y = (xf * (1.0 / tl.sqrt(var + eps))).to(X.dtype.element_ty)
+    w = tl.load(W + cols, mask=m, other=0.0)
+    tl.store(Y + row * N + cols, (y * w).to(X.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=m, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)
+    tl.store(OUT + offs, (s * u).to(U.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s, qk_scale, softcap,
+                dcol, dmask, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """One block of BLOCK_N keys from `start` into the online softmax (scores in base 2). Unmasked
+    blocks lie wholly below every row's limit and `hi`."""
+    offs = start + tl.arange(0, BLOCK_N)
+    kptr = kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :]
+    vptr = vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :]
+    nm = offs < hi
+    if MASKED:
+        k = tl.load(kptr, mask=nm[:, None] & dmask[None, :], other=0.0)
+    elif D == DP:
+        k = tl.load(kptr)
+    else:
+        k = tl.load(kptr, mask=dmask[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-scale score x
+        x = s * (qk_scale / 1.4426950408889634)
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * x / softcap)) - 1.0) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASKED:
+        keep = nm[None, :] & (offs[None, :] < limit[:, None])
+        if window > 0:
+            keep = keep & (offs[None, :] >= limit[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(vptr, mask=nm[:, None] & dmask[None, :], other=0.0)
+    elif D == DP:
+        v = tl.load(vptr)
+    else:
+        v = tl.load(vptr, mask=dmask[None, :], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_scale, softcap, window, M, R, RP,
+                ML_STRIDE, SPLIT, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    h = tl.program_id(0)  # KV head
+    rb = tl.program_id(1)  # block of rows (query head within the group x token)
+    sp = tl.program_id(2)  # split of the keys
+    past = tl.load(PAST).to(tl.int32)
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < R
+    limit = past + rows % M + 1  # exclusive end of the keys each row's token sees
+    dcol = tl.arange(0, DP)
+    dmask = dcol < D
+    qrow = (h * R + rows).to(tl.int64)
+    q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    base_n = sp * SPLIT
+    hi = tl.minimum(base_n + SPLIT, tl.max(tl.where(rmask, limit, 0), 0))
+    lo = base_n
+    low_limit = tl.min(tl.where(rmask, limit, 1 << 30), 0)  # keys below it are seen by every row
+    full_end = lo
+    if window > 0:
+        lo = tl.maximum(base_n, low_limit - window)
+        full_end = lo
+    else:
+        full_end = lo + tl.maximum(tl.minimum(hi, low_limit) - lo, 0) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    kbase = K + h.to(tl.int64) * sk_h
+    vbase = V + h.to(tl.int64) * sv_h
+    for start in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s,
+                                    qk_scale, softcap, dcol, dmask, D, DP, BLOCK_N, False, SOFTCAP, IEEE)  # fmt: skip
+    for start in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s,
+                                    qk_scale, softcap, dcol, dmask, D, DP, BLOCK_N, True, SOFTCAP, IEEE)  # fmt: skip
+    if NSPLIT == 1:  # one split: normalise and write the output here
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
+                 mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+    else:
+        base = (h * NSPLIT + sp) * RP
+        tl.store(ACC + (base + rows)[:, None].to(tl.int64) * DP + dcol[None, :], acc)
+        tl.store(ML + base + rows, m_i)
+        tl.store(ML + ML_STRIDE + base + rows, l_i)
+
+
+@triton.jit
+def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, D: tl.constexpr, DP: tl.constexpr, NSPLIT: tl.constexpr,
+                  NSP: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)  # global query row: KV head h, row r within it
+    h = row // R
+    r = row % R
+    sp = tl.arange(0, NSP)
+    smask = sp < NSPLIT
+    dcol = tl.arange(0, DP)
+    idx = (h * NSPLIT + sp) * RP + r
+    m = tl.load(ML + idx, mask=smask, other=float("-inf"))
+    lsum = tl.load(ML + ML_STRIDE + idx, mask=smask, other=0.0)
+    mx = tl.max(m, 0)
+    w = tl.where(smask & (m > float("-inf")), tl.exp2(m - mx), 0.0)  # maxima are in base 2
+    den = tl.sum(w * lsum, 0)
+    acc = tl.load(ACC + idx[:, None].to(tl.int64) * DP + dcol[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / den
+    tl.store(OUT + row.to(tl.int64) * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
+
+
+@triton.jit
+def rope_qkv_kernel(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV, ROW, S,
+              D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
+    t = tl.program_id(1)  # token
+    pos = tl.load(POS + t).to(tl.int64)
+    j = tl.arange(0, DP)
+    mj = j < D
+    rot = (j < 2 * HALF) & (hh < N + HKV)
+    if INTERLEAVED:
+        fi = j // 2
+        partner = j ^ 1
+        sign = tl.where(j % 2 == 0, -1.0, 1.0)
+    else:
+        fi = tl.where(j < HALF, j, j - HALF)
+        partner = tl.where(j < HALF, j + HALF, j - HALF)
+        sign = tl.where(j < HALF, -1.0, 1.0)
+    base = QKV + t.to(tl.int64) * ROW + hh * D
+    x = tl.load(base + j, mask=mj, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner, mask=mj & rot, other=0.0).to(tl.float32)
+    c = tl.load(COS + pos * cos_stride + fi, mask=mj & rot, other=1.0).to(tl.float32)
+    s = tl.load(SIN + pos * cos_stride + fi, mask=mj & rot, other=0.0).to(tl.float32)
+    o = tl.where(rot, x * c + sign * xp * s, x).to(QO.dtype.element_ty)
+    tl.store(QO + (hh * S + t).to(tl.int64) * D + j, o, mask=mj & (hh < N))
+    kh = tl.minimum(tl.maximum(hh - N, 0), HKV - 1).to(tl.int64)
+    tl.store(KB + kh * sk_h + pos * sk_s + j, o, mask=mj & (hh >= N) & (hh < N + HKV))
+    vh = tl.minimum(tl.maximum(hh - N - HKV, 0), HKV - 1).to(tl.int64)
+    tl.store(VB + vh * sv_h + pos * sv_s + j, o, mask=mj & (hh >= N + HKV))
