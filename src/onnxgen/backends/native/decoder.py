@@ -7,7 +7,7 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   power-of-two buckets from `kv_floor`); `rewind_to` is O(1).
 - On CUDA, forwards of a graph whose attention ops are all fused (GroupQueryAttention or ai.onnx
   Attention without a mask input) replay CUDA graphs: one per (step size, KV capacity bucket), where the
-  step size is 1 for decode and, for a prefill chunk of n <= `graph_max_tokens` tokens, the next power
+  step size is 1 for decode and, for a prefill chunk of n <= `graph_max_tokens` (1024) tokens, the next power
   of two >= max(n, 16) (the chunk is padded with copies of its last token; the padding's keys land
   past the valid length and are never read). The start position, the token ids and the index of the
   last real token are copied into device buffers first (pinned staging, no stream sync). Decode
@@ -51,7 +51,7 @@ class NativeDecoder:
     can_rewind = True
 
     def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
-                 graph_max_tokens: int = 256, static_steps: bool = False, **_: Any) -> None:  # fmt: skip
+                 graph_max_tokens: int = 1024, static_steps: bool = False, **_: Any) -> None:  # fmt: skip
         """`kv_floor`: smallest KV capacity bucket. `cuda_graphs`: replay CUDA graphs on CUDA.
         `graph_max_tokens`: largest prefill chunk run as a static step (0: decode only; larger chunks
         run eagerly). `static_steps` (testing): run the static-shape steps CUDA graphs capture without
