@@ -125,7 +125,10 @@ def main() -> int:
     kv_cap_bytes = eng.spec.kv_bytes_per_token * (1 << (args.context - 1).bit_length())
     chunk_rows = []
     for chunk, gmax in ((256, 1024), (512, 0), (512, 1024), (1024, 0), (1024, 1024), (None, 1024)):
+        gc.collect()
+        base_v = mem()  # before this engine's weights (shared with any live engine of the package), KV and graphs
         e = onnxgen.load(str(pkg), backend="native", device=device, chunk_size=chunk, graph_max_tokens=gmax)
+        weights_v = mem() - base_v
         e.generate(ctx[:64], max_new_tokens=1, reuse=False)
         times, peaks = [], []
         for i in range(7):  # the first two runs of a prefill shape run eagerly / capture: not timed
@@ -138,7 +141,7 @@ def main() -> int:
             sync()
             if i >= 2:
                 # beyond the weights and the KV buffers (capacity 8192): CUDA-graph pools count as activations
-                peaks.append(torch.cuda.max_memory_allocated(dev) - base0 - weights - kv_cap_bytes if cuda else 0)
+                peaks.append(torch.cuda.max_memory_allocated(dev) - base_v - weights_v - kv_cap_bytes if cuda else 0)
                 times.append(r.stats.ttft_s)
         chunk_rows.append({"chunk": chunk or "none", "graph_max_tokens": gmax, "ttft_ms": statistics.median(times) * 1000,
                            "activation_peak_gb": max(peaks) / 1e9})  # fmt: skip
