@@ -166,3 +166,19 @@ def test_sampling_precedence_uses_package_defaults_when_not_given():
     assert (p.temperature, p.top_k, p.top_p) == (0.0, 5, 0.9)
     p = SamplingParams.resolve(SearchDefaults(do_sample=False, temperature=0.7))
     assert p.greedy
+
+
+@pytest.mark.parametrize("backend", ["ort", "native"])
+def test_close_frees_every_cache_and_sessions_stay_usable(tiny_dir, backend):
+    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1)
+    s = m.session()
+    prompt = list(range(5, 40))
+    first = s.generate(prompt, max_new_tokens=4)
+    m.generate(prompt, max_new_tokens=4)
+    m.generate(prompt, max_new_tokens=4, reuse=False)  # leaves an idle decoder (with its buffers) in the pool
+    assert s.kv_bytes() > 0 and m.default_session.kv_bytes() > 0 and m.pool._free
+    m.close()
+    assert s.kv_bytes() == 0 and m.default_session.kv_bytes() == 0 and m.registry.total_kv_bytes() == 0
+    assert not m.pool._free
+    again = s.generate(prompt, max_new_tokens=4)  # nothing retained: computed from scratch, same tokens
+    assert again.stats.reused_tokens == 0 and again.tokens == first.tokens

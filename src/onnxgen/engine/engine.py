@@ -219,4 +219,9 @@ class Engine:
                 )
 
     def close(self) -> None:
+        """Free the device memory of every cache this engine holds: retained sessions (they stay
+        usable and reuse nothing next time) and idle pooled decoders. The weights go when the
+        last engine of the package is dropped."""
         self._default_session.evict()
+        self.registry.evict_all()
+        self.pool.close()

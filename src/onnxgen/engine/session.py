@@ -63,6 +63,13 @@ class DecoderPool:
                 return self._free.pop()
         return self._factory()
 
+    def close(self) -> None:
+        """Close every idle decoder (frees their caches); later `acquire` calls build new ones."""
+        with self._lock:
+            free, self._free = self._free, []
+        for d in free:
+            d.close()
+
     def release(self, decoder: Decoder | None) -> None:
         """Drop `decoder`'s cache (frees its memory) and keep the decoder for later requests."""
         if decoder is None:
@@ -211,6 +218,13 @@ class SessionRegistry:
         if self.max_kv_bytes is not None and session.kv_bytes() > self.max_kv_bytes:
             session.evict()
             self.evictions += 1
+
+    def evict_all(self) -> None:
+        """Free every registered session's retained KV (the sessions stay usable)."""
+        with self._lock:
+            sessions = list(self._lru.values())
+        for s in sessions:
+            s.evict()
 
     def forget(self, session: Session) -> None:
         with self._lock:
