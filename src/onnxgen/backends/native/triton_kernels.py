@@ -36,6 +36,18 @@ def silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def load_rows(ptr, nm, dmask, D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr):
+    """A [BLOCK_N, DP] block of keys or values; masked rows (`nm` false) and padded columns read 0."""
+    if MASKED:
+        x = tl.load(ptr, mask=nm[:, None] & dmask[None, :], other=0.0)
+    elif D == DP:
+        x = tl.load(ptr)
+    else:
+        x = tl.load(ptr, mask=dmask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
 def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s, qk_scale, softcap,
                 dcol, dmask, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                 SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
@@ -45,12 +57,7 @@ def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, s
     kptr = kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :]
     vptr = vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :]
     nm = offs < hi
-    if MASKED:
-        k = tl.load(kptr, mask=nm[:, None] & dmask[None, :], other=0.0)
-    elif D == DP:
-        k = tl.load(kptr)
-    else:
-        k = tl.load(kptr, mask=dmask[None, :], other=0.0)
+    k = load_rows(kptr, nm, dmask, D, DP, MASKED)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -73,12 +80,7 @@ def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, s
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(vptr, mask=nm[:, None] & dmask[None, :], other=0.0)
-    elif D == DP:
-        v = tl.load(vptr)
-    else:
-        v = tl.load(vptr, mask=dmask[None, :], other=0.0)
+    v = load_rows(vptr, nm, dmask, D, DP, MASKED)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
