@@ -127,6 +127,17 @@ def test_static_decode_path_matches_onnxruntime(style: str, tmp_path_factory: py
     assert max(errs) <= 1e-5, errs
 
 
+def test_load_time_warm_up_leaves_an_empty_consistent_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The warm-up CUDA decoders run at load (static steps of 1, 16 and 64 tokens on a small cache) leaves
+    the cache empty; what follows equals onnxruntime. Run here through the same static path on the CPU."""
+    spec = load_spec(_pkg(tmp_path_factory, "warm_up", STYLES["gqa"]))
+    dec = NativeDecoder(spec, kv_floor=64, static_steps=True)
+    assert dec._warm_up() >= 0.0 and dec.program.info["warmed_up"]
+    assert dec.kv_len() == 0 and dec.kv.capacity == 128
+    errs = teacher_forced(dec, OrtRef(spec), _prompt(40, 384, seed=8), 10)
+    assert max(errs) <= 1e-5, errs
+
+
 @pytest.mark.parametrize("style", ["gqa", "window_softcap"])
 def test_static_prefill_chunks_match_onnxruntime(style: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Prefill chunks through the captured code path: padded to a power-of-two step, start position and

@@ -114,6 +114,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
     return out
 
 
+_MAX_SPLITS = 64  # key splits per (KV head, row block); the combine pass reads this many slots, masked
 _LOG2E = 1.4426950408889634  # the kernels keep scores in base 2 (exp2 is one instruction)
 
 
@@ -149,8 +150,10 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
     rblocks = triton_cdiv(rows, block_m)
     rp = rblocks * block_m
     # Split the keys so that about 2 waves of programs run (decode: up to 64 splits of >= 256 keys).
+    # The split count is a run-time argument (only "one split or several" is compiled in), so a new
+    # KV capacity never triggers a Triton compile.
     want = 64 if m == 1 else triton_cdiv(256, hkv * rblocks)
-    nsplit = max(1, min(want, cap // 256))
+    nsplit = max(1, min(want, cap // 256, _MAX_SPLITS))
     split = max(block_n, triton_cdiv(triton_cdiv(cap, nsplit), block_n) * block_n)
     nsplit = triton_cdiv(cap, split)
     qc = q.contiguous()
@@ -162,13 +165,12 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
     k_["attn_split"][(hkv, rblocks, nsplit)](
         qc, kbuf, vbuf, past, acc, ml, out, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
         float(scale) * _LOG2E, float(softcap), int(window), m, rows, rp, hkv * nsplit * rp, split,
-        D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, NSPLIT=nsplit, SOFTCAP=softcap > 0,
+        nsplit, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if not direct:
         k_["attn_combine"][(n * m,)](
-            acc, ml, out, rows, rp, hkv * nsplit * rp, D=d, DP=dp, NSPLIT=nsplit,
-            NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=4,
+            acc, ml, out, rows, rp, hkv * nsplit * rp, nsplit, D=d, DP=dp, NSP=_MAX_SPLITS, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -90,8 +90,8 @@ def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, s
 
 @triton.jit
 def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_scale, softcap, window, M, R, RP,
-                ML_STRIDE, SPLIT, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+                      ML_STRIDE, SPLIT, NSPLIT, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     h = tl.program_id(0)  # KV head
     rb = tl.program_id(1)  # block of rows (query head within the group x token)
     sp = tl.program_id(2)  # split of the keys
@@ -124,7 +124,7 @@ def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_sc
     for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s,
                                     qk_scale, softcap, dcol, dmask, D, DP, BLOCK_N, True, SOFTCAP, IEEE)  # fmt: skip
-    if NSPLIT == 1:  # one split: normalise and write the output here
+    if DIRECT:  # one split: normalise and write the output here
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
                  mask=rmask[:, None] & dmask[None, :])  # fmt: skip
@@ -136,8 +136,8 @@ def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_sc
 
 
 @triton.jit
-def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, D: tl.constexpr, DP: tl.constexpr, NSPLIT: tl.constexpr,
-                  NSP: tl.constexpr):  # fmt: skip
+def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr, DP: tl.constexpr,
+                        NSP: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)  # global query row: KV head h, row r within it
     h = row // R
     r = row % R
