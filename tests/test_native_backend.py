@@ -128,7 +128,7 @@ def test_static_decode_path_matches_onnxruntime(style: str, tmp_path_factory: py
 
 
 def test_load_time_warm_up_leaves_an_empty_consistent_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The warm-up CUDA decoders run at load (static steps of 1, 16 and 64 tokens on a small cache) leaves
+    """The warm-up CUDA decoders run at load (static steps of 1 and 64 tokens on a small cache) leaves
     the cache empty; what follows equals onnxruntime. Run here through the same static path on the CPU."""
     spec = load_spec(_pkg(tmp_path_factory, "warm_up", STYLES["gqa"]))
     dec = NativeDecoder(spec, kv_floor=64, static_steps=True)

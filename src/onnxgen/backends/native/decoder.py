@@ -211,7 +211,7 @@ class NativeDecoder:
         steps eagerly on a small cache, then empties it. Once per lowered program (decoders share it).
         Returns the seconds spent."""
         t = time.perf_counter()
-        steps = [m for m in (1, 16, 64) if m <= self._graph_max]
+        steps = [m for m in (1, 64) if m <= self._graph_max]  # every prefill step size compiles alike
         try:
             for cap in (self.kv.floor, 2 * self.kv.floor):
                 self.kv.reserve(min(cap, self.spec.context_length))

@@ -142,9 +142,9 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
     dp = max(16, 1 << (d - 1).bit_length())
     # Measured on the H200 (docs/benchmarks/sessions-gpu.md): 64 x 64 tiles, 4 warps, 3 stages for
     # prefill chunks (faster than flash attention at 512 and 1024 queries over an 8k cache); decode
-    # rows are the query heads of one KV head.
+    # rows are the query heads of one KV head. Few distinct configurations = few Triton compiles.
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    block_n, warps, stages = (64 if dp <= 128 else 32), 4, (3 if rows >= 128 else 2)
+    block_n, warps, stages = (64 if dp <= 128 else 32), 4, (2 if m == 1 else 3)
     if config is not None:
         block_m, block_n, warps, stages = config
     rblocks = triton_cdiv(rows, block_m)
