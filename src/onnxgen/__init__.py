@@ -34,7 +34,9 @@ def load(
     path: a package folder; omitted (or "default") means the embedded default model, built on first
     use (needs the `convert` extra). backend: "auto" (native on CUDA, ort on CPU), "ort" or
     "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, and backend
-    options (threads, kv_floor, ...).
+    options: threads (ort), kv_floor (smallest KV capacity bucket, both), cuda_graphs and
+    graph_max_tokens (native on CUDA: replay decode and prefill chunks of up to this many tokens,
+    default 1024, from CUDA graphs).
     """
     from onnxgen.convert.default import resolve_model_path
     from onnxgen.engine.engine import Engine
