@@ -182,3 +182,9 @@ def test_close_frees_every_cache_and_sessions_stay_usable(tiny_dir, backend):
     assert not m.pool._free
     again = s.generate(prompt, max_new_tokens=4)  # nothing retained: computed from scratch, same tokens
     assert again.stats.reused_tokens == 0 and again.tokens == first.tokens
+
+
+def test_unknown_load_option_is_an_error_naming_it(tiny_dir):
+    with pytest.raises(InvalidRequest, match="chunksize") as e:
+        onnxgen.load(str(tiny_dir), backend="ort", chunksize=64)
+    assert "chunk_size" in str(e.value) and "graph_max_tokens" in str(e.value)

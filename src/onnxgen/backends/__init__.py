@@ -15,6 +15,11 @@ if TYPE_CHECKING:
 
 BACKENDS = ("auto", "ort", "native")
 DEVICES = ("cpu", "cuda")
+# Options each backend takes (a backend ignores the other's, so one call works with backend="auto").
+OPTIONS = {
+    "ort": ("threads", "kv_floor", "kv_mode", "last_logits"),
+    "native": ("kv_floor", "cuda_graphs", "graph_max_tokens", "static_steps"),
+}
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -29,7 +34,18 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -> Decoder:
-    """Build a decoder for `spec`. `backend` must already be resolved ("ort" or "native")."""
+    """Build a decoder for `spec`. `backend` must already be resolved ("ort" or "native").
+    Raises `InvalidRequest` for an option no backend takes (a typo must not be silently ignored)."""
+    known = sorted({o for opts in OPTIONS.values() for o in opts})
+    for name in options:
+        if name.startswith("_"):
+            continue  # internal (e.g. a forked decoder's shared session)
+        if name not in known:
+            raise InvalidRequest(
+                f"unknown option {name!r}; load() takes chunk_size, max_sessions, max_kv_bytes and the "
+                f"backend options {', '.join(known)}",
+                field=name,
+            )
     if backend == "ort":
         from onnxgen.backends.ort.decoder import OrtDecoder
 
