@@ -104,3 +104,32 @@ def test_help_works(argv, capsys):
         main(argv)
     assert e.value.code == 0
     assert "usage: onnxgen" in capsys.readouterr().out
+
+
+def test_generate_structured_output_flags(tiny_dir, tmp_path, capsys):
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({
+        "type": "object", "properties": {"ok": {"type": "boolean"}, "c": {"enum": ["x", "y"]}},
+        "required": ["ok", "c"], "additionalProperties": False,
+    }))  # fmt: skip
+    base = ["generate", str(tiny_dir), "--prompt", "json:", "--max-new-tokens", "60", "--threads", "1",
+            "--temperature", "1.0", "--seed", "3", "--no-stream"]  # fmt: skip
+    assert main([*base, "--json-schema", str(schema)]) == 0
+    out = capsys.readouterr()
+    value = json.loads(out.out)
+    assert set(value) == {"ok", "c"} and value["c"] in ("x", "y") and "finish stop" in out.err
+    assert main([*base, "--regex", "[0-9]{3}"]) == 0
+    text = capsys.readouterr().out.strip()
+    assert len(text) == 3 and text.isdigit()
+    grammar = tmp_path / "yn.lark"
+    grammar.write_text('start: "yes" | "no"')
+    assert main([*base, "--grammar", str(grammar)]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    # bad constraints: one clear line, exit 2, nothing generated
+    assert main([*base, "--regex", "(unclosed"]) == 2
+    assert main([*base, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.json" in err and "cannot read" in err
+    with pytest.raises(SystemExit):  # one constraint at a time
+        main([*base, "--json", "--regex", "a"])

@@ -27,6 +27,11 @@ def register(sub: Any) -> None:
     p.add_argument("--raw", action="store_true", help="feed --prompt as raw text, without the chat template")
     p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     add_sampling_args(p)
+    c = p.add_argument_group("structured output (llguidance; one of)").add_mutually_exclusive_group()
+    c.add_argument("--json", action="store_true", help="the reply is a JSON object")
+    c.add_argument("--json-schema", type=Path, metavar="FILE.json", help="the reply is JSON valid against this schema")
+    c.add_argument("--regex", metavar="PATTERN", help="the reply matches this regular expression")
+    c.add_argument("--grammar", type=Path, metavar="FILE.lark", help="the reply follows this Lark grammar")
     p.set_defaults(func=run)
 
 
@@ -49,15 +54,37 @@ def build_prompt(args: argparse.Namespace) -> str | list[dict[str, Any]]:
     return messages
 
 
+def constraint(args: argparse.Namespace) -> tuple[str, Any] | None:
+    """The structured-output constraint the flags ask for: (kind, source) or None."""
+    if args.json:
+        return "json_object", None
+    if args.regex is not None:
+        return "regex", args.regex
+    for kind, path in (("json_schema", args.json_schema), ("lark", args.grammar)):
+        if path is not None:
+            try:
+                return kind, path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise InvalidRequest(f"{path}: cannot read ({exc.strerror})", field=kind) from exc
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    wanted = constraint(args)
     model = load_model(args)
     prompt = build_prompt(args)
+    processors = []
+    if wanted is not None:
+        from onnxgen.sampling.grammar import grammar_processor
+
+        processors.append(grammar_processor(model, *wanted))
 
     def emit(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = model.generate(prompt, on_token=None if args.no_stream else emit, **sampling_kwargs(args))
+    result = model.generate(prompt, on_token=None if args.no_stream else emit, processors=processors,
+                            **sampling_kwargs(args))  # fmt: skip
     if args.no_stream:
         sys.stdout.write(result.text)
     sys.stdout.write("\n")
