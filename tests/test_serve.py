@@ -162,6 +162,24 @@ def test_logprobs_match_model_distribution(client, model_id, tiny_model):
         assert entry.top_logprobs[0].token == entry.token
 
 
+def test_streamed_logprobs_arrive_with_their_text(client, model_id):
+    """Each streamed chunk that carries text carries the logprobs of the tokens behind it (they used to
+    arrive one chunk late), and the stream's entries equal the non-streamed response's."""
+    kw = {"model": model_id, "messages": msgs("stream logprobs"), "max_tokens": 8, "temperature": 0,
+          "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    streamed, text = [], ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        streamed.extend(c.logprobs.content if c.logprobs is not None and c.logprobs.content else [])
+        text += c.delta.content or ""
+        covered = sum(len(e.bytes or []) for e in streamed)
+        assert covered >= len(text.encode()), f"{text!r} streamed ahead of its logprobs {streamed}"
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in whole]
+
+
 # --- error statuses (raw HTTP) ------------------------------------------------------------
 
 

@@ -81,9 +81,10 @@ class LogprobsRecorder:
     constraint placed after it) and, once the chosen token is known, its logprob and the `top`
     alternatives.
 
-    Step k's token is known at step k + 1 (from `generated`); call `finish(tokens)` with the
-    request's result tokens to resolve the last step. `entries` grows in generation order and may
-    be read from another thread (appends only).
+    The sampler reports each chosen token through `accept`, so step k's entry exists before its text
+    is streamed. Without a sampler (a processor called directly), step k resolves at step k + 1 from
+    `generated`, and `finish(tokens)` resolves the last. `entries` grows in generation order and may be
+    read from another thread (appends only).
     """
 
     def __init__(self, top: int = 0) -> None:
@@ -98,6 +99,11 @@ class LogprobsRecorder:
         lp, top = self._pending
         self._pending = None
         self.entries.append(TokenLogprob(int(token), float(lp[int(token)]), top))
+
+    def accept(self, token: int) -> None:
+        """The token chosen at the step last seen: record its entry now."""
+        if self._pending is not None:
+            self._resolve(token)
 
     def __call__(self, logits: Any, generated: Sequence[int]) -> Any:
         if not generated:

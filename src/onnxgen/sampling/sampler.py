@@ -27,6 +27,10 @@ class LogitsProcessor(Protocol):
     def __call__(self, logits: Any, generated: Sequence[int]) -> Any: ...
 
 
+# A processor may also define `accept(token: int) -> None`: the sampler calls it with each chosen token
+# right after the choice (before the token is streamed), e.g. to attach a logprob to it at once.
+
+
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
 
@@ -92,6 +96,10 @@ class Sampler:
     def accept(self, token: int) -> None:
         """Record that `token` was emitted (updates penalties and processors' view)."""
         self._generated.append(token)
+        for proc in self._processors:
+            hook = getattr(proc, "accept", None)
+            if hook is not None:
+                hook(token)
         if self.params.has_penalties:
             self._counts[token] += 1
             if self.params.repetition_penalty != 1.0:
