@@ -88,7 +88,7 @@ def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, s
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])  # the split count varies with the KV capacity: one compile
 def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_scale, softcap, window, M, R, RP,
                       ML_STRIDE, SPLIT, NSPLIT, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
@@ -135,7 +135,7 @@ def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_sc
         tl.store(ML + ML_STRIDE + base + rows, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])
 def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr, DP: tl.constexpr,
                         NSP: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)  # global query row: KV head h, row r within it
