@@ -53,8 +53,8 @@ class NativeDecoder:
     def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
                  graph_max_tokens: int = 1024, static_steps: bool = False, **_: Any) -> None:  # fmt: skip
         """`kv_floor`: smallest KV capacity bucket. `cuda_graphs`: replay CUDA graphs on CUDA.
-        `graph_max_tokens`: largest prefill chunk run as a static step (0: decode only; larger chunks
-        run eagerly). `static_steps` (testing): run the static-shape steps CUDA graphs capture without
+        `graph_max_tokens`: largest prefill chunk run as a static step, rounded up to a power of two
+        (0: decode only; larger chunks run eagerly). `static_steps` (testing): run the static-shape steps CUDA graphs capture without
         capturing (works on the CPU)."""
         t0 = time.perf_counter()
         if device not in ("cpu", "cuda"):
@@ -94,7 +94,7 @@ class NativeDecoder:
         self._pos_dtype = _input_dtype(spec, spec.position_ids_name, torch.int64)
         self._ids_dtype = _input_dtype(spec, spec.input_ids_name, torch.int64)
         self._extra = [i for i in spec.extra_inputs if i.name in p.input_slots]
-        warm_s = self._warm_up() if self._use_graphs and not p.info.get("warmed_up") else 0.0
+        warm_s = self._warm_up() if self._use_graphs else 0.0
         self.load_seconds = time.perf_counter() - t0
         self.info: dict[str, Any] = {
             "program": describe(p),
@@ -211,7 +211,10 @@ class NativeDecoder:
         steps eagerly on a small cache, then empties it. Once per lowered program (decoders share it).
         Returns the seconds spent."""
         t = time.perf_counter()
-        steps = [m for m in (1, 64) if m <= self._graph_max]  # every prefill step size compiles alike
+        done = self.program.info.setdefault("warmed_steps", set())
+        steps = [m for m in (1, 64) if m <= self._graph_max and m not in done]  # prefill sizes compile alike
+        if not steps:
+            return 0.0
         try:
             for cap in (self.kv.floor, 2 * self.kv.floor):
                 self.kv.reserve(min(cap, self.spec.context_length))
@@ -225,7 +228,7 @@ class NativeDecoder:
         self.kv.set_length(0)
         if self._dev.type == "cuda":
             torch.cuda.synchronize(self._dev)
-        self.program.info["warmed_up"] = True
+        done.update(steps)
         return time.perf_counter() - t
 
     def _static_forward(self, tokens: Sequence[int], start: int) -> torch.Tensor | None:
