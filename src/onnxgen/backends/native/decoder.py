@@ -7,8 +7,8 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   power-of-two buckets from `kv_floor`); `rewind_to` is O(1).
 - On CUDA, forwards of a graph whose attention ops are all fused (GroupQueryAttention or ai.onnx
   Attention without a mask input) replay CUDA graphs: one per (step size, KV capacity bucket), where the
-  step size is 1 for decode and, for a prefill chunk of n <= `graph_max_tokens` (1024) tokens, the next power
-  of two >= max(n, 16) (the chunk is padded with copies of its last token; the padding's keys land
+  step size is 1 for decode and, for a prefill chunk of n <= `graph_max_tokens` (1024) tokens, the
+  next power of two >= max(n, 16) (the chunk is padded with copies of its last token; the padding's keys land
   past the valid length and are never read). The start position, the token ids and the index of the
   last real token are copied into device buffers first (pinned staging, no stream sync). Decode
   graphs are captured on first use, prefill graphs on the second use of their shape (the first runs
@@ -54,8 +54,8 @@ class NativeDecoder:
                  graph_max_tokens: int = 1024, static_steps: bool = False, **_: Any) -> None:  # fmt: skip
         """`kv_floor`: smallest KV capacity bucket. `cuda_graphs`: replay CUDA graphs on CUDA.
         `graph_max_tokens`: largest prefill chunk run as a static step, rounded up to a power of two
-        (0: decode only; larger chunks run eagerly). `static_steps` (testing): run the static-shape steps CUDA graphs capture without
-        capturing (works on the CPU)."""
+        (0: decode only; larger chunks run eagerly). `static_steps` (testing): run the static-shape
+        steps CUDA graphs capture without capturing (works on the CPU)."""
         t0 = time.perf_counter()
         if device not in ("cpu", "cuda"):
             raise InvalidRequest(f"unknown device {device!r}; choose cpu or cuda", field="device")
@@ -200,8 +200,7 @@ class NativeDecoder:
         for s, t in extra.items():
             env[s] = t
         ctx = RunCtx(self.kv, start, n, positions)
-        logits = self._exec(env, ctx)
-        return logits.reshape(-1, logits.shape[-1])[-1].to(torch.float32, copy=True)
+        return _last_logits(self._exec(env, ctx))
 
     # --- static steps and CUDA graphs ------------------------------------------------------------
 
@@ -220,9 +219,7 @@ class NativeDecoder:
                 self.kv.reserve(min(cap, self.spec.context_length))
                 for m in steps:
                     if m <= self.kv.capacity:
-                        self._set_step([0] * m, 0, m)
-                        env, ctx = self._static_env(m)
-                        self._exec(env, ctx)
+                        self._run_static([0] * m, 0, m)
         except NotCapturable as exc:  # the first capture will find out too and fall back to eager
             log.info("warm-up stopped: %s", exc)
         self.kv.set_length(0)
@@ -240,10 +237,7 @@ class NativeDecoder:
         if m == 0 or start + m > self.kv.capacity:
             return None
         if not self._use_graphs:  # the captured code path, run eagerly (tests, CPU)
-            self._set_step(tokens, start, m)
-            env, ctx = self._static_env(m)
-            out = self._exec(env, ctx)
-            return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
+            return _last_logits(self._run_static(tokens, start, m))
         if self._graph_gen != self.kv.generation:
             # NOTE: the KV buffers were reallocated, so every captured graph is stale. Dropping the
             # graphs frees their private memory pool: forget its handle too, or the next capture
@@ -273,7 +267,14 @@ class NativeDecoder:
             self._graphs[key] = entry
         graph, out = entry
         graph.replay()
-        return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
+        return _last_logits(out)
+
+    def _run_static(self, tokens: Sequence[int], start: int, m: int) -> torch.Tensor:
+        """Run `tokens` at `start` as a static step of `m` positions, uncaptured; returns the program's
+        logits output."""
+        self._set_step(tokens, start, m)
+        env, ctx = self._static_env(m)
+        return self._exec(env, ctx)
 
     def _set_step(self, tokens: Sequence[int], start: int, m: int) -> None:
         n = len(tokens)
@@ -308,6 +309,11 @@ class NativeDecoder:
             env, ctx = self._static_env(m)
             out = self._exec(env, ctx)
         return graph, out
+
+
+def _last_logits(out: torch.Tensor) -> torch.Tensor:
+    """The last position's logits as a fresh 1-D float32 tensor (never a view of a graph's buffer)."""
+    return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
 
 
 def _bucket(n: int, largest: int) -> int:
