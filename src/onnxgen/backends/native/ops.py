@@ -749,8 +749,10 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: 
     kv = ctx.kv
     s = q.shape[2]
     if ctx.static:
-        assert bias is None and mask is None
-        kv.write_at(layer, ctx.positions, k, v)
+        if bias is not None or mask is not None:
+            raise NotCapturable("an attention bias or mask in a static step")
+        if k is not None:  # None: the caller already wrote this step's k/v at `ctx.positions`
+            kv.write_at(layer, ctx.positions, k, v)
         return kernels.cache_attention(q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window)
     pos0 = ctx.pos0
     if k is not None:  # None: the caller already wrote this step's k/v at [pos0, pos0 + s)
@@ -844,20 +846,9 @@ def _gqa(node: Node) -> Fn:
         b, s, _h = query.shape
         if key is None:
             d = query.shape[2] // (n + 2 * hkv)
-            if not ctx.static or qnw is not None or not do_rotary or query.device.type == "cpu":
-                q = query[..., : n * d].reshape(b, s, n, d)
-                k = query[..., n * d : (n + hkv) * d].reshape(b, s, hkv, d)
-                v = query[..., (n + hkv) * d :].reshape(b, s, hkv, d)
-            else:  # fused rotary + KV write for a static step
-                q = kernels.rope_qkv_write(
-                    query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved
-                )
-                scale = scale_attr or 1.0 / math.sqrt(d)
-                kv = ctx.kv
-                o = kernels.cache_attention(
-                    q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window
-                )
-                return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
+            q = query[..., : n * d].reshape(b, s, n, d)
+            k = query[..., n * d : (n + hkv) * d].reshape(b, s, hkv, d)
+            v = query[..., (n + hkv) * d :].reshape(b, s, hkv, d)
         else:
             d = query.shape[2] // n
             q = query.reshape(b, s, n, d)
@@ -867,12 +858,12 @@ def _gqa(node: Node) -> Fn:
             q = _rms(q, qnw, qn_eps)
             k = _rms(k, knw, kn_eps)
         scale = scale_attr or 1.0 / math.sqrt(d)
-        if key is None and do_rotary and qnw is None and not ctx.static:
+        if bias is not None:
+            bias, = _same(ctx, bias)  # fmt: skip
+        if key is None and do_rotary and qnw is None:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
-            assert ctx.pos0 + s <= ctx.kv.capacity
+            assert ctx.static or ctx.pos0 + s <= ctx.kv.capacity
             q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved)
-            if bias is not None:
-                bias, = _same(ctx, bias)  # fmt: skip
             o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:
@@ -880,8 +871,6 @@ def _gqa(node: Node) -> Fn:
             cos = cos_c.index_select(0, pos).unsqueeze(1)  # [S, 1, rd/2]
             sin = sin_c.index_select(0, pos).unsqueeze(1)
             q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
-        if bias is not None:
-            bias, = _same(ctx, bias)  # fmt: skip
         o = attend(ctx, layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
                    softcap=softcap, window=window, bias=bias)  # fmt: skip
         return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
