@@ -41,37 +41,30 @@ _TOP_P_WINDOW = 256
 def _top_p_numpy(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Zero all but the smallest set of most likely tokens whose mass reaches `top_p` of the total.
 
-    Tries a partial selection of the top `_TOP_P_WINDOW` first (enough for almost every real,
-    peaked distribution); for flat distributions it bisects on the probability threshold instead
-    of sorting the whole vocabulary (O(V) per step, about 30 steps).
+    Sorts only a partial selection of the top `_TOP_P_WINDOW` (enough for almost every real, peaked
+    distribution); when the window's mass falls short (a flat distribution) it bisects on the
+    probability threshold instead of sorting the whole vocabulary (O(V) per step, about 30 steps).
     """
     target = top_p * probs.sum()
     n = probs.shape[0]
-    if n > _TOP_P_WINDOW:
-        cand = np.argpartition(-probs, _TOP_P_WINDOW)[:_TOP_P_WINDOW]
-        order = cand[np.argsort(-probs[cand], kind="stable")]
-        cum = np.cumsum(probs[order])
-        if cum[-1] >= target:
-            cut = int(np.searchsorted(cum, target)) + 1
-            keep = np.zeros_like(probs)
-            keep[order[:cut]] = probs[order[:cut]]
-            return keep
-        lo, hi = 0.0, float(probs[order[-1]])  # the answer's threshold is below the window's smallest
-        for _ in range(40):  # largest threshold t with mass(probs >= t) >= target
-            mid = (lo + hi) / 2
-            if probs[probs >= mid].sum() >= target:
-                lo = mid
-            else:
-                hi = mid
-            if hi - lo <= hi * 1e-7:
-                break
-        return np.where(probs >= lo, probs, 0.0).astype(probs.dtype)
-    order = np.argsort(-probs, kind="stable")
+    cand = np.argpartition(-probs, _TOP_P_WINDOW)[:_TOP_P_WINDOW] if n > _TOP_P_WINDOW else np.arange(n)
+    order = cand[np.argsort(-probs[cand], kind="stable")]
     cum = np.cumsum(probs[order])
-    cut = int(np.searchsorted(cum, target)) + 1
-    keep = np.zeros_like(probs)
-    keep[order[:cut]] = probs[order[:cut]]
-    return keep
+    if cum[-1] >= target:
+        cut = int(np.searchsorted(cum, target)) + 1
+        keep = np.zeros_like(probs)
+        keep[order[:cut]] = probs[order[:cut]]
+        return keep
+    lo, hi = 0.0, float(probs[order[-1]])  # the answer's threshold is below the window's smallest
+    for _ in range(40):  # largest threshold t with mass(probs >= t) >= target
+        mid = (lo + hi) / 2
+        if probs[probs >= mid].sum() >= target:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= hi * 1e-7:
+            break
+    return np.where(probs >= lo, probs, 0.0).astype(probs.dtype)
 
 
 class Sampler:
