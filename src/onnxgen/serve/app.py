@@ -442,11 +442,15 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
 
     async def _encode_and_respond(request: Request, req: Any, session: Any, prompt: Any, *, chat: bool) -> Response:
         field = "messages" if chat else "prompt"
-        try:  # off the event loop: rendering and tokenizing a long prompt takes milliseconds
-            ids = await run_in_threadpool(model.encode_prompt, prompt)
-        except Exception as exc:
-            raise from_engine_error(exc, prompt_field=field) from None
-        prep = await run_in_threadpool(server.prepare, req, ids, session, chat=chat, prompt_field=field)
+
+        def encode_and_prepare() -> _Prepared:  # off the event loop: a long prompt takes milliseconds
+            try:
+                ids = model.encode_prompt(prompt)
+            except Exception as exc:
+                raise from_engine_error(exc, prompt_field=field) from None
+            return server.prepare(req, ids, session, chat=chat, prompt_field=field)
+
+        prep = await run_in_threadpool(encode_and_prepare)
         return await _respond(request, prep, chat=chat)
 
     async def _respond(request: Request, prep: _Prepared, *, chat: bool) -> Response:
