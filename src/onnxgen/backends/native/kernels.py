@@ -3,8 +3,9 @@
 Each public function has one torch reference implementation (used on the CPU and as the ground truth
 in tests) and, when the tensors live on a CUDA device and Triton imports, a Triton kernel:
 
-- `rms_norm(x, skip, w, eps)`: (skip-)RMSNorm in one pass, returning `(y, x + skip)`.
-- `silu_mul(g, u)`: `silu(g) * u`.
+- `rms_norm(x, skip, w, eps)`: (skip-)RMSNorm in one pass, returning `(y, x + skip)`; float32 inside,
+  each output rounded once.
+- `silu_mul(g, u)`: `silu(g) * u`, float32 inside, rounded once.
 - `cache_attention(q, kbuf, vbuf, past, ...)`: M query tokens at positions `past .. past + M - 1`
   against a KV buffer that already holds their keys, causal (query t sees keys `[0, past + t]`), with
   the length read from device memory: static shapes over a fixed capacity, so decode (M = 1) and
@@ -53,10 +54,11 @@ def triton_available() -> bool:
 def rms_norm_ref(
     x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, Any]:
-    s = x + skip if skip is not None else x
-    sf = s.float()
-    y = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-    return y, (s if skip is not None else None)
+    # NOTE: as onnxruntime's SkipSimplifiedLayerNormalization: the sum is formed in float32 and
+    # normalised unrounded; only the outputs (y and the residual sum) are rounded to x's dtype.
+    sf = x.float() + skip.float() if skip is not None else x.float()
+    y = (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+    return y, (sf.to(x.dtype) if skip is not None else None)
 
 
 def cache_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, past: torch.Tensor,
@@ -101,11 +103,17 @@ def rms_norm(
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`silu(g) * u`. With `out=g` the result overwrites `g` (callers guarantee nobody else reads it)."""
+    """`silu(g) * u`, computed in float32 and rounded once to g's dtype. With `out=g` the result
+    overwrites `g` (callers guarantee nobody else reads it)."""
     if not _use_triton(g) or g.shape != u.shape or not (g.is_contiguous() and u.is_contiguous()):
-        if out is g and g.shape == torch.broadcast_shapes(g.shape, u.shape):
-            return F.silu(g, inplace=True).mul_(u)
-        return F.silu(g) * u
+        if g.dtype == torch.float32:
+            if out is g and g.shape == torch.broadcast_shapes(g.shape, u.shape):
+                return F.silu(g, inplace=True).mul_(u)
+            return F.silu(g) * u
+        y = F.silu(g.float()).mul_(u.float())
+        if out is g and g.shape == y.shape:
+            return g.copy_(y)
+        return y.to(g.dtype)
     if out is None:
         out = torch.empty_like(g)
     n = g.numel()

@@ -14,15 +14,13 @@ def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.conste
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
-    x = tl.load(X + row * N + cols, mask=m, other=0.0)
-    if HAS_SKIP:
-        x = x + tl.load(S + row * N + cols, mask=m, other=0.0)
-        tl.store(SUM + row * N + cols, x, mask=m)
-    xf = x.to(tl.float32)
+    xf = tl.load(X + row * N + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_SKIP:  # the sum in float32, normalised unrounded (onnxruntime's SkipSimplifiedLayerNorm)
+        xf = xf + tl.load(S + row * N + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(SUM + row * N + cols, xf.to(SUM.dtype.element_ty), mask=m)
     var = tl.sum(xf * xf, axis=0) / N
-    y = (xf * (1.0 / tl.sqrt(var + eps))).to(X.dtype.element_ty)
-    w = tl.load(W + cols, mask=m, other=0.0)
-    tl.store(Y + row * N + cols, (y * w).to(X.dtype.element_ty), mask=m)
+    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (xf * (1.0 / tl.sqrt(var + eps)) * w).to(X.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -30,9 +28,8 @@ def silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=m, other=0.0)
-    s = (g / (1.0 + tl.exp(-g))).to(U.dtype.element_ty)
-    tl.store(OUT + offs, (s * u).to(U.dtype.element_ty), mask=m)
+    u = tl.load(U + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)
 
 
 @triton.jit

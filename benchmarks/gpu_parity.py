@@ -1,0 +1,259 @@
+"""Native backend numerics on builder-made bf16 packages against transformers, on one H200, in one run.
+
+    PYTHONPATH=src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_parity.py --tokenizer DIR \
+        [--shapes 2048x4,1b,8b] [--lengths 16,256,1024,2048,4096,8192] [--sections parity,ops,sessions,speed]
+
+Packages: random Llama checkpoints saved by transformers (bf16 weights, `onnxgen.convert.reference`),
+converted by onnxruntime-genai's model builder (`-p bf16 -e cuda`) under /tmp on this host.
+
+Sections (each runs even when an earlier one failed; errors are logged):
+- parity: last-position logits of a random prompt at each length, and 32 greedy steps teacher-forced
+  (native's tokens fed to transformers), native bf16 (CUDA graphs on) vs transformers fp32; transformers
+  bf16 on the same input is the yardstick. ‖Δ‖/‖ref‖, the ratio native/transformers-bf16, and argmax
+  agreement with fp32 where its top-2 margin is clear (> 2 × transformers-bf16's max |Δ| at that step);
+- ops: `benchmarks/op_error.py` on the first shape (per-op error against float64, CUDA);
+- sessions: a retained session vs a fresh run at 2k and 8k contexts on the last shape (logits of the
+  turn's first step and of 16 teacher-forced steps; greedy tokens);
+- speed: decode tok/s (512-token prompt, 128 steps), TTFT at 4096 tokens and a 64-token turn on a
+  retained 8000-token context, median of 5.
+Full logs and a JSON of every number go to $OUT; a short table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+OUT = Path(os.environ.get("OUT") or "/tmp/gpu_parity_out")
+OUT.mkdir(parents=True, exist_ok=True)
+LOG = open(OUT / "gpu_parity.log", "a", buffering=1)
+RESULTS: dict[str, Any] = {"parity": [], "sessions": [], "speed": []}
+WORK = Path("/tmp/onnxgen_parity")
+DEV = "cuda"  # --device cpu: a dry run of the script logic (tiny shapes)
+
+
+def log(*a: Any) -> None:
+    msg = " ".join(str(x) for x in a)
+    print(msg, flush=True)
+    LOG.write(msg + "\n")
+
+
+def guarded(name: str, fn: Any, *a: Any) -> None:
+    log(f"\n=== {name} ===")
+    t0 = time.perf_counter()
+    try:
+        fn(*a)
+    except Exception:
+        log(f"!!! {name} failed:\n{traceback.format_exc()}")
+        RESULTS.setdefault("errors", []).append(f"{name}: {traceback.format_exc().splitlines()[-1]}")
+    log(f"--- {name}: {time.perf_counter() - t0:.1f}s")
+    gc.collect()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm())
+
+
+def package(shape_name: str, tokenizer: Path) -> tuple[Path, Path]:
+    """(hf folder, bf16 cuda package) of a shape, built once on this host."""
+    from onnxgen.convert.checkpoint import convert_checkpoint
+    from onnxgen.convert.reference import SHAPES, random_llama_checkpoint
+
+    hf, pkg = WORK / f"{shape_name}_hf", WORK / f"{shape_name}_pkg"
+    if not (hf / "config.json").is_file():
+        t = time.perf_counter()
+        random_llama_checkpoint(hf, SHAPES[shape_name], tokenizer, device=DEV)
+        log(f"{shape_name}: random checkpoint in {time.perf_counter() - t:.1f}s")
+    if not (pkg / "genai_config.json").is_file():
+        t = time.perf_counter()
+        convert_checkpoint(hf, pkg, precision="bf16", execution_provider="cuda", progress=False)
+        log(f"{shape_name}: builder package in {time.perf_counter() - t:.1f}s")
+    return hf, pkg
+
+
+def _hf(hf: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf, dtype=dtype, attn_implementation="sdpa").to(DEV).eval()
+
+
+def _hf_logits(model: Any, ids: list[int], keep: int) -> torch.Tensor:
+    with torch.no_grad():
+        x = torch.tensor([ids], device=DEV)
+        return model(input_ids=x, logits_to_keep=keep).logits[0].double()
+
+
+def parity(shapes: list[str], lengths: list[int], tokenizer: Path, steps: int = 32) -> None:
+    import onnxgen
+
+    for name in shapes:
+        hf_dir, pkg = package(name, tokenizer)
+        m32, m16 = _hf(hf_dir, torch.float32), _hf(hf_dir, torch.bfloat16)
+        model = onnxgen.load(str(pkg), backend="native", device=DEV)
+        ctx = model.spec.context_length
+        g = torch.Generator().manual_seed(1)
+        for n in lengths:
+            n = min(n, ctx - steps - 1)
+            ids = torch.randint(100, model.spec.vocab_size - 100, (n,), generator=g).tolist()
+            r = model.generate(ids, max_new_tokens=steps, temperature=0, output_logits=True, reuse=False)
+            got = torch.from_numpy(r.logits).double().to(DEV)  # [steps, vocab]
+            k = got.shape[0]
+            full = ids + r.tokens[: k - 1]
+            ref = _hf_logits(m32, full, k)
+            y16 = _hf_logits(m16, full, k)
+            e_nat = [rel(got[i], ref[i]) for i in range(k)]
+            e_16 = [rel(y16[i], ref[i]) for i in range(k)]
+            top2 = ref.topk(2, dim=-1).values
+            margin = top2[:, 0] - top2[:, 1]
+            clear = margin > 2 * (y16 - ref).abs().amax(-1)
+            agree = (got.argmax(-1) == ref.argmax(-1)) & clear
+            row = {
+                "shape": name, "tokens": n, "native_first": e_nat[0], "hf16_first": e_16[0],
+                "native_mean": statistics.mean(e_nat), "hf16_mean": statistics.mean(e_16),
+                "ratio_first": e_nat[0] / e_16[0], "ratio_mean": statistics.mean(e_nat) / statistics.mean(e_16),
+                "clear": int(clear.sum()), "agree": int(agree.sum()), "steps": k,
+            }  # fmt: skip
+            RESULTS["parity"].append(row)
+            log(json.dumps(row))
+        del m32, m16, model
+        gc.collect()
+
+
+def ops(shape: str, tokenizer: Path, tokens: list[int]) -> None:
+    import op_error
+
+    _, pkg = package(shape, tokenizer)
+    sys.argv = ["op_error", str(pkg), "--device", DEV, "--tokens", *map(str, tokens)]
+    op_error.main()
+
+
+def sessions(shape: str, tokenizer: Path, contexts: list[int]) -> None:
+    """Turn 2 on a retained session vs the same request fresh (reuse=False), teacher-forced."""
+    import onnxgen
+
+    _, pkg = package(shape, tokenizer)
+    model = onnxgen.load(str(pkg), backend="native", device=DEV)
+    g = torch.Generator().manual_seed(2)
+    for n in contexts:
+        s = model.session()
+        turn1 = torch.randint(100, 49000, (n - 80,), generator=g).tolist()
+        r1 = s.generate(turn1, max_new_tokens=16, temperature=0)
+        turn2 = turn1 + r1.tokens + torch.randint(100, 49000, (64,), generator=g).tolist()
+        a = s.generate(turn2, max_new_tokens=16, temperature=0, output_logits=True)
+        b = model.generate(turn2, max_new_tokens=16, temperature=0, output_logits=True, reuse=False)
+        k = min(len(a.tokens), len(b.tokens))
+        same = next((i for i in range(k) if a.tokens[i] != b.tokens[i]), k)  # teacher-forced while equal
+        la, lb = torch.from_numpy(a.logits[: same + 1]).double(), torch.from_numpy(b.logits[: same + 1]).double()
+        errs = [rel(la[i], lb[i]) for i in range(min(len(la), len(lb)))]
+        top2 = lb.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * (la - lb).abs().amax(-1)
+        row = {"shape": shape, "context": len(turn2), "reused": a.stats.reused_tokens, "first": errs[0],
+               "max": max(errs), "tokens_equal": a.tokens == b.tokens, "steps_compared": len(errs),
+               "argmax_agree_clear": int(((la.argmax(-1) == lb.argmax(-1)) & clear).sum()), "clear": int(clear.sum())}  # fmt: skip
+        RESULTS["sessions"].append(row)
+        log(json.dumps(row))
+        s.close()
+
+
+def _median_of(fn: Any, reps: int = 5) -> float:
+    return statistics.median(fn() for _ in range(reps))
+
+
+def speed(shapes: list[str], tokenizer: Path) -> None:
+    import onnxgen
+
+    for name in shapes:
+        _, pkg = package(name, tokenizer)
+        model = onnxgen.load(str(pkg), backend="native", device=DEV)
+        g = torch.Generator().manual_seed(3)
+        p512 = torch.randint(100, 49000, (512,), generator=g).tolist()
+        p4k = torch.randint(100, 49000, (4096,), generator=g).tolist()
+        model.generate(p512, max_new_tokens=130, temperature=0, reuse=False)  # warm-up (captures)
+        dec = _median_of(lambda: model.generate(p512, max_new_tokens=128, temperature=0, reuse=False).stats.decode_tok_s)
+        model.generate(p4k, max_new_tokens=1, reuse=False)
+        ttft = _median_of(lambda: model.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3)
+        s = model.session()
+        ctx = torch.randint(100, 49000, (8000,), generator=g).tolist()
+        s.generate(ctx, max_new_tokens=1)
+        turns = []
+        for _ in range(6):
+            r0 = s.generate(ctx, max_new_tokens=1)  # rewinds to ctx - 1: the same 1-token turn each time
+            extra = torch.randint(100, 49000, (64,), generator=g).tolist()
+            r = s.generate(ctx + extra, max_new_tokens=1)
+            assert r.stats.reused_tokens >= 7999 and r0.stats.reused_tokens >= 7999
+            turns.append(r.stats.ttft_s * 1e3)
+        row = {"shape": name, "decode_tok_s": dec, "ttft_4096_ms": ttft, "turn64_on_8000_ms": statistics.median(turns[1:])}
+        RESULTS["speed"].append(row)
+        log(json.dumps(row))
+        s.close()
+        del model
+        gc.collect()
+
+
+def table() -> None:
+    (OUT / "gpu_parity.json").write_text(json.dumps(RESULTS, indent=1))
+    print("\n| shape | tokens | native err (first / mean of 32) | transformers-bf16 err | ratio (first / mean) | argmax agree (clear) |")
+    print("|---|---|---|---|---|---|")
+    for r in RESULTS["parity"]:
+        print(f"| {r['shape']} | {r['tokens']} | {r['native_first']:.4f} / {r['native_mean']:.4f} | "
+              f"{r['hf16_first']:.4f} / {r['hf16_mean']:.4f} | {r['ratio_first']:.2f} / {r['ratio_mean']:.2f} | "
+              f"{r['agree']}/{r['clear']} |")  # fmt: skip
+    for r in RESULTS["sessions"]:
+        print(f"session {r['shape']} ctx {r['context']}: reused {r['reused']}, first {r['first']:.4f}, max {r['max']:.4f}, "
+              f"tokens equal {r['tokens_equal']}, argmax {r['argmax_agree_clear']}/{r['clear']}")  # fmt: skip
+    for r in RESULTS["speed"]:
+        print(f"speed {r['shape']}: decode {r['decode_tok_s']:.1f} tok/s, TTFT@4096 {r['ttft_4096_ms']:.1f} ms, "
+              f"turn64@8000 {r['turn64_on_8000_ms']:.2f} ms")  # fmt: skip
+    for e in RESULTS.get("errors", []):
+        print("ERROR", e)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--shapes", default="2048x4,1b,8b")
+    ap.add_argument("--lengths", default="16,256,1024,2048,4096,8192")
+    ap.add_argument("--sections", default="parity,ops,sessions,speed")
+    ap.add_argument("--op-tokens", default="256,1024")
+    ap.add_argument("--session-contexts", default="2048,8000")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    global DEV
+    DEV = a.device
+    torch.set_grad_enabled(False)
+    if DEV == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    shapes, secs = a.shapes.split(","), a.sections.split(",")
+    lengths = [int(x) for x in a.lengths.split(",")]
+    log("torch", torch.__version__, torch.cuda.get_device_name() if DEV == "cuda" else "cpu")
+    if "parity" in secs:
+        guarded("parity", parity, shapes, lengths, a.tokenizer)
+    if "ops" in secs:
+        guarded("ops", ops, shapes[0], a.tokenizer, [int(x) for x in a.op_tokens.split(",")])
+    if "sessions" in secs:
+        guarded("sessions", sessions, shapes[-1], a.tokenizer, [int(x) for x in a.session_contexts.split(",")])
+    if "speed" in secs:
+        guarded("speed", speed, [s for s in shapes if s != "2048x4"], a.tokenizer)
+    table()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

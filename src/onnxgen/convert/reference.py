@@ -1,0 +1,85 @@
+"""Reference packages from an independent producer: random Llama checkpoints saved by transformers,
+converted by onnxruntime-genai's model builder.
+
+The project's own synthetic writer (`onnxgen.convert.synthetic`) is not independent of the code under
+test; these packages are. Parity tests and GPU benchmarks compare the native backend on such a
+package against transformers running the same checkpoint (fp32 as the reference, bf16 as the
+yardstick for what bf16 arithmetic alone costs).
+
+    hf = random_llama_checkpoint(tmp / "hf", LlamaShape(hidden_size=2048, num_layers=4), tokenizer_dir)
+    pkg = convert_checkpoint(hf, tmp / "pkg", precision="bf16", execution_provider="cuda")
+
+Needs the `convert` extra (torch, transformers, onnxruntime-genai). Nothing is downloaded: the
+tokenizer files are copied from `tokenizer_dir` (e.g. the default model's package).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The shape of a random Llama checkpoint. Defaults: Llama-3.2-1B's layer shape with SmolLM2's
+    vocabulary (49152) so SmolLM2's tokenizer fits."""
+
+    hidden_size: int = 2048
+    num_layers: int = 16
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    intermediate_size: int = 8192
+    vocab_size: int = 49152
+    context_length: int = 8192
+    rope_theta: float = 500000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"heads must divide: hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads}")
+
+
+SHAPES = {
+    "tiny": LlamaShape(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=512,
+                       context_length=1024),  # dry runs
+    "2048x4": LlamaShape(num_layers=4),  # reproduces the 1B shape's numerics in seconds on a CPU
+    "1b": LlamaShape(),
+    "8b": LlamaShape(hidden_size=4096, num_layers=32, intermediate_size=14336, tie_word_embeddings=False),
+}
+
+
+def random_llama_checkpoint(dest: Path, shape: LlamaShape, tokenizer_dir: Path, *, seed: int = 0,
+                            device: str = "cpu", dtype: str = "bfloat16") -> Path:  # fmt: skip
+    """Write a Hugging Face folder with transformers' default random init of `shape` into `dest`.
+
+    Weights are saved in `dtype` (bfloat16 by default, so a bf16 package and an fp32 reference loaded
+    from the folder hold exactly the same values). `device="cuda"` initialises on the GPU (fast for 8B
+    shapes). Returns `dest`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dest = Path(dest)
+    cfg = LlamaConfig(
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads, vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.context_length, rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    # transformers 5 keeps the base in `rope_parameters`; 4.x in `rope_theta`. Set it where it is read.
+    if isinstance(getattr(cfg, "rope_parameters", None), dict):
+        cfg.rope_parameters["rope_theta"] = shape.rope_theta
+    else:
+        cfg.rope_theta = shape.rope_theta
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model.to(getattr(torch, dtype)).save_pretrained(dest)
+    del model
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    return dest
