@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_parity_out")
 OUT.mkdir(parents=True, exist_ok=True)
-LOG = open(OUT / "gpu_parity.log", "a", buffering=1)
+TAG = os.environ.get("ONNXGEN_BENCH_TAG", "")  # names this run's files (runs of two source trees side by side)
+LOG = open(OUT / f"gpu_parity{TAG}.log", "a", buffering=1)
 RESULTS: dict[str, Any] = {"parity": [], "sessions": [], "speed": []}
 WORK = Path("/tmp/onnxgen_parity")
 DEV = "cuda"  # --device cpu: a dry run of the script logic (tiny shapes)
@@ -73,15 +74,16 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def package(shape_name: str, tokenizer: Path) -> tuple[Path, Path]:
     """(hf folder, bf16 cuda package) of a shape, built once on this host."""
-    from onnxgen.convert.checkpoint import convert_checkpoint
-    from onnxgen.convert.reference import SHAPES, random_llama_checkpoint
-
     hf, pkg = WORK / f"{shape_name}_hf", WORK / f"{shape_name}_pkg"
-    if not (hf / "config.json").is_file():
+    if not (hf / "tokenizer.json").is_file():
+        from onnxgen.convert.reference import SHAPES, random_llama_checkpoint
+
         t = time.perf_counter()
         random_llama_checkpoint(hf, SHAPES[shape_name], tokenizer, device=DEV)
         log(f"{shape_name}: random checkpoint in {time.perf_counter() - t:.1f}s")
     if not (pkg / "genai_config.json").is_file():
+        from onnxgen.convert.checkpoint import convert_checkpoint
+
         t = time.perf_counter()
         convert_checkpoint(hf, pkg, precision="bf16", execution_provider="cuda", progress=False)
         log(f"{shape_name}: builder package in {time.perf_counter() - t:.1f}s")
@@ -144,36 +146,59 @@ def ops(shape: str, tokenizer: Path, tokens: list[int]) -> None:
     op_error.main()
 
 
+def _hf_cached_turn(model: Any, turn1: list[int], reply: list[int], new: list[int]) -> torch.Tensor:
+    """transformers with a kept cache, fed as onnxgen's session feeds it: turn 1 prefilled, the reply
+    decoded one token at a time (its last token is never fed), then reply[-1] + the new tokens as one
+    chunk. Returns the last position's logits."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([turn1], device=DEV), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for t in reply[:-1]:
+            model(input_ids=torch.tensor([[t]], device=DEV), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([reply[-1:] + new], device=DEV), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)  # fmt: skip
+    return out.logits[0, -1].double()
+
+
 def sessions(shape: str, tokenizer: Path, contexts: list[int]) -> None:
-    """Turn 2 on a retained session vs the same request fresh (reuse=False), teacher-forced."""
+    """Turn 2 on a retained session vs the same request fresh (reuse=False), both against transformers fp32;
+    transformers bf16 with a kept cache vs fresh is the yardstick for the gap two valid bf16 evaluation
+    orders leave between them."""
     import onnxgen
 
-    _, pkg = package(shape, tokenizer)
+    hf_dir, pkg = package(shape, tokenizer)
     model = onnxgen.load(str(pkg), backend="native", device=DEV)
+    m32, m16 = _hf(hf_dir, torch.float32), _hf(hf_dir, torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     for n in contexts:
         s = model.session()
         turn1 = torch.randint(100, 49000, (n - 80,), generator=g).tolist()
         r1 = s.generate(turn1, max_new_tokens=16, temperature=0)
-        turn2 = turn1 + r1.tokens + torch.randint(100, 49000, (64,), generator=g).tolist()
+        new = torch.randint(100, 49000, (64,), generator=g).tolist()
+        turn2 = turn1 + r1.tokens + new
         a = s.generate(turn2, max_new_tokens=16, temperature=0, output_logits=True)
         b = model.generate(turn2, max_new_tokens=16, temperature=0, output_logits=True, reuse=False)
         k = min(len(a.tokens), len(b.tokens))
         same = next((i for i in range(k) if a.tokens[i] != b.tokens[i]), k)  # teacher-forced while equal
-        la, lb = torch.from_numpy(a.logits[: same + 1]).double(), torch.from_numpy(b.logits[: same + 1]).double()
-        errs = [rel(la[i], lb[i]) for i in range(min(len(la), len(lb)))]
-        top2 = lb.topk(2, dim=-1).values
+        steps = min(same + 1, k)
+        la, lb = torch.from_numpy(a.logits[:steps]).double(), torch.from_numpy(b.logits[:steps]).double()
+        ref = _hf_logits(m32, turn2 + a.tokens[: steps - 1], steps).cpu()
+        gap = [rel(la[i], lb[i]) for i in range(steps)]
+        top2 = ref.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * (la - lb).abs().amax(-1)
-        row = {"shape": shape, "context": len(turn2), "reused": a.stats.reused_tokens, "first": errs[0],
-               "max": max(errs), "tokens_equal": a.tokens == b.tokens, "steps_compared": len(errs),
-               "argmax_agree_clear": int(((la.argmax(-1) == lb.argmax(-1)) & clear).sum()), "clear": int(clear.sum())}  # fmt: skip
+        hf_cached = _hf_cached_turn(m16, turn1, r1.tokens, new).cpu()
+        hf_fresh = _hf_logits(m16, turn2, 1)[-1].cpu()
+        row = {"shape": shape, "context": len(turn2), "reused": a.stats.reused_tokens, "gap_first": gap[0],
+               "gap_max": max(gap), "retained_vs_fp32": rel(la[0], ref[0]), "fresh_vs_fp32": rel(lb[0], ref[0]),
+               "hf16_gap": rel(hf_cached, hf_fresh), "hf16_cached_vs_fp32": rel(hf_cached, ref[0]),
+               "hf16_fresh_vs_fp32": rel(hf_fresh, ref[0]), "tokens_equal": a.tokens == b.tokens,
+               "steps_compared": steps, "argmax_agree_clear": int(((la.argmax(-1) == lb.argmax(-1)) & clear).sum()),
+               "clear": int(clear.sum())}  # fmt: skip
         RESULTS["sessions"].append(row)
         log(json.dumps(row))
         s.close()
-
-
-def _median_of(fn: Any, reps: int = 5) -> float:
-    return statistics.median(fn() for _ in range(reps))
 
 
 def speed(shapes: list[str], tokenizer: Path) -> None:
@@ -186,9 +211,10 @@ def speed(shapes: list[str], tokenizer: Path) -> None:
         p512 = torch.randint(100, 49000, (512,), generator=g).tolist()
         p4k = torch.randint(100, 49000, (4096,), generator=g).tolist()
         model.generate(p512, max_new_tokens=130, temperature=0, reuse=False)  # warm-up (captures)
-        dec = _median_of(lambda: model.generate(p512, max_new_tokens=128, temperature=0, reuse=False).stats.decode_tok_s)
+        dec = statistics.median(model.generate(p512, max_new_tokens=128, temperature=0, reuse=False).stats.decode_tok_s
+                                for _ in range(5))  # fmt: skip
         model.generate(p4k, max_new_tokens=1, reuse=False)
-        ttft = _median_of(lambda: model.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3)
+        ttft = statistics.median(model.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3 for _ in range(5))
         s = model.session()
         ctx = torch.randint(100, 49000, (8000,), generator=g).tolist()
         s.generate(ctx, max_new_tokens=1)
@@ -208,18 +234,24 @@ def speed(shapes: list[str], tokenizer: Path) -> None:
 
 
 def table() -> None:
-    (OUT / "gpu_parity.json").write_text(json.dumps(RESULTS, indent=1))
+    (OUT / f"gpu_parity{TAG}.json").write_text(json.dumps(RESULTS, indent=1))
     print("\n| shape | tokens | native err (first / mean of 32) | transformers-bf16 err | ratio (first / mean) | argmax agree (clear) |")
     print("|---|---|---|---|---|---|")
     for r in RESULTS["parity"]:
         print(f"| {r['shape']} | {r['tokens']} | {r['native_first']:.4f} / {r['native_mean']:.4f} | "
               f"{r['hf16_first']:.4f} / {r['hf16_mean']:.4f} | {r['ratio_first']:.2f} / {r['ratio_mean']:.2f} | "
               f"{r['agree']}/{r['clear']} |")  # fmt: skip
+    if RESULTS["sessions"]:
+        print("\n| shape | context | reused | retained vs fresh (first / max) | transformers-bf16 cached vs fresh "
+              "| vs fp32: retained / fresh | transformers-bf16 vs fp32: cached / fresh | greedy equal | argmax (clear) |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for r in RESULTS["sessions"]:
-        print(f"session {r['shape']} ctx {r['context']}: reused {r['reused']}, first {r['first']:.4f}, max {r['max']:.4f}, "
-              f"tokens equal {r['tokens_equal']}, argmax {r['argmax_agree_clear']}/{r['clear']}")  # fmt: skip
+        print(f"| {r['shape']} | {r['context']} | {r['reused']} | {r['gap_first']:.4f} / {r['gap_max']:.4f} | "
+              f"{r['hf16_gap']:.4f} | {r['retained_vs_fp32']:.4f} / {r['fresh_vs_fp32']:.4f} | "
+              f"{r['hf16_cached_vs_fp32']:.4f} / {r['hf16_fresh_vs_fp32']:.4f} | {r['tokens_equal']} | "
+              f"{r['argmax_agree_clear']}/{r['clear']} |")  # fmt: skip
     for r in RESULTS["speed"]:
-        print(f"speed {r['shape']}: decode {r['decode_tok_s']:.1f} tok/s, TTFT@4096 {r['ttft_4096_ms']:.1f} ms, "
+        print(f"speed{TAG} {r['shape']}: decode {r['decode_tok_s']:.1f} tok/s, TTFT@4096 {r['ttft_4096_ms']:.1f} ms, "
               f"turn64@8000 {r['turn64_on_8000_ms']:.2f} ms")  # fmt: skip
     for e in RESULTS.get("errors", []):
         print("ERROR", e)

@@ -6,6 +6,12 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# No example database: a failure found in one run is not silently replayed in every later run of the
+# checkout (CI starts clean anyway); each run draws fresh examples.
+settings.register_profile("onnxgen", database=None)
+settings.load_profile("onnxgen")
 
 
 def has_cuda() -> bool:

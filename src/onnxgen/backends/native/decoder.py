@@ -15,12 +15,20 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   eagerly), so one-off prompt shapes never pay a capture. Every other forward runs the lowered
   program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are dequantized once at load into
   the model's float dtype.
+- Threads: decoders may be driven from different threads at once. On CUDA every forward holds the
+  device's lock (`device_lock`), so the work of different decoders never interleaves inside a graph
+  capture, and captures run in thread-local mode, so work of other threads outside onnxgen cannot
+  invalidate them. A capture that fails anyway (any error) disables graphs for that decoder, is logged
+  once, and leaves the process's CUDA state usable (its RNG's capture bookkeeping is reset); the
+  forward then runs eagerly. On the CPU forwards of different decoders run in parallel.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -83,6 +91,7 @@ class NativeDecoder:
         self._graph_gen = -1
         self._pool: Any = None
         self._staging = _Staging(self._dev)
+        self.device_lock = device_lock(self._dev)
         # device step buffer: [start, index of the last real token, token ids (padded)...]
         self._step_dev = torch.zeros(2 + self._graph_max, dtype=torch.int64, device=self._dev)
         self._arange = torch.arange(self._graph_max, dtype=torch.int64, device=self._dev)
@@ -142,10 +151,11 @@ class NativeDecoder:
             raise ContextOverflow(total, self.spec.context_length)
         extra = self._extra_values(inputs)
         try:
-            self.kv.reserve(total)
-            logits = None if extra else self._static_forward(tokens, start_pos)
-            if logits is None:
-                logits = self._run_eager(tokens, start_pos, extra)
+            with self.device_lock:
+                self.kv.reserve(total)
+                logits = None if extra else self._static_forward(tokens, start_pos)
+                if logits is None:
+                    logits = self._run_eager(tokens, start_pos, extra)
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(
                 f"the device ran out of memory running {n} token(s) at position {start_pos}"
@@ -264,6 +274,9 @@ class NativeDecoder:
                     log.warning("prefill chunks are not capturable (%s); running them eagerly", exc)
                     self._graph_max = 1
                 return None
+            except Exception as exc:  # the capture broke (e.g. a foreign synchronising call): go eager
+                self._capture_failed(exc)
+                return None
             self._graphs[key] = entry
         graph, out = entry
         graph.replay()
@@ -305,10 +318,64 @@ class NativeDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             env, ctx = self._static_env(m)
             out = self._exec(env, ctx)
         return graph, out
+
+    def _capture_failed(self, exc: BaseException) -> None:
+        """After a capture that raised: disable graphs for this decoder (logged once), drop its graphs
+        and pool, and repair what a broken capture leaves behind process-wide."""
+        if self._use_graphs:
+            log.warning("CUDA graph capture failed (%s: %s); this decoder runs eagerly from now on",
+                        type(exc).__name__, exc)  # fmt: skip
+        self._use_graphs = False
+        self.info["cuda_graphs"] = False
+        self._graphs.clear()
+        self._seen.clear()
+        self._pool = None
+        _repair_after_failed_capture(self._dev)
+
+
+_DEVICE_LOCKS: dict[str, threading.RLock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+class _NoLock:
+    """The CPU's `device_lock`: forwards of different decoders run in parallel there."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def device_lock(dev: torch.device) -> Any:
+    """The process-wide lock of a CUDA device (one per device index, shared by every decoder and engine on
+    it: CUDA graph capture state is per process); a no-op context on the CPU."""
+    if dev.type != "cuda":
+        return _NoLock()
+    key = str(dev)
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(key, threading.RLock())
+
+
+def _repair_after_failed_capture(dev: torch.device) -> None:
+    """A capture that raised before `capture_end` completed leaves the default CUDA generator in its
+    capture state, and every later random op of the process fails ("Offset increment outside graph
+    capture"). A small successful capture runs the generator's capture prologue and epilogue again,
+    which resets that state; the error of the broken capture itself is not sticky."""
+    try:
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                torch.zeros(1, device=dev).add_(1)
+        del g
+    except Exception as exc:  # pragma: no cover - the device is in a state we cannot mend
+        log.error("could not restore the CUDA state after a failed capture: %s", exc)
 
 
 def _last_logits(out: torch.Tensor) -> torch.Tensor:
