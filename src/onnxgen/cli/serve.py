@@ -31,6 +31,10 @@ def register(sub: Any) -> None:
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait for the engine; beyond, 429 with Retry-After (default: 64)")  # fmt: skip
     p.add_argument("--model-id", default=None, help="the model name clients use (default: the package folder's name)")
+    p.add_argument("--max-tokens-cap", type=int, default=2048, metavar="N",
+                   help="most tokens one request may generate; also the default max_tokens (default: 2048)")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a request may run before it is cancelled and answered 504 (default: 600)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -54,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
         from onnxgen.serve.app import ServerConfig, create_app
     except ImportError as exc:
         raise InvalidRequest(f"the server needs the serve extra: pip install 'onnxgen[serve]' ({exc})") from exc
-    if args.max_sessions < 1 or args.max_queue < 1:
-        raise InvalidRequest("--max-sessions and --max-queue must be >= 1", field="max_sessions")
+    if args.max_sessions < 1 or args.max_queue < 1 or args.max_tokens_cap < 1:
+        raise InvalidRequest("--max-sessions, --max-queue and --max-tokens-cap must be >= 1", field="max_sessions")
+    if not args.request_timeout > 0:
+        raise InvalidRequest(f"--request-timeout must be > 0, got {args.request_timeout}", field="request_timeout")
     keys = read_keys(args)
     import onnxgen
 
@@ -63,8 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         opts["threads"] = args.threads
     model = onnxgen.load(args.model, backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
-    app = create_app(model, ServerConfig(api_keys=keys, max_queue=args.max_queue, model_id=args.model_id))
-    auth = f"{len(keys)} API key(s)" if keys else "no API key (anyone who can reach the port can use it)"
+    app = create_app(model, ServerConfig(api_keys=keys, max_queue=args.max_queue, model_id=args.model_id,
+                                         max_tokens_cap=args.max_tokens_cap, request_timeout_s=args.request_timeout))  # fmt: skip
+    auth = (f"{len(keys)} API key(s)" if keys else
+            "no API key (anyone who can reach the port can use it; unnamed requests share no KV)")  # fmt: skip
     print(f"onnxgen: serving {app.state.server.model_id!r} on http://{args.host}:{args.port}/v1 · "
           f"{model.backend}/{model.device} · {auth}", file=sys.stderr)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

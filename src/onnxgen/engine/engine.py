@@ -116,7 +116,14 @@ class Engine:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(prompt, Sequence) and _all_ints(prompt):
             ids = list(prompt)
-            arr = np.asarray(ids, dtype=np.int64)  # NOTE: vectorised: prompts may hold many thousand ids
+            try:
+                arr = np.asarray(ids, dtype=np.int64)  # NOTE: vectorised: prompts may hold many thousand ids
+            except OverflowError:  # an id beyond int64
+                big = str(next(i for i in ids if not -(2**63) <= i < 2**63))
+                big = big if len(big) <= 24 else f"{big[:12]}...({len(big)} digits)"
+                raise InvalidRequest(
+                    f"token id {big} is outside the vocabulary [0, {self.spec.vocab_size})", field="prompt"
+                ) from None
             if ids and (arr.min() < 0 or arr.max() >= self.spec.vocab_size):
                 bad = int(arr[(arr < 0) | (arr >= self.spec.vocab_size)][0])
                 raise InvalidRequest(

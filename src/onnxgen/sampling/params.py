@@ -7,15 +7,19 @@ built-in defaults. Omitting `temperature` means the package's choice: greedy unl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from onnxgen.errors import InvalidRequest
 from onnxgen.package.spec import SearchDefaults
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy: logits / 1e-40 overflow to inf, and the
+# distribution at 1e-5 is the argmax to within float32 anyway
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Validated sampling settings. `temperature == 0` means greedy (argmax)."""
+    """Validated sampling settings. `temperature < GREEDY_BELOW` (0 included) means greedy (argmax)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -35,8 +39,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
-        if not (self.repetition_penalty > 0.0):
-            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}", field="repetition_penalty")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+                                 field="repetition_penalty")  # fmt: skip
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (-2.0 <= v <= 2.0):
@@ -46,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

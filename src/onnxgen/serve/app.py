@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onnxgen.errors import APIError, Cancelled, GrammarError, InvalidRequest, QueueFull, SessionLimit
+from onnxgen.serve.bodies import parse_json_body
 from onnxgen.serve.errors import error_body, from_engine_error
 from onnxgen.serve.metrics import Metrics
 from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
@@ -45,7 +46,9 @@ ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/comp
 class ServerConfig:
     """api_keys: accepted bearer keys (empty: no auth). max_queue: requests that may wait for the
     engine worker before new ones get 429. max_body_bytes: larger bodies get 413. model_id: the
-    name clients pass as `model` (default: the package folder's name)."""
+    name clients pass as `model` (default: the package folder's name). max_tokens_cap: the most tokens
+    one request may generate (also the default when it names none; more is a 400).
+    request_timeout_s: wall time a request may run; past it, it is cancelled and answered 504."""
 
     api_keys: tuple[str, ...] = ()
     max_queue: int = 64
@@ -54,6 +57,14 @@ class ServerConfig:
     retry_after_s: int = 1
     max_sessions_per_key: int = 1024
     aliases: tuple[str, ...] = field(default=())
+    max_tokens_cap: int = 2048
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
 @dataclass
@@ -90,6 +101,16 @@ class _Server:
         self.created = int(time.time())
         self._grammar: Any = None
         self._grammar_lock = threading.Lock()
+        self._running: dict[int, threading.Event] = {}  # id(session) -> cancel event of its running request
+        self._running_lock = threading.Lock()
+
+    def cancel_running(self, session: Any) -> bool:
+        """Cancel the request running on `session` (it stops at its next step); True if there was one."""
+        with self._running_lock:
+            cancel = self._running.get(id(session))
+        if cancel is not None:
+            cancel.set()
+        return cancel is not None
 
     # --- auth & body ---------------------------------------------------------------------
 
@@ -120,12 +141,7 @@ class _Server:
             if n > limit:
                 raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
             chunks.append(chunk)
-        try:
-            data = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        data = parse_json_body(b"".join(chunks))
         try:
             return schema.model_validate(data)
         except ValidationError as exc:
@@ -145,9 +161,12 @@ class _Server:
             return self._grammar
 
     def resolve_session(self, request: Any, owner: str) -> Any:
+        """The session a request runs on: the one named by `X-Session-Id` (scoped to the key), else the
+        key's default session. Without API keys nobody is known, so a request that names no session is its
+        own context: None (it runs with `reuse=False` on a throwaway session and shares no KV)."""
         sid = request.headers.get(SESSION_HEADER)
         if sid is None:
-            return self.store.default(owner)
+            return self.store.default(owner) if self.keys else None
         session = self.store.get(owner, sid.strip())
         if session is None:
             raise APIError(404, f"unknown session {sid!r}: create one with POST /v1/sessions",
@@ -170,9 +189,13 @@ class _Server:
         max_tokens = req.max_tokens
         if chat and req.max_completion_tokens is not None:
             max_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        cap = self.config.max_tokens_cap
         if max_tokens is not None:
             if max_tokens < 1:
                 raise APIError(400, f"{max_field} must be >= 1, got {max_tokens}", param=max_field, code="invalid_value")
+            if max_tokens > cap:
+                raise APIError(400, f"{max_field} is {max_tokens}, above this server's cap of {cap} tokens per "
+                               f"request; ask for at most {cap}", param=max_field, code="invalid_value")  # fmt: skip
             if len(ids) + max_tokens > ctx:
                 raise APIError(
                     400,
@@ -181,7 +204,7 @@ class _Server:
                     param=max_field, code="context_length_exceeded",
                 )  # fmt: skip
         else:
-            max_tokens = ctx - len(ids)
+            max_tokens = min(cap, ctx - len(ids))
         stop = req.stop
         if isinstance(stop, list) and (len(stop) > 16 or not all(stop)):
             raise APIError(400, "stop must be at most 16 non-empty strings", param="stop", code="invalid_value")
@@ -201,6 +224,9 @@ class _Server:
         processors: list[Any] = []
         recorder = None
         if chat:
+            if req.tool_choice is not None and not req.tools and req.tool_choice != "none":
+                raise APIError(400, f"tool_choice {req.tool_choice!r} needs a non-empty tools list", param="tool_choice",
+                               code="invalid_value")  # fmt: skip
             if req.tools:
                 raise APIError(400, "tools are not supported by this server", param="tools", code="unsupported")
             if req.top_logprobs is not None and not req.logprobs:
@@ -259,12 +285,40 @@ class _Server:
     # --- running -------------------------------------------------------------------------
 
     def submit(self, prep: _Prepared, on_token: Any = None) -> Any:
+        """Queue a prepared request on the engine worker. While it runs it is registered under its session
+        (so `DELETE /v1/sessions/{id}` can cancel it) and a timer cancels it after `request_timeout_s`
+        (answered 504)."""
         session = prep.session
+        timeout = self.config.request_timeout_s
 
         def run(cancel: threading.Event) -> Any:
-            if session.closed:
+            target, extra = session, {}
+            if target is None:  # keyless and unnamed: its own context, nothing retained
+                target, extra = self.model.session(name="anonymous"), {"reuse": False}
+            elif target.closed:
                 raise APIError(404, "the session was deleted", param=SESSION_HEADER, code="session_not_found")
-            return session.generate(prep.ids, cancel=cancel, on_token=on_token, **prep.kwargs)
+            timed_out = threading.Event()
+
+            def expire() -> None:
+                timed_out.set()
+                cancel.set()
+
+            timer = threading.Timer(timeout, expire)
+            timer.daemon = True
+            with self._running_lock:
+                self._running[id(target)] = cancel
+            timer.start()
+            try:
+                return target.generate(prep.ids, cancel=cancel, on_token=on_token, **prep.kwargs, **extra)
+            except Cancelled:
+                if timed_out.is_set():
+                    raise APIError(504, f"the request ran longer than this server's limit of {timeout:g} s and was "
+                                   "cancelled; ask for fewer tokens", code="timeout") from None  # fmt: skip
+                raise
+            finally:
+                timer.cancel()
+                with self._running_lock:
+                    self._running.pop(id(target), None)
 
         try:
             return self.worker.submit(run)
@@ -300,8 +354,9 @@ class _Server:
 
     def chat_logprobs(self, entries: Sequence[Any]) -> dict[str, Any]:
         def item(tok: int, lp: float) -> dict[str, Any]:
-            text = self.token_text(tok)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+            # `token` is text (a partial UTF-8 sequence decodes to U+FFFD); `bytes` are the token's own
+            # bytes, so the bytes of consecutive tokens rebuild multi-byte characters
+            return {"token": self.token_text(tok), "logprob": lp, "bytes": list(self.model.tokenizer.token_bytes(tok))}
 
         return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries]}  # fmt: skip
@@ -397,6 +452,14 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
             {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "onnxgen"}
         ]}  # fmt: skip
 
+    @app.get("/v1/models/{model_name:path}")
+    async def model_info(model_name: str, request: Request) -> dict[str, Any]:
+        server.authenticate(request)
+        if model_name not in server.model_names:
+            raise APIError(404, f"unknown model {model_name!r}; this server serves {server.model_id!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "onnxgen"}
+
     @app.post("/v1/sessions")
     async def create_session(request: Request) -> JSONResponse:
         owner = server.authenticate(request)
@@ -414,6 +477,7 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
         session = server.store.remove(owner, sid)
         if session is None:
             raise APIError(404, f"unknown session {sid!r}", param="session_id", code="session_not_found")
+        server.cancel_running(session)  # a running request stops at its next step; close() then returns at once
         await run_in_threadpool(session.close)
         return {"id": sid, "object": "session.deleted", "deleted": True}
 

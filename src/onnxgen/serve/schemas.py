@@ -1,8 +1,10 @@
 """OpenAI request schemas (pydantic lives only in `serve/`). Responses are plain dicts built in
 `app.py` in the same shapes as the OpenAI API.
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do; types are checked here and
-ranges by the engine (`SamplingParams`), so there is one source of truth for valid values.
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; types are checked here, strictly
+as the OpenAI API checks them (no string or boolean coerced into a number, no number into a string;
+integers are accepted where a float is expected), and ranges by the engine (`SamplingParams`), so there
+is one source of truth for valid values. Bodies reach these models only after `bodies.parse_json_body`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class ContentPart(_Model):
@@ -21,11 +26,24 @@ class ContentPart(_Model):
     text: str | None = None
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class JsonSchemaSpec(_Model):
@@ -75,10 +93,12 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(union_mode="left_to_right")
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None

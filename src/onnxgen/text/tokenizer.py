@@ -32,6 +32,23 @@ def token_str(value: Any) -> str | None:
     return None
 
 
+_BYTE_DECODER: dict[str, int] = {}
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character standing for each byte -> the byte."""
+    if not _BYTE_DECODER:
+        keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+        extra = 0
+        for b in range(256):
+            if b in keep:
+                _BYTE_DECODER[chr(b)] = b
+            else:
+                _BYTE_DECODER[chr(256 + extra)] = b
+                extra += 1
+    return _BYTE_DECODER
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -96,6 +113,9 @@ class Tokenizer:
         self.special_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.byte_fallback_ids: frozenset[int] = self._byte_fallback_ids()
+        self._added: frozenset[int] = frozenset(added)
+        dec = backend.decoder
+        self._byte_level = dec is not None and b"ByteLevel" in dec.__getstate__()
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -188,6 +208,24 @@ class Tokenizer:
         """Text of `ids` through the tokenizer's decoder (no clean-up of spaces). Invalid UTF-8 byte
         runs become U+FFFD. With `skip_special_tokens`, ids in `special_ids` are dropped first."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token `i` stands for on its own (what OpenAI's logprobs `bytes` carry): a byte-level
+        BPE token's bytes through GPT-2's byte alphabet, a `<0xXX>` byte-fallback token's one byte, a
+        SentencePiece piece with its `▁` as a space, an added token's text. Several tokens of one
+        multi-byte character each carry their part, so concatenating a sequence's bytes rebuilds its text."""
+        piece = self._tok.id_to_token(int(i))
+        if piece is None:
+            return b""
+        if int(i) in self._added:
+            return piece.encode("utf-8")
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if int(i) in self.byte_fallback_ids:
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def token_to_id(self, tok: str) -> int | None:
         return self._tok.token_to_id(tok)

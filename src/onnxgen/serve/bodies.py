@@ -1,0 +1,89 @@
+"""Request bodies, checked before anything recursive touches them: size, nesting depth, strict JSON.
+
+`parse_json_body(raw)` returns the decoded JSON object or raises `APIError(400)` naming the problem:
+- nesting deeper than `MAX_DEPTH` arrays/objects (measured on the raw bytes with string contents
+  blanked out, in C-speed passes, so a 100,000-deep body never reaches a recursive parser);
+- not JSON, `NaN` / `Infinity` (not JSON, though Python's parser takes them) or numbers that overflow
+  to infinity (`1e999`);
+- a string (key or value) with a lone UTF-16 surrogate (`"\\ud800"`): valid JSON escapes, but not text
+  any tokenizer can encode. The error's `param` is the path to the first such string.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from onnxgen.errors import APIError
+
+MAX_DEPTH = 64
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte except the four brackets
+
+
+def nesting_depth(raw: bytes) -> int:
+    """The deepest array/object nesting of a JSON text (brackets inside strings do not count)."""
+    skeleton = _STRING.sub(b'""', raw).translate(None, _BRACKETS)
+    if not skeleton:
+        return 0
+    b = np.frombuffer(skeleton, dtype=np.uint8)
+    steps = np.where((b == ord("[")) | (b == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max())
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {text} is out of range (numbers must be finite)")
+    return v
+
+
+def _surrogate_path(value: Any, path: list[str]) -> list[str] | None:
+    """The path to the first string holding a lone surrogate, else None (iterative: no recursion)."""
+    stack: list[tuple[Any, list[str]]] = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return p
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return p
+                stack.append((item, [*p, k]))
+        elif isinstance(v, list):
+            stack.extend((item, [*p, str(i)]) for i, item in enumerate(v))
+    return None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body (see the module docstring). Raises APIError(400)."""
+    depth = nesting_depth(raw)
+    if depth > MAX_DEPTH:
+        raise APIError(400, f"the request body nests arrays/objects {depth} deep; at most {MAX_DEPTH} levels are accepted",
+                       code="invalid_json")  # fmt: skip
+    try:
+        data = json.loads(raw, parse_constant=_no_constants, parse_float=_finite_float)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    bad = _surrogate_path(data, [])
+    if bad is not None:
+        param = ".".join(bad) or None
+        raise APIError(400, f"{param or 'body'}: a string holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+                       "text; send valid Unicode (pair surrogates, or escape the character itself)",
+                       param=param, code="invalid_value")  # fmt: skip
+    return data
