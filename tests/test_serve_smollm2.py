@@ -140,3 +140,20 @@ def test_disconnect_mid_stream_cancels_and_session_stays_consistent(server, clie
     ref = smollm2_ort.session().generate(follow, max_new_tokens=8, temperature=0)
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     assert r.choices[0].message.content == ref.text
+
+
+def test_reuse_survives_retokenization_through_the_server(client, server):
+    """"Name three rivers in France." has a reply whose text re-tokenizes differently; turn 2 through the
+    server still reuses every token the session retained (turn 1's prompt and all but the last reply token)."""
+    model_id = client.models.list().data[0].id
+    sid = httpx.post(server.url + "/v1/sessions").json()["id"]
+    h = {"X-Session-Id": sid}
+    history = [{"role": "user", "content": "Name three rivers in France."}]
+    r1 = client.chat.completions.create(model=model_id, messages=history, max_tokens=128, temperature=0,
+                                        extra_headers=h)  # fmt: skip
+    history += [{"role": "assistant", "content": r1.choices[0].message.content},
+                {"role": "user", "content": "Tell me more."}]  # fmt: skip
+    r2 = client.chat.completions.create(model=model_id, messages=history, max_tokens=4, temperature=0,
+                                        extra_headers=h)  # fmt: skip
+    held = r1.usage.prompt_tokens + r1.usage.completion_tokens - 1
+    assert r2.usage.prompt_tokens_details.cached_tokens == held

@@ -101,8 +101,14 @@ class Engine:
 
     # --- prompts -------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: raw text, chat messages or ids (validated)."""
+    def encode_prompt(self, prompt: Prompt, held: Sequence[int] = ()) -> list[int]:
+        """Token ids of a prompt: raw text, chat messages or ids (validated).
+
+        `held`: ids a session's cache holds. For chat messages whose rendering starts with exactly the
+        text of a prefix of `held` (an earlier turn and the reply the model generated), that prefix is kept
+        as it is and only the rest is encoded, when that keeps more of `held` than plain encoding does: a
+        reply's text does not always re-tokenize into the ids that were sampled, and the model has seen
+        its own ids (`Tokenizer.encode_after`)."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
@@ -114,6 +120,10 @@ class Engine:
                 )
             text = self.chat_template.render(list(prompt), add_generation_prompt=True)  # type: ignore[arg-type]
             ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if held and reuse_policy.common_prefix(ids, held) < len(held):
+                kept = self.tokenizer.encode_after(text, held)
+                if reuse_policy.common_prefix(kept, held) > reuse_policy.common_prefix(ids, held):
+                    ids = kept
         elif isinstance(prompt, Sequence) and _all_ints(prompt):
             ids = list(prompt)
             try:
@@ -168,7 +178,7 @@ class Engine:
         propagate with their cause; the caller owns dropping the cache on any exception.
         """
         t0 = time.perf_counter()
-        ids = self.encode_prompt(prompt)
+        ids = self.encode_prompt(prompt, held.tokens if held is not None and reuse else ())
         if max_new_tokens is None:
             max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -69,7 +69,8 @@ class ServerConfig:
 
 @dataclass
 class _Prepared:
-    ids: list[int]
+    ids: list[int]  # the prompt encoded on its own (validation; the engine re-encodes chat prompts against
+    prompt: Any  # the session's cache, keeping the ids it generated: `Engine.encode_prompt(held=...)`)
     kwargs: dict[str, Any]
     session: Any
     recorder: Any
@@ -173,7 +174,8 @@ class _Server:
                            param=SESSION_HEADER, code="session_not_found")  # fmt: skip
         return session
 
-    def prepare(self, req: Any, ids: list[int], session: Any, *, chat: bool, prompt_field: str) -> _Prepared:
+    def prepare(self, req: Any, ids: list[int], session: Any, *, chat: bool, prompt_field: str,
+                prompt: Any = None) -> _Prepared:  # fmt: skip
         """Validate everything that can be validated before queueing (so errors are 400s, also
         for streams) and build `Session.generate` keyword arguments."""
         from onnxgen.sampling import SamplingParams
@@ -264,7 +266,7 @@ class _Server:
             raise APIError(400, "stream_options needs stream=true", param="stream_options", code="invalid_value")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         kwargs = {"max_new_tokens": max_tokens, "stop": stop, "processors": processors, **sampling}
-        return _Prepared(ids, kwargs, session, recorder, stream, include_usage)
+        return _Prepared(ids, prompt if chat else ids, kwargs, session, recorder, stream, include_usage)
 
     def grammar_processor(self, rf: Any) -> Any:
         try:
@@ -309,7 +311,7 @@ class _Server:
                 self._running[id(target)] = cancel
             timer.start()
             try:
-                return target.generate(prep.ids, cancel=cancel, on_token=on_token, **prep.kwargs, **extra)
+                return target.generate(prep.prompt, cancel=cancel, on_token=on_token, **prep.kwargs, **extra)
             except Cancelled:
                 if timed_out.is_set():
                     raise APIError(504, f"the request ran longer than this server's limit of {timeout:g} s and was "
@@ -512,7 +514,7 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
                 ids = model.encode_prompt(prompt)
             except Exception as exc:
                 raise from_engine_error(exc, prompt_field=field) from None
-            return server.prepare(req, ids, session, chat=chat, prompt_field=field)
+            return server.prepare(req, ids, session, chat=chat, prompt_field=field, prompt=prompt)
 
         prep = await run_in_threadpool(encode_and_prepare)
         return await _respond(request, prep, chat=chat)
