@@ -33,7 +33,8 @@ def load(
 
     path: a package folder; omitted (or "default") means the embedded default model, built on first
     use (needs the `convert` extra). backend: "auto" (native on CUDA, ort on CPU), "ort" or
-    "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, and backend
+    "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, tool_parser
+    (hermes | llama3_json | mistral; default: detected from the chat template), and backend
     options: threads (ort), kv_floor (smallest KV capacity bucket, both), cuda_graphs and
     graph_max_tokens (native on CUDA: replay decode and prefill chunks of up to this many tokens,
     default 1024, from CUDA graphs).

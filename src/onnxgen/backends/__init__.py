@@ -42,7 +42,7 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
             continue  # internal (e.g. a forked decoder's shared session)
         if name not in known:
             raise InvalidRequest(
-                f"unknown option {name!r}; load() takes chunk_size, max_sessions, max_kv_bytes and the "
+                f"unknown option {name!r}; load() takes chunk_size, max_sessions, max_kv_bytes, tool_parser and the "
                 f"backend options {', '.join(known)}",
                 field=name,
             )

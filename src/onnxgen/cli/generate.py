@@ -32,7 +32,31 @@ def register(sub: Any) -> None:
     c.add_argument("--json-schema", type=Path, metavar="FILE.json", help="the reply is JSON valid against this schema")
     c.add_argument("--regex", metavar="PATTERN", help="the reply matches this regular expression")
     c.add_argument("--grammar", type=Path, metavar="FILE.lark", help="the reply follows this Lark grammar")
+    t = p.add_argument_group("tool calling")
+    t.add_argument("--tools", type=Path, metavar="FILE.json",
+                   help="OpenAI-style tool definitions (a JSON list); the reply is printed as JSON: "
+                   "{content, tool_calls, finish_reason}")  # fmt: skip
+    t.add_argument("--tool-choice", default="auto", metavar="auto|required|none|NAME",
+                   help="auto (text or calls; default), required (calls only), none, or a tool's name")  # fmt: skip
     p.set_defaults(func=run)
+
+
+def read_tools(args: argparse.Namespace) -> tuple[list[Any] | None, Any]:
+    """(tools, tool_choice) from --tools / --tool-choice."""
+    if args.tools is None:
+        if args.tool_choice != "auto":
+            raise InvalidRequest("--tool-choice needs --tools FILE.json", field="tool_choice")
+        return None, None
+    try:
+        tools = json.loads(args.tools.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"{args.tools}: cannot read a JSON list of tools ({exc})", field="tools") from exc
+    if not isinstance(tools, list) or not tools:
+        raise InvalidRequest(f"{args.tools}: must hold a non-empty JSON list of tools", field="tools")
+    choice = args.tool_choice
+    if choice not in ("auto", "required", "none"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return tools, choice
 
 
 def build_prompt(args: argparse.Namespace) -> str | list[dict[str, Any]]:
@@ -71,6 +95,9 @@ def constraint(args: argparse.Namespace) -> tuple[str, Any] | None:
 
 def run(args: argparse.Namespace) -> int:
     wanted = constraint(args)
+    tools, tool_choice = read_tools(args)
+    if tools is not None and (wanted is not None or args.raw):
+        raise InvalidRequest("--tools cannot be combined with --raw or a structured-output flag", field="tools")
     model = load_model(args)
     prompt = build_prompt(args)
     processors = []
@@ -83,9 +110,15 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = model.generate(prompt, on_token=None if args.no_stream else emit, processors=processors,
-                            **sampling_kwargs(args))  # fmt: skip
-    if args.no_stream:
+    if tools is not None:  # the reply is structured: print it once, as JSON
+        result = model.generate(prompt, processors=processors, tools=tools, tool_choice=tool_choice,
+                                **sampling_kwargs(args))  # fmt: skip
+        sys.stdout.write(json.dumps({"content": result.content, "tool_calls": [c.openai() for c in result.tool_calls],
+                                     "finish_reason": result.finish_reason}, ensure_ascii=False, indent=2))  # fmt: skip
+    else:
+        result = model.generate(prompt, on_token=None if args.no_stream else emit, processors=processors,
+                                **sampling_kwargs(args))  # fmt: skip
+    if args.no_stream and tools is None:
         sys.stdout.write(result.text)
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -50,6 +50,7 @@ class Engine:
         chunk_size: int | None = None,
         max_sessions: int = 8,
         max_kv_bytes: int | None = None,
+        tool_parser: str | None = None,
         **backend_options: Any,
     ) -> None:
         from onnxgen.text import ChatTemplate, Tokenizer
@@ -71,6 +72,10 @@ class Engine:
         self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
         self._default_session = Session(self, name="default")
         self.package_key = f"{self.spec.path.resolve()}|{self.spec.kv_dtype}|{self.backend}|{device}"
+        from onnxgen.text.tools import detect_format, get_format
+
+        source = self.chat_template.source if self.chat_template is not None else None
+        self.tool_format = get_format(tool_parser) if tool_parser else detect_format(source)
 
     # --- decoders & sessions -------------------------------------------------------------
 
@@ -95,21 +100,26 @@ class Engine:
         prompt: `str` (raw text), a list of `{"role", "content"}` dicts (rendered through the chat
         template) or a list of token ids. Keyword arguments: max_new_tokens, temperature, top_k,
         top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed, stop,
-        output_logits, on_token, reuse, inputs, processors, cancel. See `run_request`.
+        output_logits, on_token, reuse, inputs, processors, cancel, tools, tool_choice,
+        parallel_tool_calls. See `run_request`.
         """
         return self._default_session.generate(prompt, **kwargs)
 
     # --- prompts -------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, held: Sequence[int] = ()) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, held: Sequence[int] = (),
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:  # fmt: skip
         """Token ids of a prompt: raw text, chat messages or ids (validated).
 
         `held`: ids a session's cache holds. For chat messages whose rendering starts with exactly the
         text of a prefix of `held` (an earlier turn and the reply the model generated), that prefix is kept
         as it is and only the rest is encoded, when that keeps more of `held` than plain encoding does: a
         reply's text does not always re-tokenize into the ids that were sampled, and the model has seen
-        its own ids (`Tokenizer.encode_after`)."""
+        its own ids (`Tokenizer.encode_after`). `tools`: OpenAI-style tool definitions the chat template
+        sees (messages with `tool_calls` and `role: "tool"` are prepared by `onnxgen.text.tools`)."""
         if isinstance(prompt, str):
+            if tools:
+                raise InvalidRequest("tools need a chat prompt (a list of messages), not raw text", field="tools")
             ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             if self.chat_template is None:
@@ -118,13 +128,19 @@ class Engine:
                     "(or add chat_template.jinja to the package)",
                     field="prompt",
                 )
-            text = self.chat_template.render(list(prompt), add_generation_prompt=True)  # type: ignore[arg-type]
+            from onnxgen.text import tools as tool_text
+
+            funcs = tool_text.function_specs(tools)
+            messages = tool_text.prepare_messages(prompt, self.tool_format, self.chat_template.source, funcs)
+            text = self.chat_template.render(messages, add_generation_prompt=True, tools=list(tools) if tools else None)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if held and reuse_policy.common_prefix(ids, held) < len(held):
                 kept = self.tokenizer.encode_after(text, held)
                 if reuse_policy.common_prefix(kept, held) > reuse_policy.common_prefix(ids, held):
                     ids = kept
         elif isinstance(prompt, Sequence) and _all_ints(prompt):
+            if tools:
+                raise InvalidRequest("tools need a chat prompt (a list of messages), not token ids", field="tools")
             ids = list(prompt)
             try:
                 arr = np.asarray(ids, dtype=np.int64)  # NOTE: vectorised: prompts may hold many thousand ids
@@ -166,6 +182,9 @@ class Engine:
         inputs: Mapping[str, Any] | None = None,
         processors: Sequence[LogitsProcessor] = (),
         cancel: threading.Event | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
         **sampling: Any,
     ) -> tuple[Result, Identity]:
         """Run one request on `decoder`, whose cache holds `held` (None: unknown/empty).
@@ -173,12 +192,22 @@ class Engine:
         `sampling` holds the `SamplingParams.resolve` keywords (temperature, top_k, top_p, min_p,
         repetition_penalty, presence_penalty, frequency_penalty, seed); None means "not given".
 
+        Tools (chat prompts): `tools` are OpenAI-style definitions; `tool_choice` is "auto" (the default
+        with tools: text or calls), "none" (text, never parsed), "required" (one or more calls) or
+        `{"type": "function", "function": {"name": N}}` (calls of N). Except for "none", output is
+        constrained by llguidance to text or well-formed calls in the model's format (`tool_format`)
+        whose arguments validate against the tool's schema ("required"/named: calls only), and parsed
+        into `Result.tool_calls` (`finish_reason` "tool_calls", `Result.content` the text around them).
+
         Returns the result and the identity of what the cache holds afterwards (prompt + every
         generated token except the last). Raises typed errors for bad input; backend errors
         propagate with their cause; the caller owns dropping the cache on any exception.
         """
         t0 = time.perf_counter()
-        ids = self.encode_prompt(prompt, held.tokens if held is not None and reuse else ())
+        ids = self.encode_prompt(prompt, held.tokens if held is not None and reuse else (), tools=tools)
+        tool_grammar = self.tool_processor(tools, tool_choice, parallel_tool_calls)
+        if tool_grammar is not None:
+            processors = [*processors, tool_grammar]
         if max_new_tokens is None:
             max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -216,11 +245,50 @@ class Engine:
             device=self.device,
             chunk_size=self.spec.chunk_size,
         )
+        content: str | None = out.text
+        calls: list[Any] = []
+        finish = out.finish_reason
+        if tools and tool_choice != "none":
+            content, calls = self.tool_format.parse(out.text)
+            if calls:
+                finish = "tool_calls"
         result = Result(
-            text=out.text, tokens=out.tokens, finish_reason=out.finish_reason, stats=stats,
-            prompt_ids=ids, logits=out.logits,
+            text=out.text, tokens=out.tokens, finish_reason=finish, stats=stats,
+            prompt_ids=ids, logits=out.logits, tool_calls=calls, content=content,
         )  # fmt: skip
         return result, Identity(tuple(fed), identity.digest)
+
+    def tool_processor(self, tools: Sequence[Mapping[str, Any]] | None, choice: str | Mapping[str, Any] | None,
+                        parallel: bool) -> LogitsProcessor | None:  # fmt: skip
+        """The llguidance constraint of a request's tool choice (None: no tools, or "none")."""
+        from onnxgen.text import tools as tool_text
+
+        if choice is not None and not isinstance(choice, (str, Mapping)):
+            raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', ...}",
+                                 field="tool_choice")  # fmt: skip
+        funcs = tool_text.function_specs(tools)
+        if isinstance(choice, str) and choice not in tool_text.TOOL_CHOICES:
+            raise InvalidRequest(f"tool_choice must be one of {', '.join(tool_text.TOOL_CHOICES)} or a named "
+                                 f"function, got {choice!r}", field="tool_choice")  # fmt: skip
+        if not funcs:
+            if choice not in (None, "none"):
+                raise InvalidRequest(f"tool_choice {choice!r} needs a non-empty tools list", field="tool_choice")
+            return None
+        if choice == "none":
+            return None
+        required = choice == "required"
+        if isinstance(choice, Mapping):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, Mapping) else None
+            match = [f for f in funcs if f["name"] == name]
+            if choice.get("type", "function") != "function" or not match:
+                raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools "
+                                     f"({', '.join(f['name'] for f in funcs)})", field="tool_choice")  # fmt: skip
+            funcs, required = match, True
+        from onnxgen.sampling.grammar import GrammarCompiler
+
+        grammar = self.tool_format.lark(funcs, required=required, parallel=bool(parallel))
+        return GrammarCompiler.for_model(self).processor("lark", grammar)
 
     def _check_inputs(self, inputs: Mapping[str, Any] | None) -> None:
         if inputs is None:

@@ -39,8 +39,10 @@ class Result:
     """A finished generation.
 
     `text` excludes EOS and stop strings; `tokens` are the generated ids, including the EOS that
-    ended generation; `finish_reason` is "stop" (EOS or a stop string) or "length"; `logits` (when
-    asked) holds the raw float32 logits of each generated step before any processor, `[n, vocab]`.
+    ended generation; `finish_reason` is "stop" (EOS or a stop string), "length" or "tool_calls";
+    `logits` (when asked) holds the raw float32 logits of each generated step before any processor,
+    `[n, vocab]`. With tools, `tool_calls` are the parsed calls (`onnxgen.text.tools.ToolCall`) and
+    `content` the text around them (None when there is none); without, `content` is `text`.
     """
 
     text: str
@@ -49,3 +51,9 @@ class Result:
     stats: Stats
     prompt_ids: list[int] = field(repr=False, default_factory=list)
     logits: Any = field(repr=False, default=None)
+    tool_calls: list[Any] = field(default_factory=list)
+    content: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.content is None and not self.tool_calls:
+            object.__setattr__(self, "content", self.text)

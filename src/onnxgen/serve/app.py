@@ -225,12 +225,15 @@ class _Server:
             raise from_engine_error(exc, prompt_field=prompt_field) from None
         processors: list[Any] = []
         recorder = None
+        tool_kwargs: dict[str, Any] = {}
         if chat:
-            if req.tool_choice is not None and not req.tools and req.tool_choice != "none":
-                raise APIError(400, f"tool_choice {req.tool_choice!r} needs a non-empty tools list", param="tool_choice",
-                               code="invalid_value")  # fmt: skip
-            if req.tools:
-                raise APIError(400, "tools are not supported by this server", param="tools", code="unsupported")
+            if req.tools or req.tool_choice is not None:
+                try:  # validates tools and tool_choice, builds the constraint once here (errors are 400s)
+                    self.model.tool_processor(req.tools, req.tool_choice, req.parallel_tool_calls is not False)
+                except (InvalidRequest, GrammarError) as exc:
+                    raise from_engine_error(exc, prompt_field=prompt_field) from None
+                tool_kwargs = {"tools": req.tools, "tool_choice": req.tool_choice,
+                               "parallel_tool_calls": req.parallel_tool_calls is not False}  # fmt: skip
             if req.top_logprobs is not None and not req.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
             if req.logprobs:
@@ -265,7 +268,7 @@ class _Server:
         if req.stream_options is not None and not stream:
             raise APIError(400, "stream_options needs stream=true", param="stream_options", code="invalid_value")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        kwargs = {"max_new_tokens": max_tokens, "stop": stop, "processors": processors, **sampling}
+        kwargs = {"max_new_tokens": max_tokens, "stop": stop, "processors": processors, **sampling, **tool_kwargs}
         return _Prepared(ids, prompt if chat else ids, kwargs, session, recorder, stream, include_usage)
 
     def grammar_processor(self, rf: Any) -> Any:
@@ -329,6 +332,14 @@ class _Server:
                 429, f"the server is busy ({self.config.max_queue} requests waiting); retry later",
                 code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)},
             ) from None  # fmt: skip
+
+    @staticmethod
+    def message(result: Any) -> dict[str, Any]:
+        """The assistant message of a chat result: its content and, if it called tools, the calls."""
+        msg: dict[str, Any] = {"role": "assistant", "content": result.content}
+        if result.tool_calls:
+            msg["tool_calls"] = [c.openai() for c in result.tool_calls]
+        return msg
 
     def record(self, result: Any) -> None:
         s = result.stats
@@ -491,7 +502,16 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
         messages = []
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
-            messages.append({"role": role, "content": _flatten_content(m.content, i)})
+            msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.content, i)}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+                if m.content is None:
+                    msg["content"] = None
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
         return await _encode_and_respond(request, req, session, messages, chat=True)
 
     @app.post("/v1/completions")
@@ -511,7 +531,7 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
 
         def encode_and_prepare() -> _Prepared:  # off the event loop: a long prompt takes milliseconds
             try:
-                ids = model.encode_prompt(prompt)
+                ids = model.encode_prompt(prompt, tools=req.tools if chat else None)
             except Exception as exc:
                 raise from_engine_error(exc, prompt_field=field) from None
             return server.prepare(req, ids, session, chat=chat, prompt_field=field, prompt=prompt)
@@ -557,7 +577,7 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
                 "id": rid, "object": "chat.completion", "created": created, "model": server.model_id,
                 "system_fingerprint": None,
                 "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": result.text},
+                    "index": 0, "message": server.message(result),
                     "logprobs": server.chat_logprobs(entries) if entries is not None else None,
                     "finish_reason": result.finish_reason,
                 }],
@@ -599,6 +619,12 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
             text_offset += len(piece or "")
             return {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}
 
+        # With tools, text that may be the start of a call is held back; once it is a call, the rest of the
+        # output is held and sent at the end as `tool_calls` (with any text around them as content).
+        marker = model.tool_format.marker if chat and prep.kwargs.get("tools") and prep.kwargs.get("tool_choice") != "none" else ""
+        holding = bool(marker)
+        held_text, held_entries = "", []
+
         try:
             if chat:
                 yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -607,6 +633,14 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
                 kind, payload, new = await items.get()
                 if kind == "token":
                     entries = server.visible_entries(new, None) if new is not None else None
+                    if holding:
+                        held_text += payload
+                        held_entries += entries or []
+                        head = held_text.lstrip()
+                        if head.startswith(marker) or marker.startswith(head):
+                            continue  # a call, or maybe the start of one
+                        holding = False
+                        payload, entries = held_text, (held_entries if entries is not None else None)
                     yield _sse({**base, "choices": [choice(payload, None, entries)], **usage_null})
                     continue
                 exc = payload.exception()
@@ -619,6 +653,18 @@ def create_app(model: Any, config: ServerConfig | None = None) -> Any:
                 rest = None
                 if rec is not None:
                     rest = server.visible_entries(rec.finish(result.tokens), result)[sent[0] :]
+                if holding and (held_text or result.tool_calls):  # what was held back
+                    lp = held_entries if rec is not None else None
+                    if result.tool_calls:
+                        delta: dict[str, Any] = {"tool_calls": [{"index": i, **c.openai()}
+                                                                for i, c in enumerate(result.tool_calls)]}  # fmt: skip
+                        if result.content:
+                            delta = {"content": result.content, **delta}
+                        yield _sse({**base, "choices": [{"index": 0, "delta": delta,
+                                                         "logprobs": server.chat_logprobs(lp) if lp is not None else None,
+                                                         "finish_reason": None}], **usage_null})  # fmt: skip
+                    else:
+                        yield _sse({**base, "choices": [choice(held_text, None, lp)], **usage_null})
                 yield _sse({**base, "choices": [choice(None, result.finish_reason, rest)], **usage_null})
                 if prep.include_usage:
                     yield _sse({**base, "choices": [], "usage": server.usage(result)})
