@@ -112,6 +112,34 @@ def test_formats_render_and_parse_round_trip(name):
     assert fmt.parse(fmt.render(calls)[:-3])[1] != [parsed[0], parsed[1]]  # a truncated call is not a call
 
 
+@pytest.mark.parametrize("name", sorted(T.FORMATS))
+def test_format_grammars_accept_rendered_calls_and_reject_bad_arguments(name, tool_model):
+    """Each format's grammar admits exactly its own rendering of valid calls; `auto` also admits text that
+    cannot begin a call and rejects it where it would."""
+    import llguidance
+
+    from onnxgen.sampling.grammar import GrammarCompiler
+
+    fmt, funcs = T.get_format(name), T.function_specs(SCHEMAS[:2])
+    comp = GrammarCompiler.for_model(tool_model)
+    tok = tool_model.tokenizer
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(comp.ll_tokenizer, comp.compile("lark", grammar), log_level=0)
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    good = fmt.render([{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}},
+                       {"name": "add", "arguments": {"a": 1, "b": 2}}])  # fmt: skip
+    bad = fmt.render([{"name": "add", "arguments": {"a": "one", "b": 2}}])
+    for required in (True, False):
+        g = fmt.lark(funcs, required=required, parallel=True)
+        assert accepts(g, good) and not accepts(g, bad)
+        assert not accepts(fmt.lark(funcs, required=required, parallel=False), good)  # two calls
+    auto = fmt.lark(funcs, required=False, parallel=True)
+    assert accepts(auto, "Sure, here you go.") and not accepts(fmt.lark(funcs, required=True, parallel=True), "Sure.")
+    assert not accepts(auto, fmt.marker + " not a call")
+
+
 def test_hermes_keeps_text_around_calls_and_skips_broken_ones():
     fmt = T.FORMATS["hermes"]
     text = 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{oops}\n</tool_call>'

@@ -104,6 +104,17 @@ class ToolFormat:
         calls (`auto`); one call, or several when `parallel`."""
         raise NotImplementedError
 
+    def _start(self, one: str, sep: str, *, required: bool, parallel: bool, wrap: tuple[str, str] = ("", "")) -> str:
+        """The `start` rule: `one` call (a rule name), several joined by the literal `sep` when `parallel`,
+        inside the literals `wrap`; with `auto`, or else a text whose first character cannot begin a call."""
+        calls = f'{one} ("{sep}" {one})*' if parallel else one
+        if wrap != ("", ""):
+            calls = f'"{wrap[0]}" {calls} "{wrap[1]}"'
+        if required:
+            return f"start: {calls}"
+        first = re.escape(self.marker[0])
+        return f"start: TEXT | {calls}\nTEXT: /[^{first}][\\s\\S]*/"
+
 
 def _calls_from_objects(objs: Any, args_key: str) -> list[ToolCall] | None:
     if isinstance(objs, Mapping):
@@ -154,8 +165,7 @@ class Hermes(ToolFormat):
         return (content or None), calls
 
     def lark(self, funcs: Sequence[Mapping[str, Any]], *, required: bool, parallel: bool) -> str:
-        calls = 'call ("\\n" call)*' if parallel else "call"
-        start = f"start: {calls}" if required else f"start: TEXT | {calls}\nTEXT: /[^<][\\s\\S]*/"
+        start = self._start("call", "\\n", required=required, parallel=parallel)
         return f'{start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\n{self._body_rules(funcs)}\n'
 
 
@@ -189,8 +199,7 @@ class Llama3Json(ToolFormat):
         return None, calls
 
     def lark(self, funcs: Sequence[Mapping[str, Any]], *, required: bool, parallel: bool) -> str:
-        calls = 'body ("; " body)*' if parallel else "body"
-        start = f"start: {calls}" if required else f"start: TEXT | {calls}\nTEXT: /[^{{][\\s\\S]*/"
+        start = self._start("body", "; ", required=required, parallel=parallel)
         return f"{start}\n{self._body_rules(funcs, 'parameters')}\n"
 
 
@@ -215,9 +224,7 @@ class Mistral(ToolFormat):
         return (text[:i].strip() or None), calls
 
     def lark(self, funcs: Sequence[Mapping[str, Any]], *, required: bool, parallel: bool) -> str:
-        items = 'body (", " body)*' if parallel else "body"
-        calls = f'"[TOOL_CALLS][" {items} "]"'
-        start = f"start: {calls}" if required else f"start: TEXT | {calls}\nTEXT: /[^\\[][\\s\\S]*/"
+        start = self._start("body", ", ", required=required, parallel=parallel, wrap=("[TOOL_CALLS][", "]"))
         return f"{start}\n{self._body_rules(funcs)}\n"
 
 
