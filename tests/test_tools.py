@@ -318,7 +318,7 @@ def test_cli_generate_tools_prints_the_calls(tool_pkg, tmp_path, capsys):
     spec = tmp_path / "tools.json"
     spec.write_text(json.dumps([WEATHER]), encoding="utf-8")
     rc = main(["generate", str(tool_pkg), "--prompt", "weather in Lima?", "--tools", str(spec), "--tool-choice",
-               "required", "--max-new-tokens", "120", "--threads", "1", "--no-stream"])  # fmt: skip
+               "required", "--tool-parser", "hermes", "--max-new-tokens", "120", "--threads", "1", "--no-stream"])  # fmt: skip
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "tool_calls" and out["tool_calls"]

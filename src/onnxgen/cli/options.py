@@ -17,6 +17,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill at most N tokens per step (default: the package's chunk_size, else unchunked)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the ort backend")
+    p.add_argument("--tool-parser", choices=("hermes", "llama3_json", "mistral"), default=None,
+                   help="how the model writes tool calls (default: read off the chat template)")  # fmt: skip
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +39,8 @@ def load_model(args: argparse.Namespace) -> Any:
     opts: dict[str, Any] = {}
     if args.threads:
         opts["threads"] = args.threads
+    if args.tool_parser:
+        opts["tool_parser"] = args.tool_parser
     return onnxgen.load(args.model, backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
 
 

@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     opts: dict[str, Any] = {"max_sessions": args.max_sessions}
     if args.threads:
         opts["threads"] = args.threads
+    if args.tool_parser:
+        opts["tool_parser"] = args.tool_parser
     model = onnxgen.load(args.model, backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
     app = create_app(model, ServerConfig(api_keys=keys, max_queue=args.max_queue, model_id=args.model_id,
                                          max_tokens_cap=args.max_tokens_cap, request_timeout_s=args.request_timeout))  # fmt: skip
