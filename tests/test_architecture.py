@@ -115,3 +115,70 @@ def test_structure_doc_lists_every_module():
         if p.name != "__init__.py" and p.relative_to(SRC.parent).as_posix() not in doc
     ]
     assert missing == [], f"docs/structure.md lacks: {missing}"
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """Modules `path` imports when it runs (at module level or inside functions), leaving out imports under
+    `if TYPE_CHECKING:`; relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    pkg = "onnxgen." + ".".join(path.relative_to(SRC).with_suffix("").parts[:-1])
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg.rstrip(".").split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith("onnxgen")}
+
+
+def test_no_import_cycles_in_src():
+    """Modules of src/onnxgen form no import cycle (function-level imports included: a lazy import is
+    still a dependency)."""
+    mods = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        name = ".".join(("onnxgen", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("onnxgen", *parts))
+        mods[name] = path
+    graph = {m: {d for d in _runtime_imports(p) if d in mods and d != m} for m, p in mods.items()}
+    # Tarjan's strongly connected components
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert cycles == [], f"import cycles: {cycles}"

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onnxgen.backends.native.rotary import rope
+
 FORCE_TRITON = os.environ.get("ONNXGEN_FORCE_TRITON") == "1"
 DISABLE_TRITON = os.environ.get("ONNXGEN_NO_TRITON") == "1"
 _TRITON: Any = None
@@ -191,8 +193,6 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
     kb, vb = kv.keys[layer], kv.values[layer]
     s = qkv.shape[1]
     if not _use_triton(qkv):
-        from onnxgen.backends.native.ops import rope
-
         q = qkv[..., : n * d].reshape(1, s, n, d)
         k = qkv[..., n * d : (n + hkv) * d].reshape(1, s, hkv, d)
         v = qkv[..., (n + hkv) * d :].reshape(1, s, hkv, d)
