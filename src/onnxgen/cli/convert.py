@@ -72,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     """Run the conversion; print the package path to stdout. Returns 0, or 1 with the error on stderr."""
+    from onnxgen.cli.progress import RichReporter
     from onnxgen.convert.checkpoint import convert_checkpoint
 
     extra: dict[str, object] = {}
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             args.out,
             precision=args.precision,
             execution_provider=args.execution_provider,
-            progress=not getattr(args, "quiet", False),
+            progress=RichReporter(enabled=not getattr(args, "quiet", False)),
             extra_options=extra or None,
             overwrite=args.overwrite,
         )

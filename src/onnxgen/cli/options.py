@@ -33,15 +33,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
 
 
-def load_model(args: argparse.Namespace) -> Any:
+def load_model(args: argparse.Namespace, **options: Any) -> Any:
+    """`onnxgen.load` from the shared model flags (+ `options`); the default model is built with progress bars."""
     import onnxgen
 
-    opts: dict[str, Any] = {}
+    opts: dict[str, Any] = dict(options)
     if args.threads:
         opts["threads"] = args.threads
     if args.tool_parser:
         opts["tool_parser"] = args.tool_parser
-    return onnxgen.load(args.model, backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
+    from onnxgen.cli.progress import RichReporter
+    from onnxgen.convert.default import resolve_model_path
+
+    path = resolve_model_path(args.model, progress=RichReporter())  # builds the default model with bars, once
+    return onnxgen.load(str(path), backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:

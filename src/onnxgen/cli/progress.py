@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -170,3 +170,20 @@ def phase(description: str, *, enabled: bool = True) -> Iterator[Bar]:
     """A spinner labelled `description` while the block runs (a `progress_bar` with no total)."""
     with progress_bar(description, total=None, enabled=enabled) as bar:
         yield bar
+
+
+class RichReporter:
+    """`onnxgen.convert.progress.Reporter` drawn on stderr: live bars on a terminal, one line per phase
+    otherwise. What the CLI passes to conversions and to the default model's first build."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def info(self, message: str) -> None:
+        info(message, enabled=self.enabled)
+
+    def notice(self, message: str) -> None:
+        info(message, enabled=self.enabled)
+
+    def bar(self, description: str, *, total: float | None = None, unit: str = "") -> Any:
+        return progress_bar(description, total=total, unit=unit, enabled=self.enabled)

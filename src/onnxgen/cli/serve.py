@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from onnxgen.cli.options import add_model_args
+from onnxgen.cli.options import add_model_args, load_model
 from onnxgen.errors import InvalidRequest
 
 
@@ -63,14 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.request_timeout > 0:
         raise InvalidRequest(f"--request-timeout must be > 0, got {args.request_timeout}", field="request_timeout")
     keys = read_keys(args)
-    import onnxgen
-
-    opts: dict[str, Any] = {"max_sessions": args.max_sessions}
-    if args.threads:
-        opts["threads"] = args.threads
-    if args.tool_parser:
-        opts["tool_parser"] = args.tool_parser
-    model = onnxgen.load(args.model, backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
+    model = load_model(args, max_sessions=args.max_sessions)
     app = create_app(model, ServerConfig(api_keys=keys, max_queue=args.max_queue, model_id=args.model_id,
                                          max_tokens_cap=args.max_tokens_cap, request_timeout_s=args.request_timeout))  # fmt: skip
     auth = (f"{len(keys)} API key(s)" if keys else

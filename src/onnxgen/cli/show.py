@@ -16,10 +16,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from onnxgen.cli.progress import RichReporter
     from onnxgen.convert.default import resolve_model_path
     from onnxgen.package.spec import load_spec
 
-    spec = load_spec(resolve_model_path(args.model))
+    spec = load_spec(resolve_model_path(args.model, progress=RichReporter()))
     t = Table(title=str(spec.path), show_header=False)
     rows = [
         ("model type", spec.model_type),

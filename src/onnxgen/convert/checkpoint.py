@@ -1,8 +1,8 @@
 """Convert a checkpoint (a Hugging Face folder or a GGUF file) into an ONNX Runtime GenAI package.
 
 The work is done by ONNX Runtime GenAI's model builder (`onnxruntime_genai.models.builder`), run as
-a subprocess whose (very chatty) output goes to a log file while a progress display on stderr
-shows the phases. A GGUF file is first turned into a temporary Hugging Face folder by
+a subprocess whose (very chatty) output goes to a log file while a progress reporter
+(`onnxgen.convert.progress`) shows the phases. A GGUF file is first turned into a temporary Hugging Face folder by
 transformers (dequantized to float32), also in a subprocess, so the calling process never imports
 torch or transformers.
 
@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from onnxgen.convert.progress import Reporter, as_reporter
 from onnxgen.errors import ConversionError, PackageError
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
@@ -61,7 +62,7 @@ def convert_checkpoint(
     *,
     precision: str = "fp32",
     execution_provider: str = "cpu",
-    progress: bool = True,
+    progress: bool | Reporter = True,
     extra_options: Mapping[str, object] | None = None,
     overwrite: bool = False,
 ) -> Path:
@@ -71,8 +72,9 @@ def convert_checkpoint(
     `precision` is one of PRECISIONS and `execution_provider` one of EXECUTION_PROVIDERS (only the
     pairs in VALID_COMBINATIONS); `extra_options` are passed to the builder as `--extra_options
     KEY=VALUE`. If `out` exists and is not empty this refuses unless `overwrite=True`, in which case
-    the old folder is replaced only after the new package is complete. Progress goes to stderr
-    when `progress` is true.
+    the old folder is replaced only after the new package is complete. Progress goes to `progress`, a
+    `onnxgen.convert.progress.Reporter` (True: the logging default; False: silent; the CLI passes one that
+    draws bars on stderr).
 
     The package always holds `chat_template.jinja` when the source has a chat template. The result
     is validated with `onnxgen.package.load_spec` before it is moved into place.
@@ -81,8 +83,7 @@ def convert_checkpoint(
     builder failure with the log's tail and path, or an unreadable result). On any failure `out`
     is left as it was.
     """
-    from onnxgen.cli.progress import info
-
+    rep = as_reporter(progress)
     src_path = Path(src).expanduser()
     out_path = Path(out).expanduser().absolute()
     _check_target_combo(precision, execution_provider)
@@ -119,7 +120,7 @@ def convert_checkpoint(
                 log_path,
                 "Reading the GGUF",
                 _GgufProgress(),
-                progress,
+                rep,
                 what=f"reading {src_path}",
             )
         pkg = work / "package"
@@ -135,7 +136,7 @@ def convert_checkpoint(
             log_path,
             f"Building the ONNX package ({precision}/{execution_provider})",
             _BuilderProgress(_num_layers(hf_dir)),
-            progress,
+            rep,
             what="onnxruntime-genai's model builder",
         )
         _ensure_chat_template(hf_dir, pkg)
@@ -153,7 +154,7 @@ def convert_checkpoint(
         shutil.rmtree(work, ignore_errors=True)
         if ok:
             log_path.unlink(missing_ok=True)
-    info(f"Converted {src_path} -> {out_path} in {time.perf_counter() - t0:.1f} s", enabled=progress)
+    rep.info(f"Converted {src_path} -> {out_path} in {time.perf_counter() - t0:.1f} s")
     return out_path
 
 
@@ -282,7 +283,7 @@ def _run_logged(
     log_path: Path,
     title: str,
     parser: _LineProgress,
-    progress: bool,
+    rep: Reporter,
     *,
     what: str,
 ) -> None:
@@ -291,10 +292,8 @@ def _run_logged(
     Raises ConversionError naming `what`, with the log's tail and path, when the command fails.
     Ctrl-C terminates the child and propagates.
     """
-    from onnxgen.cli.progress import progress_bar
-
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "ab") as logf, progress_bar(title, enabled=progress) as bar:
+    with open(log_path, "ab") as logf, rep.bar(title) as bar:
         logf.write(f"$ {' '.join(cmd)}\n".encode())
         logf.flush()
         start = logf.tell()

