@@ -131,6 +131,11 @@ class UnsupportedOp(UnsupportedModel):
         self.node = node
 
 
+class OutOfPages(OnnxgenError):
+    """Internal: the paged KV pool has too few free pages for an allocation (the scheduler makes the
+    request wait; never reaches a user)."""
+
+
 class NotCapturable(OnnxgenError):
     """Internal to the native backend: a step cannot run in a captured CUDA graph (it needs host
     values or dynamic shapes); the decoder falls back to eager execution. Never reaches users."""

@@ -1,0 +1,63 @@
+"""The batched seam: what the engine's scheduler hands a batched runner each step, as plain data.
+
+A step is a flattened ragged batch: several sequences, each contributing the tokens it feeds this step
+(a decode step feeds one, a prefill chunk many) at consecutive positions starting at `start`, with the
+page table that maps its positions to KV slots (position p -> page `pages[p // page_size]`, offset
+`p % page_size`). The runner writes the new tokens' keys and values at their slots, attends each token
+over its own sequence's positions `[0, p]`, and returns the logits of the last token of every chunk
+that asks for them, in batch order.
+
+    step = BatchStep((SeqChunk(tokens=[5, 9, 2], start=0, pages=[7], logits=True),     # a prompt
+                      SeqChunk(tokens=[44], start=130, pages=[1, 2, ..., 9], logits=True)))  # a decode
+    logits = runner.run(step)            # [2, vocab] float32 on the runner's device
+
+The runner never sees requests, sessions or the prefix index; the scheduler never sees tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's part of a step: `tokens` at positions `[start, start + len(tokens))`; `pages` cover
+    at least `start + len(tokens)` positions; `logits`: return the last token's logits."""
+
+    tokens: Sequence[int]
+    start: int
+    pages: Sequence[int]
+    logits: bool = True
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    seqs: tuple[SeqChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.seqs)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(1 for s in self.seqs if s.logits)
+
+
+class BatchRunner(Protocol):
+    """A model that runs ragged batches over a paged KV pool it owns (`storage`, `page_size`,
+    `num_pages`). `run` raises on failure; the KV of the step's positions is then unspecified (the
+    scheduler drops the requests, so nothing of them is ever indexed)."""
+
+    backend: str
+    device: str
+    page_size: int
+    num_pages: int
+    storage: Any
+
+    def run(self, step: BatchStep) -> Any: ...

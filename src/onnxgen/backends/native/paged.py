@@ -1,0 +1,183 @@
+"""Attention over the paged KV pool for a flattened ragged batch (`onnxgen.backends.batch.BatchStep`).
+
+`PagedStep` is one step's attention metadata on the device, built once per step and read by every
+attention op through `RunCtx.paged`:
+
+    tokens      t0 t1 t2 | t3 | t4 t5            (T = 6 flattened tokens, B = 3 sequences)
+    q_starts    0        3    4      6
+    seq_lens    3        131  2                  (KV length of each sequence after this step)
+    positions   0  1  2  130  0  1
+    slots       page_table[b][p // P] * P + p % P   for each token's position p
+
+`write_kv` stores the step's keys and values at their slots; `attention` attends each token over its
+own sequence's positions `[0, p]` (bottom-right causal; `window` > 0 keeps the last `window`). The torch
+path below is the reference (CPU, and the ground truth for the GPU kernels): per sequence, gather its
+pages into contiguous keys and values and compute in float32, rounding the output once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from onnxgen.backends.batch import BatchStep
+
+
+@dataclass
+class PagedStep:
+    storage: Any  # onnxgen.kv.storage.PageStorage
+    page_size: int
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64
+    last: torch.Tensor  # [R] int64: flattened index of each logits row's token
+    page_table: torch.Tensor  # [B, max pages] int32 (rows padded with page 0)
+    q_starts_t: torch.Tensor  # [B + 1] int32
+    seq_lens_t: torch.Tensor  # [B] int32
+    q_starts: list[int]  # the same on the host
+    seq_lens: list[int]
+    _work: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q_starts[-1]
+
+    def work(self, group: int, block_m: int) -> torch.Tensor:
+        """`[W, 2]` int32 work items (sequence, first row) for a kernel that takes `block_m` rows of
+        `group` query heads x tokens at a time."""
+        key = (group, block_m)
+        if key not in self._work:
+            items = [(b, r) for b in range(len(self.seq_lens))
+                     for r in range(0, group * (self.q_starts[b + 1] - self.q_starts[b]), block_m)]  # fmt: skip
+            self._work[key] = torch.tensor(items, dtype=torch.int32).to(self.positions.device)
+        return self._work[key]
+
+
+def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.device) -> PagedStep:
+    """Device metadata of `step`: two host-to-device copies (an int64 and an int32 vector)."""
+    positions: list[int] = []
+    slots: list[int] = []
+    q_starts = [0]
+    seq_lens: list[int] = []
+    last: list[int] = []
+    tables: list[Sequence[int]] = []
+    for s in step.seqs:
+        n = len(s.tokens)
+        assert n > 0 and s.start >= 0, "every chunk feeds at least one token"
+        need = -(-s.end // page_size)
+        assert len(s.pages) >= need, f"{len(s.pages)} pages do not cover {s.end} positions"
+        pages = s.pages
+        positions.extend(range(s.start, s.end))
+        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(s.start, s.end))
+        q_starts.append(q_starts[-1] + n)
+        seq_lens.append(s.end)
+        if s.logits:
+            last.append(q_starts[-1] - 1)
+        tables.append(pages[:need])
+    t, r, b = len(positions), len(last), len(tables)
+    wide = torch.tensor([*positions, *slots, *last], dtype=torch.int64).to(device, non_blocking=True)
+    maxp = max(len(x) for x in tables)
+    flat = [p for x in tables for p in (*x, *([0] * (maxp - len(x))))]
+    narrow = torch.tensor([*flat, *q_starts, *seq_lens], dtype=torch.int32).to(device, non_blocking=True)
+    return PagedStep(storage, page_size, wide[:t], wide[t : 2 * t], wide[2 * t : 2 * t + r],
+                     narrow[: b * maxp].view(b, maxp), narrow[b * maxp : b * maxp + b + 1],
+                     narrow[b * maxp + b + 1 :], q_starts, seq_lens)  # fmt: skip
+
+
+def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store `k`/`v` (`[T, kv_heads, head_dim]`) at the step's slots in layer `layer`."""
+    ps.storage.write(layer, ps.slots, k, v)
+
+
+def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
+              window: int = -1) -> torch.Tensor:  # fmt: skip
+    """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
+    this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
+    torch reference elsewhere."""
+    from onnxgen.backends.native import kernels
+
+    if kernels._use_triton(q):
+        return attention_triton(ps, layer, q, scale, softcap, window)
+    return attention_ref(ps, layer, q, scale, softcap, window)
+
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 32
+
+
+def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
+                     window: int = -1, nsplit: int | None = None) -> torch.Tensor:  # fmt: skip
+    """The Triton path of `attention`. `nsplit` (CUDA graphs, tests): the number of key splits; by default
+    enough splits for about two waves of programs over the longest sequence, in whole blocks."""
+    from onnxgen.backends.native import triton_paged as tp
+
+    kpool, vpool = ps.storage.keys(layer), ps.storage.values(layer)
+    _, n, d = q.shape
+    hkv = kpool.shape[2]
+    g = n // hkv
+    rows = g * max(b - a for a, b in zip(ps.q_starts, ps.q_starts[1:], strict=False))
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_n = 64 if d <= 128 else 32
+    dp = max(16, 1 << (d - 1).bit_length())
+    work = ps.work(g, block_m)
+    w = work.shape[0]
+    longest = max(ps.seq_lens)
+    if nsplit is None:
+        nsplit = max(1, min(-(-264 // (w * hkv)), longest // 256, _MAX_SPLITS))
+    per = -(-longest // nsplit)
+    split = -(-per // block_n) * block_n
+    nsplit = -(-longest // split)
+    qc = q.contiguous()
+    out = torch.empty_like(qc)
+    direct = nsplit == 1
+    acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
+    ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
+    tp.paged_attn_kernel[(w, hkv, nsplit)](
+        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
+        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], split, nsplit,
+        kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
+        PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if not direct:
+        tp.paged_combine_kernel[(w, hkv, block_m)](
+            acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m,
+            NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=1,
+        )  # fmt: skip
+    return out
+
+
+def attention_ref(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
+                  window: int = -1) -> torch.Tensor:  # fmt: skip
+    out = torch.empty_like(q)
+    n = q.shape[1]
+    for b, total in enumerate(ps.seq_lens):
+        qs, qe = ps.q_starts[b], ps.q_starts[b + 1]
+        kk, vv = ps.storage.gather(layer, ps.page_table[b, : -(-total // ps.page_size)].long(), total)
+        out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window)
+    return out
+
+
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, total: int, n: int, scale: float,
+                softcap: float, window: int) -> torch.Tensor:  # fmt: skip
+    """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, total, D]`. float32 inside."""
+    m = q.shape[0]
+    hkv = k.shape[0]
+    qf = q.transpose(0, 1).float()  # [N, m, D]
+    kf = k.float().repeat_interleave(n // hkv, dim=0)
+    vf = v.float().repeat_interleave(n // hkv, dim=0)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [N, m, total]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    qpos = torch.arange(total - m, total, device=q.device).unsqueeze(1)
+    kpos = torch.arange(total, device=q.device).unsqueeze(0)
+    keep = kpos <= qpos
+    if window > 0:
+        keep = keep & (kpos > qpos - window)
+    if m > 1 or window > 0:
+        s = s.masked_fill(~keep, float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1), vf)  # [N, m, D]
+    return o.transpose(0, 1).to(q.dtype)
+

@@ -1,0 +1,112 @@
+"""Triton kernels for attention over the paged KV pool (imported only when Triton is used).
+
+The contract is `onnxgen.backends.native.paged.attention`'s; this module holds the device code. One
+program handles one work item (a sequence and a block of its query rows: token-major rows of the query
+heads that share KV head `h`, so a decode packs the whole group into one tile) against one split of that
+sequence's keys, reading them page by page through the page table. Scores are kept in base 2
+(`qk_scale` includes log2(e)). With several splits, partial results go to a scratch buffer and
+`paged_combine_kernel` merges them.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["NSPLIT", "SPLIT", "MAXP"])
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, SPLIT, NSPLIT,
+                      sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                      DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    w = tl.program_id(0)  # work item: (sequence, first row)
+    h = tl.program_id(1)  # KV head
+    sp = tl.program_id(2)  # split of the keys
+    b = tl.load(WORK + 2 * w)
+    r0 = tl.load(WORK + 2 * w + 1)
+    qs = tl.load(QS + b)
+    m = tl.load(QS + b + 1) - qs
+    seq_len = tl.load(SL + b)
+    rows = r0 + tl.arange(0, BLOCK_M)
+    tok = rows // G
+    grp = rows % G
+    rmask = rows < G * m
+    limit = seq_len - m + tok + 1  # exclusive end of the keys each row's token sees
+    dcol = tl.arange(0, DP)
+    dmask = dcol < D
+    qrow = ((qs + tok) * N + h * G + grp).to(tl.int64)
+    q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    lo = sp * SPLIT
+    hi = tl.minimum(lo + SPLIT, tl.max(tl.where(rmask, limit, 0), 0))
+    if window > 0:
+        lo = tl.maximum(lo, tl.min(tl.where(rmask, limit, 1 << 30), 0) - window)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    pt = PT + b.to(tl.int64) * MAXP
+    koff = h * D + dcol
+    for start in range(lo, hi, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        nm = offs < hi
+        page = tl.load(pt + offs // PAGE, mask=nm, other=0).to(tl.int64)
+        slot_k = page * sk_page + (offs % PAGE).to(tl.int64) * sk_row
+        slot_v = page * sv_page + (offs % PAGE).to(tl.int64) * sv_row
+        k = tl.load(K + slot_k[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-scale score x
+            x = s * (qk_scale / 1.4426950408889634)
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * x / softcap)) - 1.0) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        keep = nm[None, :] & (offs[None, :] < limit[:, None])
+        if window > 0:
+            keep = keep & (offs[None, :] >= limit[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot_v[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if DIRECT:  # one split: normalise and write the output here
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
+                 mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+    else:
+        item = ((w * tl.num_programs(1) + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M
+        r = tl.arange(0, BLOCK_M)
+        tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc)
+        tl.store(ML + 2 * (item + r), m_i)
+        tl.store(ML + 2 * (item + r) + 1, l_i)
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+    w = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.program_id(2)  # row within the work item's block
+    b = tl.load(WORK + 2 * w)
+    row = tl.load(WORK + 2 * w + 1) + r
+    qs = tl.load(QS + b)
+    m = tl.load(QS + b + 1) - qs
+    if row < G * m:
+        sp = tl.arange(0, NSP)
+        smask = sp < NSPLIT
+        dcol = tl.arange(0, DP)
+        item = ((w * HKV + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M + r
+        mx_s = tl.load(ML + 2 * item, mask=smask, other=float("-inf"))
+        l_s = tl.load(ML + 2 * item + 1, mask=smask, other=0.0)
+        mx = tl.max(mx_s, 0)
+        wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)  # maxima are in base 2
+        den = tl.sum(wgt * l_s, 0)
+        acc = tl.load(ACC + item[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
+        o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
+        qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
+        tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)

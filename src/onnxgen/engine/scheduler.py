@@ -1,0 +1,155 @@
+"""The scheduler: which requests feed which tokens in the next engine step.
+
+Each step has a token budget. Running requests come first, in the order they were admitted: every
+decode (one token) and then the next chunk of every request still prefilling. Waiting requests are then
+admitted first come, first served while the budget and the running set allow, each starting with a
+prefill chunk. Chunked prefill is the scheduler's: a request's prompt is fed over several steps in
+chunks of at most `chunk_size` (the request's) and of what is left of the budget.
+
+    budget 8, running A (decode), B (prefill, 9 pending), waiting C
+    step:  A 1 token | B 7 tokens          (C waits: no budget left)
+    next:  A 1 | B 2 (sampled) | C 5 ...
+
+KV comes from a `KVAdapter` (a paged pool, or one decoder per request). When it cannot supply the
+positions a running request needs, the most recently admitted running request is preempted: its KV is
+released and it waits again at the head of the queue, to be recomputed (its generated tokens are kept).
+A waiting request that cannot be admitted waits; nothing fails for lack of memory. With preemption off
+(per-request decoders) requests are only ever admitted when they fit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from onnxgen.engine.request import Request, Status
+
+
+class KVAdapter(Protocol):
+    """Where a request's KV comes from. Every call is made by the engine's step (one thread)."""
+
+    def admit(self, req: Request) -> bool:
+        """Attach KV to `req` (reusing what the cache holds): sets `req.kv` and `req.computed`. False,
+        with nothing changed, when there is no room now."""
+
+    def reserve(self, req: Request, total: int) -> bool:
+        """Room for positions [0, total) of an admitted request. False, with nothing changed, if none."""
+
+    def release(self, req: Request) -> None:
+        """Drop the request's KV (preemption or failure): nothing of it stays visible."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`req` feeds `tokens[start : start + n]` this step; `sample`: the chunk reaches the end of the
+    request's tokens, so the next token is sampled from its last position."""
+
+    req: Request
+    start: int
+    n: int
+    sample: bool
+
+
+class Scheduler:
+    """Waiting queue and running set over a `KVAdapter`. `add` is thread-safe; everything else belongs
+    to the engine's step."""
+
+    def __init__(self, kv: KVAdapter, *, max_running: int, token_budget: int, preempt: bool) -> None:
+        if max_running < 1 or token_budget < 1:
+            raise ValueError(f"max_running and token_budget must be >= 1, got {max_running}, {token_budget}")
+        self.kv = kv
+        self.max_running = max_running
+        self.token_budget = token_budget
+        self.preempt = preempt
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._incoming: deque[Request] = deque()
+        self._lock = threading.Lock()
+        self.preemptions = 0
+
+    def add(self, req: Request) -> None:
+        """Queue a request (any thread)."""
+        with self._lock:
+            self._incoming.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._incoming)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self._incoming)
+
+    def remove(self, req: Request) -> None:
+        """Take a finished or failed request out of the queues (its KV is the caller's to handle)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def schedule(self) -> tuple[list[Chunk], list[Request]]:
+        """The next step's chunks, and the requests found cancelled (taken out of the queues; their KV is
+        still attached for the caller to release)."""
+        with self._lock:
+            self.waiting.extend(self._incoming)
+            self._incoming.clear()
+        cancelled = [r for r in (*self.running, *self.waiting) if r.cancelled]
+        for r in cancelled:
+            self.remove(r)
+        budget = self.token_budget
+        preempted = self.preemptions
+        chunks: list[Chunk] = []
+        # running requests: decodes first, then prefill chunks
+        for req in sorted(self.running, key=lambda r: r.pending > 1):
+            if req.status is not Status.RUNNING or budget <= 0:  # preempted meanwhile, or no budget
+                continue
+            n = self._chunk(req, budget)
+            while n and not self.kv.reserve(req, req.computed + n):
+                victim = self._victim()
+                if victim is None:
+                    n = 0
+                    break
+                budget += sum(c.n for c in chunks if c.req is victim)
+                chunks = [c for c in chunks if c.req is not victim]
+                self._preempt(victim)
+                if victim is req:
+                    n = 0
+            if n:
+                chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens))
+                budget -= n
+        # waiting requests, first come first served (none in a step that had to preempt)
+        while self.preemptions == preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
+            req = self.waiting[0]
+            if not self.kv.admit(req):
+                break
+            n = self._chunk(req, budget)
+            if not self.kv.reserve(req, req.computed + n):
+                self.kv.release(req)
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.admissions += 1
+            self.running.append(req)
+            chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens))
+            budget -= n
+        return chunks, cancelled
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.pending, budget)
+        if req.chunk_size:
+            n = min(n, req.chunk_size)
+        return n
+
+    def _victim(self) -> Request | None:
+        """The running request to preempt so that others can go on: the most recently admitted one."""
+        if not self.preempt or not self.running:
+            return None
+        return self.running[-1]
+
+    def _preempt(self, victim: Request) -> None:
+        self.kv.release(victim)
+        self.running.remove(victim)
+        victim.status = Status.WAITING
+        victim.computed = 0
+        self.waiting.appendleft(victim)
+        self.preemptions += 1

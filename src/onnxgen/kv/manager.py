@@ -1,0 +1,128 @@
+"""The KV manager: the only code that changes which pages a request holds.
+
+It puts the page allocator (`kv/pages.py`), the prefix index (`kv/prefix.py`) and the page storage
+(`kv/storage.py`) together behind four calls a scheduler makes for each request:
+
+    table, cached = kv.open(digest, tokens)   # share the longest indexed prefix (capped at len - 1),
+                                              # copy a partly matched page (copy on write)
+    kv.grow(table, total)                     # pages for positions [0, total); evicts LRU leaves when
+                                              # short; False (nothing changed) when even that is not enough
+    node = kv.commit(table, tokens)           # on success only: index the request's pages, drop its hold
+    kv.release(table)                         # on failure, cancellation or preemption: drop its hold;
+                                              # nothing of the request becomes visible
+
+Pages a request shares from the index are never written: writes go to positions >= `cached`, which lie in
+the request's own pages (allocated, or the copy of a partly matched page). A `PageTable` maps the
+request's positions to slots: position p lives in page `pages[p // page_size]` at offset `p % page_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from onnxgen.errors import OutOfPages
+from onnxgen.kv.pages import PageAllocator
+from onnxgen.kv.prefix import Node, PrefixIndex
+
+
+class PageCopier(Protocol):
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy positions [0, n) of page `src` into page `dst`, in every layer."""
+
+
+@dataclass
+class PageTable:
+    """The pages one request holds, in position order, under its identity digest (None: undigestable,
+    never matched or indexed)."""
+
+    digest: bytes | None
+    pages: list[int] = field(default_factory=list)
+
+    def slots(self, start: int, n: int, page_size: int) -> list[int]:
+        """Slot ids (page * page_size + offset) of positions [start, start + n)."""
+        pages = self.pages
+        return [pages[p // page_size] * page_size + p % page_size for p in range(start, start + n)]
+
+
+@dataclass
+class KVCounters:
+    """Running totals: prompt tokens looked up, tokens found in the index, copy-on-write page copies."""
+
+    lookups: int = 0
+    looked_up_tokens: int = 0
+    hit_tokens: int = 0
+    cow_copies: int = 0
+
+
+class KVManager:
+    """Pages for requests: open, grow, commit, release. Not thread-safe: the engine's step owns it."""
+
+    def __init__(self, allocator: PageAllocator, index: PrefixIndex, storage: PageCopier) -> None:
+        assert index.allocator is allocator
+        self.allocator = allocator
+        self.index = index
+        self.storage = storage
+        self.page_size = index.page_size
+        self.counters = KVCounters()
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def open(self, digest: bytes | None, tokens: Sequence[int]) -> tuple[PageTable, int]:
+        """A page table for a request over `tokens`, sharing the longest indexed prefix of at most
+        `len(tokens) - 1` tokens (at least one token is always computed). Returns the table and how many
+        leading positions it already holds. A partly matched page is copied into a new page when one can
+        be had; otherwise the match stops at the last full page."""
+        m = self.index.match(digest, tokens, len(tokens) - 1)
+        table = PageTable(digest, list(m.pages))
+        self.allocator.incref(m.pages)
+        cached = len(m.pages) * self.page_size
+        if m.partial_page is not None and m.partial_len > 0:
+            try:
+                (page,) = self._alloc(1)
+            except OutOfPages:
+                page = None
+            if page is not None:
+                self.storage.copy_prefix(m.partial_page, page, m.partial_len)
+                table.pages.append(page)
+                cached += m.partial_len
+                self.counters.cow_copies += 1
+        self.counters.lookups += 1
+        self.counters.looked_up_tokens += len(tokens)
+        self.counters.hit_tokens += cached
+        return table, cached
+
+    def grow(self, table: PageTable, total: int) -> bool:
+        """Make `table` cover positions [0, total), evicting unpinned LRU prefixes when pages are short.
+        Returns False, with the table unchanged, when the pool cannot supply the pages."""
+        need = self.pages_for(total) - len(table.pages)
+        if need <= 0:
+            return True
+        try:
+            table.pages.extend(self._alloc(need))
+        except OutOfPages:
+            return False
+        return True
+
+    def commit(self, table: PageTable, tokens: Sequence[int]) -> Node | None:
+        """After a successful request: index `tokens` (the positions whose KV the table holds, in order)
+        and drop the request's hold on its pages. Returns the end of the indexed path (for a session's
+        pin), or None when nothing was indexed (undigestable identity or no tokens)."""
+        node = None
+        if table.digest is not None and tokens:
+            node = self.index.insert(table.digest, tokens, table.pages)
+        self.release(table)
+        return node
+
+    def release(self, table: PageTable) -> None:
+        """Drop the request's hold on its pages (failure, cancellation, preemption, or after commit)."""
+        self.allocator.decref(table.pages)
+        table.pages = []
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.index.evict(short)
+        return self.allocator.alloc(n)

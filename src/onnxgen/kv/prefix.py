@@ -1,0 +1,260 @@
+"""The prefix index: which pages hold the KV of which token prefixes, shared by every request and session.
+
+A trie of pages, one tree per identity digest (the digest covers the package, every non-token input and
+the tenant salt, so different identities never share a page):
+
+    root[digest]
+     ├─ (t0..t15) page 4 ─ (t16..t31) page 9 ─ (t32..t36) page 2      <- a partial page: always a leaf
+     │                                   └──── (t32..t47) page 7
+     └─ (u0..u15) page 5
+
+Each node holds the tokens of one page (`page_size` of them, fewer only in a leaf) and the page id.
+Indexed pages are immutable: a request that matches a page only partly (its tokens diverge inside the
+page, or the node is a partial leaf) copies the matching positions into a page of its own (copy on write,
+done by `kv/manager.py`) and never writes into the indexed one.
+
+`match` finds the longest indexed prefix of a token sequence (up to a limit), `insert` adds a finished
+request's pages (the index takes one reference on each page it keeps), `pin`/`unpin` protect a node and
+so its whole path (a session pins the end of its last context), and `evict` frees least recently used
+leaves that nothing else holds. The index never allocates: pages come from the caller.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from onnxgen.kv.pages import PageAllocator
+
+
+class Node:
+    """One page of an indexed prefix. `tokens` has `page_size` ids except in a partial leaf."""
+
+    __slots__ = ("children", "digest", "page", "parent", "pins", "stamp", "tokens")
+
+    def __init__(self, digest: bytes, page: int, tokens: tuple[int, ...], parent: Node | None) -> None:
+        self.digest = digest
+        self.page = page  # -1 for a root
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.pins = 0
+        self.stamp = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def depth_tokens(self) -> int:
+        """Tokens from the root to the end of this node."""
+        n, node = 0, self
+        while node.parent is not None:
+            n += len(node.tokens)
+            node = node.parent
+        return n
+
+
+@dataclass(frozen=True)
+class Match:
+    """The result of `PrefixIndex.match`: `pages` are shared as they are (full pages); the first
+    `partial_len` positions of `partial_page` match too (a request copies them into a page of its own).
+    `node` is the deepest fully matched node (None when no full page matched)."""
+
+    pages: tuple[int, ...]
+    partial_page: int | None
+    partial_len: int
+    node: Node | None
+    page_size: int
+
+    @property
+    def length(self) -> int:
+        """Matched tokens: the full pages plus the partial positions."""
+        return len(self.pages) * self.page_size + self.partial_len
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixIndex:
+    """Radix index over (identity digest, tokens) at page granularity. Not thread-safe: the engine's
+    step owns it."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self._roots: dict[bytes, Node] = {}
+        self._leaves: set[Node] = set()
+        self._clock = itertools.count(1)
+        self.num_nodes = 0
+
+    # --- lookup ------------------------------------------------------------------------------------
+
+    def match(self, digest: bytes | None, tokens: Sequence[int], limit: int | None = None) -> Match:
+        """The longest indexed prefix of `tokens[:limit]` under `digest` (None: undigestable, matches
+        nothing). Marks the matched path as recently used. Changes no reference counts."""
+        P = self.page_size
+        end = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
+        root = self._roots.get(digest) if digest is not None else None
+        if root is None or end == 0:
+            return Match((), None, 0, None, P)
+        stamp = next(self._clock)
+        node, pages, i = root, [], 0
+        deepest: Node | None = None
+        partial_page, partial_len = None, 0
+        while True:
+            chunk = tuple(tokens[i * P : min((i + 1) * P, end)])
+            if not chunk:
+                break
+            child = node.children.get(chunk) if len(chunk) == P else None
+            if child is not None:
+                child.stamp = stamp
+                pages.append(child.page)
+                node = deepest = child
+                i += 1
+                continue
+            best = None, 0
+            for cand in node.children.values():
+                k = _lcp(cand.tokens, chunk)
+                if k > best[1]:
+                    best = cand, k
+            if best[0] is not None:
+                best[0].stamp = stamp
+                partial_page, partial_len = best[0].page, best[1]
+            break
+        self._touch_ancestors(node, stamp)
+        return Match(tuple(pages), partial_page, partial_len, deepest, P)
+
+    # --- insertion ---------------------------------------------------------------------------------
+
+    def insert(self, digest: bytes, tokens: Sequence[int], pages: Sequence[int]) -> Node:
+        """Index `tokens` whose KV is in `pages` (page i holds positions [i*P, (i+1)*P)). Pages already
+        indexed for the same tokens are kept and the caller's duplicates are not taken; every page the
+        index does take gets one reference. A partial last page is indexed as a leaf unless an indexed
+        page already starts with its tokens. Returns the node at the end of the path (to pin), or the
+        digest's root when `tokens` is empty."""
+        P = self.page_size
+        need = -(-len(tokens) // P)
+        assert len(pages) >= need, f"{len(tokens)} tokens need {need} pages, got {len(pages)}"
+        stamp = next(self._clock)
+        node = self._roots.get(digest)
+        if node is None:
+            node = self._roots[digest] = Node(digest, -1, (), None)
+        for i in range(need):
+            chunk = tuple(tokens[i * P : (i + 1) * P])
+            child = node.children.get(chunk)
+            if child is None and len(chunk) < P:
+                child = next((c for c in node.children.values() if c.tokens[: len(chunk)] == chunk), None)
+            if child is None:
+                child = Node(digest, pages[i], chunk, node)
+                self.allocator.incref([pages[i]])
+                node.children[chunk] = child
+                self._leaves.discard(node)
+                self._leaves.add(child)
+                self.num_nodes += 1
+            child.stamp = stamp
+            node = child
+        self._touch_ancestors(node, stamp)
+        return node
+
+    # --- pins and eviction -------------------------------------------------------------------------
+
+    def pin(self, node: Node) -> None:
+        """Protect `node` and (since only leaves are evicted) its whole path from eviction."""
+        node.pins += 1
+
+    def unpin(self, node: Node) -> None:
+        assert node.pins > 0, "unpin of a node that is not pinned"
+        node.pins -= 1
+
+    def _evictable(self, node: Node) -> bool:
+        return (not node.children and not node.is_root and node.pins == 0
+                and self.allocator.refs(node.page) == 1)  # fmt: skip
+
+    def evict(self, n: int) -> int:
+        """Free up to `n` pages by dropping least recently used leaves that only the index holds (no pin,
+        no running request). A parent left without children becomes a candidate in turn. Returns the
+        number of pages freed."""
+        if n <= 0:
+            return 0
+        heap = [(leaf.stamp, id(leaf), leaf) for leaf in self._leaves if self._evictable(leaf)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < n:
+            _, _, leaf = heapq.heappop(heap)
+            if not self._evictable(leaf):  # a stale entry
+                continue
+            parent = self._remove_leaf(leaf)
+            freed += len(self.allocator.decref([leaf.page]))
+            if parent is not None and self._evictable(parent):
+                heapq.heappush(heap, (parent.stamp, id(parent), parent))
+        return freed
+
+    def clear(self) -> int:
+        """Drop every unpinned path the index alone holds (as `evict` would, all of them). Returns pages freed."""
+        return self.evict(self.num_nodes)
+
+    def _remove_leaf(self, leaf: Node) -> Node | None:
+        parent = leaf.parent
+        assert parent is not None and not leaf.children
+        del parent.children[leaf.tokens]
+        self._leaves.discard(leaf)
+        self.num_nodes -= 1
+        leaf.parent = None
+        if parent.is_root:
+            if not parent.children:
+                del self._roots[parent.digest]
+            return None
+        if not parent.children:
+            self._leaves.add(parent)
+        return parent
+
+    @staticmethod
+    def _touch_ancestors(node: Node, stamp: int) -> None:
+        while node is not None and node.stamp != stamp:
+            node.stamp = stamp
+            node = node.parent  # type: ignore[assignment]
+
+    # --- inspection --------------------------------------------------------------------------------
+
+    def pages(self) -> set[int]:
+        """Every page the index holds."""
+        out: set[int] = set()
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                out.add(node.page)
+            stack.extend(node.children.values())
+        return out
+
+    def check_integrity(self) -> None:
+        """Structure and reference counts agree (tests call this): every non-root node holds a page with
+        at least one reference, is keyed by its tokens under its parent, has `page_size` tokens unless it
+        is a leaf, and the leaf set is exactly the childless non-root nodes."""
+        P = self.page_size
+        count = 0
+        leaves: set[Node] = set()
+        for digest, root in self._roots.items():
+            assert root.is_root and root.digest == digest and root.children, "empty or foreign root"
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                count += 1
+                assert node.parent is not None and node.parent.children.get(node.tokens) is node
+                assert node.digest == digest and 0 < len(node.tokens) <= P
+                assert len(node.tokens) == P or not node.children, "a partial page with children"
+                assert self.allocator.refs(node.page) >= 1, f"indexed page {node.page} is free"
+                if not node.children:
+                    leaves.add(node)
+                stack.extend(node.children.values())
+        assert count == self.num_nodes, (count, self.num_nodes)
+        assert leaves == self._leaves, "leaf set out of date"

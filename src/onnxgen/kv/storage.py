@@ -1,0 +1,68 @@
+"""Page storage of the paged KV pool: one tensor allocated once, in the model's dtype, on the device.
+
+Layout: `[layers, 2, num_pages, page_size, kv_heads, head_dim]` (2 = keys, values). A layer's keys are
+the view `[num_pages, page_size, kv_heads, head_dim]`, the layout paged attention kernels read through a
+page table (a page of one head is `page_size` rows of `head_dim`); flattened to
+`[num_pages * page_size, kv_heads, head_dim]` a token's slot `page * page_size + offset` is one row, so
+writing a step's keys is one `index_copy_` per layer.
+
+Storage only stores: which page belongs to whom is `kv/pages.py`'s and `kv/prefix.py`'s business. torch is
+imported lazily (kv/ imports no backend).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def page_bytes(num_layers: int, page_size: int, kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes one page takes across all layers (keys and values)."""
+    return num_layers * 2 * page_size * kv_heads * head_dim * element_size
+
+
+class PageStorage:
+    """The pool's tensor and the few operations on whole pages the manager and the runner need."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+                 dtype: Any, device: Any) -> None:  # fmt: skip
+        import torch
+
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.data = torch.empty((num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype=dtype,
+                                device=device)  # fmt: skip
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+    @property
+    def device(self) -> Any:
+        return self.data.device
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def keys(self, layer: int) -> Any:
+        """`[num_pages, page_size, kv_heads, head_dim]` view of a layer's keys."""
+        return self.data[layer, 0]
+
+    def values(self, layer: int) -> Any:
+        return self.data[layer, 1]
+
+    def write(self, layer: int, slots: Any, k: Any, v: Any) -> None:
+        """Write `k`/`v` (`[T, kv_heads, head_dim]`) at `slots` (`[T]` int64 on the device), in place."""
+        rows = self.num_pages * self.page_size
+        self.data[layer, 0].view(rows, self.kv_heads, self.head_dim).index_copy_(0, slots, k)
+        self.data[layer, 1].view(rows, self.kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, pages: Any, length: int) -> tuple[Any, Any]:
+        """Keys and values of positions [0, length) of a sequence whose page table is `pages` (`[n]`
+        int64), as contiguous `[kv_heads, length, head_dim]` tensors (the CPU reference path)."""
+        k = self.data[layer, 0].index_select(0, pages).flatten(0, 1)[:length]
+        v = self.data[layer, 1].index_select(0, pages).flatten(0, 1)[:length]
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy positions [0, n) of page `src` into page `dst`, in every layer (copy on write)."""
+        self.data[:, :, dst, :n].copy_(self.data[:, :, src, :n])

@@ -1,0 +1,262 @@
+"""Paged KV bookkeeping with exact page ids: the allocator, the prefix index and the manager (no torch).
+
+Page size 4 throughout, so a 10-token sequence is pages [a, b, c] with c holding positions 8-9.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onnxgen.errors import OutOfPages
+from onnxgen.kv.manager import KVManager, PageTable
+from onnxgen.kv.pages import PageAllocator
+from onnxgen.kv.prefix import PrefixIndex
+
+P = 4
+D1, D2 = b"digest-one......", b"digest-two......"
+
+
+class FakeStorage:
+    """Records copy-on-write copies and keeps a per-slot token map, so tests can check what a page holds."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[int, int, int]] = []
+        self.slot: dict[int, int] = {}
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        self.copies.append((src, dst, n))
+        for i in range(n):
+            self.slot[dst * P + i] = self.slot[src * P + i]
+
+    def write(self, table: PageTable, start: int, tokens: list[int]) -> None:
+        for s, t in zip(table.slots(start, len(tokens), P), tokens, strict=True):
+            self.slot[s] = t
+
+    def read(self, table: PageTable, n: int) -> list[int]:
+        return [self.slot[s] for s in table.slots(0, n, P)]
+
+
+def make(num_pages: int = 16) -> tuple[PageAllocator, PrefixIndex, KVManager, FakeStorage]:
+    alloc = PageAllocator(num_pages)
+    index = PrefixIndex(alloc, P)
+    store = FakeStorage()
+    return alloc, index, KVManager(alloc, index, store), store
+
+
+def check(alloc: PageAllocator, index: PrefixIndex) -> None:
+    alloc.check_integrity()
+    index.check_integrity()
+
+
+def run_request(kv: KVManager, store: FakeStorage, digest: bytes | None, tokens: list[int]) -> tuple[PageTable, int]:
+    """Open, compute (write every uncached position), and leave the table open."""
+    table, cached = kv.open(digest, tokens)
+    assert kv.grow(table, len(tokens))
+    store.write(table, cached, tokens[cached:])
+    return table, cached
+
+
+# --- allocator ------------------------------------------------------------------------------------------
+
+
+def test_allocator_hands_out_lowest_ids_and_counts_holders() -> None:
+    a = PageAllocator(6)
+    assert a.alloc(3) == [0, 1, 2]
+    a.incref([1])
+    assert a.decref([0, 1]) == [0]
+    assert (a.refs(0), a.refs(1), a.refs(2)) == (0, 1, 1)
+    assert a.alloc(2) == [0, 3]
+    assert a.num_free == 2 and a.num_used == 4
+    with pytest.raises(OutOfPages):
+        a.alloc(3)
+    assert a.num_free == 2, "a failed allocation changes nothing"
+    a.check_integrity()
+    with pytest.raises(AssertionError):
+        a.decref([5])
+
+
+# --- index ----------------------------------------------------------------------------------------------
+
+
+def test_match_full_pages_then_partial_and_the_cap() -> None:
+    alloc, index, _, _ = make()
+    pages = alloc.alloc(3)  # [0, 1, 2] hold tokens 0..9
+    node = index.insert(D1, list(range(10)), pages)
+    assert [alloc.refs(p) for p in pages] == [2, 2, 2], "the index holds one reference per page"
+    alloc.decref(pages)  # the request is done
+    assert node.page == 2 and node.tokens == (8, 9)
+    m = index.match(D1, list(range(12)))
+    assert (m.pages, m.partial_page, m.partial_len, m.length) == ((0, 1), 2, 2, 10)
+    m = index.match(D1, list(range(10)), limit=9)  # capped at len - 1
+    assert (m.pages, m.partial_page, m.partial_len) == ((0, 1), 2, 1)
+    m = index.match(D1, [0, 1, 2, 3, 4, 5, 99, 7])  # diverges inside the second page
+    assert (m.pages, m.partial_page, m.partial_len) == ((0,), 1, 2)
+    assert index.match(D2, list(range(12))).length == 0, "another identity shares nothing"
+    assert index.match(None, list(range(12))).length == 0, "an undigestable identity shares nothing"
+    check(alloc, index)
+
+
+def test_insert_keeps_indexed_pages_and_skips_duplicates() -> None:
+    alloc, index, _, _ = make()
+    first = alloc.alloc(2)
+    index.insert(D1, list(range(8)), first)
+    alloc.decref(first)
+    dup = alloc.alloc(3)  # another request computed the same 8 tokens again, plus 2 more
+    end = index.insert(D1, list(range(10)), dup)
+    assert [alloc.refs(p) for p in dup] == [1, 1, 2], "only the new last page is taken"
+    assert alloc.decref(dup) == dup[:2], "the duplicates are freed when the request lets go"
+    assert index.pages() == {*first, dup[2]} and end.page == dup[2]
+    check(alloc, index)
+
+
+def test_a_partial_page_is_not_indexed_when_an_indexed_page_starts_with_it() -> None:
+    alloc, index, _, _ = make()
+    full = alloc.alloc(2)
+    index.insert(D1, list(range(8)), full)
+    alloc.decref(full)
+    mine = alloc.alloc(2)
+    end = index.insert(D1, list(range(6)), mine)  # tokens 4, 5 are the start of page full[1]
+    assert end.page == full[1]
+    assert alloc.decref(mine) == mine
+    assert index.num_nodes == 2
+    check(alloc, index)
+
+
+def test_evict_lru_leaves_that_only_the_index_holds() -> None:
+    alloc, index, _, _ = make(8)
+    a = alloc.alloc(2)
+    index.insert(D1, list(range(8)), a)  # path A: a0 - a1
+    alloc.decref(a)
+    b = alloc.alloc(1)
+    index.insert(D1, [*range(4), 50, 51, 52, 53], [a[0], b[0]])  # path B shares a0: a0 - b0
+    alloc.decref(b)
+    index.match(D1, list(range(8)))  # A is now the more recently used path
+    assert index.evict(1) == 1 and index.pages() == {a[0], a[1]}, "B's leaf goes first (LRU)"
+    held = alloc.alloc(0)
+    alloc.incref([a[1]])  # a running request holds a1: not freeable
+    assert index.evict(5) == 0
+    alloc.decref([a[1]])
+    assert index.evict(5) == 2 and index.pages() == set() and alloc.num_free == 8
+    assert held == []
+    check(alloc, index)
+
+
+def test_a_pin_protects_the_whole_path() -> None:
+    alloc, index, _, _ = make(8)
+    pages = alloc.alloc(3)
+    end = index.insert(D1, list(range(12)), pages)
+    alloc.decref(pages)
+    index.pin(end)
+    assert index.evict(10) == 0
+    index.unpin(end)
+    assert index.evict(10) == 3
+    with pytest.raises(AssertionError):
+        index.unpin(end)
+    check(alloc, index)
+
+
+# --- manager --------------------------------------------------------------------------------------------
+
+
+def test_open_shares_full_pages_and_copies_a_partly_matched_one() -> None:
+    alloc, index, kv, store = make()
+    t1, cached = run_request(kv, store, D1, list(range(10)))
+    assert cached == 0 and t1.pages == [0, 1, 2]
+    end = kv.commit(t1, list(range(10)))
+    assert end is not None and t1.pages == [] and alloc.num_used == 3
+    prompt = [*range(10), 77, 78, 79]
+    t2, cached = kv.open(D1, prompt)
+    assert cached == 10 and t2.pages == [0, 1, 3], "pages 0-1 shared; page 2's two positions copied to 3"
+    assert store.copies == [(2, 3, 2)]
+    assert kv.grow(t2, len(prompt))
+    assert t2.pages == [0, 1, 3, 4]
+    store.write(t2, cached, prompt[cached:])
+    assert store.read(t2, len(prompt)) == prompt
+    assert [alloc.refs(p) for p in (0, 1, 2)] == [2, 2, 1], "shared pages are never written: page 2 kept"
+    kv.commit(t2, prompt)
+    assert index.match(D1, [*prompt, 5]).length == 13
+    check(alloc, index)
+
+
+def test_release_on_failure_leaves_nothing_visible() -> None:
+    alloc, index, kv, store = make()
+    t, _ = run_request(kv, store, D1, list(range(9)))
+    kv.release(t)  # the request failed
+    assert index.match(D1, list(range(9))).length == 0 and alloc.num_used == 0
+    check(alloc, index)
+
+
+def test_grow_evicts_and_otherwise_fails_without_change() -> None:
+    alloc, index, kv, store = make(4)
+    t, _ = run_request(kv, store, D1, list(range(12)))  # 3 pages
+    kv.commit(t, list(range(12)))
+    t2, cached = kv.open(D2, list(range(8)))
+    assert cached == 0
+    assert kv.grow(t2, 8) and t2.pages == [2, 3] and index.num_nodes == 2, "one page was free, one LRU leaf evicted"
+    before = list(t2.pages)
+    assert not kv.grow(t2, 20) and t2.pages == before
+    kv.release(t2)
+    check(alloc, index)
+
+
+def test_eight_sessions_under_one_system_prompt_hold_one_copy() -> None:
+    system = list(range(1000, 1500))  # 500 tokens = 125 pages
+    alloc, index, kv, store = make(400)
+    first, _ = run_request(kv, store, D1, [*system, 1])
+    kv.commit(first, [*system, 1])
+    pins = []
+    for i in range(8):
+        turn = [*system, 2000 + i, 2001 + i, 2002 + i]
+        t, cached = run_request(kv, store, D1, turn)
+        assert cached == 500
+        pins.append(kv.commit(t, turn))
+    # 125 system pages + page 125 of the first request + one own last page per session
+    assert alloc.num_used == 125 + 1 + 8
+    assert len(index.pages()) == alloc.num_used
+    other, cached = kv.open(D2, [*system, 1])  # another salt: nothing shared
+    assert cached == 0
+    kv.release(other)
+    check(alloc, index)
+
+
+def test_undigestable_requests_share_and_keep_nothing() -> None:
+    alloc, index, kv, store = make()
+    t, _ = run_request(kv, store, None, list(range(9)))
+    assert kv.commit(t, list(range(9))) is None
+    assert index.num_nodes == 0 and alloc.num_used == 0
+    check(alloc, index)
+
+
+# --- property: the index answers like a plain list of committed sequences --------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([D1, D2]), st.lists(st.integers(0, 3), min_size=1, max_size=14),
+                          st.booleans()), min_size=1, max_size=25))  # fmt: skip
+def test_match_is_the_longest_committed_prefix_and_pages_hold_their_tokens(ops) -> None:
+    alloc, index, kv, store = make(128)
+    committed: list[tuple[bytes, list[int]]] = []
+    for digest, tokens, ok in ops:
+        table, cached = kv.open(digest, tokens)
+        best = max((_lcp(t, tokens) for d, t in committed if d == digest), default=0)
+        expect = min(best, len(tokens) - 1)
+        assert cached == expect or (cached < expect and cached % P == 0), (cached, expect)
+        assert kv.grow(table, len(tokens))
+        assert store.read(table, cached) == tokens[:cached], "shared and copied positions hold the prefix"
+        store.write(table, cached, tokens[cached:])
+        if ok:
+            kv.commit(table, tokens)
+            committed.append((digest, tokens))
+        else:
+            kv.release(table)
+        check(alloc, index)
+    assert alloc.num_used == len(index.pages())
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
