@@ -310,3 +310,10 @@ class Engine:
         self._default_session.evict()
         self.registry.evict_all()
         self.pool.close()
+
+    # --- what a server reads (public, read-only) -------------------------------------------------
+
+    def retained_kv_bytes(self) -> int:
+        """Bytes of KV cache this engine's sessions retain now (the default session included). Read-only,
+        safe from any thread; a gauge for servers and monitoring."""
+        return self.registry.total_kv_bytes()

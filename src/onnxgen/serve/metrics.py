@@ -1,7 +1,8 @@
 """Prometheus metrics, written in the text exposition format by hand (no prometheus_client).
 
 Counters: requests by route and status, prompt / completion / reused tokens. Histogram: time to
-first token. Gauges (read at scrape time): queue depth, open sessions. Thread-safe.
+first token. Gauges (read at scrape time): queue depth, open sessions, retained KV bytes. Thread-safe.
+`CountRequests` is the ASGI middleware that counts every response by route and status.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -82,3 +84,30 @@ class Metrics:
         for name, (help_text, read) in self.gauges.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {read():g}"]
         return "\n".join(lines) + "\n"
+
+
+class CountRequests:
+    """Pure ASGI middleware counting responses by route and status (streams stay unbuffered). `label`
+    maps a request path to its route's name (so ids in paths do not make a series each)."""
+
+    def __init__(self, app: Any, metrics: Metrics, label: Callable[[str], str]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.label = label
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = self.label(scope.get("path", ""))
+        status = [500]
+
+        async def send_wrapper(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.request(route, status[0])

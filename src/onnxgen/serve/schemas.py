@@ -1,5 +1,5 @@
 """OpenAI request schemas (pydantic lives only in `serve/`). Responses are plain dicts built in
-`app.py` in the same shapes as the OpenAI API.
+`openai.py` in the same shapes as the OpenAI API.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; types are checked here, strictly
 as the OpenAI API checks them (no string or boolean coerced into a number, no number into a string;

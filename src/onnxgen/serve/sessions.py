@@ -2,7 +2,8 @@
 
 Ids are random 128-bit values (`secrets.token_hex(16)`). A session is visible only to the key that
 created it; each key has its own default session (for requests without `X-Session-Id`), so
-retained KV, and therefore prefix reuse, never crosses keys.
+retained KV, and therefore prefix reuse, never crosses keys. A request names its session in the
+`X-Session-Id` header (`SESSION_HEADER`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import threading
 from typing import Any
 
 from onnxgen.errors import SessionLimit
+
+SESSION_HEADER = "X-Session-Id"
 
 
 class SessionStore:
