@@ -1,0 +1,68 @@
+"""The RotaryEmbedding ops (com.microsoft and ai.onnx opset 23): cos/sin lookup by position around the
+one rotary implementation, `onnxgen.backends.native.rotary.rope`. (GroupQueryAttention's fused rotary is
+in `attention`.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, same_device
+from onnxgen.backends.native.rotary import rope
+
+
+def _rotary_ms(node: Node) -> Fn:
+    """com.microsoft RotaryEmbedding(input, position_ids, cos_cache, sin_cache)."""
+    interleaved = bool(node.attr("interleaved", 0))
+    num_heads = int(node.attr("num_heads", 0))
+
+    def f(ctx: Any, x: Any, pos: Any, cos_c: Any, sin_c: Any) -> tuple[Any, ...]:
+        x, pos, cos_c, sin_c = same_device(ctx, x, pos, cos_c, sin_c)
+        four = x.dim() == 4
+        b = x.shape[0]
+        s = x.shape[2] if four else x.shape[1]
+        if pos.numel() == 1:
+            pos = pos.reshape(1, 1) + torch.arange(s, device=pos.device).reshape(1, s)
+        pos = pos.reshape(-1, s).long()
+        cos = cos_c[pos].unsqueeze(2)  # [B, S, 1, rd/2]
+        sin = sin_c[pos].unsqueeze(2)
+        if four:
+            xs = x.transpose(1, 2)  # [B, S, N, H]
+            return (rope(xs, cos, sin, interleaved).transpose(1, 2),)
+        nh = num_heads or x.shape[2] // (2 * cos_c.shape[1])
+        xs = x.reshape(b, s, nh, -1)
+        return (rope(xs, cos, sin, interleaved).reshape(x.shape),)
+
+    return f
+
+
+def _rotary_23(node: Node) -> Fn:
+    """ai.onnx RotaryEmbedding(X, cos_cache, sin_cache, position_ids?) (opset 23)."""
+    interleaved = bool(node.attr("interleaved", 0))
+    num_heads = int(node.attr("num_heads", 0))
+    rot_dim = int(node.attr("rotary_embedding_dim", 0))
+
+    def f(ctx: Any, x: Any, cos_c: Any, sin_c: Any, pos: Any = None) -> tuple[Any, ...]:
+        x, cos_c, sin_c, pos = same_device(ctx, x, cos_c, sin_c, pos)
+        four = x.dim() == 4
+        b = x.shape[0]
+        s = x.shape[2] if four else x.shape[1]
+        if pos is not None:
+            cos, sin = cos_c[pos.long()], sin_c[pos.long()]  # [B, S, rd/2]
+        else:
+            cos, sin = cos_c, sin_c
+        if rot_dim:
+            cos, sin = cos[..., : rot_dim // 2], sin[..., : rot_dim // 2]
+        cos, sin = cos.reshape(-1, s, 1, cos.shape[-1]), sin.reshape(-1, s, 1, sin.shape[-1])
+        if four:
+            return (rope(x.transpose(1, 2), cos, sin, interleaved).transpose(1, 2),)
+        xs = x.reshape(b, s, num_heads, -1)
+        return (rope(xs, cos, sin, interleaved).reshape(x.shape),)
+
+    return f
+
+
+BUILDERS: dict[tuple[str, str], Builder] = {
+    (MS, "RotaryEmbedding"): _rotary_ms, (AI, "RotaryEmbedding"): _rotary_23,
+}  # fmt: skip
