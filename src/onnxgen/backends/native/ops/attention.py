@@ -12,7 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from onnxgen.backends.native import kernels
-from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, RunCtx, same_device
+from onnxgen.backends.native.ops.base import (
+    AI,
+    INTERNAL,
+    MS,
+    Builder,
+    Fn,
+    Node,
+    RunCtx,
+    forbid_static,
+    same_device,
+)
 from onnxgen.backends.native.ops.norms import rms
 from onnxgen.backends.native.rotary import rope
 from onnxgen.errors import NotCapturable
@@ -109,8 +119,7 @@ def _causal_bias(pos0: int, s: int, total: int, window: int, device: Any, dtype:
     keep = kpos <= qpos
     if window > 0:
         keep = keep & (kpos > qpos - window)
-    out = torch.zeros((s, total), dtype=dtype, device=device)
-    return out.masked_fill_(~keep, float("-inf"))
+    return _as_additive(keep, dtype)
 
 
 def _as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -216,8 +225,7 @@ def _kv_concat(node: Node) -> Fn:
     assert layer is not None and role in ("key", "value")
 
     def f(ctx: RunCtx, _past: Any, new: Any) -> tuple[Any, ...]:
-        if ctx.static:
-            raise NotCapturable("plain KV concat has a dynamic shape")
+        forbid_static(ctx, "plain KV concat has a dynamic shape")
         kv = ctx.kv
         s = new.shape[2]
         buf = kv.keys[layer] if role == "key" else kv.values[layer]

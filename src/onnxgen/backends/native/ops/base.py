@@ -57,6 +57,12 @@ class RunCtx:
         self.static = past is not None
 
 
+def forbid_static(ctx: RunCtx | None, why: str) -> None:
+    """Raise `NotCapturable(why)` in a static step (the decoder then runs the forward eagerly)."""
+    if ctx is not None and ctx.static:
+        raise NotCapturable(why)
+
+
 def same_device(ctx: RunCtx | None, *xs: Any) -> list[Any]:
     """Move CPU (host) tensors to the device of the first non-CPU input."""
     dev = None
@@ -69,8 +75,7 @@ def same_device(ctx: RunCtx | None, *xs: Any) -> list[Any]:
     out = []
     for x in xs:
         if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0:
-            if ctx is not None and ctx.static:
-                raise NotCapturable("host tensor used by a device op in a static step")
+            forbid_static(ctx, "host tensor used by a device op in a static step")
             x = x.to(dev)
         out.append(x)
     return out

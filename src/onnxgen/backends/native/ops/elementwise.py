@@ -12,11 +12,6 @@ import torch.nn.functional as F
 from onnxgen.backends.native import kernels
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, same_device
 
-
-def _int_div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.div(a, b, rounding_mode="trunc")
-
-
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul,
     "Equal": torch.eq, "Less": torch.lt, "Greater": torch.gt, "LessOrEqual": torch.le,
@@ -33,7 +28,7 @@ def _binary(node: Node) -> Fn:
         def f(ctx: Any, a: Any, b: Any) -> tuple[Any, ...]:
             a, b = same_device(ctx, a, b)
             if not a.dtype.is_floating_point:
-                return (_int_div(a, b),)
+                return (torch.div(a, b, rounding_mode="trunc"),)
             return (torch.div(a, b).to(a.dtype),)
 
         return f
@@ -93,14 +88,10 @@ def _variadic(node: Node) -> Fn:
     return f
 
 
-def _erf(x: torch.Tensor) -> torch.Tensor:
-    return torch.erf(x)
-
-
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Sqrt": torch.sqrt, "Reciprocal": torch.reciprocal, "Neg": torch.neg, "Sigmoid": torch.sigmoid,
     "Tanh": torch.tanh, "Exp": torch.exp, "Log": torch.log, "Abs": torch.abs, "Sin": torch.sin,
-    "Cos": torch.cos, "Erf": _erf, "Relu": torch.relu, "Not": torch.logical_not, "Floor": torch.floor,
+    "Cos": torch.cos, "Erf": torch.erf, "Relu": torch.relu, "Not": torch.logical_not, "Floor": torch.floor,
     "Ceil": torch.ceil, "Softplus": F.softplus, "Sign": torch.sign, "IsNaN": torch.isnan, "Round": torch.round,
 }  # fmt: skip
 

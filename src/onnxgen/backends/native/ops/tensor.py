@@ -19,19 +19,19 @@ from onnxgen.backends.native.ops.base import (
     Fn,
     Node,
     RunCtx,
+    forbid_static,
     nonneg_axis,
     same_device,
 )
 from onnxgen.backends.native.weights import ONNX_TO_TORCH
-from onnxgen.errors import NotCapturable
 
 
 def _ints(x: Any, ctx: RunCtx | None = None) -> list[int]:
     if x is None:
         return []
     if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu" and ctx is not None and ctx.static:
-            raise NotCapturable("device tensor read on the host in a static step")
+        if x.device.type != "cpu":
+            forbid_static(ctx, "device tensor read on the host in a static step")
         return [int(v) for v in x.reshape(-1).tolist()]
     return [int(v) for v in x]
 
@@ -55,6 +55,10 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
     return ONNX_TO_TORCH[onnx_type]
 
 
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _shape(node: Node) -> Fn:
     start = node.attr("start", 0)
     end = node.attr("end", None)
@@ -72,11 +76,11 @@ def _size(node: Node) -> Fn:
 
 def _cast(node: Node) -> Fn:
     to = torch_dtype(int(node.attr("to")))
-    return lambda ctx, x: ((x if x.dtype == to else x.to(to)),)
+    return lambda ctx, x: (_to(x, to),)
 
 
 def _cast_like(node: Node) -> Fn:
-    return lambda ctx, x, like: ((x if x.dtype == like.dtype else x.to(like.dtype)),)
+    return lambda ctx, x, like: (_to(x, like.dtype),)
 
 
 def _reshape(node: Node) -> Fn:
@@ -166,6 +170,11 @@ def _squeeze(node: Node) -> Fn:
     return f
 
 
+def _clamp(i: int, dim: int, lo: int, hi: int) -> int:
+    """A Slice start/end: negative counts from the end, then clamped to [lo, hi]."""
+    return max(lo, min(hi, i + dim if i < 0 else i))
+
+
 def _slice(node: Node) -> Fn:
     def f(ctx: Any, x: Any, starts: Any, ends: Any, axes: Any = None, steps: Any = None) -> tuple[Any, ...]:
         st, en = _ints(starts, ctx), _ints(ends, ctx)
@@ -176,14 +185,12 @@ def _slice(node: Node) -> Fn:
             a = nonneg_axis(a, x.dim())
             dim = x.shape[a]
             if p > 0:
-                s = max(0, min(dim, s + dim if s < 0 else s))
-                e = max(0, min(dim, e + dim if e < 0 else e))
+                s, e = _clamp(s, dim, 0, dim), _clamp(e, dim, 0, dim)
                 idx = [slice(None)] * x.dim()
                 idx[a] = slice(s, max(s, e), p)
                 out = out[tuple(idx)]
             else:
-                s = max(-1, min(dim - 1, s + dim if s < 0 else s))
-                e = max(-1, min(dim - 1, e + dim if e < 0 else e))
+                s, e = _clamp(s, dim, -1, dim - 1), _clamp(e, dim, -1, dim - 1)
                 ids = torch.arange(s, e, p, device=out.device)
                 out = out.index_select(a, ids)
         return (out,)
@@ -203,17 +210,21 @@ def _slice_last(node: Node) -> Fn:
     return f
 
 
+def _wrap(idx: torch.Tensor, size: int) -> torch.Tensor:
+    """Negative indices count from the end of an axis of `size`."""
+    return torch.where(idx < 0, idx + size, idx)
+
+
 def _gather(node: Node) -> Fn:
     axis = int(node.attr("axis", 0))
 
     def f(ctx: Any, data: Any, idx: Any) -> tuple[Any, ...]:
         a = nonneg_axis(axis, data.dim())
         if idx.device.type == "cpu" and data.device.type == "cpu":
-            idx = torch.where(idx < 0, idx + data.shape[a], idx)
+            idx = _wrap(idx, data.shape[a])
         elif idx.device.type == "cpu":
-            if ctx is not None and ctx.static:
-                raise NotCapturable("host indices into a device tensor")
-            idx = torch.where(idx < 0, idx + data.shape[a], idx).to(data.device)
+            forbid_static(ctx, "host indices into a device tensor")
+            idx = _wrap(idx, data.shape[a]).to(data.device)
         if a == 0 and data.dim() == 2 and idx.dtype in (torch.int64, torch.int32):
             return (F.embedding(idx, data),)
         flat = data.index_select(a, idx.reshape(-1).long())
@@ -229,7 +240,7 @@ def _gather_elements(node: Node) -> Fn:
     def f(ctx: Any, data: Any, idx: Any) -> tuple[Any, ...]:
         data, idx = same_device(ctx, data, idx)
         a = nonneg_axis(axis, data.dim())
-        idx = torch.where(idx < 0, idx + data.shape[a], idx)
+        idx = _wrap(idx, data.shape[a])
         return (torch.gather(data, a, idx.long()),)
 
     return f
