@@ -11,9 +11,10 @@ from __future__ import annotations
 from onnxgen.backends.native.ops import attention, elementwise, linear, norms, rotary, tensor
 from onnxgen.backends.native.ops.base import AI, INTERNAL, Builder, Fn, Node, RunCtx
 from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits
+from onnxgen.errors import UnsupportedOp
 
 __all__ = [
-    "BUILDERS", "Builder", "Fn", "Node", "RunCtx", "dequant_gather_block", "dequant_matmul_nbits",
+    "BUILDERS", "Builder", "Fn", "Node", "RunCtx", "builder", "dequant_gather_block", "dequant_matmul_nbits",
     "supported_ops",
 ]  # fmt: skip
 
@@ -32,3 +33,12 @@ def supported_ops() -> list[str]:
             continue
         out.append(op if dom == AI else f"{dom}::{op}")
     return sorted(set(out))
+
+
+def builder(node: Node) -> Builder:
+    """The builder of `node`'s op. Raises `UnsupportedOp` (naming the op, its domain, the node and every
+    supported op) when the native backend has none."""
+    b = BUILDERS.get((node.domain, node.op))
+    if b is None:
+        raise UnsupportedOp(node.op, node.domain, node.name, supported_ops())
+    return b
