@@ -103,8 +103,7 @@ def lower(path: Path, spec: Any, device: torch.device) -> Program:
     nodes = rest
 
     for n in nodes:
-        if (n.domain, n.op) not in O.BUILDERS:
-            raise UnsupportedOp(n.op, n.domain, n.name, O.supported_ops())
+        O.builder(n)  # raises UnsupportedOp for an op the backend lacks, before any rewrite
 
     graph_inputs = [i.name for i in model.graph.input if i.name not in consts]
     nodes, static_ok = _bind_kv(nodes, spec)
@@ -166,7 +165,7 @@ def lower(path: Path, spec: Any, device: torch.device) -> Program:
         outs = tuple(sid(o) if (o and (o in consumed or o == spec.logits_name)) else -1 for o in n.outputs)
         frees = tuple(s for s in set(ins) if s >= 0 and s not in const_slots and last_use.get(s) == i
                       and s != logits_slot)  # fmt: skip
-        steps.append(Step(O.BUILDERS[(n.domain, n.op)](n), ins, outs, frees, n))
+        steps.append(Step(O.builder(n)(n), ins, outs, frees, n))
     mask_name = spec.attention_mask_name
     uses_mask = bool(mask_name) and mask_name in consumed
     return Program(
@@ -456,7 +455,7 @@ def _fold_constants(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> lis
         ):
             out.append(n)
             continue
-        fn = O.BUILDERS[(n.domain, n.op)](n)
+        fn = O.builder(n)(n)
         args = [consts[x] if x else None for x in n.inputs]
         while args and args[-1] is None:
             args.pop()

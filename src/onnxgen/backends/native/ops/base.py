@@ -1,0 +1,85 @@
+"""What every op family shares: the lowered `Node`, the per-forward `RunCtx`, and the host/device rules.
+
+Values are torch tensors; "host" values (shape arithmetic, small integer constants) are CPU tensors and
+stay on the CPU as long as every input of an op is on the CPU, so `Shape -> Gather -> Concat -> Reshape`
+chains never touch the device. When an op mixes host and device inputs, the host ones are moved to the
+device (never during a static-shape step, where that raises `NotCapturable` so the decoder falls back to
+eager execution). A static step (decode, or a prefill chunk padded to a bucket) reads its start
+position, positions and last real token from device memory, so one captured CUDA graph serves every
+position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from onnxgen.errors import NotCapturable
+
+Fn = Callable[..., tuple[Any, ...]]  # fn(ctx, *inputs) -> outputs; ctx is None when folding constants
+AI = ""  # the ai.onnx domain
+MS = "com.microsoft"
+INTERNAL = "onnxgen"  # ops the lowering produces (fusions, bound KV); not in `supported_ops()`
+
+
+@dataclass
+class Node:
+    op: str
+    domain: str
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    layer: int | None = None  # KV layer bound to this node (attention / KV concat)
+    kv_role: str | None = None  # "key" / "value" for a bound Concat
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+
+Builder = Callable[[Node], Fn]
+
+
+class RunCtx:
+    """Per-forward state the ops read: KV buffers, positions, and whether the step is static."""
+
+    def __init__(self, kv: Any, pos0: int, n: int, positions: torch.Tensor | None, *,
+                 past: torch.Tensor | None = None, last: torch.Tensor | None = None) -> None:  # fmt: skip
+        self.kv = kv
+        self.pos0 = pos0  # KV length before this forward (host int; -1 when static)
+        self.n = n  # tokens in this forward (static: the bucket size, padding included)
+        self.positions = positions  # [n] int64 on the device: pos0 + arange(n)
+        self.past = past  # static only: [1] int64 on the device, the KV length before this forward
+        self.last = last  # static only: [1] int64 on the device, index of the last real token
+        self.static = past is not None
+
+
+def forbid_static(ctx: RunCtx | None, why: str) -> None:
+    """Raise `NotCapturable(why)` in a static step (the decoder then runs the forward eagerly)."""
+    if ctx is not None and ctx.static:
+        raise NotCapturable(why)
+
+
+def same_device(ctx: RunCtx | None, *xs: Any) -> list[Any]:
+    """Move CPU (host) tensors to the device of the first non-CPU input."""
+    dev = None
+    for x in xs:
+        if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+            dev = x.device
+            break
+    if dev is None:
+        return list(xs)
+    out = []
+    for x in xs:
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0:
+            forbid_static(ctx, "host tensor used by a device op in a static step")
+            x = x.to(dev)
+        out.append(x)
+    return out
+
+
+def nonneg_axis(a: int, rank: int) -> int:
+    return a + rank if a < 0 else a
