@@ -8,6 +8,7 @@ import math
 import torch
 
 from onnxgen.backends.native.ops.base import nonneg_axis
+from onnxgen.package.int4 import unpack_nibbles
 
 
 def dequant_matmul_nbits(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int,
@@ -17,16 +18,13 @@ def dequant_matmul_nbits(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor
         raise NotImplementedError(f"MatMulNBits bits={bits}")
     nb = (k + block - 1) // block
     b = b.reshape(n, nb, block // 2).to(torch.uint8)
-    lo, hi = (b & 0x0F), (b >> 4)
-    q = torch.stack((lo, hi), dim=-1).reshape(n, nb, block).float()
+    q = unpack_nibbles(b).float()
     sc = scales.reshape(n, nb, 1).float()
     if zp is None:
         z = torch.full((n, nb, 1), 8.0, device=b.device)
     elif zp.dtype == torch.uint8:
         per_row = (nb + 1) // 2
-        zb = zp.reshape(n, per_row)
-        zz = torch.stack(((zb & 0x0F), (zb >> 4)), dim=-1).reshape(n, per_row * 2)[:, :nb]
-        z = zz.float().reshape(n, nb, 1)
+        z = unpack_nibbles(zp.reshape(n, per_row).to(torch.uint8), nb).float().reshape(n, nb, 1)
     else:
         z = zp.reshape(n, nb, 1).float()
     w = ((q - z) * sc).reshape(n, nb * block)[:, :k]
@@ -39,7 +37,7 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
     if bits != 4:
         raise NotImplementedError(f"GatherBlockQuantized bits={bits}")
     raw = data.reshape(-1).to(torch.uint8)
-    vals = torch.stack(((raw & 0x0F), (raw >> 4)), dim=-1).reshape(-1)[: math.prod(shape)].to(torch.int16)
+    vals = unpack_nibbles(raw, math.prod(shape)).to(torch.int16)
     if signed:
         vals = torch.where(vals >= 8, vals - 16, vals)
     q = vals.reshape(shape).float()
@@ -50,16 +48,9 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
     else:
         zshape = list(scales.shape)
         if zp.dim() >= 2:  # uint8 zero points: packed per row along the last axis
-            zr = zp.to(torch.uint8)
-            zv = torch.stack(((zr & 0x0F), (zr >> 4)), dim=-1).reshape(*zr.shape[:-1], -1)[..., : zshape[-1]]
-            zv = zv.reshape(-1).to(torch.int16)
+            zv = unpack_nibbles(zp.to(torch.uint8), zshape[-1]).reshape(-1).to(torch.int16)
         else:  # INT4/UINT4 tensor: packed flat
-            zraw = zp.reshape(-1).to(torch.uint8)
-            zv = (
-                torch.stack(((zraw & 0x0F), (zraw >> 4)), dim=-1)
-                .reshape(-1)[: math.prod(zshape)]
-                .to(torch.int16)
-            )
+            zv = unpack_nibbles(zp.reshape(-1).to(torch.uint8), math.prod(zshape)).to(torch.int16)
         if signed:
             zv = torch.where(zv >= 8, zv - 16, zv)
         z = zv.reshape(zshape).float().repeat_interleave(block, dim=qa).narrow(qa, 0, shape[qa])
