@@ -93,6 +93,12 @@ def test_backends_do_not_import_the_engine_and_kv_imports_no_backend():
             assert not any(m.startswith("onnxgen.backends") for m in imported), rel
 
 
+def test_a_session_reaches_its_engine_only_through_the_runner_protocol():
+    """engine/session.py never imports engine/engine.py, not even for type checking: `Engine` satisfies
+    `session.Runner`, so the engine depends on sessions and not the other way round."""
+    assert "onnxgen.engine.engine" not in _imports(SRC / "engine" / "session.py")
+
+
 def test_every_error_type_lives_in_errors_py():
     for path in SRC.rglob("*.py"):
         rel = path.relative_to(SRC).as_posix()
