@@ -116,4 +116,4 @@ def test_cuda_failed_capture_falls_back_to_eager_and_leaves_the_process_usable(t
     fresh.forward(toks, 0)
     for t in range(4):
         fresh.forward([t + 3], fresh.kv_len())
-    assert fresh.info["cuda_graphs"] and fresh._graphs
+    assert fresh.info["cuda_graphs"] and fresh.info["graphs"]

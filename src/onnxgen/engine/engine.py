@@ -6,6 +6,7 @@ calls: prepare (tokens, identity, reuse plan) → run (the decode loop) → fini
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxgen.backends import create_decoder, resolve_backend
+from onnxgen.backends import backend_options, create_decoder, resolve_backend
 from onnxgen.backends.base import Decoder
 from onnxgen.engine import loop
 from onnxgen.engine import reuse as reuse_policy
@@ -32,6 +33,22 @@ def _all_ints(seq: Sequence[Any]) -> bool:
     return set(map(type, seq)) <= {int}
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
+
+
+def _check_backend_options(options: Mapping[str, Any]) -> None:
+    """Raise `InvalidRequest` for an option no backend declares (a typo must not be silently ignored),
+    naming it and every option load() takes: the engine's own keyword arguments and the options the
+    backends declare (a backend ignores another's, so one set works with backend="auto")."""
+    declared = sorted({o for opts in backend_options().values() for o in opts})
+    for name in options:
+        if name not in declared:
+            params = inspect.signature(Engine.__init__).parameters.values()
+            own = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+            raise InvalidRequest(
+                f"unknown option {name!r}; load() takes {', '.join(own)} and the backend options "
+                f"{', '.join(declared)}",
+                field=name,
+            )
 
 
 class Engine:
@@ -58,17 +75,15 @@ class Engine:
         self.spec = spec.with_chunk_size(chunk_size)
         self.device = device
         self.backend = resolve_backend(backend, device)
+        _check_backend_options(backend_options)
         self.tokenizer = Tokenizer.from_spec(self.spec)
         self.chat_template = ChatTemplate.from_spec(self.spec, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys((*self.spec.eos_token_ids, *self.tokenizer.eos_token_ids)))
-        self._backend_options = dict(backend_options)
         self._prototype = create_decoder(self.spec, self.backend, device, **backend_options)
         self._prototype_lock = threading.Lock()
         self.pool = DecoderPool(self._new_decoder)
-        if getattr(self._prototype, "fork", None) is None:
-            # Without fork the prototype is an ordinary decoder. With fork it must stay out of the
-            # pool: the pool closes surplus decoders, and a closed prototype cannot fork.
-            self.pool.release(self._prototype)
+        # NOTE: the prototype is an ordinary decoder too; a closed decoder stays usable and still forks
+        self.pool.release(self._prototype)
         self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
         self._default_session = Session(self, name="default")
         self.package_key = f"{self.spec.path.resolve()}|{self.spec.kv_dtype}|{self.backend}|{device}"
@@ -80,11 +95,9 @@ class Engine:
     # --- decoders & sessions -------------------------------------------------------------
 
     def _new_decoder(self) -> Decoder:
-        fork = getattr(self._prototype, "fork", None)
-        if fork is not None:
-            with self._prototype_lock:
-                return fork()
-        return create_decoder(self.spec, self.backend, self.device, **self._backend_options)
+        """A new empty decoder sharing the loaded weights (`Decoder.fork`)."""
+        with self._prototype_lock:
+            return self._prototype.fork()
 
     def session(self, name: str | None = None) -> Session:
         """A new conversation whose KV is retained between its requests."""

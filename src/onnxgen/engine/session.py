@@ -13,6 +13,8 @@ direction is "lose the speedup", never "corrupt the context".
 
 Decoders share their model's weights; a `DecoderPool` hands out empty ones and takes back the
 caches of dropped or evicted states. `SessionRegistry` bounds retained KV (LRU by count and bytes).
+A Session reaches its engine only through `Runner` (pool, registry, `run_request`): this module does
+not import the engine.
 """
 
 from __future__ import annotations
@@ -23,14 +25,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from onnxgen.backends.base import Decoder
 from onnxgen.engine import reuse
 from onnxgen.engine.identity import Identity
 
 if TYPE_CHECKING:
-    from onnxgen.engine.engine import Engine
     from onnxgen.engine.result import Result
 
 
@@ -48,7 +49,9 @@ class Retained:
 class DecoderPool:
     """Makes decoders that share one loaded model, and recycles emptied ones.
 
-    `factory()` builds a new empty decoder. `release(d)` empties `d` and keeps it for reuse.
+    `factory()` builds a new empty decoder. `release(d)` empties `d` and keeps it, buffers allocated
+    (`Decoder.reset`), for the next `acquire`; beyond `keep` idle decoders it closes `d` (frees its
+    memory). `close()` frees every idle decoder's memory.
     """
 
     def __init__(self, factory: Callable[[], Decoder], keep: int = 2) -> None:
@@ -70,8 +73,20 @@ class DecoderPool:
         for d in free:
             d.close()
 
+    @property
+    def idle(self) -> int:
+        """How many emptied decoders wait for an `acquire`."""
+        with self._lock:
+            return len(self._free)
+
+    def kv_bytes(self) -> int:
+        """Device memory the idle decoders' (empty) caches keep allocated, in bytes."""
+        with self._lock:
+            return sum(d.kv_bytes() for d in self._free)
+
     def release(self, decoder: Decoder | None) -> None:
-        """Drop `decoder`'s cache (frees its memory) and keep the decoder for later requests."""
+        """Empty `decoder`'s cache and keep the decoder (with its buffers) for later requests; a surplus
+        or broken decoder is closed instead (its memory freed)."""
         if decoder is None:
             return
         try:
@@ -86,6 +101,20 @@ class DecoderPool:
         decoder.close()
 
 
+class Runner(Protocol):
+    """What a Session needs from the engine that made it (`Engine` satisfies it)."""
+
+    pool: DecoderPool  # acquire() an empty decoder; release() one whose context is dropped
+    registry: SessionRegistry  # touch() a session after it commits; forget() it when closed
+
+    def run_request(
+        self, decoder: Decoder, held: Identity | None, prompt: Any, **kwargs: Any
+    ) -> tuple[Result, Identity]:
+        """Run one request on `decoder`, whose cache holds `held` (None: nothing known); return the result
+        and the identity of what the cache holds afterwards (see `Engine.run_request`)."""
+        ...
+
+
 class Session:
     """One conversation's retained context. Thread-safe: one request at a time (others wait).
 
@@ -94,7 +123,7 @@ class Session:
 
     _ids = itertools.count(1)
 
-    def __init__(self, engine: Engine, name: str | None = None) -> None:
+    def __init__(self, engine: Runner, name: str | None = None) -> None:
         self.engine = engine
         self.name = name or f"session-{next(self._ids)}"
         self._request_lock = threading.Lock()
@@ -117,8 +146,9 @@ class Session:
             self.last_used = time.monotonic()
 
     def evict(self) -> int:
-        """Free the retained KV (the session stays usable and simply reuses nothing next time).
-        Returns the bytes freed. Safe to call from another thread; a running request is untouched."""
+        """Drop the retained KV (the session stays usable and simply reuses nothing next time): its
+        decoder goes back to the engine's pool. Returns the bytes the session held. Safe to call from
+        another thread; a running request is untouched."""
         state = self._take()
         if state is None:
             return 0

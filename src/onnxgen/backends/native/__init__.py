@@ -1,4 +1,10 @@
 """The native backend: ONNX graphs lowered to torch (CPU, CUDA) with the KV cache owned by the runtime.
 
 Import `onnxgen.backends.native.decoder.NativeDecoder` (torch is imported there, not here).
+
+`OPTIONS` declares the keyword options `NativeDecoder` takes (`onnxgen.load(..., **options)` passes them
+on): kv_floor (smallest KV capacity bucket), cuda_graphs, graph_max_tokens, static_steps (testing). See
+`NativeDecoder` for each.
 """
+
+OPTIONS = ("kv_floor", "cuda_graphs", "graph_max_tokens", "static_steps")
