@@ -217,32 +217,9 @@ class NativeDecoder:
             out[self.program.input_slots[io.name]] = t.to(self._dev)
         return out
 
-    def _env(self) -> list[Any]:
-        env: list[Any] = [None] * self.program.nslots
-        for s, t in self.program.consts.items():
-            env[s] = t
-        return env
-
-    def _exec(self, env: list[Any], ctx: RunCtx) -> torch.Tensor:
-        for st in self.program.steps:
-            args = [env[i] if i >= 0 else None for i in st.ins]
-            try:
-                res = st.fn(ctx, *args)
-            except NotCapturable:
-                raise
-            except Exception as exc:
-                exc.add_note(f"in node {st.node.name!r} ({st.node.domain or 'ai.onnx'}::{st.node.op})")
-                raise
-            for o, v in zip(st.outs, res, strict=False):
-                if o >= 0:
-                    env[o] = v
-            for f in st.frees:
-                env[f] = None
-        return env[self.program.logits_slot]
-
     def _run_eager(self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor]) -> torch.Tensor:
         n = len(tokens)
-        env = self._env()
+        env = self.program.new_env()
         ids = torch.empty(n, dtype=torch.int64, device=self._dev)
         self._staging.upload(torch.as_tensor(tokens, dtype=torch.int64), ids)
         env[self._in_ids] = ids.view(1, n).to(self._ids_dtype)
@@ -254,7 +231,7 @@ class NativeDecoder:
         for s, t in extra.items():
             env[s] = t
         ctx = RunCtx(self.kv, start, n, positions)
-        return _last_logits(self._exec(env, ctx))
+        return _last_logits(self.program.execute(env, ctx))
 
     # --- static steps and CUDA graphs ------------------------------------------------------------
 
@@ -337,7 +314,7 @@ class NativeDecoder:
         logits output."""
         self._set_step(tokens, start, m)
         env, ctx = self._static_env(m)
-        return self._exec(env, ctx)
+        return self.program.execute(env, ctx)
 
     def _set_step(self, tokens: Sequence[int], start: int, m: int) -> None:
         n = len(tokens)
@@ -348,7 +325,7 @@ class NativeDecoder:
         self._staging.upload(step, self._step_dev[: 2 + m])
 
     def _static_env(self, m: int) -> tuple[list[Any], RunCtx]:
-        env = self._env()
+        env = self.program.new_env()
         env[self._in_ids] = self._step_dev[2 : 2 + m].view(1, m).to(self._ids_dtype)
         past = self._step_dev[0:1]
         positions = self._arange[:m] + past
@@ -363,14 +340,14 @@ class NativeDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             env, ctx = self._static_env(m)
-            self._exec(env, ctx)
+            self.program.execute(env, ctx)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             env, ctx = self._static_env(m)
-            out = self._exec(env, ctx)
+            out = self.program.execute(env, ctx)
         return graph, out
 
     def _capture_failed(self, exc: BaseException) -> None:
