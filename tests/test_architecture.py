@@ -73,7 +73,7 @@ def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch, backe
 
     for name in ("kv_len", "rewind_to", "reset"):
         spy(name)
-    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1, kv_floor=16, max_sessions=1)
+    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1, kv_floor=16, max_sessions=1, paged=False)
     assert m.backend == backend
     a, b = m.session(), m.session()
     base = list(range(3, 40))
@@ -92,6 +92,64 @@ def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch, backe
     seen = {Path(c).name for c in callers}
     assert "reuse.py" in seen, "the spy saw no seam calls from the policy"
     bad = sorted({c for c in callers if not (c.endswith("onnxgen/engine/reuse.py") or "/onnxgen/backends/" in c)})
+    assert bad == []
+
+
+@pytest.mark.skipif(not native_available(), reason="native backend not importable")
+def test_at_run_time_only_the_kv_manager_changes_pages(tiny_dir, monkeypatch):
+    """With paged KV, page holders change only in kv/ (the allocator is driven by the manager and the
+    index), the index is changed only by the manager (and pins by engine/paged.py), and the manager is
+    called only by engine/paged.py (each class may call itself): through generation, reuse, session eviction, failure, cancellation,
+    `reuse=False` and close."""
+    import sys
+    import threading
+
+    from onnxgen.kv.manager import KVManager
+    from onnxgen.kv.pages import PageAllocator
+    from onnxgen.kv.prefix import PrefixIndex
+
+    allowed = {
+        PageAllocator: ({"alloc", "incref", "decref"}, ("onnxgen/kv/manager.py", "onnxgen/kv/prefix.py")),
+        PrefixIndex: ({"insert", "evict", "pin", "unpin", "clear"},
+                      ("onnxgen/kv/prefix.py", "onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
+        KVManager: ({"open", "grow", "commit", "release"}, ("onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
+    }  # fmt: skip
+    bad: list[str] = []
+    seen: set[str] = set()
+
+    def spy(cls, name, ok):
+        original = getattr(cls, name)
+
+        def wrapped(self, *a, **k):
+            caller = Path(sys._getframe(1).f_code.co_filename).as_posix()
+            seen.add(f"{cls.__name__}.{name}")
+            if not caller.endswith(ok):
+                bad.append(f"{cls.__name__}.{name} from {caller}")
+            return original(self, *a, **k)
+
+        monkeypatch.setattr(cls, name, wrapped)
+
+    for cls, (names, ok) in allowed.items():
+        for name in names:
+            spy(cls, name, ok)
+    m = onnxgen.load(str(tiny_dir), backend="native", max_sessions=1, kv_bytes=6 << 20)
+    assert m.paged
+    a, b = m.session(), m.session()
+    base = list(range(3, 40))
+    r = a.generate(base, max_new_tokens=4)
+    a.generate(base + r.tokens + [5], max_new_tokens=4)
+    a.generate(base[:10] + [7] + base[11:], max_new_tokens=4)
+    b.generate(base, max_new_tokens=4)  # unpins a (max_sessions=1)
+    ev = threading.Event()
+    try:
+        b.generate(base, max_new_tokens=4, on_token=lambda _: ev.set(), cancel=ev)
+    except onnxgen.OnnxgenError:
+        pass
+    m.generate(base, max_new_tokens=2, reuse=False)
+    b.clear()
+    m.close()
+    assert {"PageAllocator.alloc", "PrefixIndex.insert", "PrefixIndex.pin", "PrefixIndex.unpin",
+            "KVManager.open", "KVManager.commit", "KVManager.release"} <= seen  # fmt: skip
     assert bad == []
 
 

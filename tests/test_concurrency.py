@@ -35,8 +35,10 @@ def _conversation(session: Any, turns: list[list[int]]) -> list[Any]:
 def _check_concurrent_equals_serial(model: Any) -> None:
     vocab = model.spec.vocab_size
     plans = [_turns(100 + i, vocab) for i in range(THREADS)]
-    serial = [_conversation(model.session(), p) for p in plans]
-    sessions = [model.session() for _ in range(THREADS)]
+    # each conversation under a salt of its own: with paged KV, sessions under one salt share prefix pages,
+    # and the serial run's pages would be found by the concurrent run
+    serial = [_conversation(model.session(salt=f"serial-{i}"), p) for i, p in enumerate(plans)]
+    sessions = [model.session(salt=f"concurrent-{i}") for i in range(THREADS)]
     barrier = threading.Barrier(THREADS)
     out: list[Any] = [None] * THREADS
     errors: list[BaseException] = []

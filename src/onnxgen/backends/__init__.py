@@ -14,6 +14,7 @@ from onnxgen.errors import BackendUnavailable, InvalidRequest
 
 if TYPE_CHECKING:
     from onnxgen.backends.base import Decoder
+    from onnxgen.backends.batch import BatchRunner
     from onnxgen.package.spec import ModelSpec
 
 BACKENDS = ("auto", "ort", "native")
@@ -21,10 +22,11 @@ DEVICES = ("cpu", "cuda")
 
 
 def backend_options() -> dict[str, tuple[str, ...]]:
-    """The keyword options each concrete backend declares, by backend name (imports no backend)."""
+    """The keyword options each concrete backend declares (its decoder's and its batched runner's), by
+    backend name (imports no backend)."""
     from onnxgen.backends import native, ort
 
-    return {"ort": ort.OPTIONS, "native": native.OPTIONS}
+    return {"ort": ort.OPTIONS, "native": (*native.OPTIONS, *native.RUNNER_OPTIONS)}
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -49,7 +51,9 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
     assert backend in ("ort", "native") and device in DEVICES, (backend, device)
     declared = backend_options()
     assert set(options) <= {o for opts in declared.values() for o in opts}, f"unchecked options {sorted(options)}"
-    mine = {k: v for k, v in options.items() if k in declared[backend]}
+    from onnxgen.backends import native, ort
+
+    mine = {k: v for k, v in options.items() if k in (ort.OPTIONS if backend == "ort" else native.OPTIONS)}
     if backend == "ort":
         from onnxgen.backends.ort.decoder import OrtDecoder
 
@@ -61,3 +65,21 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
             f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
         ) from exc
     return NativeDecoder(spec, device=device, **mine)
+
+
+def create_runner(spec: ModelSpec, backend: str, device: str, **options: Any) -> BatchRunner:
+    """Build a batched runner over a paged KV pool for `spec` (see `backends/batch.py`), with the runner
+    options its backend declares (others are ignored). Raises `BackendUnavailable` when the backend has
+    no batched runner or cannot batch this package."""
+    assert backend in ("ort", "native") and device in DEVICES, (backend, device)
+    if backend != "native":
+        raise BackendUnavailable(f"the {backend} backend runs one request per decoder (no batched runner)")
+    from onnxgen.backends import native
+
+    try:
+        from onnxgen.backends.native.runner import NativeRunner
+    except ImportError as exc:  # torch or onnx-ir missing
+        raise BackendUnavailable(
+            f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
+        ) from exc
+    return NativeRunner(spec, device=device, **{k: v for k, v in options.items() if k in native.RUNNER_OPTIONS})
