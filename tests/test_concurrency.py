@@ -77,10 +77,18 @@ def test_four_threads_on_four_sessions_equal_serial_runs(backend: str, tiny_dir:
 
 @pytest.mark.gpu
 def test_cuda_four_threads_with_graphs_equal_serial_runs(tiny_dir: Path) -> None:
-    model = onnxgen.load(str(tiny_dir), backend="native", device="cuda", kv_floor=16)
+    model = onnxgen.load(str(tiny_dir), backend="native", device="cuda", kv_floor=16, paged=False)
     _check_concurrent_equals_serial(model)
     decoder = model.pool.acquire()
     assert decoder.info["cuda_graphs"], "graphs stayed on through the concurrent run"
+
+
+@pytest.mark.gpu
+def test_cuda_paged_four_threads_with_graphs_equal_serial_runs(tiny_dir: Path) -> None:
+    model = onnxgen.load(str(tiny_dir), backend="native", device="cuda")
+    assert model.paged
+    _check_concurrent_equals_serial(model)
+    assert model.kv_stats()["cuda_graphs"], "graphs stayed on through the concurrent run"
 
 
 @pytest.mark.gpu

@@ -80,3 +80,39 @@ def test_logits_only_for_chunks_that_ask(tiny_dir: Path) -> None:
     got = runner.run(step)
     ref = NativeDecoder(spec).forward([8, 9], 0)
     assert got.shape[0] == 1 and _rel(got[0], ref) <= 1e-5
+
+
+# --- GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_steps_equal_each_sequence_alone(tmp_path: Path, dtype: str) -> None:
+    """Decode steps replayed from CUDA graphs (batch sizes changing inside one bucket, so padding rows
+    take over rows that were real a step before) give every sequence its own logits, as the CPU decoder."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    cfg = SyntheticConfig(num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,
+                          vocab_size=384, dtype=dtype, context_length=1024)  # fmt: skip
+    spec = load_spec(write_package(tmp_path / "pkg", cfg))
+    gpu = NativeRunner(spec, "cuda", kv_bytes=32 << 20, max_batch=8)
+    assert gpu.cuda_graphs
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    names = list(range(6))
+    toks = {k: _tokens(20 + 7 * k, k, spec.vocab_size) for k in names}
+    pages = {k: [40 * k + i for i in range(40)] for k in names}
+    alone = {k: NativeDecoder(spec) for k in names}
+    got = gpu.run(BatchStep(tuple(SeqChunk(toks[k], 0, pages[k]) for k in names)))  # one eager prefill step
+    for k in names:
+        assert _rel(got[k].cpu(), alone[k].forward(toks[k], 0)) <= tol
+    for step, batch in enumerate([names, names[:5], [0, 2], names, [5], names[1:]]):
+        chunks, want = [], []
+        for k in batch:
+            t = int(_tokens(1, 100 * step + k, spec.vocab_size)[0])
+            chunks.append(SeqChunk([t], len(toks[k]), pages[k]))
+            want.append(alone[k].forward([t], len(toks[k])))
+            toks[k].append(t)
+        rows = gpu.run(BatchStep(tuple(chunks)))
+        for row, ref in zip(rows, want, strict=True):
+            assert _rel(row.cpu(), ref) <= tol
+    assert gpu.steps["graph"] == 6 and gpu.steps["eager"] == 1

@@ -67,10 +67,10 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
     return NativeDecoder(spec, device=device, **mine)
 
 
-def create_runner(spec: ModelSpec, backend: str, device: str, **options: Any) -> BatchRunner:
-    """Build a batched runner over a paged KV pool for `spec` (see `backends/batch.py`), with the runner
-    options its backend declares (others are ignored). Raises `BackendUnavailable` when the backend has
-    no batched runner or cannot batch this package."""
+def create_runner(spec: ModelSpec, backend: str, device: str, *, max_batch: int, **options: Any) -> BatchRunner:
+    """Build a batched runner over a paged KV pool for `spec` (see `backends/batch.py`) for steps of up to
+    `max_batch` sequences, with the runner options its backend declares (others are ignored). Raises
+    `BackendUnavailable` when the backend has no batched runner or cannot batch this package."""
     assert backend in ("ort", "native") and device in DEVICES, (backend, device)
     if backend != "native":
         raise BackendUnavailable(f"the {backend} backend runs one request per decoder (no batched runner)")
@@ -82,4 +82,5 @@ def create_runner(spec: ModelSpec, backend: str, device: str, **options: Any) ->
         raise BackendUnavailable(
             f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
         ) from exc
-    return NativeRunner(spec, device=device, **{k: v for k, v in options.items() if k in native.RUNNER_OPTIONS})
+    mine = {k: v for k, v in options.items() if k in native.RUNNER_OPTIONS}
+    return NativeRunner(spec, device=device, max_batch=max_batch, **mine)

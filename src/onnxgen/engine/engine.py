@@ -41,7 +41,7 @@ from onnxgen.errors import (
     InvalidRequest,
 )
 from onnxgen.package.spec import ModelSpec
-from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams
+from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams, batch_argmax
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -111,11 +111,14 @@ class Engine:
         self.eos_token_ids = tuple(dict.fromkeys((*self.spec.eos_token_ids, *self.tokenizer.eos_token_ids)))
         self.pool: DecoderPool | None = None
         self.executor: Any = None
+        cuda = device == "cuda"
+        paged_running = max_running or (64 if cuda else 16)
         if paged is not False and self.backend == "native":
             try:
                 from onnxgen.engine.paged import PagedKV
 
-                self.executor = PagedKV(create_runner(self.spec, self.backend, device, **backend_options))
+                runner = create_runner(self.spec, self.backend, device, max_batch=paged_running, **backend_options)
+                self.executor = PagedKV(runner)
             except BackendUnavailable:
                 if paged:
                     raise
@@ -129,9 +132,8 @@ class Engine:
             self.pool.release(self._prototype)
             self.executor = SlotKV(self.pool)
         self.paged = self.executor.paged
-        cuda = device == "cuda"
         if self.paged:
-            running = max_running or (64 if cuda else 16)
+            running = paged_running
             budget = max_batch_tokens or (2048 if cuda else 512)
         else:
             running = max_running or 8
@@ -396,7 +398,12 @@ class Engine:
                 for c in chunks:
                     self._fail(c.req, exc)
                 return True
-            for c, out in zip(chunks, outs, strict=True):
+            # plain greedy requests take their tokens from one batched argmax (one host transfer)
+            greedy = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
+                      if c.sample and out is not None and not isinstance(out, BaseException)
+                      and c.req.sampler.plain_greedy]  # fmt: skip
+            picked = dict(zip(greedy, batch_argmax([outs[i] for i in greedy]), strict=True))
+            for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
                 req = c.req
                 if isinstance(out, BaseException):
                     self._fail(req, out)
@@ -405,7 +412,7 @@ class Engine:
                 if not c.sample:
                     continue
                 try:
-                    finished = req.accept(out)
+                    finished = req.accept(out, picked.get(i))
                 except Exception as exc:  # a processor or the on_token callback
                     self._fail(req, exc)
                     continue

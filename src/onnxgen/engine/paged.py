@@ -117,14 +117,16 @@ class PagedKV:
         return -(-len(state.identity.tokens) // self.page_size) * self.bytes_per_page
 
     def stats(self) -> dict[str, int]:
-        """Pool occupancy: pages in all, free, held by the index, shared (more than one holder)."""
+        """Pool occupancy (pages in all, free, used, held by the index, shared by more than one holder),
+        pinned sessions, prefix-cache lookups and hits, and whether decode steps replay CUDA graphs."""
         alloc = self.kv.allocator
         c = self.kv.counters
         shared = sum(1 for p in range(alloc.num_pages) if alloc.refs(p) > 1)
         return {"pages_total": alloc.num_pages, "pages_free": alloc.num_free, "pages_used": alloc.num_used,
                 "pages_indexed": self.index.num_nodes, "pages_shared": shared, "page_size": self.page_size,
                 "pinned_sessions": self.pinned_sessions, "prefix_lookups": c.lookups,
-                "prefix_lookup_tokens": c.looked_up_tokens, "prefix_hit_tokens": c.hit_tokens}  # fmt: skip
+                "prefix_lookup_tokens": c.looked_up_tokens, "prefix_hit_tokens": c.hit_tokens,
+                "cuda_graphs": bool(getattr(self.runner, "cuda_graphs", False))}  # fmt: skip
 
     def close(self) -> None:
         """Drop every unpinned indexed page (the sessions' pins are dropped first by the engine)."""

@@ -152,13 +152,17 @@ class Request:
 
     # --- sampling ----------------------------------------------------------------------------------
 
-    def accept(self, logits: Any) -> bool:
-        """Sample the next token from the last fed position's `logits`, stream its text, and decide
-        whether the request is finished (then `finish_reason` is set). Returns True when finished. Raises
-        what a processor or the `on_token` callback raises."""
+    def accept(self, logits: Any, token: int | None = None) -> bool:
+        """Sample the next token from the last fed position's `logits` (or take `token`, chosen for this
+        request by a batched call, see `Sampler.plain_greedy`), stream its text, and decide whether the
+        request is finished (then `finish_reason` is set). Returns True when finished. Raises what a
+        processor or the `on_token` callback raises."""
         if self.output_logits:
             self.logits.append(to_host(logits))
-        token = self.sampler.sample(logits)
+        if token is None:
+            token = self.sampler.sample(logits)
+        else:
+            self.sampler.accept(token)
         self.output.append(token)
         if len(self.output) == 1:
             self.t_first = time.perf_counter()

@@ -1,6 +1,6 @@
 """Sampling: parameters, logits processors and samplers (numpy and torch paths)."""
 
 from onnxgen.sampling.params import SamplingParams
-from onnxgen.sampling.sampler import LogitsProcessor, Sampler
+from onnxgen.sampling.sampler import LogitsProcessor, Sampler, batch_argmax
 
-__all__ = ["LogitsProcessor", "Sampler", "SamplingParams"]
+__all__ = ["LogitsProcessor", "Sampler", "SamplingParams", "batch_argmax"]

@@ -86,6 +86,12 @@ class Sampler:
         self._generated: list[int] = []
         self._processors = list(processors)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """True when the choice is the argmax of the raw logits (greedy, no penalties, no processors), so
+        a batch of such requests can pick their tokens in one device call (`batch_argmax`)."""
+        return self.params.greedy and not self.params.has_penalties and not self._processors
+
     def accept(self, token: int) -> None:
         """Record that `token` was emitted (updates penalties and processors' view)."""
         self._generated.append(token)
@@ -178,3 +184,15 @@ class Sampler:
         token = self.choose(self.process(logits))
         self.accept(token)
         return token
+
+
+def batch_argmax(rows: Sequence[Any]) -> list[int]:
+    """The argmax of each logits row (numpy arrays or torch tensors of one device), in one device call and
+    one host transfer for torch: the choice of every `plain_greedy` sampler of a step."""
+    if not rows:
+        return []
+    if _is_torch(rows[0]):
+        import torch
+
+        return torch.stack(list(rows)).argmax(-1).tolist()
+    return [int(np.argmax(r)) for r in rows]

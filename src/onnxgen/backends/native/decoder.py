@@ -28,19 +28,24 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from onnxgen.backends.native.lowering import Program, describe, lower
+from onnxgen.backends.native.device import (
+    Staging,
+    device_lock,
+    input_dtype,
+    kv_dtype,
+    repair_after_failed_capture,
+    shared_program,
+    torch_device,
+)
+from onnxgen.backends.native.lowering import Program, describe
 from onnxgen.backends.native.ops import RunCtx
 from onnxgen.errors import (
-    BackendUnavailable,
     ContextOverflow,
     DeviceOutOfMemory,
     InvalidRequest,
@@ -51,7 +56,6 @@ from onnxgen.kv.buffers import KVBuffers
 
 log = logging.getLogger(__name__)
 
-_KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class NativeDecoder:
@@ -84,21 +88,15 @@ class NativeDecoder:
                  _program: Program | None = None) -> None:  # fmt: skip
         """`_program`: the lowered program to share (a fork's); None: the package's shared one."""
         t0 = time.perf_counter()
-        assert device in ("cpu", "cuda"), f"device {device!r} was not checked (resolve_backend)"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise BackendUnavailable("device='cuda' but torch sees no CUDA device; use device='cpu'")
         self.spec = spec
         self.device = device
         self._options = {"kv_floor": kv_floor, "cuda_graphs": cuda_graphs, "graph_max_tokens": graph_max_tokens,
                          "static_steps": static_steps}  # fmt: skip
-        self._dev = (
-            torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        )
-        if spec.kv_dtype not in _KV_DTYPES:
-            raise BackendUnavailable(f"the native backend does not support KV dtype {spec.kv_dtype!r}")
-        self.program: Program = _program if _program is not None else _shared_program(spec, self._dev)
+        self._dev = torch_device(device)
+        dtype = kv_dtype(spec)
+        self.program: Program = _program if _program is not None else shared_program(spec, self._dev)
         self.kv = KVBuffers(
-            spec.num_layers, spec.num_kv_heads, spec.head_size, _KV_DTYPES[spec.kv_dtype], self._dev,
+            spec.num_layers, spec.num_kv_heads, spec.head_size, dtype, self._dev,
             floor=kv_floor, max_capacity=spec.context_length,
         )  # fmt: skip
         if graph_max_tokens < 0:
@@ -110,7 +108,7 @@ class NativeDecoder:
         self._seen: set[tuple[int, int]] = set()
         self._graph_gen = -1
         self._pool: Any = None
-        self._staging = _Staging(self._dev)
+        self._staging = Staging(self._dev)
         self.device_lock = device_lock(self._dev)
         # device step buffer: [start, index of the last real token, token ids (padded)...]
         self._step_dev = torch.zeros(2 + self._graph_max, dtype=torch.int64, device=self._dev)
@@ -119,9 +117,9 @@ class NativeDecoder:
         self._in_ids = p.input_slots.get(spec.input_ids_name, -1)
         self._in_mask = p.input_slots.get(spec.attention_mask_name or "", -1)
         self._in_pos = p.input_slots.get(spec.position_ids_name or "", -1)
-        self._mask_dtype = _input_dtype(spec, spec.attention_mask_name, torch.int64)
-        self._pos_dtype = _input_dtype(spec, spec.position_ids_name, torch.int64)
-        self._ids_dtype = _input_dtype(spec, spec.input_ids_name, torch.int64)
+        self._mask_dtype = input_dtype(spec, spec.attention_mask_name, torch.int64)
+        self._pos_dtype = input_dtype(spec, spec.position_ids_name, torch.int64)
+        self._ids_dtype = input_dtype(spec, spec.input_ids_name, torch.int64)
         self._extra = [i for i in spec.extra_inputs if i.name in p.input_slots]
         self._static_forwards: dict[int, int] = {}
         self._eager_forwards = 0
@@ -360,48 +358,7 @@ class NativeDecoder:
         self._graphs.clear()
         self._seen.clear()
         self._pool = None
-        _repair_after_failed_capture(self._dev)
-
-
-_DEVICE_LOCKS: dict[str, threading.RLock] = {}
-_DEVICE_LOCKS_GUARD = threading.Lock()
-
-
-class _NoLock:
-    """The CPU's `device_lock`: forwards of different decoders run in parallel there."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def device_lock(dev: torch.device) -> Any:
-    """The process-wide lock of a CUDA device (one per device index, shared by every decoder and engine on
-    it: CUDA graph capture state is per process); a no-op context on the CPU."""
-    if dev.type != "cuda":
-        return _NoLock()
-    key = str(dev)
-    with _DEVICE_LOCKS_GUARD:
-        return _DEVICE_LOCKS.setdefault(key, threading.RLock())
-
-
-def _repair_after_failed_capture(dev: torch.device) -> None:
-    """A capture that raised before `capture_end` completed leaves the default CUDA generator in its
-    capture state, and every later random op of the process fails ("Offset increment outside graph
-    capture"). A small successful capture runs the generator's capture prologue and epilogue again,
-    which resets that state; the error of the broken capture itself is not sticky."""
-    try:
-        torch.cuda.synchronize(dev)
-        g = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                torch.zeros(1, device=dev).add_(1)
-        del g
-    except Exception as exc:  # pragma: no cover - the device is in a state we cannot mend
-        log.error("could not restore the CUDA state after a failed capture: %s", exc)
+        repair_after_failed_capture(self._dev)
 
 
 def _last_logits(out: torch.Tensor) -> torch.Tensor:
@@ -419,57 +376,3 @@ def static_step_size(n: int, largest: int) -> int:
     return m if m <= largest else 0
 
 
-class _Staging:
-    """Host-to-device copies of small int64 vectors that never synchronise the stream: pinned
-    staging buffers in a ring, each rewritten only after the copy that last read it has completed
-    (an event per buffer), so back-to-back forwards cannot race their own uploads."""
-
-    def __init__(self, dev: torch.device, slots: int = 4) -> None:
-        self._cuda = dev.type == "cuda"
-        self._bufs: list[torch.Tensor | None] = [None] * slots
-        self._events: list[Any] = [None] * slots
-        self._i = 0
-
-    def upload(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the 1-D int64 CPU tensor `values` into the device tensor `out` (same length)."""
-        if not self._cuda:
-            out.copy_(values)
-            return
-        i = self._i
-        self._i = (i + 1) % len(self._bufs)
-        ev = self._events[i]
-        if ev is None:
-            ev = self._events[i] = torch.cuda.Event()
-        else:
-            ev.synchronize()
-        buf = self._bufs[i]
-        k = values.numel()
-        if buf is None or buf.numel() < k:
-            buf = self._bufs[i] = torch.empty(max(k, 256), dtype=torch.int64).pin_memory()
-        buf[:k].copy_(values)
-        out.copy_(buf[:k], non_blocking=True)
-        ev.record()
-
-
-_PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
-
-
-def _shared_program(spec: Any, dev: torch.device) -> Program:
-    """Decoders of one package on one device share the lowered program (and so the weights)."""
-    path = spec.decoder_path
-    st = path.stat()
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name)
-    prog = _PROGRAMS.get(key)
-    if prog is None:
-        prog = lower(path, spec, dev)
-        _PROGRAMS[key] = prog
-    return prog
-
-
-def _input_dtype(spec: Any, name: str | None, default: torch.dtype) -> torch.dtype:
-    if not name:
-        return default
-    for io in spec.inputs:
-        if io.name == name:
-            return {"int32": torch.int32, "int64": torch.int64}.get(io.dtype, default)
-    return default

@@ -48,7 +48,7 @@ class RunCtx:
 
     def __init__(self, kv: Any, pos0: int, n: int, positions: torch.Tensor | None, *,
                  past: torch.Tensor | None = None, last: torch.Tensor | None = None,
-                 paged: Any = None) -> None:  # fmt: skip
+                 paged: Any = None, static: bool | None = None) -> None:  # fmt: skip
         self.kv = kv
         self.pos0 = pos0  # KV length before this forward (host int; -1 when static or paged)
         self.n = n  # tokens in this forward (static: the bucket size, padding included)
@@ -56,7 +56,7 @@ class RunCtx:
         self.past = past  # static only: [1] int64 on the device, the KV length before this forward
         self.last = last  # static/paged: int64 on the device, the index of each token whose logits are wanted
         self.paged = paged  # a ragged batch over the paged pool (`native.paged.PagedStep`), or None
-        self.static = past is not None
+        self.static = past is not None if static is None else static  # static shapes: a graph can capture it
 
 
 def forbid_static(ctx: RunCtx | None, why: str) -> None:

@@ -1,0 +1,137 @@
+"""What the native backend's decoders and batched runner share about the device: the torch device of a
+name, the KV dtypes, the per-device lock around forwards and graph captures, uploads of small host vectors
+that never synchronise the stream, repair after a failed graph capture, and the lowered program shared by
+every decoder and runner of a package on a device (one copy of the weights)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from onnxgen.backends.native.lowering import Program, lower
+from onnxgen.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_device(device: str) -> torch.device:
+    """The torch device of "cpu" or "cuda" (the current CUDA device). Raises `BackendUnavailable` when
+    CUDA is asked for and torch sees none."""
+    assert device in ("cpu", "cuda"), f"device {device!r} was not checked (resolve_backend)"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("device='cuda' but torch sees no CUDA device; use device='cpu'")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def kv_dtype(spec: Any) -> torch.dtype:
+    """The torch dtype of the package's KV; `BackendUnavailable` when the native backend has none for it."""
+    if spec.kv_dtype not in KV_DTYPES:
+        raise BackendUnavailable(f"the native backend does not support KV dtype {spec.kv_dtype!r}")
+    return KV_DTYPES[spec.kv_dtype]
+
+
+_DEVICE_LOCKS: dict[str, threading.RLock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+class _NoLock:
+    """The CPU's `device_lock`: forwards of different decoders run in parallel there."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def device_lock(dev: torch.device) -> Any:
+    """The process-wide lock of a CUDA device (one per device index, shared by every decoder and engine on
+    it: CUDA graph capture state is per process); a no-op context on the CPU."""
+    if dev.type != "cuda":
+        return _NoLock()
+    key = str(dev)
+    with _DEVICE_LOCKS_GUARD:
+        return _DEVICE_LOCKS.setdefault(key, threading.RLock())
+
+
+def repair_after_failed_capture(dev: torch.device) -> None:
+    """A capture that raised before `capture_end` completed leaves the default CUDA generator in its
+    capture state, and every later random op of the process fails ("Offset increment outside graph
+    capture"). A small successful capture runs the generator's capture prologue and epilogue again,
+    which resets that state; the error of the broken capture itself is not sticky."""
+    try:
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                torch.zeros(1, device=dev).add_(1)
+        del g
+    except Exception as exc:  # pragma: no cover - the device is in a state we cannot mend
+        log.error("could not restore the CUDA state after a failed capture: %s", exc)
+
+
+class Staging:
+    """Host-to-device copies of small integer vectors that never synchronise the stream: pinned
+    staging buffers in a ring, each rewritten only after the copy that last read it has completed
+    (an event per buffer), so back-to-back forwards cannot race their own uploads."""
+
+    def __init__(self, dev: torch.device, slots: int = 4) -> None:
+        self._cuda = dev.type == "cuda"
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._events: list[Any] = [None] * slots
+        self._i = 0
+
+    def upload(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the 1-D integer CPU tensor `values` into the device tensor `out` (same length and dtype)."""
+        if not self._cuda:
+            out.copy_(values)
+            return
+        i = self._i
+        self._i = (i + 1) % len(self._bufs)
+        ev = self._events[i]
+        if ev is None:
+            ev = self._events[i] = torch.cuda.Event()
+        else:
+            ev.synchronize()
+        buf = self._bufs[i]
+        k = values.numel() * values.element_size()
+        if buf is None or buf.numel() < k:
+            buf = self._bufs[i] = torch.empty(max(k, 2048), dtype=torch.uint8).pin_memory()
+        staged = buf[:k].view(values.dtype)
+        staged.copy_(values)
+        out.copy_(staged, non_blocking=True)
+        ev.record()
+
+
+_PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
+
+
+def shared_program(spec: Any, dev: torch.device) -> Program:
+    """Decoders of one package on one device share the lowered program (and so the weights)."""
+    path = spec.decoder_path
+    st = path.stat()
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name)
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+        prog = lower(path, spec, dev)
+        _PROGRAMS[key] = prog
+    return prog
+
+
+def input_dtype(spec: Any, name: str | None, default: torch.dtype) -> torch.dtype:
+    if not name:
+        return default
+    for io in spec.inputs:
+        if io.name == name:
+            return {"int32": torch.int32, "int64": torch.int64}.get(io.dtype, default)
+    return default
