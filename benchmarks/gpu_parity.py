@@ -108,7 +108,7 @@ def parity(shapes: list[str], lengths: list[int], tokenizer: Path, steps: int = 
     for name in shapes:
         hf_dir, pkg = package(name, tokenizer)
         m32, m16 = _hf(hf_dir, torch.float32), _hf(hf_dir, torch.bfloat16)
-        model = onnxgen.load(str(pkg), backend="native", device=DEV)
+        model = onnxgen.load(str(pkg), backend="native", device=DEV, kv_bytes=8 << 30)  # room for transformers
         ctx = model.spec.context_length
         g = torch.Generator().manual_seed(1)
         for n in lengths:
@@ -169,7 +169,7 @@ def sessions(shape: str, tokenizer: Path, contexts: list[int]) -> None:
     import onnxgen
 
     hf_dir, pkg = package(shape, tokenizer)
-    model = onnxgen.load(str(pkg), backend="native", device=DEV)
+    model = onnxgen.load(str(pkg), backend="native", device=DEV, kv_bytes=8 << 30)  # room for transformers
     m32, m16 = _hf(hf_dir, torch.float32), _hf(hf_dir, torch.bfloat16)
     g = torch.Generator().manual_seed(2)
     for n in contexts:

@@ -116,3 +116,28 @@ def test_cuda_graph_decode_steps_equal_each_sequence_alone(tmp_path: Path, dtype
         for row, ref in zip(rows, want, strict=True):
             assert _rel(row.cpu(), ref) <= tol
     assert gpu.steps["graph"] == 6 and gpu.steps["eager"] == 1
+
+
+@pytest.mark.gpu
+def test_cuda_graph_prefill_chunks_equal_the_cpu_path(tiny_dir: Path) -> None:
+    """One sequence's prefill chunks replayed from graphs padded to a power of two (the padding's keys go to
+    the scratch page): each chunk's logits and the decode after them equal the CPU decoder's, and the
+    sequence's pages past its length are untouched by the padding."""
+    spec = load_spec(tiny_dir)
+    gpu = NativeRunner(spec, "cuda", kv_bytes=16 << 20, max_batch=4)
+    cpu = NativeDecoder(spec)
+    toks = _tokens(900, 9, spec.vocab_size)
+    pages = list(range(100, 160))
+    start = 0
+    for n in (7, 20, 33, 100, 300, 1):
+        chunk = toks[start : start + n]
+        before = gpu.storage.data[:, :, pages].clone()
+        got = gpu.run(BatchStep((SeqChunk(chunk, start, pages),)))
+        ref = cpu.forward(chunk, start)
+        assert _rel(got[0].cpu(), ref) <= 1e-4, (start, n)
+        after = gpu.storage.data[:, :, pages]
+        flat_b = before.flatten(2, 3)  # [layers, 2, positions, heads, dim]
+        flat_a = after.flatten(2, 3)
+        assert torch.equal(flat_a[:, :, start + n :], flat_b[:, :, start + n :]), "padding wrote into the pool"
+        start += n
+    assert gpu.steps["graph"] == 6 and gpu.steps["eager"] == 0

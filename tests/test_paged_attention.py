@@ -21,7 +21,7 @@ def _batch(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], seed:
     """Random pool contents, a shuffled page assignment and a step of (start, new tokens) chunks."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    num_pages = 96
+    num_pages = 160
     st = PageStorage(2, num_pages, P, HKV, D, dtype, device)
     st.data.copy_(torch.randn(st.data.shape, generator=g).to(dtype))
     free = list(range(num_pages))

@@ -50,7 +50,9 @@ def _check_parity(hf: Path, pkg: Path, device: str, lengths: tuple[int, ...]) ->
 
     import onnxgen
 
-    model = onnxgen.load(str(pkg), backend="native", device=device)
+    # a pool of 2 GiB (a few contexts): by default a CUDA engine takes most of the free memory for its pool,
+    # and the transformers references need room beside it
+    model = onnxgen.load(str(pkg), backend="native", device=device, kv_bytes=2 << 30)
     assert model.spec.kv_dtype == "bfloat16"
     refs = {dt: AutoModelForCausalLM.from_pretrained(hf, dtype=dt).to(device).eval() for dt in (torch.float32, torch.bfloat16)}
     g = torch.Generator().manual_seed(0)

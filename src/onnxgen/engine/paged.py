@@ -75,7 +75,7 @@ class PagedKV:
     def run(self, chunks: Sequence[Chunk]) -> list[Any]:
         """All chunks in one batch. Per chunk: its last position's logits (a row of one `[R, vocab]`
         tensor) when it samples, else None. A failure of the batch raises (every request in it fails)."""
-        step = BatchStep(tuple(SeqChunk(c.req.tokens[c.start : c.start + c.n], c.start, c.req.kv.pages, c.sample)
+        step = BatchStep(tuple(SeqChunk(c.req.token_slice(c.start, c.n), c.start, c.req.kv.pages, c.sample)
                                for c in chunks))  # fmt: skip
         rows = self.runner.run(step)
         out: list[Any] = []

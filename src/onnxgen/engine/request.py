@@ -133,6 +133,15 @@ class Request:
         """Prompt + output: every token whose KV is or will be computed."""
         return self.prompt + self.output if self.output else self.prompt
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """`tokens[start : start + n]` without building `tokens` (a decode step reads one token)."""
+        lp = len(self.prompt)
+        if start >= lp:
+            return self.output[start - lp : start - lp + n]
+        if start + n <= lp:
+            return self.prompt[start : start + n]
+        return self.prompt[start:] + self.output[: start + n - lp]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

@@ -124,7 +124,7 @@ class SlotKV:
         for c in chunks:
             req = c.req
             try:
-                logits = req.kv.forward(req.tokens[c.start : c.start + c.n], c.start, req.inputs)
+                logits = req.kv.forward(req.token_slice(c.start, c.n), c.start, req.inputs)
             except Exception as exc:
                 out.append(exc)
                 continue

@@ -9,11 +9,13 @@ token over its own sequence's pages only; the lm_head sees only the rows whose l
 program is shared with the batch-1 `NativeDecoder`s of the package (one copy of the weights).
 
 On CUDA, a step of decodes only (one token per sequence) replays a CUDA graph captured for its batch size
-padded up to a bucket (`GRAPH_BATCHES`), with every per-step input in device buffers (token ids,
-positions, slots, KV lengths, page tables: one upload each from pinned memory, no synchronisation).
-Padding rows write into a scratch page outside the pool and attend to it alone; their logits are
-dropped. Prefill chunks and mixed steps run eagerly. A capture that fails turns graphs off for the
-runner (logged once) and leaves the process usable.
+padded up to a bucket (`GRAPH_BATCHES`), and a step that is one sequence's prefill chunk of up to 1024
+tokens replays one captured for its length padded up to a power of two (`PREFILL_GRAPH_TOKENS`: the
+chunk is padded with copies of its last token at the following positions). Every per-step input lives in
+device buffers (token ids, positions, slots, KV lengths, page tables, logits rows: one upload from pinned
+memory, no synchronisation). Padding writes its keys into a scratch page outside the pool; padding rows
+attend to it alone and their logits are dropped. Mixed steps run eagerly. A capture that fails turns
+graphs off for the runner (logged once) and leaves the process usable.
 
 A package can be batched when every KV-bound node is a fused attention op (GroupQueryAttention, or ai.onnx
 Attention without a mask) and the graph needs no attention mask or extra inputs: `batchable(program,
@@ -27,12 +29,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from onnxgen.backends.batch import BatchStep
 from onnxgen.backends.native import paged
 from onnxgen.backends.native.device import (
-    Staging,
     device_lock,
     input_dtype,
     kv_dtype,
@@ -50,7 +52,8 @@ log = logging.getLogger(__name__)
 PAGE_SIZE = 16
 CPU_KV_BYTES = 2 << 30  # default pool on the CPU: 2 GiB of address space (pages are touched when written)
 GPU_KV_FRACTION = 0.8  # default pool on CUDA: this fraction of the device memory free after the weights
-GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode steps: sequences, padded up
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)  # one sequence's prefill chunk: tokens, padded up
 
 
 def batchable(program: Program, spec: Any) -> str | None:
@@ -66,13 +69,19 @@ def batchable(program: Program, spec: Any) -> str | None:
 
 @dataclass
 class _Graph:
-    """A captured decode step for `batch` sequences and the device buffers it reads and writes."""
+    """A captured step of `batch` sequences of `tokens` positions each (decode: 1; a prefill chunk of one
+    sequence: its padded length) and the device buffers it reads and writes, with pinned host mirrors."""
 
     batch: int
-    graph: Any
-    wide: torch.Tensor  # [3, batch] int64: token ids, positions, slots
-    narrow: torch.Tensor  # [batch * (1 + max pages)] int32: KV lengths, then the page table rows
-    out: torch.Tensor  # the program's logits output [1, batch, vocab]
+    tokens: int
+    wide: torch.Tensor  # int64 [3 * T + batch]: token ids, positions, slots (T = batch * tokens), logits rows
+    narrow: torch.Tensor  # int32 [batch * (1 + max pages)]: KV lengths, then the page table rows
+    host_wide: torch.Tensor  # pinned host mirrors of `wide` and `narrow`, filled each step
+    host_narrow: torch.Tensor
+    uploaded: Any  # a CUDA event recorded after the last upload from the host mirrors
+    graph: Any = None
+    out: Any = None  # the program's logits output [1, batch, vocab]
+    step: Any = None  # the step's attention metadata (NOTE: the graph reads its tensors: keep them alive)
 
 
 class NativeRunner:
@@ -116,30 +125,47 @@ class NativeRunner:
         self._scratch = num_pages
         self._rows = paged.PoolRows(self.storage)
         self.device_lock = device_lock(self._dev)
-        self._staging = Staging(self._dev)
         p = self.program
         self._in_ids = p.input_slots.get(spec.input_ids_name, -1)
         self._in_pos = p.input_slots.get(spec.position_ids_name or "", -1)
         self._ids_dtype = input_dtype(spec, spec.input_ids_name, torch.int64)
         self._pos_dtype = input_dtype(spec, spec.position_ids_name, torch.int64)
         self._max_pages = -(-spec.context_length // page_size)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool: Any = None
-        self._graph_batches = [b for b in GRAPH_BATCHES if b <= max_batch] if cuda_graphs and self._dev.type == "cuda" else []
-        if max_batch > GRAPH_BATCHES[-1] and self._graph_batches:
+        on = cuda_graphs and self._dev.type == "cuda"
+        self._graph_batches = [b for b in GRAPH_BATCHES if b <= max_batch] if on else []
+        if on and max_batch > GRAPH_BATCHES[-1]:
             self._graph_batches.append(max_batch)
+        self._graph_chunks = [m for m in PREFILL_GRAPH_TOKENS if m <= spec.context_length] if on else []
         self.steps = {"graph": 0, "eager": 0}
         with self.device_lock:
-            for b in list(self._graph_batches):
+            for key in [*((b, 1) for b in self._graph_batches), *((1, m) for m in self._graph_chunks)]:
                 if not self.cuda_graphs:  # a capture failed: graphs are off
                     break
-                self._capture(b)
+                self._capture(*key)
         self.load_seconds = time.perf_counter() - t0
 
     @property
     def cuda_graphs(self) -> bool:
-        """Whether decode steps replay CUDA graphs (False after a failed capture, and on the CPU)."""
+        """Whether steps replay CUDA graphs (False after a failed capture, and on the CPU)."""
         return bool(self._graph_batches)
+
+    def _graph_for(self, step: BatchStep) -> _Graph | None:
+        """The captured graph that runs `step`: decodes only (batch padded up to a bucket), or one sequence's
+        prefill chunk (padded up to a power of two, whose padding positions stay inside the context)."""
+        if not self._graph_batches:
+            return None
+        seqs = step.seqs
+        if all(len(s.tokens) == 1 for s in seqs):
+            bucket = next((b for b in self._graph_batches if b >= len(seqs)), 0)
+            return self._graphs.get((bucket, 1))
+        if len(seqs) == 1:
+            n = len(seqs[0].tokens)
+            m = next((x for x in self._graph_chunks if x >= n), 0)
+            if m and seqs[0].start + m <= self.spec.context_length:
+                return self._graphs.get((1, m))
+        return None
 
     def kv_bytes(self) -> int:
         return self.storage.nbytes()
@@ -148,10 +174,8 @@ class NativeRunner:
         """Logits `[R, vocab]` (float32, on the device) of the last token of each chunk with `logits`."""
         try:
             with self.device_lock:
-                b = len(step.seqs)
-                if self._graph_batches and b <= self._graph_batches[-1] and all(len(s.tokens) == 1 for s in step.seqs):
-                    return self._run_graph(step)
-                return self._run_eager(step)
+                g = self._graph_for(step)
+                return self._run_graph(g, step) if g is not None else self._run_eager(step)
         except torch.cuda.OutOfMemoryError as exc:
             raise DeviceOutOfMemory(f"the device ran out of memory running a batch of {step.num_tokens} "
                                     "token(s)") from exc  # fmt: skip
@@ -172,61 +196,78 @@ class NativeRunner:
 
     # --- CUDA graphs for decode steps --------------------------------------------------------------
 
-    def _run_graph(self, step: BatchStep) -> torch.Tensor:
-        b = len(step.seqs)
-        bucket = next(x for x in self._graph_batches if x >= b)
-        g = self._graphs[bucket]
-        P, pad = self.page_size, bucket - b
-        ids, pos, slots, lens, table = [], [], [], [], []
-        for s in step.seqs:
-            p = s.start
-            ids.append(s.tokens[0])
-            pos.append(p)
-            slots.append(s.pages[p // P] * P + p % P)
-            lens.append(p + 1)
-            need = p // P + 1
-            table.extend(s.pages[:need])
-            table.extend([self._scratch] * (self._max_pages - need))
-        scratch_slot = self._scratch * P
-        wide = torch.tensor([*ids, *[0] * pad, *pos, *[0] * pad, *slots, *[scratch_slot] * pad], dtype=torch.int64)
-        narrow = torch.tensor([*lens, *[1] * pad, *table, *[self._scratch] * (pad * self._max_pages)],
-                              dtype=torch.int32)  # fmt: skip
-        self._staging.upload(wide, g.wide.view(-1))
-        self._staging.upload(narrow, g.narrow)
+    def _run_graph(self, g: _Graph, step: BatchStep) -> torch.Tensor:
+        b, m, P = len(step.seqs), g.tokens, self.page_size
+        t = g.batch * m
+        g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
+        wide, nar = g.host_wide.numpy(), g.host_narrow.numpy()
+        ids, pos, slots, last = wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], wide[3 * t :]
+        lens, table = nar[: g.batch], nar[g.batch :].reshape(g.batch, -1)
+        scratch = self._scratch
+        for i, s in enumerate(step.seqs):
+            n, p0, base = len(s.tokens), s.start, i * m
+            if n == 1:
+                ids[base], pos[base], slots[base] = s.tokens[0], p0, s.pages[p0 // P] * P + p0 % P
+            else:
+                where = np.arange(p0, p0 + m)
+                ids[base : base + n] = s.tokens
+                ids[base + n : base + m] = s.tokens[-1]  # padding: copies of the last token, after it
+                pos[base : base + m] = where
+                pages = np.asarray(s.pages[: (p0 + n - 1) // P + 1])
+                slots[base : base + n] = pages[where[:n] // P] * P + where[:n] % P
+                slots[base + n : base + m] = scratch * P + where[n:] % P  # the padding's keys: the scratch page
+            last[i] = base + n - 1
+            lens[i] = p0 + m
+            need = (p0 + n - 1) // P + 1
+            table[i, :need] = s.pages[:need]  # entries past the KV length are never read
+            table[i, need : (p0 + m - 1) // P + 1] = scratch
+        for i in range(b, g.batch):  # padding rows: one position on the scratch page
+            base = i * m
+            ids[base : base + m], pos[base : base + m] = 0, np.arange(m)
+            slots[base : base + m] = scratch * P + np.arange(m) % P
+            last[i], lens[i] = base + m - 1, m
+            table[i, : -(-m // P)] = scratch
+        g.wide.copy_(g.host_wide, non_blocking=True)
+        g.narrow.copy_(g.host_narrow, non_blocking=True)
+        g.uploaded.record()
         g.graph.replay()
         self.steps["graph"] += 1
-        return g.out.reshape(bucket, -1)[:b].float()
+        return g.out.reshape(g.batch, -1)[:b].float()
 
     def _graph_step(self, g: _Graph) -> paged.PagedStep:
         """The attention metadata of a graph's step: views of its device buffers, and host shapes sized for
         any KV length up to the context (so the kernels' split of the keys is fixed at capture)."""
-        bucket, mp = g.batch, self._max_pages
+        bm, m, t = g.batch, g.tokens, g.batch * g.tokens
         return paged.PagedStep(
-            self.storage, self.page_size, positions=g.wide[1], slots=g.wide[2],
-            last=torch.arange(bucket, dtype=torch.int64, device=self._dev),
-            page_table=g.narrow[bucket:].view(bucket, mp),
-            q_starts_t=torch.arange(bucket + 1, dtype=torch.int32, device=self._dev), seq_lens_t=g.narrow[:bucket],
-            q_starts=list(range(bucket + 1)), seq_lens=[self.spec.context_length] * bucket,
+            self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
+            last=g.wide[3 * t :], page_table=g.narrow[bm:].view(bm, self._max_pages),
+            q_starts_t=torch.arange(0, t + 1, m, dtype=torch.int32, device=self._dev), seq_lens_t=g.narrow[:bm],
+            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm,
         )  # fmt: skip
 
     def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:
-        bucket = g.batch
+        t = g.batch * g.tokens
         env = self.program.new_env()
-        env[self._in_ids] = g.wide[0].view(1, bucket).to(self._ids_dtype)
+        env[self._in_ids] = g.wide[:t].view(1, t).to(self._ids_dtype)
         if self._in_pos >= 0:
-            env[self._in_pos] = ps.positions.view(1, bucket).to(self._pos_dtype)
-        return self.program.execute(env, RunCtx(self._rows, -1, bucket, ps.positions, last=ps.last, paged=ps,
+            env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
+        return self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
                                                 static=True))  # fmt: skip
 
-    def _capture(self, bucket: int) -> None:
-        """Capture the decode step for `bucket` sequences (all padding: harmless to run). On failure turn
-        graphs off for this runner and repair what a broken capture leaves behind."""
-        mp = self._max_pages
-        wide = torch.zeros((3, bucket), dtype=torch.int64, device=self._dev)
-        wide[2].fill_(self._scratch * self.page_size)
-        narrow = torch.full((bucket * (1 + mp),), self._scratch, dtype=torch.int32, device=self._dev)
-        narrow[:bucket].fill_(1)
-        g = _Graph(bucket, None, wide, narrow, torch.empty(0))
+    def _capture(self, batch: int, tokens: int) -> None:
+        """Capture the step of `batch` sequences of `tokens` positions (all padding: harmless to run). On
+        failure turn graphs off for this runner and repair what a broken capture leaves behind."""
+        t, mp, P = batch * tokens, self._max_pages, self.page_size
+        host_wide = torch.zeros(3 * t + batch, dtype=torch.int64).pin_memory()
+        host_narrow = torch.full((batch * (1 + mp),), self._scratch, dtype=torch.int32).pin_memory()
+        w = host_wide.numpy()
+        w[t : 2 * t] = np.tile(np.arange(tokens), batch)
+        w[2 * t : 3 * t] = self._scratch * P + w[t : 2 * t] % P
+        w[3 * t :] = np.arange(batch) * tokens + tokens - 1
+        host_narrow.numpy()[:batch] = tokens
+        g = _Graph(batch, tokens, host_wide.to(self._dev), host_narrow.to(self._dev), host_wide, host_narrow,
+                   torch.cuda.Event())  # fmt: skip
+        g.uploaded.record()
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -239,12 +280,13 @@ class NativeRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 g.out = self._graph_forward(g, ps)
-            g.graph = graph
-            self._graphs[bucket] = g
+            g.graph, g.step = graph, ps
+            self._graphs[(batch, tokens)] = g
         except (NotCapturable, RuntimeError) as exc:
-            log.warning("CUDA graph capture of a %d-sequence decode step failed (%s: %s); decode steps run "
-                        "eagerly", bucket, type(exc).__name__, exc)  # fmt: skip
+            log.warning("CUDA graph capture of a %d x %d step failed (%s: %s); steps run eagerly", batch, tokens,
+                        type(exc).__name__, exc)  # fmt: skip
             self._graph_batches = []
+            self._graph_chunks = []
             self._graphs.clear()
             self._pool = None
             repair_after_failed_capture(self._dev)
