@@ -66,3 +66,15 @@ def test_plain_encoding_is_kept_when_it_reproduces_the_ids(smollm2_ort):
     edited = [*history[:1], {"role": "assistant", "content": "Something else."}, history[2]]
     kept = smollm2_ort.encode_prompt(edited, held=r1.prompt_ids + r1.tokens[:-1])
     assert kept == smollm2_ort.encode_prompt(edited)  # an edited reply: nothing to keep beyond plain encoding
+
+
+def test_a_new_prompt_is_never_split_where_held_text_ends(tiny_dir) -> None:
+    """Only generated ids are kept: a new prompt that merely starts with the text of a held prompt's prefix
+    ("... client 10" after a held "... client 1") is tokenized as a fresh run would tokenize it, not as the
+    held ids + the rest ("1" + "0"). Found by 32 concurrent clients on one key's default session."""
+    model = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
+    s = model.session()
+    for c in range(12):  # one session, unrelated prompts: each turn holds the previous one's context
+        msgs = [{"role": "user", "content": f"client {c} says hello number {c * 7}"}]
+        r = s.generate(msgs, max_new_tokens=3, temperature=0.0)
+        assert r.prompt_ids == model.encode_prompt(msgs), c

@@ -287,8 +287,9 @@ def test_full_queue_is_429_and_queued_disconnect_cancels(server, model_id):
         started.set()
         release.wait(30)
 
-    jobs = [state.worker.submit(blocker)]
-    assert started.wait(10)
+    threads = state.worker.threads
+    jobs = _occupy(state, blocker)
+    assert started.is_set() and state.worker.running == threads
     jobs += [state.worker.submit(lambda c: release.wait(30)) for _ in range(state.worker.max_queue)]
     body = {"model": model_id, "messages": msgs("x"), "max_tokens": 1}
     try:
@@ -298,14 +299,14 @@ def test_full_queue_is_429_and_queued_disconnect_cancels(server, model_id):
         stream = post(server, "/v1/chat/completions", {**body, "stream": True})
         assert stream.status_code == 429
         metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
-        assert "onnxgen_queue_depth 3" in metrics
+        assert f"onnxgen_queue_depth {threads + 2}" in metrics
     finally:
         release.set()
     for j in jobs:
         j.future.result(10)
     # a queued request whose client goes away is cancelled, not run
     release.clear()
-    jobs = [state.worker.submit(lambda c: release.wait(30))]
+    jobs = _occupy(state, lambda c: release.wait(30))
     before = state.metrics.cancelled
     with pytest.raises(httpx.ReadTimeout):
         post_timeout = httpx.Timeout(10, read=0.5)
@@ -315,9 +316,21 @@ def test_full_queue_is_429_and_queued_disconnect_cancels(server, model_id):
     while state.metrics.cancelled == before and time.monotonic() < deadline:
         time.sleep(0.05)
     release.set()
-    jobs[0].future.result(10)
+    for j in jobs:
+        j.future.result(10)
     assert state.metrics.cancelled == before + 1
     assert state.worker.depth == 0 or _drain(state)
+
+
+def _occupy(state, fn) -> list:
+    """Keep every worker thread busy with `fn` (submitted one by one: the queue is small)."""
+    jobs = []
+    for i in range(state.worker.threads):
+        jobs.append(state.worker.submit(fn))
+        deadline = time.monotonic() + 10
+        while state.worker.running <= i and time.monotonic() < deadline:
+            time.sleep(0.005)
+    return jobs
 
 
 def _drain(state) -> bool:

@@ -166,6 +166,11 @@ class Engine:
         return Session(self, name, salt=salt)
 
     @property
+    def max_running(self) -> int:
+        """How many requests run at once (the rest wait in the scheduler's queue)."""
+        return self.scheduler.max_running
+
+    @property
     def default_session(self) -> Session:
         return self._default_session
 

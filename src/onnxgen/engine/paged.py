@@ -121,9 +121,8 @@ class PagedKV:
         pinned sessions, prefix-cache lookups and hits, and whether decode steps replay CUDA graphs."""
         alloc = self.kv.allocator
         c = self.kv.counters
-        shared = sum(1 for p in range(alloc.num_pages) if alloc.refs(p) > 1)
         return {"pages_total": alloc.num_pages, "pages_free": alloc.num_free, "pages_used": alloc.num_used,
-                "pages_indexed": self.index.num_nodes, "pages_shared": shared, "page_size": self.page_size,
+                "pages_indexed": self.index.num_nodes, "pages_shared": alloc.num_shared, "page_size": self.page_size,
                 "pinned_sessions": self.pinned_sessions, "prefix_lookups": c.lookups,
                 "prefix_lookup_tokens": c.looked_up_tokens, "prefix_hit_tokens": c.hit_tokens,
                 "cuda_graphs": bool(getattr(self.runner, "cuda_graphs", False))}  # fmt: skip

@@ -40,6 +40,7 @@ class PageAllocator:
         self._refs = [0] * num_pages
         self._free = list(range(num_pages))  # a heap: lowest id first
         self._free_count = num_pages
+        self.num_shared = 0  # pages with more than one holder
 
     @property
     def num_free(self) -> int:
@@ -68,13 +69,17 @@ class PageAllocator:
         for p in pages:
             assert self._refs[p] > 0, f"incref of free page {p}"
             self._refs[p] += 1
+            if self._refs[p] == 2:
+                self.num_shared += 1
 
     def decref(self, pages: Iterable[int]) -> list[int]:
         freed = []
         for p in pages:
             assert self._refs[p] > 0, f"decref of free page {p}"
             self._refs[p] -= 1
-            if self._refs[p] == 0:
+            if self._refs[p] == 1:
+                self.num_shared -= 1
+            elif self._refs[p] == 0:
                 heapq.heappush(self._free, p)
                 freed.append(p)
         self._free_count += len(freed)
@@ -84,6 +89,7 @@ class PageAllocator:
         """Every page is free xor referenced; the free set has no duplicates (tests call this)."""
         free = set(self._free)
         assert len(free) == len(self._free) == self._free_count, "duplicate or miscounted free pages"
+        assert self.num_shared == sum(1 for r in self._refs if r > 1), "miscounted shared pages"
         for p, r in enumerate(self._refs):
             assert r >= 0
             assert (r == 0) == (p in free), f"page {p}: refs {r}, free {p in free}"

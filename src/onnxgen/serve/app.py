@@ -11,11 +11,12 @@
 
 A request is validated before it is queued (JSON, schema types, model name, sampling ranges by the engine's
 `SamplingParams`, prompt length by `Model.encode_prompt`), turned into a prompt + keyword arguments for
-`Session.generate`, and run on the model's single `EngineWorker`, which runs requests in order. Generation,
-reuse and sampling live in the engine; this package uses only the public `Model` / `Session` API.
+`Session.generate`, and run on the model's `EngineWorker` threads (as many as the engine runs requests at
+once: concurrent requests are batched into the same engine steps). Generation, reuse and sampling live in
+the engine; this package uses only the public `Model` / `Session` API.
 
 Sessions: `POST /v1/sessions` returns an id; a request names it in `X-Session-Id`; requests without
-one use their API key's default session. Sessions and their KV are scoped to the API key.
+one use their API key's default session. Sessions and their KV are scoped to the API key (its salt).
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class ServerConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
+def _hit_rate(stats: dict[str, Any]) -> float:
+    looked = stats.get("prefix_lookup_tokens", 0)
+    return stats.get("prefix_hit_tokens", 0) / looked if looked else 0.0
+
+
 def _key_id(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
@@ -82,14 +88,27 @@ class Server:
         self.model_id = config.model_id or model.spec.path.name
         self.model_names = {self.model_id, *config.aliases}
         self.keys = {_key_id(k): k for k in config.api_keys}
-        self.worker = EngineWorker(config.max_queue)
-        self.store = SessionStore(model, config.max_sessions_per_key)
+        self.worker = EngineWorker(config.max_queue, threads=model.max_running)
+        self.store = SessionStore(model, config.max_sessions_per_key, keyed=bool(config.api_keys))
         self.logprobs = Logprobs(model)
         self.metrics = Metrics()
         self.metrics.gauge("onnxgen_queue_depth", "Requests waiting for or running on the engine worker.",
                            lambda: self.worker.depth)  # fmt: skip
         self.metrics.gauge("onnxgen_sessions", "Open sessions (including per-key default sessions).", lambda: len(self.store))
         self.metrics.gauge("onnxgen_retained_kv_bytes", "Bytes of KV retained by sessions.", model.retained_kv_bytes)
+        kv = model.kv_stats
+        self.metrics.gauge("onnxgen_requests_running", "Requests the engine is running now.", lambda: kv()["running"])
+        self.metrics.gauge("onnxgen_requests_waiting", "Requests waiting for the engine (in its queue or for a "
+                           "worker thread).", lambda: kv()["waiting"] + self.worker.waiting)  # fmt: skip
+        self.metrics.gauge("onnxgen_preemptions", "Running requests preempted (KV dropped, recomputed) "
+                           "since start.", lambda: kv()["preemptions"])  # fmt: skip
+        if model.paged:
+            self.metrics.gauge("onnxgen_kv_pages_used", "KV pool pages in use.", lambda: kv()["pages_used"])
+            self.metrics.gauge("onnxgen_kv_pages_free", "KV pool pages free.", lambda: kv()["pages_free"])
+            self.metrics.gauge("onnxgen_kv_pages_shared", "KV pool pages held by more than one request or "
+                               "session.", lambda: kv()["pages_shared"])  # fmt: skip
+            self.metrics.gauge("onnxgen_prefix_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens "
+                               "looked up, since start.", lambda: _hit_rate(kv()))  # fmt: skip
         self.created = int(time.time())
         self._running: dict[int, threading.Event] = {}  # id(session) -> cancel event of its running request
         self._running_lock = threading.Lock()

@@ -1,9 +1,12 @@
 """The server's session registry: session ids → engine sessions, scoped to API keys.
 
 Ids are random 128-bit values (`secrets.token_hex(16)`). A session is visible only to the key that
-created it; each key has its own default session (for requests without `X-Session-Id`), so
-retained KV, and therefore prefix reuse, never crosses keys. A request names its session in the
-`X-Session-Id` header (`SESSION_HEADER`).
+created it; each key has its own default session (for requests without `X-Session-Id`). Every session's
+identity is salted with its key (`Session.salt`), so KV, and therefore prefix reuse and `cached_tokens`,
+never crosses keys: sessions of one key share the pages of common prefixes (one system prompt, many
+agents), sessions of different keys share nothing. Without keys every caller is "anonymous" and nobody
+can be told apart, so each session gets a salt of its own (its id): keyless sessions share nothing. A
+request names its session in the `X-Session-Id` header (`SESSION_HEADER`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ SESSION_HEADER = "X-Session-Id"
 
 
 class SessionStore:
-    def __init__(self, model: Any, max_per_key: int = 1024) -> None:
+    def __init__(self, model: Any, max_per_key: int = 1024, keyed: bool = True) -> None:
+        """`keyed`: callers are told apart by API keys (sessions are salted with their key), else every
+        session is salted with its own id."""
         self.model = model
+        self.keyed = keyed
         self.max_per_key = max_per_key
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[str, Any]] = {}  # id -> (owner key id, Session)
@@ -31,7 +37,8 @@ class SessionStore:
             if self._per_key.get(owner, 0) >= self.max_per_key:
                 raise SessionLimit()
             sid = secrets.token_hex(16)
-            self._sessions[sid] = (owner, self.model.session(name=f"http-{sid[:8]}"))
+            salt = owner if self.keyed else sid
+            self._sessions[sid] = (owner, self.model.session(name=f"http-{sid[:8]}", salt=salt))
             self._per_key[owner] = self._per_key.get(owner, 0) + 1
             return sid
 
@@ -51,7 +58,7 @@ class SessionStore:
         with self._lock:
             s = self._defaults.get(owner)
             if s is None:
-                s = self._defaults[owner] = self.model.session(name=f"default-{owner[:8]}")
+                s = self._defaults[owner] = self.model.session(name=f"default-{owner[:8]}", salt=owner)
             return s
 
     def remove(self, owner: str, sid: str) -> Any | None:

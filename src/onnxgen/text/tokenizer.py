@@ -115,6 +115,7 @@ class Tokenizer:
         self.byte_fallback_ids: frozenset[int] = self._byte_fallback_ids()
         self._added: frozenset[int] = frozenset(added)
         self._table: list[bytes] | None = None
+        self._special: tuple[bytes, ...] | None = None
         dec = backend.decoder
         self._byte_level = dec is not None and b"ByteLevel" in dec.__getstate__()
 
@@ -235,7 +236,11 @@ class Tokenizer:
         start of `text` is exactly the bytes of `held[:k]`, the result is `held[:k]` + the encoding of the
         rest of `text`: the same text, in the ids the model itself produced, where plain `encode` might split
         the reply differently (a reply's text does not always re-tokenize into the ids that were sampled).
-        The split falls on a UTF-8 character boundary; with no such `k` > 0 this is plain `encode`."""
+        The split falls on a UTF-8 character boundary, and either after all of `held` (the reply ends the
+        cache) or before a special token (a turn's end marker): never inside text that plain encoding
+        would tokenize across the split, so the rest of a prompt is tokenized as a fresh run would (a new
+        prompt "client 10" after a held "client 1" is not split into "client 1" + "0"). With no such
+        `k` > 0 this is plain `encode`."""
         import numpy as np
 
         if not held:
@@ -256,7 +261,16 @@ class Tokenizer:
         if k == 0:
             return self.encode(text, add_special_tokens=False)
         cut = int(ends[k - 1])
+        if k < len(held) and not raw[cut:].startswith(self._special_bytes()):
+            return self.encode(text, add_special_tokens=False)
         return list(held[:k]) + self.encode(raw[cut:].decode("utf-8"), add_special_tokens=False)
+
+    def _special_bytes(self) -> tuple[bytes, ...]:
+        """The UTF-8 text of every special added token (turn markers, EOS...), built once."""
+        if self._special is None:
+            added = self._tok.get_added_tokens_decoder().values()
+            self._special = tuple(t.content.encode("utf-8") for t in added if t.special and t.content)
+        return self._special
 
     def _bytes_table(self) -> list[bytes]:
         """`token_bytes` of every id, built once (about 50 ms for a 50k vocabulary)."""
