@@ -18,11 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
-@dataclass(frozen=True)
-class SeqChunk:
+class SeqChunk(NamedTuple):
     """One sequence's part of a step: `tokens` at positions `[start, start + len(tokens))`; `pages` cover
     at least `start + len(tokens)` positions; `logits`: return the last token's logits."""
 

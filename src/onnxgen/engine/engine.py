@@ -95,7 +95,7 @@ class Engine:
         """`paged`: share one paged KV pool between all requests, batched (None: when the backend can, i.e.
         native with a package whose attention is fused; True: required, else `BackendUnavailable`; False:
         one decoder per request). `max_running`: requests decoding at once (default 64 on CUDA, 16 on the
-        CPU with paged KV, 8 with decoders). `max_batch_tokens`: tokens per step (default 2048 on CUDA, 512
+        CPU with paged KV, 8 with decoders). `max_batch_tokens`: tokens per step (default 4096 on CUDA, 512
         on the CPU; unbounded with decoders, where only `chunk_size` splits a prompt)."""
         from onnxgen.text import ChatTemplate, Tokenizer
 
@@ -134,7 +134,7 @@ class Engine:
         self.paged = self.executor.paged
         if self.paged:
             running = paged_running
-            budget = max_batch_tokens or (2048 if cuda else 512)
+            budget = max_batch_tokens or (4096 if cuda else 512)
         else:
             running = max_running or 8
             budget = max_batch_tokens or (1 << 40)

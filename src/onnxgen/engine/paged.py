@@ -63,6 +63,8 @@ class PagedKV:
         return True
 
     def reserve(self, req: Request, total: int) -> bool:
+        if total <= len(req.kv.pages) * self.page_size:  # NOTE: most decode steps need no new page
+            return True
         return self.kv.grow(req.kv, total)
 
     def release(self, req: Request) -> None:

@@ -47,6 +47,11 @@ class StopScanner:
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """Add `piece`; return (text safe to emit now, stopped)."""
+        if not self.stops:  # nothing to hold back
+            if piece:
+                self.text += piece
+                self.emitted = len(self.text)
+            return piece, False
         self.text += piece
         if self.stops:
             window = max(0, self.emitted - max(len(s) for s in self.stops))

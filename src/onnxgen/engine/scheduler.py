@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from onnxgen.engine.request import Request, Status
 
@@ -41,8 +40,7 @@ class KVAdapter(Protocol):
         """Drop the request's KV (preemption or failure): nothing of it stays visible."""
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """`req` feeds `tokens[start : start + n]` this step; `sample`: the chunk reaches the end of the
     request's tokens, so the next token is sampled from its last position."""
 
@@ -100,7 +98,10 @@ class Scheduler:
         preempted = self.preemptions
         chunks: list[Chunk] = []
         # running requests: decodes first, then prefill chunks
-        for req in sorted(self.running, key=lambda r: r.pending > 1):
+        decodes, prefills = [], []
+        for req in self.running:
+            (decodes if req.pending == 1 else prefills).append(req)
+        for req in (*decodes, *prefills):
             if req.status is not Status.RUNNING or budget <= 0:  # preempted meanwhile, or no budget
                 continue
             n = self._chunk(req, budget)

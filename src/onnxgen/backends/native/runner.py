@@ -204,29 +204,29 @@ class NativeRunner:
         ids, pos, slots, last = wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], wide[3 * t :]
         lens, table = nar[: g.batch], nar[g.batch :].reshape(g.batch, -1)
         scratch = self._scratch
-        for i, s in enumerate(step.seqs):
-            n, p0, base = len(s.tokens), s.start, i * m
-            if n == 1:
-                ids[base], pos[base], slots[base] = s.tokens[0], p0, s.pages[p0 // P] * P + p0 % P
-            else:
-                where = np.arange(p0, p0 + m)
-                ids[base : base + n] = s.tokens
-                ids[base + n : base + m] = s.tokens[-1]  # padding: copies of the last token, after it
-                pos[base : base + m] = where
-                pages = np.asarray(s.pages[: (p0 + n - 1) // P + 1])
-                slots[base : base + n] = pages[where[:n] // P] * P + where[:n] % P
-                slots[base + n : base + m] = scratch * P + where[n:] % P  # the padding's keys: the scratch page
-            last[i] = base + n - 1
-            lens[i] = p0 + m
+        if m == 1:  # decodes: one token per sequence
+            starts = [s.start for s in step.seqs]
+            ids[:b] = [s.tokens[0] for s in step.seqs]
+            pos[:b] = starts
+            slots[:b] = [s.pages[p // P] * P + p % P for s, p in zip(step.seqs, starts, strict=True)]
+            last[:] = np.arange(g.batch)
+            lens[:b] = np.asarray(starts) + 1
+            for i, s in enumerate(step.seqs):
+                table[i, : starts[i] // P + 1] = s.pages[: starts[i] // P + 1]  # later entries are never read
+            # padding rows: one position on the scratch page, attending to it alone
+            ids[b:], pos[b:], slots[b:], lens[b:], table[b:, 0] = 0, 0, scratch * P, 1, scratch
+        else:  # one sequence's prefill chunk, padded with copies of its last token at the next positions
+            (s,) = step.seqs
+            n, p0 = len(s.tokens), s.start
+            where = np.arange(p0, p0 + m)
+            ids[:n], ids[n:] = s.tokens, s.tokens[-1]
+            pos[:] = where
             need = (p0 + n - 1) // P + 1
-            table[i, :need] = s.pages[:need]  # entries past the KV length are never read
-            table[i, need : (p0 + m - 1) // P + 1] = scratch
-        for i in range(b, g.batch):  # padding rows: one position on the scratch page
-            base = i * m
-            ids[base : base + m], pos[base : base + m] = 0, np.arange(m)
-            slots[base : base + m] = scratch * P + np.arange(m) % P
-            last[i], lens[i] = base + m - 1, m
-            table[i, : -(-m // P)] = scratch
+            slots[:n] = np.asarray(s.pages[:need])[where[:n] // P] * P + where[:n] % P
+            slots[n:] = scratch * P + where[n:] % P  # the padding's keys go to the scratch page
+            last[0], lens[0] = n - 1, p0 + m
+            table[0, :need] = s.pages[:need]  # entries past the KV length are never read
+            table[0, need : (p0 + m - 1) // P + 1] = scratch
         g.wide.copy_(g.host_wide, non_blocking=True)
         g.narrow.copy_(g.host_narrow, non_blocking=True)
         g.uploaded.record()
