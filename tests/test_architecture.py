@@ -1,4 +1,4 @@
-"""Structural rules from ARCHITECTURE.md and REUSE.md, checked on the source tree."""
+"""Structural rules from docs/architecture.md and docs/reuse.md, checked on the source tree."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _calls(path: Path) -> list[tuple[str, int]]:
 
 
 def test_only_the_reuse_policy_drives_the_kv_seam():
-    """REUSE.md 6: outside backends (which implement the seam), only engine/reuse.py calls
+    """docs/reuse.md, invariant 6: outside backends (which implement the seam), only engine/reuse.py calls
     kv_len/rewind_to/reset on a decoder."""
     offenders = []
     for path in SRC.rglob("*.py"):
@@ -258,3 +258,53 @@ def test_no_import_cycles_in_src():
         if m not in index:
             visit(m)
     assert cycles == [], f"import cycles: {cycles}"
+
+
+# The rooms of src/onnxgen and what each may import (docs/architecture.md): the layers, lowest first.
+ALLOWED = {
+    "errors": set(),
+    "package": {"errors"},
+    "kv": {"errors"},
+    "text": {"errors", "package"},
+    "sampling": {"errors", "package", "text"},
+    "backends": {"errors", "package", "kv"},
+    "convert": {"errors", "package"},
+    "engine": {"errors", "package", "kv", "text", "sampling", "backends"},
+    "serve": {"errors", "sampling", "__init__"},  # the public Model/Session API and nothing of the engine
+    "__init__": {"errors", "package", "convert", "engine"},
+    "cli": {"errors", "package", "convert", "engine", "sampling", "serve", "text", "__init__"},
+}
+
+
+def _room(rel: str) -> str:
+    return rel.split("/")[0].removesuffix(".py")
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    """Layer order, lazy imports included: e.g. nothing outside cli/ imports cli/, serve/ never reaches
+    into the engine, kv/ imports no backend, backends/ import no engine."""
+    bad = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        room = _room(rel)
+        for mod in _imports(path):
+            if not mod.startswith("onnxgen"):
+                continue
+            parts = mod.split(".")
+            target = parts[1] if len(parts) > 1 else "__init__"
+            if target != room and target not in ALLOWED[room]:
+                bad.append(f"{rel} imports {mod}")
+    assert bad == [], bad
+    assert set(ALLOWED) == {_room(p.relative_to(SRC).as_posix()) for p in SRC.rglob("*.py")}, "a room without rules"
+
+
+def test_http_and_schema_libraries_only_in_serve():
+    """pydantic, fastapi, starlette and uvicorn live at the HTTP edge only (serve/; the CLI starts it)."""
+    edge = ("pydantic", "fastapi", "starlette", "uvicorn")
+    bad = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("serve/") or rel == "cli/serve.py":
+            continue
+        bad += [f"{rel} imports {m}" for m in _imports(path) if m.split(".")[0] in edge]
+    assert bad == []

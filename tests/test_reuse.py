@@ -99,7 +99,7 @@ def test_shared_prefix_caps_and_identity():
     assert shared_prefix(None, a) == 0
 
 
-# --- REUSE.md's cases ----------------------------------------------------------------------
+# --- the cases of docs/reuse.md ----------------------------------------------------------------------
 
 
 def test_extend_prefills_only_new_tokens(model):

@@ -2,7 +2,7 @@
 
 The digest (blake2b, 128-bit) covers the package identity and every extra graph input's name, dtype,
 shape and bytes. An input whose type cannot be digested makes the whole identity undigestable
-(`digest is None`): such a request's KV is never retained (REUSE.md invariant 4).
+(`digest is None`): such a request's KV is never retained (docs/reuse.md, invariant 4).
 """
 
 from __future__ import annotations

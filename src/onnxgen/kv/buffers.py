@@ -3,7 +3,7 @@
 Layout per layer: `[1, kv_heads, capacity, head_dim]` ("BNSH", batch 1). New keys and values are
 written in place at `[length : length + n]`; `rewind_to(n)` only sets the length (O(1)); capacity
 grows in power-of-two buckets (never below `floor`, see `capacity_bucket`) by copying the valid prefix
-into new buffers. Nothing is mirrored to the host. This module imports no backend (ARCHITECTURE.md:
+into new buffers. Nothing is mirrored to the host. This module imports no backend (docs/architecture.md:
 `kv/` never imports a backend). Buffers are torch tensors by default (torch imported lazily, so
 `import onnxgen.kv` stays light); a backend with its own array type passes `alloc` (the ort backend:
 numpy arrays that its OrtValues wrap), and growth is still this one code path.

@@ -24,7 +24,7 @@ from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
 from onnxgen.serve.sessions import SESSION_HEADER
 
 if TYPE_CHECKING:
-    from onnxgen.serve.app import Server
+    from onnxgen.serve.server import Server
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/sessions")
 

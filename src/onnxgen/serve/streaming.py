@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from onnxgen.serve.errors import error_body, from_engine_error
 
 if TYPE_CHECKING:
-    from onnxgen.serve.app import Server
     from onnxgen.serve.openai import Prepared, Reply
+    from onnxgen.serve.server import Server
 
 
 def sse(obj: Any) -> str:

@@ -6,7 +6,7 @@ engine runs requests at once (`Model.max_running`).
 `submit(fn)` enqueues a job and returns it at once; a full queue (`max_queue` jobs waiting for a
 thread) raises `QueueFull` (the app answers 429 with Retry-After). Each job carries a `cancel` event: set before the job starts, the
 job is skipped; set while it runs, the engine raises `Cancelled` at its next step and the session
-drops its retained state (REUSE.md invariant 2). The job's outcome lands in a
+drops its retained state (docs/reuse.md, invariant 2). The job's outcome lands in a
 `concurrent.futures.Future` (await it with `asyncio.wrap_future`).
 """
 
