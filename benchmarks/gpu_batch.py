@@ -12,6 +12,13 @@ weights). Sections per shape:
 - throughput: B requests with distinct 512-token prompts submitted at once; after every request has its
   first token, the remaining steps are timed (CUDA synchronised): aggregate decode tok/s = tokens / time,
   and per step ms. The weights' bytes over the measured copy bandwidth give the floor of one step.
+- agents: N sessions under one salt share a system prompt of S tokens; each runs T turns (64-token user
+  turn, up to 128 tokens of answer) on its own thread, all arriving at once: throughput, p50/p99 TTFT and
+  inter-token latency, KV pages held at the end against the tokens of one system prompt + every session's
+  turns, prefix hit rate; the same agents on the one-request-at-a-time engine (decoders, max_running=1,
+  fewer turns: a rate) in the same run.
+- growing: one session whose context grows from 7,900 to 9,000 tokens in 64-token turns (32 tokens of
+  answer each): TTFT per turn (p50, p99) and decode tok/s per turn.
 A JSON of every number goes to $OUT; a table prints last.
 """
 
@@ -24,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +70,12 @@ def copy_bandwidth() -> float:
         ts.append(a.elapsed_time(b) / 1e3)
     del x, y
     return 2 * (2 << 30) / statistics.median(ts[2:])
+
+
+def p99(xs: list[float]) -> float:
+    """The 99th percentile (nearest rank)."""
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(0.99 * len(ys)))]
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -129,6 +143,78 @@ def throughput(name: str, model: Any, batches: list[int], prompt: int, gen: int,
         log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
 
 
+def agents(name: str, paged: Any, slots: Any | None, n: int, system: int, turns: int, base_turns: int) -> None:
+    import threading
+
+    sys_prompt = prompts(1, system, 7)[0]
+
+    def run(model: Any, n_turns: int, tag: str) -> dict[str, Any]:
+        ttft: list[float] = []
+        itl: list[float] = []
+        gen = [0]
+        lock = threading.Lock()
+        barrier = threading.Barrier(n)
+
+        def agent(i: int) -> int:
+            s = model.session(salt=f"{tag}-team")
+            ctx = list(sys_prompt)
+            barrier.wait()
+            for t in range(n_turns):
+                ctx += prompts(1, 64, 1000 * i + t)[0]
+                r = s.generate(ctx, max_new_tokens=128, temperature=0)
+                with lock:
+                    ttft.append(r.stats.ttft_s * 1e3)
+                    if r.stats.generated_tokens > 1 and r.stats.decode_tok_s > 0:
+                        itl.append(1e3 / r.stats.decode_tok_s)
+                    gen[0] += r.stats.generated_tokens
+                ctx += r.tokens
+            return len(ctx)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as ex:
+            lens = list(ex.map(agent, range(n)))
+        wall = time.perf_counter() - t0
+        row = {"shape": name, "engine": tag, "agents": n, "turns": n_turns, "tokens": gen[0], "wall_s": wall,
+               "tok_s": gen[0] / wall, "ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": p99(ttft),
+               "itl_p50_ms": statistics.median(itl), "itl_p99_ms": p99(itl), "contexts": lens}  # fmt: skip
+        return row
+
+    row = run(paged, turns, "paged")
+    st = paged.kv_stats()
+    # what must be held: one system prompt and every session's own turns (its context minus the prompt)
+    need = system + sum(x - system for x in row["contexts"])
+    row.update({"pages_used": st["pages_used"], "tokens_held": st["pages_used"] * st["page_size"],
+                "tokens_needed": need, "held_over_needed": st["pages_used"] * st["page_size"] / need,
+                "prefix_hit_rate": st["prefix_hit_tokens"] / max(st["prefix_lookup_tokens"], 1)})  # fmt: skip
+    RESULTS.setdefault("agents", []).append({k: v for k, v in row.items() if k != "contexts"})
+    log(json.dumps(RESULTS["agents"][-1]))
+    if slots is not None:
+        base = run(slots, base_turns, "serial")
+        RESULTS["agents"].append({k: v for k, v in base.items() if k != "contexts"})
+        log(json.dumps(RESULTS["agents"][-1]))
+
+
+def growing(name: str, model: Any, start: int, end: int, step: int) -> None:
+    s = model.session()
+    ctx = prompts(1, start, 11)[0]
+    s.generate(ctx, max_new_tokens=1)
+    rows = []
+    while len(ctx) + step + 32 <= end:
+        ctx = ctx + prompts(1, step, len(ctx))[0]
+        r = s.generate(ctx, max_new_tokens=32, temperature=0)
+        rows.append({"context": len(ctx), "reused": r.stats.reused_tokens, "ttft_ms": r.stats.ttft_s * 1e3,
+                     "decode_tok_s": r.stats.decode_tok_s})  # fmt: skip
+        ctx = ctx + r.tokens
+    t = [r["ttft_ms"] for r in rows[1:]]  # the first turn compiles nothing but may warm caches
+    d = [r["decode_tok_s"] for r in rows[1:]]
+    summary = {"shape": name, "turns": len(rows), "ttft_p50_ms": statistics.median(t),
+               "ttft_p99_ms": p99(t), "decode_min": min(d), "decode_max": max(d),
+               "decode_spread": (max(d) - min(d)) / statistics.median(d), "rows": rows}  # fmt: skip
+    RESULTS.setdefault("growing", []).append(summary)
+    log(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
+    s.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, required=True)
@@ -138,6 +224,11 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--sections", default="batch1,throughput")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--agents", type=int, default=32)
+    ap.add_argument("--system", type=int, default=4096)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--base-turns", type=int, default=1)
+    ap.add_argument("--grow", default="7900,9000,64")
     args = ap.parse_args()
     global DEV
     DEV = args.device
@@ -166,6 +257,17 @@ def main() -> int:
                 del slots
             if "throughput" in sections:
                 throughput(name, paged, batches, args.prompt, args.gen, weights, bw)
+            if "agents" in sections:
+                slots = None
+                if "serial" in sections:
+                    slots = onnxgen.load(str(pkg), backend="native", device=DEV, paged=False, max_running=1)
+                agents(name, paged, slots, args.agents, args.system, args.turns, args.base_turns)
+                if slots is not None:
+                    slots.close()
+                    del slots
+            if "growing" in sections:
+                a, b, c = (int(x) for x in args.grow.split(","))
+                growing(name, paged, a, b, c)
             paged.close()
             del paged
         except Exception as exc:  # keep going with the next shape
@@ -188,6 +290,18 @@ def main() -> int:
     for r in RESULTS["throughput"]:
         print(f"| {r['shape']} | {r['batch']} | {r['agg_tok_s']:.0f} | {r['step_ms']:.2f} | {r['weights_floor_ms']:.2f} | "
               f"{r['prefill_s']:.2f} |")  # fmt: skip
+    if RESULTS.get("agents"):
+        print("\n| shape | engine | agents x turns | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens held / needed | prefix hits |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in RESULTS["agents"]:
+            held = f"{r['tokens_held']} / {r['tokens_needed']} ({r['held_over_needed']:.2f}x)" if "tokens_held" in r else "-"
+            hits = f"{r['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in r else "-"
+            print(f"| {r['shape']} | {r['engine']} | {r['agents']} x {r['turns']} | {r['tok_s']:.0f} | "
+                  f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
+                  f"{held} | {hits} |")  # fmt: skip
+    for r in RESULTS.get("growing", []):
+        print(f"\ngrowing {r['shape']}: {r['turns']} turns, TTFT p50 {r['ttft_p50_ms']:.2f} ms, p99 {r['ttft_p99_ms']:.2f} ms, "
+              f"decode {r['decode_min']:.1f}-{r['decode_max']:.1f} tok/s (spread {r['decode_spread']:.1%})")
     for e in RESULTS["errors"]:
         print("ERROR", e)
     return 0

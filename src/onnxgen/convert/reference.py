@@ -49,6 +49,9 @@ SHAPES = {
     "2048x4": LlamaShape(num_layers=4),  # reproduces the 1B shape's numerics in seconds on a CPU
     "1b": LlamaShape(),
     "8b": LlamaShape(hidden_size=4096, num_layers=32, intermediate_size=14336, tie_word_embeddings=False),
+    # the same with a 16k context: conversations that grow past 8k tokens
+    "8b16k": LlamaShape(hidden_size=4096, num_layers=32, intermediate_size=14336, tie_word_embeddings=False,
+                        context_length=16384),
 }
 
 
