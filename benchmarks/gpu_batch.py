@@ -147,6 +147,7 @@ def agents(name: str, paged: Any, slots: Any | None, n: int, system: int, turns:
     import threading
 
     sys_prompt = prompts(1, system, 7)[0]
+    paged.close()  # drop what earlier sections left in the prefix cache: count this section's pages alone
 
     def run(model: Any, n_turns: int, tag: str) -> dict[str, Any]:
         ttft: list[float] = []

@@ -124,6 +124,24 @@ def test_a_partial_page_is_not_indexed_when_an_indexed_page_starts_with_it() -> 
     check(alloc, index)
 
 
+def test_a_full_page_supersedes_the_partial_leaf_it_extends() -> None:
+    """A session's next turn copies its partial last page and fills it: once that full page is indexed the
+    old partial leaf (the same positions, fewer of them) is dropped, unless something still holds it."""
+    alloc, index, kv, store = make()
+    t1, _ = run_request(kv, store, D1, list(range(10)))  # pages 0, 1 and a partial page 2 (tokens 8, 9)
+    end1 = kv.commit(t1, list(range(10)))
+    index.pin(end1)
+    t2, cached = run_request(kv, store, D1, list(range(14)))  # copies page 2's two positions, fills to 13
+    assert cached == 10
+    kv.commit(t2, list(range(14)))
+    assert end1.page in index.pages(), "a pinned partial leaf stays"
+    index.unpin(end1)
+    t3, _ = run_request(kv, store, D1, list(range(20)))  # another full page 2' extends the partial leaf
+    kv.commit(t3, list(range(20)))
+    assert end1.page not in index.pages() and alloc.refs(end1.page) == 0
+    check(alloc, index)
+
+
 def test_evict_lru_leaves_that_only_the_index_holds() -> None:
     alloc, index, _, _ = make(8)
     a = alloc.alloc(2)

@@ -160,6 +160,8 @@ class PrefixIndex:
                 self._leaves.discard(node)
                 self._leaves.add(child)
                 self.num_nodes += 1
+            if len(chunk) == P and len(node.children) > 1:
+                self._drop_superseded(node, chunk)
             child.stamp = stamp
             node = child
         self._touch_ancestors(node, stamp)
@@ -201,6 +203,14 @@ class PrefixIndex:
     def clear(self) -> int:
         """Drop every unpinned path the index alone holds (as `evict` would, all of them). Returns pages freed."""
         return self.evict(self.num_nodes)
+
+    def _drop_superseded(self, parent: Node, chunk: tuple[int, ...]) -> None:
+        """Drop partial leaves under `parent` whose tokens start `chunk` (a full page just indexed holds the
+        same positions and more: a session's last page before its next turn), when only the index holds them."""
+        for key, leaf in list(parent.children.items()):
+            if len(key) < len(chunk) and chunk[: len(key)] == key and self._evictable(leaf):
+                self._remove_leaf(leaf)
+                self.allocator.decref([leaf.page])
 
     def _remove_leaf(self, leaf: Node) -> Node | None:
         parent = leaf.parent

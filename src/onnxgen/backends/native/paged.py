@@ -38,7 +38,16 @@ class PagedStep:
     seq_lens_t: torch.Tensor  # [B] int32
     q_starts: list[int]  # the same on the host
     seq_lens: list[int]
+    split_t: torch.Tensor | None = None  # captured steps: [1] int32, keys per split, written each step
+    split_plan: tuple[int, int] | None = None  # captured steps: (key splits, keys per block) the kernel uses
     _work: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _splits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def split_scalar(self, split: int) -> torch.Tensor:
+        """A `[1]` int32 device tensor holding `split` (one upload per value per step)."""
+        if split not in self._splits:
+            self._splits[split] = torch.tensor([split], dtype=torch.int32).to(self.positions.device)
+        return self._splits[split]
 
     @property
     def num_tokens(self) -> int:
@@ -124,8 +133,10 @@ _MAX_SPLITS = 32
 
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
                      window: int = -1, nsplit: int | None = None) -> torch.Tensor:  # fmt: skip
-    """The Triton path of `attention`. `nsplit` (CUDA graphs, tests): the number of key splits; by default
-    enough splits for about two waves of programs over the longest sequence, in whole blocks."""
+    """The Triton path of `attention`. `nsplit` (tests): the number of key splits; by default enough
+    splits for about two waves of programs over the longest sequence (host shapes: a captured step sizes
+    them for the whole context), each a whole number of key blocks. A captured step reads the keys per
+    split from `ps.split_t`, which the runner sets from the step's actual longest sequence."""
     from onnxgen.backends.native import triton_paged as tp
 
     kpool, vpool = ps.storage.keys(layer), ps.storage.values(layer)
@@ -144,6 +155,11 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     per = -(-longest // nsplit)
     split = -(-per // block_n) * block_n
     nsplit = -(-longest // split)
+    if ps.split_t is not None:  # a captured step: the runner writes the split of each step's longest sequence
+        ps.split_plan = (nsplit, block_n)
+        split_arg = ps.split_t
+    else:
+        split_arg = ps.split_scalar(split)
     qc = q.contiguous()
     out = torch.empty_like(qc)
     direct = nsplit == 1
@@ -151,7 +167,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
     tp.paged_attn_kernel[(w, hkv, nsplit)](
         qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
-        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], split, nsplit,
+        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], split_arg, nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,

@@ -75,7 +75,7 @@ class _Graph:
     batch: int
     tokens: int
     wide: torch.Tensor  # int64 [3 * T + batch]: token ids, positions, slots (T = batch * tokens), logits rows
-    narrow: torch.Tensor  # int32 [batch * (1 + max pages)]: KV lengths, then the page table rows
+    narrow: torch.Tensor  # int32 [batch * (1 + max pages) + 1]: KV lengths, the page table rows, keys per split
     host_wide: torch.Tensor  # pinned host mirrors of `wide` and `narrow`, filled each step
     host_narrow: torch.Tensor
     uploaded: Any  # a CUDA event recorded after the last upload from the host mirrors
@@ -202,7 +202,7 @@ class NativeRunner:
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
         wide, nar = g.host_wide.numpy(), g.host_narrow.numpy()
         ids, pos, slots, last = wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], wide[3 * t :]
-        lens, table = nar[: g.batch], nar[g.batch :].reshape(g.batch, -1)
+        lens, table = nar[: g.batch], nar[g.batch : -1].reshape(g.batch, -1)
         scratch = self._scratch
         if m == 1:  # decodes: one token per sequence
             starts = [s.start for s in step.seqs]
@@ -227,6 +227,9 @@ class NativeRunner:
             last[0], lens[0] = n - 1, p0 + m
             table[0, :need] = s.pages[:need]  # entries past the KV length are never read
             table[0, need : (p0 + m - 1) // P + 1] = scratch
+        splits, block = g.step.split_plan  # keys per split for this step's longest sequence
+        per = -(-int(lens[:b].max()) // splits)
+        nar[-1] = -(-per // block) * block
         g.wide.copy_(g.host_wide, non_blocking=True)
         g.narrow.copy_(g.host_narrow, non_blocking=True)
         g.uploaded.record()
@@ -240,9 +243,9 @@ class NativeRunner:
         bm, m, t = g.batch, g.tokens, g.batch * g.tokens
         return paged.PagedStep(
             self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
-            last=g.wide[3 * t :], page_table=g.narrow[bm:].view(bm, self._max_pages),
+            last=g.wide[3 * t :], page_table=g.narrow[bm:-1].view(bm, self._max_pages),
             q_starts_t=torch.arange(0, t + 1, m, dtype=torch.int32, device=self._dev), seq_lens_t=g.narrow[:bm],
-            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm,
+            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm, split_t=g.narrow[-1:],
         )  # fmt: skip
 
     def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:
@@ -259,7 +262,8 @@ class NativeRunner:
         failure turn graphs off for this runner and repair what a broken capture leaves behind."""
         t, mp, P = batch * tokens, self._max_pages, self.page_size
         host_wide = torch.zeros(3 * t + batch, dtype=torch.int64).pin_memory()
-        host_narrow = torch.full((batch * (1 + mp),), self._scratch, dtype=torch.int32).pin_memory()
+        host_narrow = torch.full((batch * (1 + mp) + 1,), self._scratch, dtype=torch.int32).pin_memory()
+        host_narrow[-1] = self.spec.context_length  # keys per split until the first step sets it
         w = host_wide.numpy()
         w[t : 2 * t] = np.tile(np.arange(tokens), batch)
         w[2 * t : 3 * t] = self._scratch * P + w[t : 2 * t] % P

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["NSPLIT", "SPLIT", "MAXP"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, SPLIT, NSPLIT,
+@triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, SPLITP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
@@ -34,8 +34,9 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
     dmask = dcol < D
     qrow = ((qs + tok) * N + h * G + grp).to(tl.int64)
     q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    lo = sp * SPLIT
-    hi = tl.minimum(lo + SPLIT, tl.max(tl.where(rmask, limit, 0), 0))
+    split = tl.load(SPLITP)  # keys per split: from device memory, so a captured step sizes it per step
+    lo = sp * split
+    hi = tl.minimum(lo + split, tl.max(tl.where(rmask, limit, 0), 0))
     if window > 0:
         lo = tl.maximum(lo, tl.min(tl.where(rmask, limit, 1 << 30), 0) - window)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
