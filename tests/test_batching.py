@@ -152,6 +152,22 @@ def test_stateless_requests_share_prefixes_and_a_pin_survives_eviction(tiny_dir:
 # --- memory pressure ------------------------------------------------------------------------------------
 
 
+def test_sampled_requests_batched_equal_alone(tiny_dir: Path, alone_model: Any) -> None:
+    """Seeded sampling (temperature, top-k, top-p, min-p, penalties) in one batch: each request's tokens are
+    those it gets alone, whatever its neighbours ask for."""
+    model = onnxgen.load(str(tiny_dir), backend="native")
+    rng = np.random.default_rng(9)
+    settings_ = [dict(temperature=0.8, seed=1), dict(temperature=1.2, top_k=20, seed=2),
+                 dict(temperature=1.0, top_p=0.8, seed=3), dict(temperature=0.7, min_p=0.1, seed=4),
+                 dict(temperature=1.0, repetition_penalty=1.3, seed=5), dict(temperature=0.0)]  # fmt: skip
+    prompts = [rng.integers(3, 380, size=25).tolist() for _ in settings_]
+    handles = [model.submit(p, max_new_tokens=20, output_logits=True, **kw) for p, kw in zip(prompts, settings_, strict=True)]
+    for p, kw, h in zip(prompts, settings_, handles, strict=True):
+        ref = alone_model.generate(p, max_new_tokens=20, output_logits=True, reuse=False, **kw)
+        same(h.result(), ref)
+    check_pool(model)
+
+
 def test_pool_exhaustion_makes_requests_wait_and_every_result_is_right(tiny_dir: Path, alone_model: Any) -> None:
     spec = alone_model.spec
     # 12 pages = 192 tokens for 8 requests of 52-72 tokens each, all queued before the first step

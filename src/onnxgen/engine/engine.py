@@ -41,7 +41,7 @@ from onnxgen.errors import (
     InvalidRequest,
 )
 from onnxgen.package.spec import ModelSpec
-from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams, batch_argmax
+from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams, sample_rows
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -403,11 +403,10 @@ class Engine:
                 for c in chunks:
                     self._fail(c.req, exc)
                 return True
-            # plain greedy requests take their tokens from one batched argmax (one host transfer)
-            greedy = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
-                      if c.sample and out is not None and not isinstance(out, BaseException)
-                      and c.req.sampler.plain_greedy]  # fmt: skip
-            picked = dict(zip(greedy, batch_argmax([outs[i] for i in greedy]), strict=True))
+            # every sampled row's token in one call (one host transfer); a processor's error fails its request
+            rows = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
+                    if c.sample and out is not None and not isinstance(out, BaseException)]  # fmt: skip
+            picked = self._sample(chunks, outs, rows)
             for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
                 req = c.req
                 if isinstance(out, BaseException):
@@ -415,6 +414,9 @@ class Engine:
                     continue
                 req.computed = c.start + c.n
                 if not c.sample:
+                    continue
+                if isinstance(picked.get(i), BaseException):
+                    self._fail(req, picked[i])
                     continue
                 try:
                     finished = req.accept(out, picked.get(i))
@@ -424,6 +426,27 @@ class Engine:
                 if finished:
                     self._finish(req)
             return True
+
+    @staticmethod
+    def _sample(chunks: Sequence[Any], outs: Sequence[Any], rows: Sequence[int]) -> dict[int, Any]:
+        """The chosen token of each row in `rows` (indices into `chunks`), or the exception its processors
+        raised (that request alone fails)."""
+        ok: list[int] = []
+        picked: dict[int, Any] = {}
+        for i in rows:
+            sampler = chunks[i].req.sampler
+            if sampler.needs_processing:
+                try:
+                    outs_i = sampler.process(outs[i])
+                except Exception as exc:
+                    picked[i] = exc
+                    continue
+                picked[i] = outs_i  # processed logits, chosen below
+            ok.append(i)
+        logits = [picked.get(i, outs[i]) for i in ok]
+        tokens = sample_rows([chunks[i].req.sampler for i in ok], logits, processed=True)
+        picked.update(zip(ok, tokens, strict=True))
+        return picked
 
     def _finish(self, req: Request) -> None:
         self.scheduler.remove(req)

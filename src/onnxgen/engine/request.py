@@ -168,7 +168,7 @@ class Request:
 
     def accept(self, logits: Any, token: int | None = None) -> bool:
         """Sample the next token from the last fed position's `logits` (or take `token`, chosen for this
-        request by a batched call, see `Sampler.plain_greedy`), stream its text, and decide whether the
+        request by a batched call, `sampling.sample_rows`), stream its text, and decide whether the
         request is finished (then `finish_reason` is set). Returns True when finished. Raises what a
         processor or the `on_token` callback raises."""
         if self.output_logits:

@@ -1,6 +1,6 @@
 """Sampling: parameters, logits processors and samplers (numpy and torch paths)."""
 
 from onnxgen.sampling.params import SamplingParams
-from onnxgen.sampling.sampler import LogitsProcessor, Sampler, batch_argmax
+from onnxgen.sampling.sampler import LogitsProcessor, Sampler, sample_rows
 
-__all__ = ["LogitsProcessor", "Sampler", "SamplingParams", "batch_argmax"]
+__all__ = ["LogitsProcessor", "Sampler", "SamplingParams", "sample_rows"]
