@@ -52,3 +52,14 @@ def test_noise_depends_on_seed_step_and_token_only() -> None:
     assert np.array_equal(a, b[:64]), "a token's draw does not depend on the vocabulary size"
     assert not np.array_equal(a, race_noise_numpy(1, 3, 64)) and not np.array_equal(a, race_noise_numpy(2, 2, 64))
     assert (a > 0).all() and abs(float(np.mean(race_noise_numpy(5, 5, 100_000))) - 1.0) < 0.02  # Exp(1)
+
+
+@pytest.mark.gpu
+def test_cuda_batch_chooses_what_numpy_chooses() -> None:
+    rng = np.random.default_rng(4)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t in (0.0, 0.7, 1.3) for k in (0, 40) for p in (1.0, 0.9)]
+    for step in range(30):
+        logits = rng.normal(size=(len(params), 49152)).astype(np.float32) * 4
+        seeds = list(range(100, 100 + len(params)))
+        want = [choose_numpy(p, s, step, logits[i]) for i, (p, s) in enumerate(zip(params, seeds, strict=True))]
+        assert choose_rows(params, seeds, [step] * len(params), torch.from_numpy(logits).cuda()) == want
