@@ -1,0 +1,324 @@
+"""Edge cases of KV reuse that a mutation run over the reuse core found untested (issue 11, item 8).
+
+Each test names the planted bug it kills. They drive the public API (`onnxgen.load`, `Model.session()`,
+`Session.generate/evict`, `Model.close`, `Result.stats`, `load(max_kv_bytes=)`) wherever it can show the
+behaviour, so they keep proving it when `engine/` is rebuilt; where only an internal shows it (the
+decoder pool's memory, a backend that declines a rewind) the test says so. Every output is compared with
+a fresh, reuse-free run: identical greedy tokens, logits within 1e-5 (norm-relative).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxgen
+from onnxgen.engine.identity import make_identity
+
+from .conftest import native_available
+
+BACKENDS = ["ort", pytest.param("native", marks=pytest.mark.skipif(not native_available(), reason="native backend not importable"))]
+TOL = 1e-5
+N = 8
+BASE = list(range(3, 60))
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.max(np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)))
+
+
+def load(path: Path, backend: str = "ort", **kw):
+    opts = {"threads": 1} if backend == "ort" else {"kv_floor": 16}
+    return onnxgen.load(str(path), backend=backend, **opts, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load(tiny_dir)
+
+
+def run(session, prompt, **kw):
+    return session.generate(prompt, max_new_tokens=N, output_logits=True, **kw)
+
+
+def fresh(model, prompt, **kw):
+    return model.generate(prompt, max_new_tokens=N, output_logits=True, reuse=False, **kw)
+
+
+def check_same(result, ref):
+    assert result.tokens == ref.tokens
+    assert rel_err(result.logits, ref.logits) <= TOL
+
+
+# --- a backend that can rewind, but declines this once ------------------------------------------------
+# Planted bug: `reuse.apply` without `decoder.reset()` (or without `kept = 0`) after a declined rewind.
+
+
+def _decoder_class(backend: str) -> type:
+    if backend == "ort":
+        from onnxgen.backends.ort.decoder import OrtDecoder
+
+        return OrtDecoder
+    from onnxgen.backends.native.decoder import NativeDecoder
+
+    return NativeDecoder
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_declined_rewind_on_a_rewinding_backend_resets_and_recomputes(tiny_dir, backend, monkeypatch):
+    m = load(tiny_dir, backend)
+    s = m.session()
+    r1 = run(s, BASE)
+    cls = _decoder_class(backend)
+    original = cls.rewind_to
+    declined: list[int] = []
+
+    def rewind_to(self, n):
+        if n != self.kv_len():  # the decoder says it can rewind (can_rewind is True), then declines
+            declined.append(n)
+            return False
+        return original(self, n)
+
+    monkeypatch.setattr(cls, "rewind_to", rewind_to)
+    edited = BASE[:20] + [99] + BASE[21:]  # diverges at 20: the policy plans Rewind(20)
+    r2 = run(s, edited)
+    assert declined == [20], "the policy must have asked for a rewind (can_rewind is True)"
+    assert r2.stats.reused_tokens == 0 and r2.stats.prefilled_tokens == len(edited)
+    check_same(r2, fresh(m, edited))
+    monkeypatch.undo()
+    turn3 = edited + r2.tokens + [7]  # what the reset decoder now holds is reused exactly
+    r3 = run(s, turn3)
+    assert r3.stats.reused_tokens == len(edited) + len(r2.tokens) - 1
+    check_same(r3, fresh(m, turn3))
+    assert r1.tokens
+
+
+# --- identity of extra inputs -------------------------------------------------------------------------
+# Planted bugs: an input digested as `hash(repr(arr))` (numpy elides the middle of arrays over 1000
+# elements, so arrays differing there collide), or without its dtype or its shape.
+
+
+@pytest.fixture(scope="module")
+def vision_any_size(tmp_path_factory):
+    """A tiny package with a `pixel_values` input of any height and width ([batch, 3, h, w]; the graph
+    reduces it to a zero, so it shapes the identity but not the logits)."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    cfg = SyntheticConfig(num_layers=2, context_length=512, extra_inputs=("pixel_values",))
+    path = write_package(tmp_path_factory.mktemp("vision_any") / "pkg", cfg)
+    graph_file = path / "model.onnx"
+    proto = onnx.load(str(graph_file), load_external_data=False)
+    (pv,) = [i for i in proto.graph.input if i.name == "pixel_values"]
+    for axis, name in ((2, "height"), (3, "width")):
+        dim = pv.type.tensor_type.shape.dim[axis]
+        dim.ClearField("dim_value")
+        dim.dim_param = name
+    onnx.save(proto, str(graph_file))
+    return load(path)
+
+
+def test_large_attachments_differing_in_the_middle_reuse_nothing(vision_any_size):
+    m = vision_any_size
+    a = np.zeros((1, 3, 32, 32), dtype=np.float32)  # 3072 elements: repr() elides the middle
+    b = a.copy()
+    b[0, 1, 16, 16] = 1.0
+    assert repr(a) == repr(b)  # the collision the digest must not have
+    s = m.session()
+    run(s, BASE, inputs={"pixel_values": a})
+    r = run(s, BASE, inputs={"pixel_values": b})
+    assert r.stats.reused_tokens == 0 and r.stats.prefilled_tokens == len(BASE)
+    check_same(r, fresh(m, BASE, inputs={"pixel_values": b}))
+    again = run(s, BASE, inputs={"pixel_values": b.copy()})  # equal content: reused
+    assert again.stats.reused_tokens == len(BASE) - 1
+
+
+def test_same_attachment_bytes_in_another_shape_reuse_nothing(vision_any_size):
+    m = vision_any_size
+    a = np.arange(192, dtype=np.float32).reshape(1, 3, 8, 8)
+    b = a.reshape(1, 3, 4, 16)  # the same bytes, another image size
+    assert a.tobytes() == b.tobytes()
+    s = m.session()
+    run(s, BASE, inputs={"pixel_values": a})
+    r = run(s, BASE, inputs={"pixel_values": b})
+    assert r.stats.reused_tokens == 0
+    check_same(r, fresh(m, BASE, inputs={"pixel_values": b}))
+
+
+def test_identity_digest_covers_dtype_shape_and_every_byte():
+    """The identity itself (no graph accepts one input in two dtypes): equal bytes in another dtype or
+    shape, and arrays beyond repr's 1000-element summary that differ in one middle element, all differ."""
+    x = np.arange(16, dtype=np.float32)
+    digest = make_identity([1, 2], {"pixel_values": x}, "pkg").digest
+    assert digest is not None
+    assert make_identity([1, 2], {"pixel_values": x.copy()}, "pkg").digest == digest
+    assert make_identity([1, 2], {"pixel_values": x.view(np.int32)}, "pkg").digest != digest
+    assert make_identity([1, 2], {"pixel_values": x.reshape(4, 4)}, "pkg").digest != digest
+    big = np.zeros(5000, dtype=np.float64)
+    other = big.copy()
+    other[2500] = 1.0
+    assert repr(big) == repr(other)
+    assert (make_identity([1], {"v": big}, "pkg").digest != make_identity([1], {"v": other}, "pkg").digest)
+    assert make_identity([1], {"v": np.asfortranarray(np.eye(3))}, "pkg").digest == make_identity(
+        [1], {"v": np.eye(3)}, "pkg"
+    ).digest  # layout in memory is not content
+
+
+# --- chunked prefill of a suffix that is an exact multiple of chunk_size ------------------------------
+# Planted bug: `plan_chunks` dropping the last chunk when (end - start) % chunk_size == 0.
+
+
+def test_prefill_of_exact_multiples_of_the_chunk_size_matches_unchunked(tiny_dir, tiny):
+    m = load(tiny_dir, chunk_size=4)
+    s = m.session()
+    p1 = BASE[:16]  # 4 whole chunks from position 0
+    r1 = run(s, p1)
+    assert r1.stats.prefilled_tokens == 16
+    check_same(r1, fresh(tiny, p1))
+    held = len(p1) + len(r1.tokens) - 1
+    turn2 = p1 + r1.tokens
+    turn2 = turn2 + list(range(100, 100 + 12 - (len(turn2) - held)))  # a 12-token suffix: 3 whole chunks
+    r2 = run(s, turn2)
+    assert r2.stats.reused_tokens == held and r2.stats.prefilled_tokens == 12
+    check_same(r2, fresh(tiny, turn2))
+
+
+# --- one session, two threads ---------------------------------------------------------------------------
+# Planted bug: `Session.generate` without its request lock.
+
+
+class _Pause:
+    """A logits processor that, on its first call (inside the request), waits up to `seconds` for
+    `until` (the other thread's request finishing). Leaves the logits unchanged."""
+
+    def __init__(self, inside: threading.Event, until: threading.Event, seconds: float) -> None:
+        self.inside, self.until, self.seconds = inside, until, seconds
+        self.calls = 0
+
+    def __call__(self, logits, generated):
+        self.calls += 1
+        if self.calls == 1:
+            self.inside.set()
+            self.until.wait(self.seconds)
+        return logits
+
+
+def test_two_threads_on_one_session_run_one_after_the_other(tiny):
+    s = tiny.session()
+    inside, b_done = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+    errors: list[BaseException] = []
+
+    def first():
+        try:
+            results["a"] = run(s, BASE, processors=[_Pause(inside, b_done, 1.0)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def second():
+        try:
+            results["b"] = run(s, BASE)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            b_done.set()
+
+    ta = threading.Thread(target=first)
+    ta.start()
+    assert inside.wait(60), "the first request never sampled"
+    tb = threading.Thread(target=second)  # starts while the first request is inside the session
+    tb.start()
+    ta.join(60)
+    tb.join(60)
+    assert not errors, errors
+    a, b = results["a"], results["b"]
+    ref = fresh(tiny, BASE)
+    check_same(a, ref)
+    check_same(b, ref)
+    # serialised: the second request ran after the first committed, so it reused the first's context
+    assert a.stats.reused_tokens == 0 and b.stats.reused_tokens == len(BASE) - 1
+    assert s.retained_tokens == len(BASE) + len(b.tokens) - 1
+
+
+# --- evicted, or the engine closed, while a request runs ------------------------------------------------
+# Planted bugs: the running request's decoder reachable from `evict` / `close` (state not taken on entry,
+# or a pooled decoder handed out while still pooled).
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("action", ["evict", "close"])
+def test_evict_or_close_during_a_request_leaves_it_untouched(tiny_dir, backend, action):
+    m = load(tiny_dir, backend)
+    m.generate(BASE[:8], max_new_tokens=2, reuse=False)  # leaves an idle decoder in the pool
+    s = m.session()
+    fired: list[int] = []
+
+    def on_token(_piece):
+        fired.append(s.evict() if action == "evict" else m.close() or 0)
+
+    # 1. a session holding nothing: its request runs on a decoder from the pool
+    r1 = run(s, BASE, on_token=on_token)
+    assert fired, "the callback never ran: pick a prompt whose reply streams text"
+    check_same(r1, fresh(m, BASE))
+    # 2. a session holding a context: its request runs on the retained decoder
+    turn2 = BASE + r1.tokens + [40, 41]
+    if s.retained_tokens == 0:  # `close` after the commit of (1) is fine too: retain again
+        run(s, BASE)
+    fired.clear()
+    r2 = run(s, turn2, on_token=on_token)
+    assert fired and fired[0] == 0  # the running request holds the session's KV, not the session
+    assert r2.stats.reused_tokens == len(BASE) + len(r1.tokens) - 1
+    check_same(r2, fresh(m, turn2))
+    turn3 = turn2 + r2.tokens + [42]
+    r3 = run(s, turn3)  # the session is still usable, and what it reuses is right
+    assert r3.stats.reused_tokens + r3.stats.prefilled_tokens == len(turn3)
+    check_same(r3, fresh(m, turn3))
+
+
+# --- one session alone over max_kv_bytes --------------------------------------------------------------
+# Planted bug: `SessionRegistry.touch` only evicting *other* sessions.
+
+
+def test_a_session_alone_over_max_kv_bytes_retains_nothing(tiny_dir, tiny):
+    probe = tiny.session()
+    run(probe, BASE)
+    per = probe.kv_bytes()
+    assert per > 0
+    over = load(tiny_dir, max_kv_bytes=per - 1)
+    s = over.session()
+    r1 = run(s, BASE)
+    assert s.retained_tokens == 0 and s.kv_bytes() == 0 and over.retained_kv_bytes() == 0
+    r2 = run(s, BASE)
+    assert r2.stats.reused_tokens == 0
+    check_same(r2, r1)
+    exact = load(tiny_dir, max_kv_bytes=per)  # at the bound is within it
+    t = exact.session()
+    run(t, BASE)
+    assert t.kv_bytes() == per and exact.retained_kv_bytes() == per
+    assert run(t, BASE).stats.reused_tokens == len(BASE) - 1
+
+
+# --- the decoder pool empties what it takes back ---------------------------------------------------------
+# Planted bug: `DecoderPool.release` keeping the decoder without emptying it (its KV memory stays held by
+# an idle decoder). Internal: the pool is the only place that memory can be seen.
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_evicted_kv_is_freed_not_kept_by_the_idle_decoder(tiny_dir, backend):
+    m = load(tiny_dir, backend)
+    s = m.session()
+    run(s, BASE)
+    held = s.kv_bytes()
+    assert held > 0
+    assert s.evict() == held and s.kv_bytes() == 0
+    idle = m.pool.acquire()  # the decoder the eviction gave back
+    assert idle.kv_len() == 0
+    if backend == "ort":  # ort's reset frees the buffers; native keeps them for its CUDA graphs
+        assert idle.kv_bytes() == 0
+    m.pool.release(idle)
+    r = run(s, BASE)
+    assert r.stats.reused_tokens == 0
+    check_same(r, fresh(m, BASE))
