@@ -156,7 +156,7 @@ class NativeDecoder:
                 logits = None if extra else self._static_forward(tokens, start_pos)
                 if logits is None:
                     logits = self._run_eager(tokens, start_pos, extra)
-        except torch.cuda.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(
                 f"the device ran out of memory running {n} token(s) at position {start_pos}"
             ) from exc
@@ -233,7 +233,7 @@ class NativeDecoder:
         except NotCapturable as exc:  # the first capture will find out too and fall back to eager
             log.info("warm-up stopped: %s", exc)
         self.kv.set_length(0)
-        if self._dev.type == "cuda":
+        if self._dev.type == "cuda":  # pragma: cuda
             torch.cuda.synchronize(self._dev)
         done.update(steps)
         return time.perf_counter() - t
@@ -248,6 +248,7 @@ class NativeDecoder:
             return None
         if not self._use_graphs:  # the captured code path, run eagerly (tests, CPU)
             return _last_logits(self._run_static(tokens, start, m))
+        # pragma: cuda-begin (CUDA graphs)
         if self._graph_gen != self.kv.generation:
             # NOTE: the KV buffers were reallocated, so every captured graph is stale. Dropping the
             # graphs frees their private memory pool: forget its handle too, or the next capture
@@ -281,6 +282,7 @@ class NativeDecoder:
         graph, out = entry
         graph.replay()
         return _last_logits(out)
+        # pragma: cuda-end
 
     def _run_static(self, tokens: Sequence[int], start: int, m: int) -> torch.Tensor:
         """Run `tokens` at `start` as a static step of `m` positions, uncaptured; returns the program's
@@ -307,7 +309,7 @@ class NativeDecoder:
         ctx = RunCtx(self.kv, -1, m, positions, past=past, last=self._step_dev[1:2] if m > 1 else None)
         return env, ctx
 
-    def _capture(self, m: int) -> tuple[Any, torch.Tensor]:
+    def _capture(self, m: int) -> tuple[Any, torch.Tensor]:  # pragma: cuda
         # Warm up on a side stream (compiles Triton kernels, settles allocator), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -323,7 +325,7 @@ class NativeDecoder:
             out = self._exec(env, ctx)
         return graph, out
 
-    def _capture_failed(self, exc: BaseException) -> None:
+    def _capture_failed(self, exc: BaseException) -> None:  # pragma: cuda
         """After a capture that raised: disable graphs for this decoder (logged once), drop its graphs
         and pool, and repair what a broken capture leaves behind process-wide."""
         if self._use_graphs:
@@ -356,12 +358,14 @@ def device_lock(dev: torch.device) -> Any:
     it: CUDA graph capture state is per process); a no-op context on the CPU."""
     if dev.type != "cuda":
         return _NoLock()
+    # pragma: cuda-begin
     key = str(dev)
     with _DEVICE_LOCKS_GUARD:
         return _DEVICE_LOCKS.setdefault(key, threading.RLock())
+    # pragma: cuda-end
 
 
-def _repair_after_failed_capture(dev: torch.device) -> None:
+def _repair_after_failed_capture(dev: torch.device) -> None:  # pragma: cuda
     """A capture that raised before `capture_end` completed leaves the default CUDA generator in its
     capture state, and every later random op of the process fails ("Offset increment outside graph
     capture"). A small successful capture runs the generator's capture prologue and epilogue again,
@@ -408,6 +412,7 @@ class _Staging:
         if not self._cuda:
             out.copy_(values)
             return
+        # pragma: cuda-begin (pinned staging buffers)
         i = self._i
         self._i = (i + 1) % len(self._bufs)
         ev = self._events[i]
@@ -422,6 +427,7 @@ class _Staging:
         buf[:k].copy_(values)
         out.copy_(buf[:k], non_blocking=True)
         ev.record()
+        # pragma: cuda-end
 
 
 _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
