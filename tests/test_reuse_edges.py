@@ -313,8 +313,14 @@ def test_evicted_kv_is_freed_not_kept_by_the_idle_decoder(tiny_dir, backend):
     run(s, BASE)
     held = s.kv_bytes()
     assert held > 0
+    released = []
+    release = m.pool.release
+    m.pool.release = lambda d: (released.append(d), release(d))  # a spy: what the eviction hands back
     assert s.evict() == held and s.kv_bytes() == 0
-    idle = m.pool.acquire()  # the decoder the eviction gave back
+    m.pool.release = release
+    assert len(released) == 1
+    idle = m.pool.acquire()
+    assert idle is released[0]  # recycled, and emptied
     assert idle.kv_len() == 0
     if backend == "ort":  # ort's reset frees the buffers; native keeps them for its CUDA graphs
         assert idle.kv_bytes() == 0
@@ -322,3 +328,115 @@ def test_evicted_kv_is_freed_not_kept_by_the_idle_decoder(tiny_dir, backend):
     r = run(s, BASE)
     assert r.stats.reused_tokens == 0
     check_same(r, fresh(m, BASE))
+
+
+# --- further survivors of benchmarks/mutation.py (docs/mutation.md) ---------------------------------------
+
+
+def test_a_prompt_differing_at_its_first_token_reuses_nothing(tiny):
+    s = tiny.session()
+    run(s, BASE)
+    other = [BASE[0] + 1, *BASE[1:]]  # every token equal but the first
+    r = run(s, other)
+    assert r.stats.reused_tokens == 0 and r.stats.prefilled_tokens == len(other)
+    check_same(r, fresh(tiny, other))
+
+
+def test_identity_digest_covers_input_names_and_raw_bytes():
+    x = np.arange(4, dtype=np.float32)
+    d = make_identity([1], {"a": x}, "pkg").digest
+    assert d is not None and len(d) == 16  # blake2b-128 (REUSE.md invariant 4)
+    assert make_identity([1], {"b": x}, "pkg").digest != d  # the same value under another input
+    assert make_identity([1], {"a": x, "b": x}, "pkg").digest not in (d, None)
+    raw = make_identity([1], {"a": b"\x00\x01"}, "pkg")
+    assert raw.retainable
+    assert make_identity([1], {"a": bytearray(b"\x00\x01")}, "pkg").digest == raw.digest
+    assert make_identity([1], {"a": memoryview(b"\x00\x01")}, "pkg").digest == raw.digest
+    assert make_identity([1], {"a": b"\x00\x02"}, "pkg").digest != raw.digest
+    assert make_identity([1], {"a": b"\x00\x01\x00"}, "pkg").digest != raw.digest
+    # bytes then a name, or a longer name: the fields cannot run into each other
+    assert make_identity([1], {"a": b"b", "c": b""}, "pkg").digest != make_identity([1], {"a": b"", "bc": b""}, "pkg").digest
+    assert make_identity([1], {"a": x}, "pkg").digest != make_identity([1], {"a": x.tobytes()}, "pkg").digest
+    assert make_identity([1], {"a": 1.5}, "pkg").digest is None and not make_identity([1], {"a": 1.5}, "pkg").retainable
+
+
+def test_identity_digests_torch_tensors_by_dtype_shape_and_bytes():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6, dtype=torch.float32)
+    d = make_identity([1], {"a": t}, "pkg").digest
+    assert d is not None and make_identity([1], {"a": t.clone()}, "pkg").digest == d
+    assert make_identity([1], {"a": t.view(2, 3)}, "pkg").digest != d
+    assert make_identity([1], {"a": t.view(torch.int32)}, "pkg").digest != d
+    u = t.clone()
+    u[3] = 7.0
+    assert make_identity([1], {"a": u}, "pkg").digest != d
+    bf = torch.ones(3, dtype=torch.bfloat16)  # no numpy dtype: digested as raw bytes
+    assert make_identity([1], {"a": bf}, "pkg").digest != make_identity([1], {"a": bf * 2}, "pkg").digest
+    strided = t[::2]  # a view with strides: digested by content
+    assert make_identity([1], {"a": strided}, "pkg").digest == make_identity([1], {"a": strided.contiguous()}, "pkg").digest
+
+
+class _FakeDecoder:
+    """The Decoder protocol's bookkeeping only: a length, reset/close counters, an optional broken reset."""
+
+    backend, device, can_rewind = "fake", "cpu", True
+
+    def __init__(self, length: int = 0, broken: bool = False) -> None:
+        self.length, self.broken = length, broken
+        self.resets = self.closes = 0
+
+    def kv_len(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        if self.broken:
+            raise RuntimeError("reset failed")
+        self.resets += 1
+        self.length = 0
+
+    def kv_bytes(self) -> int:
+        return self.length * 8
+
+    def close(self) -> None:
+        self.closes += 1
+
+
+def test_decoder_pool_recycles_emptied_decoders_and_closes_the_rest():
+    """Internal (`engine/session.py::DecoderPool`): release empties and keeps up to `keep` decoders, closes
+    surplus and broken ones; acquire hands each kept decoder out once; close closes the idle ones."""
+    from onnxgen.engine.session import DecoderPool
+
+    made: list[_FakeDecoder] = []
+
+    def factory() -> _FakeDecoder:
+        made.append(_FakeDecoder())
+        return made[-1]
+
+    pool = DecoderPool(factory, keep=2)
+    a, b, c = _FakeDecoder(5), _FakeDecoder(6), _FakeDecoder(7)
+    pool.release(None)  # nothing to do
+    for d in (a, b, c):
+        pool.release(d)
+    assert (a.length, b.length, c.length) == (0, 0, 0) and (a.resets, b.resets, c.resets) == (1, 1, 1)
+    assert (a.closes, b.closes, c.closes) == (0, 0, 1)  # kept two, closed the third
+    got = {id(pool.acquire()), id(pool.acquire())}
+    assert got == {id(a), id(b)} and made == []
+    fresh_one = pool.acquire()
+    assert made == [fresh_one]  # the pool was empty: a new decoder
+    broken = _FakeDecoder(3, broken=True)
+    pool.release(broken)
+    assert broken.closes == 1 and pool.acquire() is not broken
+    pool.release(a)
+    pool.close()
+    assert a.closes == 1 and pool.acquire() is made[-1] and len(made) == 3
+
+
+def test_sessions_keep_their_names_and_unnamed_ones_get_distinct_names(tiny):
+    assert tiny.session("chat-7").name == "chat-7"
+    a, b = tiny.session(), tiny.session()
+    assert a.name and b.name and a.name != b.name
+    assert tiny.default_session.name == "default"
+    closed = tiny.session("gone")
+    closed.close()
+    with pytest.raises(onnxgen.errors.InvalidRequest, match="gone is closed"):
+        closed.generate(BASE, max_new_tokens=1)
