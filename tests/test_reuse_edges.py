@@ -440,3 +440,93 @@ def test_sessions_keep_their_names_and_unnamed_ones_get_distinct_names(tiny):
     closed.close()
     with pytest.raises(onnxgen.errors.InvalidRequest, match="gone is closed"):
         closed.generate(BASE, max_new_tokens=1)
+
+
+class _Opaque:
+    """An input the identity cannot digest (the backend still reads it as an array)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    def __array__(self, dtype=None, copy=None):
+        return self.arr
+
+
+def test_failed_and_unretainable_requests_hand_their_decoder_back_emptied(vision_any_size):
+    """Internal (a spy on the decoder pool): a request that fails, or whose context cannot be retained,
+    gives its decoder back to the pool at once, emptied; the session holds nothing."""
+    m = vision_any_size
+    s = m.session()
+    released = []
+    release = m.pool.release
+    m.pool.release = lambda d: (released.append(d), release(d))
+    try:
+        run(s, BASE, inputs={"pixel_values": np.zeros((1, 3, 8, 8), np.float32)})
+        assert released == [] and s.retained_tokens > 0
+        with pytest.raises(onnxgen.errors.MissingRequiredInput) as failure:
+            run(s, BASE)  # no pixel_values: fails in the backend, after the reuse plan
+        assert failure.value is not None  # the traceback (and its frames) still alive here
+        assert len(released) == 1 and released[0].kv_len() == 0 and s.retained_tokens == 0
+        run(s, BASE, inputs={"pixel_values": _Opaque(np.zeros((1, 3, 8, 8), np.float32))})
+        assert len(released) == 2 and released[1].kv_len() == 0 and s.retained_tokens == 0
+        s.generate(BASE, max_new_tokens=2, reuse=False, inputs={"pixel_values": np.zeros((1, 3, 8, 8), np.float32)})
+        assert len(released) == 3 and released[2].kv_len() == 0
+    finally:
+        m.pool.release = release
+
+
+# --- the LRU bound on retained sessions (load(max_sessions=, max_kv_bytes=)) ----------------------------
+
+
+def _retaining(model, n):
+    return [model.session() for _ in range(n)]
+
+
+def test_lru_order_follows_use_and_sessions_holding_nothing_do_not_count(tiny_dir):
+    m = load(tiny_dir, max_sessions=2)
+    a, b, c = _retaining(m, 3)
+    run(a, BASE)
+    run(b, BASE)
+    run(a, BASE)  # a is now the most recently used
+    run(c, BASE)
+    assert (a.retained_tokens > 0, b.retained_tokens > 0, c.retained_tokens > 0) == (True, False, True)
+    m = load(tiny_dir, max_sessions=2)
+    a, b, c = _retaining(m, 3)
+    run(a, BASE)
+    run(b, BASE)
+    b.evict()  # b stays registered but holds nothing: it must not count against max_sessions
+    run(c, BASE)
+    assert (a.retained_tokens > 0, b.retained_tokens > 0, c.retained_tokens > 0) == (True, False, True)
+    assert m.retained_kv_bytes() == a.kv_bytes() + c.kv_bytes()
+
+
+def test_max_kv_bytes_evicts_only_as_many_sessions_as_needed(tiny_dir, tiny):
+    probe = tiny.session()
+    run(probe, BASE)
+    per = probe.kv_bytes()
+    m = load(tiny_dir, max_kv_bytes=2 * per)  # two fit exactly
+    a, b, c = _retaining(m, 3)
+    run(a, BASE)
+    run(b, BASE)
+    assert a.kv_bytes() == per and b.kv_bytes() == per and m.retained_kv_bytes() == 2 * per
+    run(c, BASE)  # 3 * per: evict the least recently used one, and only it
+    assert (a.retained_tokens, b.retained_tokens > 0, c.retained_tokens > 0) == (0, True, True)
+    assert m.retained_kv_bytes() == 2 * per
+
+
+def test_clear_and_close_drop_the_context_and_a_closed_session_is_collectable(tiny):
+    import gc
+    import weakref
+
+    s = tiny.session()
+    run(s, BASE)
+    assert s.retained_tokens > 0
+    s.clear()
+    assert s.retained_tokens == 0 and s.kv_bytes() == 0
+    assert run(s, BASE).stats.reused_tokens == 0  # still usable; nothing reused
+    s.close()
+    assert s.closed and s.retained_tokens == 0
+    ref = weakref.ref(s)
+    del s
+    gc.collect()
+    assert ref() is None  # the engine keeps no reference to a closed session
