@@ -179,3 +179,48 @@ def test_stop_scanner_holds_back_partial_matches_and_cuts_at_the_first_hit():
     assert s.feed("E") == ("E", False) and s.flush() == ""
     s = StopScanner(["ab"])
     assert s.feed("xa") == ("x", False) and s.flush() == "a" and s.flush() == ""
+
+
+def _scanners():
+    """The stop-string scanner of the batching engine's Request, and the decode loop's (while it exists)."""
+    import importlib
+
+    loop_scanner = getattr(importlib.import_module("onnxgen.engine.loop"), "_StopScanner", None)
+    return [StopScanner] + ([loop_scanner] if loop_scanner is not None else [])
+
+
+def _to_hosts():
+    import importlib
+
+    loop_to_host = getattr(importlib.import_module("onnxgen.engine.loop"), "_to_host", None)
+    return [to_host] + ([loop_to_host] if loop_to_host is not None else [])
+
+
+@pytest.mark.parametrize("scanner", _scanners())
+def test_stop_scanner_exact_cuts(scanner):
+    s = scanner(["END"])
+    assert s.feed("ENDx") == ("", True) and s.text == "" and s.flush() == ""  # a stop at the very start
+    s = scanner(["END"])
+    assert s.feed("ab") == ("ab", False)
+    assert s.feed("cENDx") == ("c", True)  # everything before the stop, nothing after
+    assert s.text == "abc" and s.flush() == ""
+    s = scanner(["END"])
+    assert s.feed("abE") == ("ab", False)  # "E" may start "END": held back
+    assert s.flush() == "E" and s.flush() == ""  # released once, at the end
+    s = scanner(["END", "XY"])
+    assert s.feed("aX") == ("a", False)
+    assert s.feed("EN") == ("X", False)  # "X" no longer starts "XY"; "EN" may start "END"
+    assert s.feed("D") == ("", True) and s.text == "aX"
+    s = scanner(["longer stop", "S"])
+    assert s.feed("xxxxxxxxxxxxxxS") == ("xxxxxxxxxxxxxx", True)  # the earliest hit wins
+    s = scanner(["ab"])
+    assert s.feed("xxxxxxxxxxxxxxxxa") == ("xxxxxxxxxxxxxxxx", False)
+    assert s.feed("b") == ("", True) and s.text == "xxxxxxxxxxxxxxxx"  # a stop across two feeds, far along
+
+
+@pytest.mark.parametrize("host", _to_hosts())
+def test_to_host_copies_float32_too(host):
+    x = np.arange(4, dtype=np.float32)
+    y = host(x)
+    x[:] = 9
+    assert y.tolist() == [0, 1, 2, 3]  # a copy, never a view of the decoder's reused buffer
