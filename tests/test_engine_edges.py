@@ -116,3 +116,16 @@ def test_ids_beyond_int64_are_named_and_long_ones_abbreviated(tiny):
 def test_prompts_of_no_known_form_are_invalid(tiny, prompt):
     with pytest.raises(onnxgen.errors.InvalidRequest, match="prompt must be a string"):
         tiny.generate(prompt, max_new_tokens=1)
+
+
+def test_the_tool_call_format_is_read_off_the_packages_template(tiny_dir, tmp_path):
+    import shutil
+
+    assert onnxgen.load(str(tiny_dir), backend="ort", threads=1).tool_format.name == "hermes"  # nothing told
+    pkg = tmp_path / "mistral"
+    shutil.copytree(tiny_dir, pkg)
+    template = pkg / "chat_template.jinja"
+    template.write_text("{# calls are written as [TOOL_CALLS] [...] #}" + template.read_text())
+    assert onnxgen.load(str(pkg), backend="ort", threads=1).tool_format.name == "mistral"
+    forced = onnxgen.load(str(pkg), backend="ort", threads=1, tool_parser="llama3_json")
+    assert forced.tool_format.name == "llama3_json"  # the caller's choice wins
