@@ -5,7 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import onnxgen
+
+from .conftest import native_available
 
 SRC = Path(onnxgen.__file__).parent
 SEAM = {"kv_len", "rewind_to"}  # names unique to the decoder seam; reset() is checked at run time below
@@ -43,28 +47,34 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("backend", ["ort", pytest.param("native", marks=pytest.mark.skipif(
+    not native_available(), reason="native backend not importable"))])  # fmt: skip
+def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch, backend):
     """Every kv_len/rewind_to/reset call on a decoder during generation, reuse, eviction, failure
-    and cancellation comes from engine/reuse.py (or from inside the backend itself)."""
+    and cancellation comes from engine/reuse.py (or from inside the backend itself), on both backends."""
     import sys
     import threading
 
-    from onnxgen.backends.ort.decoder import OrtDecoder
+    if backend == "ort":
+        from onnxgen.backends.ort.decoder import OrtDecoder as cls
+    else:
+        from onnxgen.backends.native.decoder import NativeDecoder as cls
 
     callers: list[str] = []
 
     def spy(name):
-        original = getattr(OrtDecoder, name)
+        original = getattr(cls, name)
 
         def wrapped(self, *a, **k):
             callers.append(Path(sys._getframe(1).f_code.co_filename).as_posix())
             return original(self, *a, **k)
 
-        monkeypatch.setattr(OrtDecoder, name, wrapped)
+        monkeypatch.setattr(cls, name, wrapped)
 
     for name in ("kv_len", "rewind_to", "reset"):
         spy(name)
-    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1, max_sessions=1)
+    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1, kv_floor=16, max_sessions=1, paged=False)
+    assert m.backend == backend
     a, b = m.session(), m.session()
     base = list(range(3, 40))
     r = a.generate(base, max_new_tokens=4)
@@ -78,8 +88,68 @@ def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch):
         pass
     m.generate(base, max_new_tokens=2, reuse=False)
     b.clear()
-    assert callers, "the spy saw no seam calls"
+    m.close()
+    seen = {Path(c).name for c in callers}
+    assert "reuse.py" in seen, "the spy saw no seam calls from the policy"
     bad = sorted({c for c in callers if not (c.endswith("onnxgen/engine/reuse.py") or "/onnxgen/backends/" in c)})
+    assert bad == []
+
+
+@pytest.mark.skipif(not native_available(), reason="native backend not importable")
+def test_at_run_time_only_the_kv_manager_changes_pages(tiny_dir, monkeypatch):
+    """With paged KV, page holders change only in kv/ (the allocator is driven by the manager and the
+    index), the index is changed only by the manager (and pins by engine/paged.py), and the manager is
+    called only by engine/paged.py (each class may call itself): through generation, reuse, session eviction, failure, cancellation,
+    `reuse=False` and close."""
+    import sys
+    import threading
+
+    from onnxgen.kv.manager import KVManager
+    from onnxgen.kv.pages import PageAllocator
+    from onnxgen.kv.prefix import PrefixIndex
+
+    allowed = {
+        PageAllocator: ({"alloc", "incref", "decref"}, ("onnxgen/kv/manager.py", "onnxgen/kv/prefix.py")),
+        PrefixIndex: ({"insert", "evict", "pin", "unpin", "clear"},
+                      ("onnxgen/kv/prefix.py", "onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
+        KVManager: ({"open", "grow", "commit", "release"}, ("onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
+    }  # fmt: skip
+    bad: list[str] = []
+    seen: set[str] = set()
+
+    def spy(cls, name, ok):
+        original = getattr(cls, name)
+
+        def wrapped(self, *a, **k):
+            caller = Path(sys._getframe(1).f_code.co_filename).as_posix()
+            seen.add(f"{cls.__name__}.{name}")
+            if not caller.endswith(ok):
+                bad.append(f"{cls.__name__}.{name} from {caller}")
+            return original(self, *a, **k)
+
+        monkeypatch.setattr(cls, name, wrapped)
+
+    for cls, (names, ok) in allowed.items():
+        for name in names:
+            spy(cls, name, ok)
+    m = onnxgen.load(str(tiny_dir), backend="native", max_sessions=1, kv_bytes=6 << 20)
+    assert m.paged
+    a, b = m.session(), m.session()
+    base = list(range(3, 40))
+    r = a.generate(base, max_new_tokens=4)
+    a.generate(base + r.tokens + [5], max_new_tokens=4)
+    a.generate(base[:10] + [7] + base[11:], max_new_tokens=4)
+    b.generate(base, max_new_tokens=4)  # unpins a (max_sessions=1)
+    ev = threading.Event()
+    try:
+        b.generate(base, max_new_tokens=4, on_token=lambda _: ev.set(), cancel=ev)
+    except onnxgen.OnnxgenError:
+        pass
+    m.generate(base, max_new_tokens=2, reuse=False)
+    b.clear()
+    m.close()
+    assert {"PageAllocator.alloc", "PrefixIndex.insert", "PrefixIndex.pin", "PrefixIndex.unpin",
+            "KVManager.open", "KVManager.commit", "KVManager.release"} <= seen  # fmt: skip
     assert bad == []
 
 
@@ -91,6 +161,12 @@ def test_backends_do_not_import_the_engine_and_kv_imports_no_backend():
             assert not any(m.startswith("onnxgen.engine") for m in imported), rel
         if rel.startswith("kv/"):
             assert not any(m.startswith("onnxgen.backends") for m in imported), rel
+
+
+def test_a_session_reaches_its_engine_only_through_the_runner_protocol():
+    """engine/session.py never imports engine/engine.py, not even for type checking: `Engine` satisfies
+    `session.Runner`, so the engine depends on sessions and not the other way round."""
+    assert "onnxgen.engine.engine" not in _imports(SRC / "engine" / "session.py")
 
 
 def test_every_error_type_lives_in_errors_py():

@@ -35,8 +35,10 @@ def _conversation(session: Any, turns: list[list[int]]) -> list[Any]:
 def _check_concurrent_equals_serial(model: Any) -> None:
     vocab = model.spec.vocab_size
     plans = [_turns(100 + i, vocab) for i in range(THREADS)]
-    serial = [_conversation(model.session(), p) for p in plans]
-    sessions = [model.session() for _ in range(THREADS)]
+    # each conversation under a salt of its own: with paged KV, sessions under one salt share prefix pages,
+    # and the serial run's pages would be found by the concurrent run
+    serial = [_conversation(model.session(salt=f"serial-{i}"), p) for i, p in enumerate(plans)]
+    sessions = [model.session(salt=f"concurrent-{i}") for i in range(THREADS)]
     barrier = threading.Barrier(THREADS)
     out: list[Any] = [None] * THREADS
     errors: list[BaseException] = []
@@ -116,4 +118,4 @@ def test_cuda_failed_capture_falls_back_to_eager_and_leaves_the_process_usable(t
     fresh.forward(toks, 0)
     for t in range(4):
         fresh.forward([t + 3], fresh.kv_len())
-    assert fresh.info["cuda_graphs"] and fresh._graphs
+    assert fresh.info["cuda_graphs"] and fresh.info["graphs"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import onnxgen
-from onnxgen.engine.loop import _StopScanner, plan_chunks
+from onnxgen.engine.request import StopScanner
 from onnxgen.errors import ContextOverflow, EmptyPrompt, InvalidRequest
 from onnxgen.sampling import Sampler, SamplingParams
 
@@ -118,14 +118,8 @@ def test_output_logits_are_the_raw_step_logits(tiny):
     assert [int(np.argmax(row)) for row in r.logits] == r.tokens
 
 
-def test_plan_chunks():
-    assert plan_chunks(0, 10, None) == [(0, 10)]
-    assert plan_chunks(3, 10, 4) == [(3, 7), (7, 10)]
-    assert plan_chunks(0, 8, 8) == [(0, 8)]
-
-
 def test_stop_scanner_holds_back_partial_matches():
-    s = _StopScanner(["END"])
+    s = StopScanner(["END"])
     assert s.feed("abc E") == ("abc ", False)
     assert s.feed("N") == ("", False)
     assert s.feed("X") == ("ENX", False)
@@ -170,16 +164,17 @@ def test_sampling_precedence_uses_package_defaults_when_not_given():
 
 @pytest.mark.parametrize("backend", ["ort", "native"])
 def test_close_frees_every_cache_and_sessions_stay_usable(tiny_dir, backend):
-    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1)
+    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1, paged=False)
     s = m.session()
     prompt = list(range(5, 40))
     first = s.generate(prompt, max_new_tokens=4)
     m.generate(prompt, max_new_tokens=4)
     m.generate(prompt, max_new_tokens=4, reuse=False)  # leaves an idle decoder (with its buffers) in the pool
-    assert s.kv_bytes() > 0 and m.default_session.kv_bytes() > 0 and m.pool._free
+    assert s.kv_bytes() > 0 and m.default_session.kv_bytes() > 0
+    assert m.pool.idle >= 1 and m.pool.kv_bytes() > 0
     m.close()
     assert s.kv_bytes() == 0 and m.default_session.kv_bytes() == 0 and m.registry.total_kv_bytes() == 0
-    assert not m.pool._free
+    assert m.pool.idle == 0 and m.pool.kv_bytes() == 0
     again = s.generate(prompt, max_new_tokens=4)  # nothing retained: computed from scratch, same tokens
     assert again.stats.reused_tokens == 0 and again.tokens == first.tokens
 

@@ -34,10 +34,12 @@ def load(
     path: a package folder; omitted (or "default") means the embedded default model, built on first
     use (needs the `convert` extra). backend: "auto" (native on CUDA, ort on CPU), "ort" or
     "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, tool_parser
-    (hermes | llama3_json | mistral; default: detected from the chat template), and backend
-    options: threads (ort), kv_floor (smallest KV capacity bucket, both), cuda_graphs and
-    graph_max_tokens (native on CUDA: replay decode and prefill chunks of up to this many tokens,
-    default 1024, from CUDA graphs).
+    (hermes | llama3_json | mistral; default: detected from the chat template), and the options each
+    backend declares (`OPTIONS` in `onnxgen.backends.ort` / `onnxgen.backends.native`; a backend
+    ignores the other's): threads, kv_mode, last_logits (ort), kv_floor (smallest KV capacity bucket,
+    both), cuda_graphs and graph_max_tokens (native on CUDA: replay decode and prefill chunks of up to
+    this many tokens, default 1024, from CUDA graphs), static_steps (native, testing).
+    Raises `InvalidRequest` for an unknown backend, device or option.
     """
     from onnxgen.convert.default import resolve_model_path
     from onnxgen.engine.engine import Engine

@@ -1,6 +1,9 @@
 """Backends run a package's graph behind the `Decoder` protocol (see `base.py`).
 
-Heavy dependencies are imported lazily: choosing the ort backend never imports torch.
+Heavy dependencies are imported lazily: choosing the ort backend never imports torch. Each backend
+package declares the keyword options its decoder takes (`OPTIONS` in `backends/ort/__init__.py` and
+`backends/native/__init__.py`); `backend_options()` collects those declarations for the engine, which
+checks the user's options against them.
 """
 
 from __future__ import annotations
@@ -11,19 +14,26 @@ from onnxgen.errors import BackendUnavailable, InvalidRequest
 
 if TYPE_CHECKING:
     from onnxgen.backends.base import Decoder
+    from onnxgen.backends.batch import BatchRunner
     from onnxgen.package.spec import ModelSpec
 
 BACKENDS = ("auto", "ort", "native")
 DEVICES = ("cpu", "cuda")
-# Options each backend takes (a backend ignores the other's, so one call works with backend="auto").
-OPTIONS = {
-    "ort": ("threads", "kv_floor", "kv_mode", "last_logits"),
-    "native": ("kv_floor", "cuda_graphs", "graph_max_tokens", "static_steps"),
-}
+
+
+def backend_options() -> dict[str, tuple[str, ...]]:
+    """The keyword options each concrete backend declares (its decoder's and its batched runner's), by
+    backend name (imports no backend)."""
+    from onnxgen.backends import native, ort
+
+    return {"ort": ort.OPTIONS, "native": (*native.OPTIONS, *native.RUNNER_OPTIONS)}
 
 
 def resolve_backend(backend: str, device: str) -> str:
-    """Return the concrete backend for `backend` on `device`: `auto` picks native on CUDA, ort on CPU."""
+    """Return the concrete backend for `backend` on `device`: `auto` picks native on CUDA, ort on CPU.
+
+    The one check of the user's backend and device names (the engine calls it; decoders only assert):
+    raises `InvalidRequest` for an unknown one."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", field="backend")
     if device not in DEVICES:
@@ -34,28 +44,42 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -> Decoder:
-    """Build a decoder for `spec`. `backend` must already be resolved ("ort" or "native").
-    Raises `InvalidRequest` for an option no backend takes (a typo must not be silently ignored)."""
-    known = sorted({o for opts in OPTIONS.values() for o in opts})
-    for name in options:
-        if name.startswith("_"):
-            continue  # internal (e.g. a forked decoder's shared session)
-        if name not in known:
-            raise InvalidRequest(
-                f"unknown option {name!r}; load() takes chunk_size, max_sessions, max_kv_bytes, tool_parser and the "
-                f"backend options {', '.join(known)}",
-                field=name,
-            )
+    """Build a decoder for `spec`. `backend` must already be resolved ("ort" or "native") and `device`
+    checked (`resolve_backend`). `options` were checked against `backend_options()` by the caller; the
+    decoder gets those its backend declares (a backend ignores another's options, so one set of options
+    works with backend="auto"). Raises `BackendUnavailable` when the backend's dependencies are missing."""
+    assert backend in ("ort", "native") and device in DEVICES, (backend, device)
+    declared = backend_options()
+    assert set(options) <= {o for opts in declared.values() for o in opts}, f"unchecked options {sorted(options)}"
+    from onnxgen.backends import native, ort
+
+    mine = {k: v for k, v in options.items() if k in (ort.OPTIONS if backend == "ort" else native.OPTIONS)}
     if backend == "ort":
         from onnxgen.backends.ort.decoder import OrtDecoder
 
-        return OrtDecoder(spec, device=device, **options)
-    if backend == "native":
-        try:
-            from onnxgen.backends.native.decoder import NativeDecoder
-        except ImportError as exc:  # torch or onnx-ir missing
-            raise BackendUnavailable(
-                f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
-            ) from exc
-        return NativeDecoder(spec, device=device, **options)
-    raise InvalidRequest(f"unknown backend {backend!r}", field="backend")
+        return OrtDecoder(spec, device=device, **mine)
+    try:
+        from onnxgen.backends.native.decoder import NativeDecoder
+    except ImportError as exc:  # torch or onnx-ir missing
+        raise BackendUnavailable(
+            f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
+        ) from exc
+    return NativeDecoder(spec, device=device, **mine)
+
+
+def create_runner(spec: ModelSpec, backend: str, device: str, **options: Any) -> BatchRunner:
+    """Build a batched runner over a paged KV pool for `spec` (see `backends/batch.py`), with the runner
+    options its backend declares (others are ignored). Raises `BackendUnavailable` when the backend has
+    no batched runner or cannot batch this package."""
+    assert backend in ("ort", "native") and device in DEVICES, (backend, device)
+    if backend != "native":
+        raise BackendUnavailable(f"the {backend} backend runs one request per decoder (no batched runner)")
+    from onnxgen.backends import native
+
+    try:
+        from onnxgen.backends.native.runner import NativeRunner
+    except ImportError as exc:  # torch or onnx-ir missing
+        raise BackendUnavailable(
+            f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
+        ) from exc
+    return NativeRunner(spec, device=device, **{k: v for k, v in options.items() if k in native.RUNNER_OPTIONS})

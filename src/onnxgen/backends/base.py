@@ -1,29 +1,68 @@
 """The Decoder protocol: the only seam between the engine and a backend.
 
 A decoder runs one model package for one sequence (batch 1) and owns its KV cache. The engine
-feeds it tokens at increasing positions and reads back the logits of the last position.
+feeds it tokens at increasing positions and reads back the logits of the last position. Both
+backends (`ort`, `native`) obey every point below; `tests/test_decoder_contract.py` runs the same
+checks against each of them.
 
 Contract
 --------
-- `forward(tokens, start_pos, inputs)` requires `start_pos == kv_len()` (asserted), appends the KV of
-  `tokens` and returns the logits of the last fed position as a 1-D array of `vocab_size` in the
-  backend's own array type (numpy for ort, torch for native): never a `[seq, vocab]` tensor.
-  `inputs` are extra graph inputs (e.g. `pixel_values`) from the request; a required one that is
-  missing raises `MissingRequiredInput`. On any exception the KV state is unspecified: callers must
-  `reset()` (the engine drops the decoder's retained context on failure).
-- `kv_len()` is the number of positions whose KV the cache holds.
-- `rewind_to(n)` (0 <= n <= kv_len()) truncates the cache to its first n positions and returns True,
-  or returns False and changes nothing when the backend cannot rewind.
-- `reset()` empties the cache (kv_len() becomes 0) and may free device memory.
-- `kv_bytes()` is the device memory the cache holds now, in bytes.
+Attributes (declared, never probed with getattr):
+- `backend` ("ort" | "native"), `device` ("cpu" | "cuda"): what runs it. The device name was checked
+  at the edge (`onnxgen.backends.resolve_backend`, called by the engine); a decoder asserts it.
+- `can_rewind`: whether `rewind_to(n)` can truncate the cache (ort off the CPU cannot).
+- `info`: a read-only snapshot (a new mapping on every read) describing the decoder, for display,
+  benchmarks and tests. Keys every decoder has:
+    `backend`, `device`       as the attributes
+    `kv_dtype`                the dtype the KV is stored in (the model's: "float32", "bfloat16", ...)
+    `kv_capacity`             positions the allocated cache holds before it must grow (>= kv_len();
+                              equal to kv_len() where the KV is sized by its length: ort's concat mode)
+    `weights`                 an opaque id of the loaded weights: decoders sharing weights (forks) report
+                              the same value
+  Backend-specific keys are documented in each decoder's docstring.
 
-Only the reuse policy (`onnxgen.engine.reuse`) calls `kv_len`, `rewind_to` and `reset`.
+Running:
+- `forward(tokens, start_pos, inputs)` appends the KV of `tokens` and returns the logits of the last fed
+  position as a 1-D float32 array of `vocab_size` in the backend's own array type (numpy for ort, a
+  torch tensor on the device for native; never a `[seq, vocab]` array, never a view the next forward
+  overwrites). `start_pos == kv_len()` and `len(tokens) >= 1` are the caller's invariants (asserted).
+  `inputs` are extra graph inputs (e.g. `pixel_values`); a required one that is missing raises
+  `MissingRequiredInput`. Errors: `ContextOverflow` when `start_pos + len(tokens)` exceeds the
+  package's context length (raised before anything runs: the cache is unchanged), `DeviceOutOfMemory`
+  when the device runs out of memory; anything else the runtime raises propagates unchanged. After
+  any other exception the KV state is unspecified: the caller resets (the engine drops the retained
+  context on failure).
+
+The KV seam (only the reuse policy, `onnxgen.engine.reuse`, calls these three; a test enforces it):
+- `kv_len()`: the number of positions whose KV the cache holds.
+- `rewind_to(n)`: keep the first n positions and return True, or return False and change nothing when
+  the backend cannot rewind (`can_rewind` False; `rewind_to(kv_len())` is always True). n outside
+  `[0, kv_len()]` is a programming error of the caller (the policy never plans one): asserted.
+- `reset()`: empty the cache (`kv_len()` becomes 0) and KEEP its allocated buffers for the next
+  request: capacity buffers stay (`kv_bytes()` and `info["kv_capacity"]` unchanged), so a reset before a
+  new prompt costs nothing and CUDA graphs captured on the buffers stay valid. KV sized by its length
+  (ort's concat mode) has nothing to keep and goes.
+
+Memory and lifetime:
+- `kv_bytes()`: the device memory the cache holds now, in bytes (allocated capacity, not the length).
+- `close()`: empty the cache AND free its memory (`kv_bytes()` becomes 0) and the decoder's other
+  private device state (CUDA graphs). Idempotent. The decoder stays usable: a later `forward`
+  allocates again. The weights are shared (see `fork`) and go with the last decoder that holds them.
+- `fork()`: a new decoder with an empty cache that shares this one's weights and options (no second
+  load). Safe to call while another thread runs this decoder.
+
+Construction: `create_decoder` in `onnxgen.backends`. Each backend declares the keyword options its
+decoder takes as `OPTIONS` in its package (`onnxgen.backends.ort`, `onnxgen.backends.native`); the
+engine validates the user's options against those declarations.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
+
+# The `info` keys every decoder has (see the contract above).
+INFO_KEYS = ("backend", "device", "kv_dtype", "kv_capacity", "weights")
 
 
 @runtime_checkable
@@ -32,9 +71,12 @@ class Decoder(Protocol):
     device: str  # "cpu" or "cuda"
     can_rewind: bool
 
-    def kv_len(self) -> int: ...
+    @property
+    def info(self) -> Mapping[str, Any]: ...
 
     def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None) -> Any: ...
+
+    def kv_len(self) -> int: ...
 
     def rewind_to(self, n: int) -> bool: ...
 
@@ -43,3 +85,5 @@ class Decoder(Protocol):
     def kv_bytes(self) -> int: ...
 
     def close(self) -> None: ...
+
+    def fork(self) -> Decoder: ...

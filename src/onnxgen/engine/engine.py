@@ -1,11 +1,21 @@
-"""The engine: one loaded package, its decoders, sessions and the request path.
+"""The engine: one loaded package, its KV, the scheduler, sessions and the request path.
 
-`Engine` is what `onnxgen.load()` returns (exported as `onnxgen.Model`). One request reads as three
-calls: prepare (tokens, identity, reuse plan) → run (the decode loop) → finish (result, stats).
+`Engine` is what `onnxgen.load()` returns (exported as `onnxgen.Model`). A request is a record
+(`engine/request.py`) submitted to the scheduler; the engine runs steps until it is done:
+
+    generate(prompt) = make_request -> submit -> drive (step until done) -> result
+    step()           = schedule (chunks within a token budget) -> run (one batch) -> postprocess
+                       (sample, stream, stop; finished requests commit their KV, failed ones drop it)
+
+Threads that call `generate` at the same time are batched together: whichever thread is driving steps
+for everyone, the others wait for their own request. KV comes from one of two adapters: a paged pool
+shared by every request with a prefix index (`engine/paged.py`; the native backend on packages it can
+batch) or one decoder per request (`engine/slots.py`; ort, and native packages it cannot batch).
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -13,14 +23,23 @@ from typing import Any
 
 import numpy as np
 
-from onnxgen.backends import create_decoder, resolve_backend
+from onnxgen.backends import backend_options, create_decoder, create_runner, resolve_backend
 from onnxgen.backends.base import Decoder
-from onnxgen.engine import loop
 from onnxgen.engine import reuse as reuse_policy
-from onnxgen.engine.identity import Identity, make_identity
+from onnxgen.engine.identity import make_identity
+from onnxgen.engine.request import Request, Status
 from onnxgen.engine.result import Result, Stats
-from onnxgen.engine.session import DecoderPool, Session, SessionRegistry
-from onnxgen.errors import ContextOverflow, EmptyPrompt, InvalidRequest
+from onnxgen.engine.scheduler import Scheduler
+from onnxgen.engine.session import Session, SessionRegistry
+from onnxgen.engine.slots import DecoderPool, SlotKV
+from onnxgen.errors import (
+    BackendUnavailable,
+    Cancelled,
+    ContextOverflow,
+    DeviceOutOfMemory,
+    EmptyPrompt,
+    InvalidRequest,
+)
 from onnxgen.package.spec import ModelSpec
 from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams
 
@@ -34,11 +53,28 @@ def _all_ints(seq: Sequence[Any]) -> bool:
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
 
+def _check_backend_options(options: Mapping[str, Any]) -> None:
+    """Raise `InvalidRequest` for an option no backend declares (a typo must not be silently ignored),
+    naming it and every option load() takes: the engine's own keyword arguments and the options the
+    backends declare (a backend ignores another's, so one set works with backend="auto")."""
+    declared = sorted({o for opts in backend_options().values() for o in opts})
+    for name in options:
+        if name not in declared:
+            params = inspect.signature(Engine.__init__).parameters.values()
+            own = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+            raise InvalidRequest(
+                f"unknown option {name!r}; load() takes {', '.join(own)} and the backend options "
+                f"{', '.join(declared)}",
+                field=name,
+            )
+
+
 class Engine:
     """A loaded model package ready to generate. Create with `onnxgen.load()`.
 
-    Thread-safety: each `Session` serialises its own requests; different sessions may run
-    concurrently (each has its own decoder and cache; weights are shared).
+    Thread-safety: every method may be called from any thread. Each `Session` serialises its own
+    requests; requests of different sessions (and stateless `generate` calls) run concurrently, batched
+    into the same steps when the KV is paged.
     """
 
     def __init__(
@@ -51,24 +87,61 @@ class Engine:
         max_sessions: int = 8,
         max_kv_bytes: int | None = None,
         tool_parser: str | None = None,
+        paged: bool | None = None,
+        max_running: int | None = None,
+        max_batch_tokens: int | None = None,
         **backend_options: Any,
     ) -> None:
+        """`paged`: share one paged KV pool between all requests, batched (None: when the backend can, i.e.
+        native with a package whose attention is fused; True: required, else `BackendUnavailable`; False:
+        one decoder per request). `max_running`: requests decoding at once (default 64 on CUDA, 16 on the
+        CPU with paged KV, 8 with decoders). `max_batch_tokens`: tokens per step (default 2048 on CUDA, 512
+        on the CPU; unbounded with decoders, where only `chunk_size` splits a prompt)."""
         from onnxgen.text import ChatTemplate, Tokenizer
 
         self.spec = spec.with_chunk_size(chunk_size)
         self.device = device
         self.backend = resolve_backend(backend, device)
+        _check_backend_options(backend_options)
+        for name, v in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise InvalidRequest(f"{name} must be an int >= 1, got {v!r}", field=name)
         self.tokenizer = Tokenizer.from_spec(self.spec)
         self.chat_template = ChatTemplate.from_spec(self.spec, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys((*self.spec.eos_token_ids, *self.tokenizer.eos_token_ids)))
-        self._backend_options = dict(backend_options)
-        self._prototype = create_decoder(self.spec, self.backend, device, **backend_options)
-        self._prototype_lock = threading.Lock()
-        self.pool = DecoderPool(self._new_decoder)
-        if getattr(self._prototype, "fork", None) is None:
-            # Without fork the prototype is an ordinary decoder. With fork it must stay out of the
-            # pool: the pool closes surplus decoders, and a closed prototype cannot fork.
+        self.pool: DecoderPool | None = None
+        self.executor: Any = None
+        if paged is not False and self.backend == "native":
+            try:
+                from onnxgen.engine.paged import PagedKV
+
+                self.executor = PagedKV(create_runner(self.spec, self.backend, device, **backend_options))
+            except BackendUnavailable:
+                if paged:
+                    raise
+        elif paged:
+            raise BackendUnavailable(f"paged KV needs the native backend (this engine runs {self.backend})")
+        if self.executor is None:
+            self._prototype = create_decoder(self.spec, self.backend, device, **backend_options)
+            self._prototype_lock = threading.Lock()
+            self.pool = DecoderPool(self._new_decoder)
+            # NOTE: the prototype is an ordinary decoder too; a closed decoder stays usable and still forks
             self.pool.release(self._prototype)
+            self.executor = SlotKV(self.pool)
+        self.paged = self.executor.paged
+        cuda = device == "cuda"
+        if self.paged:
+            running = max_running or (64 if cuda else 16)
+            budget = max_batch_tokens or (2048 if cuda else 512)
+        else:
+            running = max_running or 8
+            budget = max_batch_tokens or (1 << 40)
+        self.scheduler = Scheduler(self.executor, max_running=running, token_budget=max(budget, running),
+                                   preempt=self.paged)  # fmt: skip
+        self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
+        self._progress = threading.Condition()
+        self._driving = False
+        self._stuck = 0
         self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
         self._default_session = Session(self, name="default")
         self.package_key = f"{self.spec.path.resolve()}|{self.spec.kv_dtype}|{self.backend}|{device}"
@@ -80,29 +153,34 @@ class Engine:
     # --- decoders & sessions -------------------------------------------------------------
 
     def _new_decoder(self) -> Decoder:
-        fork = getattr(self._prototype, "fork", None)
-        if fork is not None:
-            with self._prototype_lock:
-                return fork()
-        return create_decoder(self.spec, self.backend, self.device, **self._backend_options)
+        """A new empty decoder sharing the loaded weights (`Decoder.fork`)."""
+        with self._prototype_lock:
+            return self._prototype.fork()
 
-    def session(self, name: str | None = None) -> Session:
-        """A new conversation whose KV is retained between its requests."""
-        return Session(self, name)
+    def session(self, name: str | None = None, *, salt: str | None = None) -> Session:
+        """A new conversation whose KV is retained between its requests. `salt`: part of every identity
+        of its requests; requests under different salts never share KV (a server gives each tenant its
+        own). With paged KV, sessions under the same salt share the pages of common prefixes."""
+        return Session(self, name, salt=salt)
 
     @property
     def default_session(self) -> Session:
         return self._default_session
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Result:
-        """Generate on the implicit default session (so stateless callers reuse too).
+        """Generate (stateless callers reuse too: with paged KV through the prefix index, with decoders on
+        an implicit default session).
 
         prompt: `str` (raw text), a list of `{"role", "content"}` dicts (rendered through the chat
         template) or a list of token ids. Keyword arguments: max_new_tokens, temperature, top_k,
         top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed, stop,
         output_logits, on_token, reuse, inputs, processors, cancel, tools, tool_choice,
-        parallel_tool_calls. See `run_request`.
+        parallel_tool_calls, salt. See `run_request`.
         """
+        if self.paged:
+            salt = kwargs.pop("salt", None)
+            result, _ = self.run_request(prompt, owner=None, held=None, salt=salt, **kwargs)
+            return result
         return self._default_session.generate(prompt, **kwargs)
 
     # --- prompts -------------------------------------------------------------------------
@@ -168,12 +246,13 @@ class Engine:
 
     # --- the request path ----------------------------------------------------------------
 
-    def run_request(
+    def submit(
         self,
-        decoder: Decoder,
-        held: Identity | None,
         prompt: Prompt,
         *,
+        owner: Any = None,
+        held: Any = None,
+        salt: str | None = None,
         max_new_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
         output_logits: bool = False,
@@ -186,11 +265,16 @@ class Engine:
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
         **sampling: Any,
-    ) -> tuple[Result, Identity]:
-        """Run one request on `decoder`, whose cache holds `held` (None: unknown/empty).
+    ) -> Pending:
+        """Queue one request and return at once; `Pending.result()` runs steps until it is done (and so
+        does any other thread waiting for a request of this engine). Validation errors raise here.
 
-        `sampling` holds the `SamplingParams.resolve` keywords (temperature, top_k, top_p, min_p,
-        repetition_penalty, presence_penalty, frequency_penalty, seed); None means "not given".
+        `owner`: the session the request's context is kept for (None: nobody; with paged KV its pages
+        still join the prefix index). `held`: the owner's retained state, taken for this request: this
+        call disposes of it on every path (reused, replaced, or dropped on failure). `salt`: part of the
+        identity (requests under different salts share no KV). `sampling` holds the
+        `SamplingParams.resolve` keywords (temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, frequency_penalty, seed); None means "not given".
 
         Tools (chat prompts): `tools` are OpenAI-style definitions; `tool_choice` is "auto" (the default
         with tools: text or calls), "none" (text, never parsed), "required" (one or more calls) or
@@ -199,64 +283,193 @@ class Engine:
         whose arguments validate against the tool's schema ("required"/named: calls only), and parsed
         into `Result.tool_calls` (`finish_reason` "tool_calls", `Result.content` the text around them).
 
-        Returns the result and the identity of what the cache holds afterwards (prompt + every
-        generated token except the last). Raises typed errors for bad input; backend errors
-        propagate with their cause; the caller owns dropping the cache on any exception.
+        `Pending.result()` raises `Cancelled` when `cancel` is set, and backend errors with their cause;
+        on any of them nothing of the request stays in the cache.
         """
         t0 = time.perf_counter()
-        ids = self.encode_prompt(prompt, held.tokens if held is not None and reuse else (), tools=tools)
-        tool_grammar = self.tool_processor(tools, tool_choice, parallel_tool_calls)
-        if tool_grammar is not None:
-            processors = [*processors, tool_grammar]
-        if max_new_tokens is None:
-            max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}", field="max_new_tokens")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
-            raise InvalidRequest("stop must be a string or a list of strings", field="stop")
         try:
-            params = SamplingParams.resolve(self.spec.search, **sampling)
-        except TypeError as exc:  # an unknown keyword argument
-            raise InvalidRequest(f"unknown generate() argument: {exc}", field="sampling") from exc
-        self._check_inputs(inputs)
-        identity = make_identity(ids, inputs, self.package_key)
-        reused = reuse_policy.prepare(decoder, held if reuse else None, identity)
-        from onnxgen.text import IncrementalDetokenizer
+            ids = self.encode_prompt(prompt, held.identity.tokens if held is not None and reuse else (), tools=tools)
+            tool_grammar = self.tool_processor(tools, tool_choice, parallel_tool_calls)
+            if tool_grammar is not None:
+                processors = [*processors, tool_grammar]
+            if max_new_tokens is None:
+                max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+            if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+                raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}",
+                                     field="max_new_tokens")  # fmt: skip
+            stops = [stop] if isinstance(stop, str) else list(stop or [])
+            if not all(isinstance(s, str) for s in stops):
+                raise InvalidRequest("stop must be a string or a list of strings", field="stop")
+            try:
+                params = SamplingParams.resolve(self.spec.search, **sampling)
+            except TypeError as exc:  # an unknown keyword argument
+                raise InvalidRequest(f"unknown generate() argument: {exc}", field="sampling") from exc
+            self._check_inputs(inputs)
+            if salt is not None and not isinstance(salt, str):
+                raise InvalidRequest("salt must be a string", field="salt")
+            key = self.package_key if salt is None else f"{self.package_key}|salt={salt}"
+            digest = make_identity(ids, inputs, key).digest
+            from onnxgen.text import IncrementalDetokenizer
 
-        out = loop.run(
-            decoder, ids, reused, Sampler(params, ids, processors),
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
-            max_new_tokens=max_new_tokens, context_length=self.spec.context_length,
-            eos_ids=self.eos_token_ids, stop=stops, chunk_size=self.spec.chunk_size, inputs=inputs,
-            on_token=on_token, output_logits=output_logits, cancel=cancel,
-        )  # fmt: skip
-        fed = (ids + out.tokens)[: out.fed]
-        n = len(out.tokens)
+            req = Request(
+                prompt=ids, digest=digest, sampler=Sampler(params, ids, processors),
+                detokenizer=IncrementalDetokenizer(self.tokenizer), max_new_tokens=max_new_tokens,
+                context_length=self.spec.context_length, eos_ids=frozenset(self.eos_token_ids), stop=stops,
+                inputs=inputs, on_token=on_token, output_logits=output_logits, cancel=cancel, reuse=reuse,
+                chunk_size=self.spec.chunk_size, owner=owner, held=held,
+            )  # fmt: skip
+        except BaseException:
+            self.drop_state(held)
+            raise
+        self.scheduler.add(req)
+        return Pending(self, req, t0, tools, tool_choice)
+
+    def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
+        """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""
+        pending = self.submit(prompt, **kwargs)
+        return pending.result(), pending.request.kept
+
+    def _result(self, req: Request, t0: float, tools: Any, tool_choice: Any) -> Result:
+        n = len(req.output)
+        decode_s = req.t_done - req.t_first
         stats = Stats(
-            prompt_tokens=len(ids),
-            reused_tokens=reused,
-            prefilled_tokens=len(ids) - reused,
+            prompt_tokens=len(req.prompt),
+            reused_tokens=req.cached,
+            prefilled_tokens=len(req.prompt) - req.cached,
             generated_tokens=n,
-            ttft_s=out.ttft_s,
-            decode_tok_s=(n - 1) / out.decode_s if n > 1 and out.decode_s > 0 else 0.0,
-            total_s=time.perf_counter() - t0,
+            ttft_s=req.t_first - t0,
+            decode_tok_s=(n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
+            total_s=req.t_done - t0,
             backend=self.backend,
             device=self.device,
             chunk_size=self.spec.chunk_size,
         )
-        content: str | None = out.text
+        content: str | None = req.text
         calls: list[Any] = []
-        finish = out.finish_reason
+        finish = req.finish_reason or "stop"
         if tools and tool_choice != "none":
-            content, calls = self.tool_format.parse(out.text)
+            content, calls = self.tool_format.parse(req.text)
             if calls:
                 finish = "tool_calls"
-        result = Result(
-            text=out.text, tokens=out.tokens, finish_reason=finish, stats=stats,
-            prompt_ids=ids, logits=out.logits, tool_calls=calls, content=content,
+        return Result(
+            text=req.text, tokens=list(req.output), finish_reason=finish, stats=stats, prompt_ids=req.prompt,
+            logits=np.stack(req.logits) if req.output_logits else None, tool_calls=calls, content=content,
         )  # fmt: skip
-        return result, Identity(tuple(fed), identity.digest)
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def _drive(self, req: Request) -> None:
+        """Run steps until `req` is done. One thread drives at a time; the others wait for their own request
+        (it is stepped by the driver) or to take over driving when the driver's request is done."""
+        while True:
+            with self._progress:
+                while not req.done.is_set() and self._driving:
+                    self._progress.wait()
+                if req.done.is_set():
+                    return
+                self._driving = True
+            try:
+                while not req.done.is_set():
+                    self.step()
+                    with self._progress:
+                        self._progress.notify_all()
+            finally:
+                with self._progress:
+                    self._driving = False
+                    self._progress.notify_all()
+
+    def step(self) -> bool:
+        """One engine step: schedule, run the batch, sample and stream, finish or fail requests. Returns
+        False when there was nothing to do."""
+        with self._kv_lock:
+            chunks, cancelled = self.scheduler.schedule()
+            for req in cancelled:
+                self._fail(req, Cancelled("generation cancelled"))
+            if not chunks:
+                if self.scheduler.waiting and not self.scheduler.running:
+                    self._unstick()
+                return bool(cancelled)
+            self._stuck = 0
+            try:
+                outs = self.executor.run(chunks)
+            except Exception as exc:  # the batch failed: every request in it fails
+                for c in chunks:
+                    self._fail(c.req, exc)
+                return True
+            for c, out in zip(chunks, outs, strict=True):
+                req = c.req
+                if isinstance(out, BaseException):
+                    self._fail(req, out)
+                    continue
+                req.computed = c.start + c.n
+                if not c.sample:
+                    continue
+                try:
+                    finished = req.accept(out)
+                except Exception as exc:  # a processor or the on_token callback
+                    self._fail(req, exc)
+                    continue
+                if finished:
+                    self._finish(req)
+            return True
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        try:
+            req.kept = self.executor.finish(req)
+        except Exception as exc:
+            self._fail(req, exc)
+            return
+        self.executor.drop(req.held)
+        req.held = None
+        req.status = Status.FINISHED
+        req.t_done = time.perf_counter()
+        req.done.set()
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        self.scheduler.remove(req)
+        self.executor.release(req)
+        self.executor.drop(req.held)
+        req.held = None
+        req.error = exc
+        req.status = Status.FINISHED
+        req.t_done = time.perf_counter()
+        req.done.set()
+
+    def _unstick(self) -> None:
+        """Nothing runs and the first waiting request cannot get KV: first let every session's pinned
+        context go (they become evictable); if that was done already, the request cannot fit at all."""
+        if self._stuck == 0:
+            self._stuck = 1
+            self.registry.evict_all()
+            self._default_session.evict()
+            return
+        req = self.scheduler.waiting[0]
+        cap = getattr(self.executor, "capacity_tokens", 0)
+        self._fail(req, DeviceOutOfMemory(
+            f"the KV pool holds {cap} tokens and cannot hold this request's {req.num_tokens}: load the model "
+            f"with a larger kv_bytes, or send a shorter prompt"))  # fmt: skip
+
+    # --- KV state kept by sessions -----------------------------------------------------------
+
+    def drop_state(self, state: Any) -> None:
+        """Let go of a session's retained state (its decoder back to the pool, or its pin)."""
+        if state is not None:
+            with self._kv_lock:
+                self.executor.drop(state)
+
+    def state_bytes(self, state: Any) -> int:
+        return self.executor.state_bytes(state) if state is not None else 0
+
+    def kv_stats(self) -> dict[str, Any]:
+        """KV and scheduling numbers now: running and waiting requests, preemptions, and for paged KV the
+        pool's pages (total, free, used, indexed, shared), pinned sessions and prefix-cache hits."""
+        with self._kv_lock:
+            out: dict[str, Any] = {"paged": self.paged, "running": len(self.scheduler.running),
+                                   "waiting": self.scheduler.num_waiting(),
+                                   "preemptions": self.scheduler.preemptions}  # fmt: skip
+            out.update(self.executor.stats())
+        return out
 
     def tool_processor(self, tools: Sequence[Mapping[str, Any]] | None, choice: str | Mapping[str, Any] | None,
                         parallel: bool) -> LogitsProcessor | None:  # fmt: skip
@@ -305,11 +518,12 @@ class Engine:
 
     def close(self) -> None:
         """Free the device memory of every cache this engine holds: retained sessions (they stay
-        usable and reuse nothing next time) and idle pooled decoders. The weights go when the
+        usable and reuse nothing next time), idle pooled decoders or the unpinned pages of the index. The weights go when the
         last engine of the package is dropped."""
         self._default_session.evict()
         self.registry.evict_all()
-        self.pool.close()
+        with self._kv_lock:
+            self.executor.close()
 
     # --- what a server reads (public, read-only) -------------------------------------------------
 
@@ -317,3 +531,21 @@ class Engine:
         """Bytes of KV cache this engine's sessions retain now (the default session included). Read-only,
         safe from any thread; a gauge for servers and monitoring."""
         return self.registry.total_kv_bytes()
+
+
+class Pending:
+    """A submitted request: `result()` waits for it (driving the engine's steps when no other thread is)."""
+
+    def __init__(self, engine: Engine, req: Request, t0: float, tools: Any, tool_choice: Any) -> None:
+        self.engine, self.request = engine, req
+        self._t0, self._tools, self._tool_choice = t0, tools, tool_choice
+
+    def done(self) -> bool:
+        return self.request.done.is_set()
+
+    def result(self) -> Result:
+        """The finished request's `Result`; raises what it failed with (`Cancelled`, a backend error...)."""
+        self.engine._drive(self.request)
+        if self.request.error is not None:
+            raise self.request.error
+        return self.engine._result(self.request, self._t0, self._tools, self._tool_choice)

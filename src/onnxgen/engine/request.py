@@ -103,7 +103,9 @@ class Request:
     cancel: threading.Event | None = None
     reuse: bool = True
     chunk_size: int | None = None
-    owner: Any = None  # what the KV adapter commits into on success (a session's slot), or None
+    owner: Any = None  # the session that keeps this request's context on success, or None
+    held: Any = None  # the owner's retained state, taken for this request (docs/reuse.md, invariant 2)
+    kept: Any = None  # after success: the state the owner keeps (its decoder, or a pin on its context)
 
     id: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)

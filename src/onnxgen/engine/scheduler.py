@@ -128,6 +128,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
+            if req.admissions == 0:
+                req.cached = req.computed  # what the cache supplied of the prompt (the request's stats)
             req.admissions += 1
             self.running.append(req)
             chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens))

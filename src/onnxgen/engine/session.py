@@ -1,18 +1,20 @@
-"""Sessions: a decoder and the description of what its cache holds, kept alive across requests.
+"""Sessions: one conversation's retained context, kept alive across requests.
 
     Session.generate(request)
-      1. take      state = session.retained; session.retained = None      (REUSE.md 2)
-      2. identity  tokens + digest of every non-token input                (engine/identity.py)
-      3. reuse     plan/apply on the taken decoder: Reset | Keep | Rewind  (engine/reuse.py)
-      4. loop      chunked prefill of the suffix, decode                   (engine/loop.py)
-      5. commit    on success only: Retained(decoder, prompt + generated[:-1], digest)  (REUSE.md 3)
+      1. take      state = session.retained; session.retained = None        (docs/reuse.md, invariant 2)
+      2. request   tokens + identity digest; the engine schedules it         (engine/engine.py)
+      3. reuse     decoders: plan/apply Reset | Keep | Rewind on the taken decoder (engine/slots.py);
+                   paged KV: the longest indexed prefix under the identity    (engine/paged.py)
+      4. steps     chunked prefill of the suffix, decode, batched with others (engine/scheduler.py)
+      5. commit    on success only: the new state (invariant 3)
 
-The retained decoder and its identity are ONE value (`Retained`); no path updates one without the
-other. Any exception (including cancellation) between 1 and 5 drops the taken state: the failure
+The state is ONE value, opaque here: a decoder with exactly what its cache holds (`slots.Retained`), or
+a pin on the index path of the last context (`paged.Pinned`); no path updates its KV without its
+description. Any exception (including cancellation) between 1 and 5 drops the taken state: the failure
 direction is "lose the speedup", never "corrupt the context".
 
-Decoders share their model's weights; a `DecoderPool` hands out empty ones and takes back the
-caches of dropped or evicted states. `SessionRegistry` bounds retained KV (LRU by count and bytes).
+`SessionRegistry` bounds retained KV (LRU by count and bytes). A Session reaches its engine only
+through `Runner`: this module does not import the engine.
 """
 
 from __future__ import annotations
@@ -21,120 +23,84 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from onnxgen.backends.base import Decoder
-from onnxgen.engine import reuse
-from onnxgen.engine.identity import Identity
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from onnxgen.engine.engine import Engine
     from onnxgen.engine.result import Result
 
 
-@dataclass(frozen=True)
-class Retained:
-    """A live decoder plus exactly what its cache holds. Immutable; replaced, never edited."""
+class Runner(Protocol):
+    """What a Session needs from the engine that made it (`Engine` satisfies it)."""
 
-    decoder: Decoder
-    identity: Identity
+    registry: SessionRegistry  # touch() a session after it commits; forget() it when closed
 
-    def __post_init__(self) -> None:
-        assert self.identity.digest is not None, "undigestable contexts are never retained"
+    def run_request(self, prompt: Any, *, owner: Any, held: Any, salt: str | None,
+                    **kwargs: Any) -> tuple[Result, Any]:  # fmt: skip
+        """Run one request whose context `owner` keeps; `held` is the owner's retained state, taken for
+        the request (the engine disposes of it on every path). Returns the result and the new state to
+        keep (None: nothing)."""
+        ...
 
+    def drop_state(self, state: Any) -> None:
+        """Let go of a retained state (its KV is freed or becomes evictable)."""
+        ...
 
-class DecoderPool:
-    """Makes decoders that share one loaded model, and recycles emptied ones.
-
-    `factory()` builds a new empty decoder. `release(d)` empties `d` and keeps it for reuse.
-    """
-
-    def __init__(self, factory: Callable[[], Decoder], keep: int = 2) -> None:
-        self._factory = factory
-        self._free: list[Decoder] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def acquire(self) -> Decoder:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return self._factory()
-
-    def close(self) -> None:
-        """Close every idle decoder (frees their caches); later `acquire` calls build new ones."""
-        with self._lock:
-            free, self._free = self._free, []
-        for d in free:
-            d.close()
-
-    def release(self, decoder: Decoder | None) -> None:
-        """Drop `decoder`'s cache (frees its memory) and keep the decoder for later requests."""
-        if decoder is None:
-            return
-        try:
-            reuse.clear(decoder)
-        except Exception:  # a broken decoder is not worth keeping
-            decoder.close()
-            return
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(decoder)
-                return
-        decoder.close()
+    def state_bytes(self, state: Any) -> int:
+        """Device bytes a retained state holds."""
+        ...
 
 
 class Session:
     """One conversation's retained context. Thread-safe: one request at a time (others wait).
 
-    Use `Engine.session()` (or `Model.session()`) to make one.
+    Use `Engine.session()` (or `Model.session()`) to make one. `closed` is True after `close()`.
     """
 
     _ids = itertools.count(1)
 
-    def __init__(self, engine: Engine, name: str | None = None) -> None:
+    def __init__(self, engine: Runner, name: str | None = None, *, salt: str | None = None) -> None:
         self.engine = engine
         self.name = name or f"session-{next(self._ids)}"
+        self.salt = salt
         self._request_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._retained: Retained | None = None
+        self._retained: Any = None  # the engine's state: a retained decoder, or a pin on the paged index
         self.last_used = time.monotonic()
         self.closed = False
 
     # --- retained state: take / commit / evict (all under _state_lock) ---------------------
 
-    def _take(self) -> Retained | None:
+    def _take(self) -> Any:
         with self._state_lock:
             state, self._retained = self._retained, None
         return state
 
-    def _commit(self, state: Retained) -> None:
+    def _commit(self, state: Any) -> None:
         with self._state_lock:
             assert self._retained is None, "a request's state is committed into an occupied session"
             self._retained = state
             self.last_used = time.monotonic()
 
     def evict(self) -> int:
-        """Free the retained KV (the session stays usable and simply reuses nothing next time).
-        Returns the bytes freed. Safe to call from another thread; a running request is untouched."""
+        """Drop the retained KV (the session stays usable and simply reuses nothing it does not find in
+        the cache next time). Returns the bytes the session held. Safe to call from another thread; a
+        running request is untouched."""
         state = self._take()
         if state is None:
             return 0
-        freed = state.decoder.kv_bytes()
-        self.engine.pool.release(state.decoder)
+        freed = self.engine.state_bytes(state)
+        self.engine.drop_state(state)
         return freed
 
     @property
     def retained_tokens(self) -> int:
-        """How many tokens the retained cache covers (0 when nothing is retained)."""
+        """How many tokens the retained context covers (0 when nothing is retained)."""
         state = self._retained
         return len(state.identity.tokens) if state is not None else 0
 
     def kv_bytes(self) -> int:
         state = self._retained
-        return state.decoder.kv_bytes() if state is not None else 0
+        return self.engine.state_bytes(state) if state is not None else 0
 
     def clear(self) -> None:
         """Forget the retained context (e.g. the REPL's /reset); waits for a running request."""
@@ -158,25 +124,13 @@ class Session:
             raise InvalidRequest(f"{self.name} is closed", field="session")
         with self._request_lock:
             if not kwargs.get("reuse", True):
-                decoder = self.engine.pool.acquire()
-                try:
-                    result, _ = self.engine.run_request(decoder, None, prompt, **kwargs)
-                finally:
-                    self.engine.pool.release(decoder)
+                result, _ = self.engine.run_request(prompt, owner=None, held=None, salt=self.salt, **kwargs)
                 return result
             state = self._take()  # NOTE: from here on the session holds nothing (invariant 2)
-            decoder = state.decoder if state is not None else self.engine.pool.acquire()
-            held = state.identity if state is not None else None
-            try:
-                result, identity = self.engine.run_request(decoder, held, prompt, **kwargs)
-            except BaseException:
-                self.engine.pool.release(decoder)
-                raise
-            if identity.retainable:
-                self._commit(Retained(decoder, identity))
+            result, kept = self.engine.run_request(prompt, owner=self, held=state, salt=self.salt, **kwargs)
+            if kept is not None:
+                self._commit(kept)
                 self.engine.registry.touch(self)
-            else:
-                self.engine.pool.release(decoder)
             return result
 
 

@@ -2,20 +2,32 @@
 
 Layout per layer: `[1, kv_heads, capacity, head_dim]` ("BNSH", batch 1). New keys and values are
 written in place at `[length : length + n]`; `rewind_to(n)` only sets the length (O(1)); capacity
-grows in power-of-two buckets (never below `floor`) by copying the valid prefix into new buffers.
-Nothing is mirrored to the host. This module imports no backend (ARCHITECTURE.md: `kv/` never
-imports a backend); torch is imported lazily so `import onnxgen.kv` stays light.
+grows in power-of-two buckets (never below `floor`, see `capacity_bucket`) by copying the valid prefix
+into new buffers. Nothing is mirrored to the host. This module imports no backend (ARCHITECTURE.md:
+`kv/` never imports a backend). Buffers are torch tensors by default (torch imported lazily, so
+`import onnxgen.kv` stays light); a backend with its own array type passes `alloc` (the ort backend:
+numpy arrays that its OrtValues wrap), and growth is still this one code path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from onnxgen.errors import InvalidRequest
 
-def bucket_capacity(total: int, floor: int) -> int:
-    """The smallest power of two >= max(total, floor)."""
+
+def capacity_bucket(total: int, floor: int, limit: int | None = None) -> int:
+    """The KV capacity (in positions) a cache grows to so that it holds `total`: the smallest power of two
+    >= max(total, floor), except that it stops at `limit` (the context length) when `total` fits in it.
+
+        floor 256, limit 2000:  total 1 -> 256, 257 -> 512, 1025 -> 2000 (not 2048), 2001 -> 4096
+    """
     need = max(int(total), int(floor), 1)
-    return 1 << (need - 1).bit_length()
+    cap = 1 << (need - 1).bit_length()
+    if limit is not None and total <= limit < cap:
+        return limit
+    return cap
 
 
 class KVBuffers:
@@ -23,8 +35,13 @@ class KVBuffers:
 
     Contract: positions `[0, length)` of every layer hold valid KV; positions at or beyond `length`
     are garbage and never read by attention. `reserve(total)` guarantees `capacity >= total` (growing
-    by whole power-of-two buckets and preserving the valid prefix); it never shrinks. `length` is
-    only changed by `set_length` / `rewind_to` / `reset` (the decoder advances it after a forward).
+    to `capacity_bucket(total, floor, max_capacity)` and preserving the valid prefix); it never shrinks.
+    `length` is only changed by `set_length` / `rewind_to` / `reset` (the decoder advances it after a
+    forward). `reset()` keeps the buffers; `reset(free=True)` releases them.
+
+    `alloc(shape)` makes one buffer (default: `torch.empty` of `dtype` on `device`); any array type
+    with numpy/torch slicing and `nbytes` works. Raises `InvalidRequest` for a floor below 1 (it is
+    the user's `kv_floor` option).
     """
 
     def __init__(
@@ -38,9 +55,10 @@ class KVBuffers:
         floor: int = 256,
         max_capacity: int | None = None,
         value_head_dim: int | None = None,
+        alloc: Callable[[tuple[int, ...]], Any] | None = None,
     ) -> None:
         if floor < 1:
-            raise ValueError(f"kv floor must be >= 1, got {floor}")
+            raise InvalidRequest(f"kv_floor must be an int >= 1, got {floor!r}", field="kv_floor")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -49,6 +67,7 @@ class KVBuffers:
         self.device = device
         self.floor = floor
         self.max_capacity = max_capacity
+        self._alloc = alloc or self._torch_empty
         self.length = 0
         self.capacity = 0
         self.keys: list[Any] = []
@@ -58,33 +77,40 @@ class KVBuffers:
     # --- capacity ---------------------------------------------------------------------------
 
     def reserve(self, total: int) -> bool:
-        """Make room for `total` positions; return True when the buffers were reallocated."""
+        """Make room for `total` positions; return True when the buffers were reallocated.
+
+        If an allocation fails (out of memory) the buffers are released and the cache is empty
+        (length 0) before the error propagates: a half-grown cache is never left behind."""
         if total <= self.capacity:
             return False
-        import torch
-
-        cap = bucket_capacity(total, self.floor)
-        if self.max_capacity is not None and total <= self.max_capacity < cap:
-            cap = max(self.max_capacity, self.capacity)
+        cap = capacity_bucket(total, self.floor, self.max_capacity)
         n = self.length
         new_k, new_v = [], []
-        for layer in range(self.num_layers):
-            k = torch.empty((1, self.num_kv_heads, cap, self.head_dim), dtype=self.dtype, device=self.device)
-            v = torch.empty(
-                (1, self.num_kv_heads, cap, self.value_head_dim), dtype=self.dtype, device=self.device
-            )
-            if n:
-                k[:, :, :n].copy_(self.keys[layer][:, :, :n])
-                v[:, :, :n].copy_(self.values[layer][:, :, :n])
-            new_k.append(k)
-            new_v.append(v)
-            if self.keys:  # free the old layer before allocating the next one (peak = one layer extra)
-                self.keys[layer] = None
-                self.values[layer] = None
+        try:
+            for layer in range(self.num_layers):
+                k = self._alloc((1, self.num_kv_heads, cap, self.head_dim))
+                v = self._alloc((1, self.num_kv_heads, cap, self.value_head_dim))
+                if n:
+                    k[:, :, :n] = self.keys[layer][:, :, :n]
+                    v[:, :, :n] = self.values[layer][:, :, :n]
+                new_k.append(k)
+                new_v.append(v)
+                if self.keys:  # free the old layer before allocating the next one (peak = one layer extra)
+                    self.keys[layer] = None
+                    self.values[layer] = None
+        except BaseException:
+            del new_k, new_v
+            self.reset(free=True)
+            raise
         self.keys, self.values = new_k, new_v
         self.capacity = cap
         self.generation += 1
         return True
+
+    def _torch_empty(self, shape: tuple[int, ...]) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     # --- length -----------------------------------------------------------------------------
 
@@ -126,4 +152,4 @@ class KVBuffers:
 
     def nbytes(self) -> int:
         """Device bytes the buffers hold now (allocated capacity, not only the valid length)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+        return sum(int(t.nbytes) for t in (*self.keys, *self.values) if t is not None)

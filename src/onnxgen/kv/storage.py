@@ -50,6 +50,14 @@ class PageStorage:
     def values(self, layer: int) -> Any:
         return self.data[layer, 1]
 
+    def rows(self, layer: int) -> tuple[Any, Any]:
+        """A layer's keys and values as `[1, kv_heads, num_pages * page_size, head_dim]` views, whose rows
+        are slots (the layout of a contiguous per-sequence cache, with slots for positions)."""
+        n = self.num_pages * self.page_size
+        k = self.data[layer, 0].view(n, self.kv_heads, self.head_dim).permute(1, 0, 2).unsqueeze(0)
+        v = self.data[layer, 1].view(n, self.kv_heads, self.head_dim).permute(1, 0, 2).unsqueeze(0)
+        return k, v
+
     def write(self, layer: int, slots: Any, k: Any, v: Any) -> None:
         """Write `k`/`v` (`[T, kv_heads, head_dim]`) at `slots` (`[T]` int64 on the device), in place."""
         rows = self.num_pages * self.page_size

@@ -1,4 +1,12 @@
 """The native backend: ONNX graphs lowered to torch (CPU, CUDA) with the KV cache owned by the runtime.
 
 Import `onnxgen.backends.native.decoder.NativeDecoder` (torch is imported there, not here).
+
+`OPTIONS` declares the keyword options `NativeDecoder` takes (`onnxgen.load(..., **options)` passes them
+on): kv_floor (smallest KV capacity bucket), cuda_graphs, graph_max_tokens, static_steps (testing). See
+`NativeDecoder` for each. `RUNNER_OPTIONS` are those of the batched `NativeRunner` (paged KV): kv_bytes
+(the pool's size), page_size.
 """
+
+OPTIONS = ("kv_floor", "cuda_graphs", "graph_max_tokens", "static_steps")
+RUNNER_OPTIONS = ("kv_bytes", "page_size")

@@ -21,6 +21,8 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   invalidate them. A capture that fails anyway (any error) disables graphs for that decoder, is logged
   once, and leaves the process's CUDA state usable (its RNG's capture bookkeeping is reset); the
   forward then runs eagerly. On the CPU forwards of different decoders run in parallel.
+- `reset()` keeps the KV buffers, so the CUDA graphs captured on them stay valid; `close()` frees the
+  buffers and drops the graphs. `fork()` shares the lowered program (the weights).
 """
 
 from __future__ import annotations
@@ -53,30 +55,48 @@ _KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": to
 
 
 class NativeDecoder:
-    """Decoder protocol over a lowered ONNX graph (backend "native")."""
+    """Decoder protocol over a lowered ONNX graph (backend "native").
+
+    Options (declared in `onnxgen.backends.native.OPTIONS`): `kv_floor`: smallest KV capacity bucket.
+    `cuda_graphs`: replay CUDA graphs on CUDA. `graph_max_tokens`: largest prefill chunk run as a static
+    step, rounded up to a power of two (0: decode only; larger chunks run eagerly). `static_steps`
+    (testing): run the static-shape steps CUDA graphs capture, load-time warm-up included, without
+    capturing (works on the CPU).
+
+    `info` keys beyond the contract's:
+        program         a one-line description of the lowered graph
+        int4            how int4 weights are handled ("dequantized at load")
+        load_s          seconds this decoder took to build
+        warm_up_s       seconds of load-time warm-up (0.0 when the program was already warm: once per program)
+        warmed_steps    static step sizes this decoder's warm-up compiled (empty when already warm)
+        cuda_graphs     whether forwards replay CUDA graphs (turns False after a failed capture)
+        static          whether forwards may run as static steps (CUDA graphs, or `static_steps`)
+        graphs          the CUDA graphs held now, as sorted (step size, KV capacity) pairs
+        static_forwards forwards run as static steps since load, by step size ({step size: count})
+        eager_forwards  forwards run eagerly since load
+    """
 
     backend = "native"
     can_rewind = True
 
     def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
-                 graph_max_tokens: int = 1024, static_steps: bool = False, **_: Any) -> None:  # fmt: skip
-        """`kv_floor`: smallest KV capacity bucket. `cuda_graphs`: replay CUDA graphs on CUDA.
-        `graph_max_tokens`: largest prefill chunk run as a static step, rounded up to a power of two
-        (0: decode only; larger chunks run eagerly). `static_steps` (testing): run the static-shape
-        steps CUDA graphs capture without capturing (works on the CPU)."""
+                 graph_max_tokens: int = 1024, static_steps: bool = False,
+                 _program: Program | None = None) -> None:  # fmt: skip
+        """`_program`: the lowered program to share (a fork's); None: the package's shared one."""
         t0 = time.perf_counter()
-        if device not in ("cpu", "cuda"):
-            raise InvalidRequest(f"unknown device {device!r}; choose cpu or cuda", field="device")
+        assert device in ("cpu", "cuda"), f"device {device!r} was not checked (resolve_backend)"
         if device == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("device='cuda' but torch sees no CUDA device; use device='cpu'")
         self.spec = spec
         self.device = device
+        self._options = {"kv_floor": kv_floor, "cuda_graphs": cuda_graphs, "graph_max_tokens": graph_max_tokens,
+                         "static_steps": static_steps}  # fmt: skip
         self._dev = (
             torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         )
         if spec.kv_dtype not in _KV_DTYPES:
             raise BackendUnavailable(f"the native backend does not support KV dtype {spec.kv_dtype!r}")
-        self.program: Program = _shared_program(spec, self._dev)
+        self.program: Program = _program if _program is not None else _shared_program(spec, self._dev)
         self.kv = KVBuffers(
             spec.num_layers, spec.num_kv_heads, spec.head_size, _KV_DTYPES[spec.kv_dtype], self._dev,
             floor=kv_floor, max_capacity=spec.context_length,
@@ -85,7 +105,7 @@ class NativeDecoder:
             raise InvalidRequest(f"graph_max_tokens must be >= 0, got {graph_max_tokens}", field="graph_max_tokens")
         self._use_graphs = bool(cuda_graphs) and device == "cuda" and self.program.static_ok
         self._static_steps = bool(static_steps) and self.program.static_ok
-        self._graph_max = _bucket(graph_max_tokens, 1 << 30) if graph_max_tokens > 1 else 1
+        self._graph_max = static_step_size(graph_max_tokens, 1 << 30) if graph_max_tokens > 1 else 1
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._seen: set[tuple[int, int]] = set()
         self._graph_gen = -1
@@ -103,16 +123,15 @@ class NativeDecoder:
         self._pos_dtype = _input_dtype(spec, spec.position_ids_name, torch.int64)
         self._ids_dtype = _input_dtype(spec, spec.input_ids_name, torch.int64)
         self._extra = [i for i in spec.extra_inputs if i.name in p.input_slots]
-        warm_s = self._warm_up() if self._use_graphs else 0.0
+        self._static_forwards: dict[int, int] = {}
+        self._eager_forwards = 0
+        self._warmed: tuple[int, ...] = ()
+        warm_s = self._warm_up() if self._use_graphs or self._static_steps else 0.0
         self.load_seconds = time.perf_counter() - t0
-        self.info: dict[str, Any] = {
-            "program": describe(p),
-            "cuda_graphs": self._use_graphs,
-            "int4": "dequantized at load",
-            "load_s": round(self.load_seconds, 3),
-            "warm_up_s": round(warm_s, 3),
-        }
-        log.info("native decoder: %s (load %.2fs)", self.info["program"], self.load_seconds)
+        self._described = describe(p)
+        self._load_info = {"int4": "dequantized at load", "load_s": round(self.load_seconds, 3),
+                           "warm_up_s": round(warm_s, 3)}  # fmt: skip
+        log.info("native decoder: %s (load %.2fs)", self._described, self.load_seconds)
 
     # --- the seam ------------------------------------------------------------------------------
 
@@ -120,22 +139,47 @@ class NativeDecoder:
         return self.kv.length
 
     def rewind_to(self, n: int) -> bool:
-        if not 0 <= n <= self.kv.length:
-            raise InvalidRequest(f"rewind_to({n}) outside [0, {self.kv.length}]", field="n")
+        assert 0 <= n <= self.kv.length, f"rewind_to({n}) outside [0, {self.kv.length}]"
         self.kv.rewind_to(n)
         return True
 
     def reset(self) -> None:
+        """Empty the cache; the buffers (and the CUDA graphs captured on them) stay."""
         self.kv.reset(free=False)
+
+    # --- memory and lifetime ----------------------------------------------------------------------
 
     def kv_bytes(self) -> int:
         return self.kv.nbytes()
 
+    @property
+    def info(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "kv_dtype": self.spec.kv_dtype,
+            "kv_capacity": self.kv.capacity,
+            "weights": id(self.program),
+            "program": self._described,
+            **self._load_info,
+            "warmed_steps": self._warmed,
+            "cuda_graphs": self._use_graphs,
+            "static": self._use_graphs or self._static_steps,
+            "graphs": sorted(self._graphs),
+            "static_forwards": dict(self._static_forwards),
+            "eager_forwards": self._eager_forwards,
+        }
+
     def close(self) -> None:
+        """Empty the cache, free its buffers and drop the CUDA graphs; the decoder stays usable."""
         self._graphs.clear()
         self._seen.clear()
         self._pool = None
         self.kv.reset(free=True)
+
+    def fork(self) -> NativeDecoder:
+        """A new decoder with an empty cache, the same options, sharing this one's lowered program."""
+        return NativeDecoder(self.spec, self.device, **self._options, _program=self.program)
 
     # --- running --------------------------------------------------------------------------------
 
@@ -144,8 +188,7 @@ class NativeDecoder:
     ) -> torch.Tensor:
         assert start_pos == self.kv.length, f"start_pos {start_pos} != kv_len {self.kv.length}"
         n = len(tokens)
-        if n == 0:
-            raise InvalidRequest("forward() needs at least one token", field="tokens")
+        assert n > 0, "forward needs at least one token"
         total = start_pos + n
         if total > self.spec.context_length:
             raise ContextOverflow(total, self.spec.context_length)
@@ -156,6 +199,7 @@ class NativeDecoder:
                 logits = None if extra else self._static_forward(tokens, start_pos)
                 if logits is None:
                     logits = self._run_eager(tokens, start_pos, extra)
+                    self._eager_forwards += 1
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(
                 f"the device ran out of memory running {n} token(s) at position {start_pos}"
@@ -173,32 +217,9 @@ class NativeDecoder:
             out[self.program.input_slots[io.name]] = t.to(self._dev)
         return out
 
-    def _env(self) -> list[Any]:
-        env: list[Any] = [None] * self.program.nslots
-        for s, t in self.program.consts.items():
-            env[s] = t
-        return env
-
-    def _exec(self, env: list[Any], ctx: RunCtx) -> torch.Tensor:
-        for st in self.program.steps:
-            args = [env[i] if i >= 0 else None for i in st.ins]
-            try:
-                res = st.fn(ctx, *args)
-            except NotCapturable:
-                raise
-            except Exception as exc:
-                exc.add_note(f"in node {st.node.name!r} ({st.node.domain or 'ai.onnx'}::{st.node.op})")
-                raise
-            for o, v in zip(st.outs, res, strict=False):
-                if o >= 0:
-                    env[o] = v
-            for f in st.frees:
-                env[f] = None
-        return env[self.program.logits_slot]
-
     def _run_eager(self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor]) -> torch.Tensor:
         n = len(tokens)
-        env = self._env()
+        env = self.program.new_env()
         ids = torch.empty(n, dtype=torch.int64, device=self._dev)
         self._staging.upload(torch.as_tensor(tokens, dtype=torch.int64), ids)
         env[self._in_ids] = ids.view(1, n).to(self._ids_dtype)
@@ -210,7 +231,7 @@ class NativeDecoder:
         for s, t in extra.items():
             env[s] = t
         ctx = RunCtx(self.kv, start, n, positions)
-        return _last_logits(self._exec(env, ctx))
+        return _last_logits(self.program.execute(env, ctx))
 
     # --- static steps and CUDA graphs ------------------------------------------------------------
 
@@ -236,6 +257,7 @@ class NativeDecoder:
         if self._dev.type == "cuda":  # pragma: cuda
             torch.cuda.synchronize(self._dev)
         done.update(steps)
+        self._warmed = tuple(steps)
         return time.perf_counter() - t
 
     def _static_forward(self, tokens: Sequence[int], start: int) -> torch.Tensor | None:
@@ -243,11 +265,13 @@ class NativeDecoder:
         if not (self._use_graphs or self._static_steps):
             return None
         n = len(tokens)
-        m = _bucket(n, self._graph_max)
+        m = static_step_size(n, self._graph_max)
         if m == 0 or start + m > self.kv.capacity:
             return None
         if not self._use_graphs:  # the captured code path, run eagerly (tests, CPU)
-            return _last_logits(self._run_static(tokens, start, m))
+            logits = _last_logits(self._run_static(tokens, start, m))
+            self._count_static(m)
+            return logits
         # pragma: cuda-begin (CUDA graphs)
         if self._graph_gen != self.kv.generation:
             # NOTE: the KV buffers were reallocated, so every captured graph is stale. Dropping the
@@ -270,7 +294,6 @@ class NativeDecoder:
                 if m == 1:
                     log.warning("decode is not capturable (%s); running eagerly", exc)
                     self._use_graphs = False
-                    self.info["cuda_graphs"] = False
                 else:
                     log.warning("prefill chunks are not capturable (%s); running them eagerly", exc)
                     self._graph_max = 1
@@ -281,15 +304,19 @@ class NativeDecoder:
             self._graphs[key] = entry
         graph, out = entry
         graph.replay()
+        self._count_static(m)
         return _last_logits(out)
         # pragma: cuda-end
+
+    def _count_static(self, m: int) -> None:
+        self._static_forwards[m] = self._static_forwards.get(m, 0) + 1
 
     def _run_static(self, tokens: Sequence[int], start: int, m: int) -> torch.Tensor:
         """Run `tokens` at `start` as a static step of `m` positions, uncaptured; returns the program's
         logits output."""
         self._set_step(tokens, start, m)
         env, ctx = self._static_env(m)
-        return self._exec(env, ctx)
+        return self.program.execute(env, ctx)
 
     def _set_step(self, tokens: Sequence[int], start: int, m: int) -> None:
         n = len(tokens)
@@ -300,7 +327,7 @@ class NativeDecoder:
         self._staging.upload(step, self._step_dev[: 2 + m])
 
     def _static_env(self, m: int) -> tuple[list[Any], RunCtx]:
-        env = self._env()
+        env = self.program.new_env()
         env[self._in_ids] = self._step_dev[2 : 2 + m].view(1, m).to(self._ids_dtype)
         past = self._step_dev[0:1]
         positions = self._arange[:m] + past
@@ -315,14 +342,14 @@ class NativeDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             env, ctx = self._static_env(m)
-            self._exec(env, ctx)
+            self.program.execute(env, ctx)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             env, ctx = self._static_env(m)
-            out = self._exec(env, ctx)
+            out = self.program.execute(env, ctx)
         return graph, out
 
     def _capture_failed(self, exc: BaseException) -> None:  # pragma: cuda
@@ -332,7 +359,6 @@ class NativeDecoder:
             log.warning("CUDA graph capture failed (%s: %s); this decoder runs eagerly from now on",
                         type(exc).__name__, exc)  # fmt: skip
         self._use_graphs = False
-        self.info["cuda_graphs"] = False
         self._graphs.clear()
         self._seen.clear()
         self._pool = None
@@ -387,9 +413,10 @@ def _last_logits(out: torch.Tensor) -> torch.Tensor:
     return out.reshape(-1, out.shape[-1])[-1].to(torch.float32, copy=True)
 
 
-def _bucket(n: int, largest: int) -> int:
-    """Static step size for `n` tokens: 1 for one token, else the next power of two >= max(n, 16);
-    0 when that exceeds `largest`."""
+def static_step_size(n: int, largest: int) -> int:
+    """The static step (CUDA graph shape) a forward of `n` tokens runs as: 1 for one token, else the next
+    power of two >= max(n, 16), the chunk padded to it; 0 (no static step: run eagerly) when that exceeds
+    `largest`. Not a KV capacity: that is `onnxgen.kv.buffers.capacity_bucket`."""
     if n == 1:
         return 1
     m = max(16, 1 << (n - 1).bit_length())

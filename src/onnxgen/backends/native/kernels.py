@@ -33,7 +33,8 @@ _TRITON: Any = None
 _TRITON_OK: bool | None = None
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether `t`'s kernels run in Triton (CUDA with Triton importable, or `FORCE_TRITON`)."""
     global _TRITON_OK
     if DISABLE_TRITON or not (t.is_cuda or FORCE_TRITON):
         return False
@@ -49,7 +50,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def triton_available() -> bool:
-    return _use_triton(torch.empty(0, device="cuda")) if torch.cuda.is_available() else False
+    return use_triton(torch.empty(0, device="cuda")) if torch.cuda.is_available() else False
 
 
 # --- torch references ----------------------------------------------------------------------------
@@ -91,7 +92,7 @@ def cache_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor,
 def rms_norm(
     x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, Any]:
-    if not _use_triton(x) or not x.is_contiguous() or (skip is not None and not skip.is_contiguous()):
+    if not use_triton(x) or not x.is_contiguous() or (skip is not None and not skip.is_contiguous()):
         return rms_norm_ref(x, skip, w, eps)
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     tl_k = _TRITON
@@ -111,7 +112,7 @@ def rms_norm(
 def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`silu(g) * u`, computed in float32 and rounded once to g's dtype. With `out=g` the result
     overwrites `g` (callers guarantee nobody else reads it)."""
-    if not _use_triton(g) or g.shape != u.shape or not (g.is_contiguous() and u.is_contiguous()):
+    if not use_triton(g) or g.shape != u.shape or not (g.is_contiguous() and u.is_contiguous()):
         if g.dtype == torch.float32:
             if out is g and g.shape == torch.broadcast_shapes(g.shape, u.shape):
                 return F.silu(g, inplace=True).mul_(u)
@@ -149,7 +150,7 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
     `softcap` > 0. Returns `[1, N, M, D]` in q's dtype. Shapes depend only on M and the capacity.
     `config` (benchmarks): (rows per program, keys per block, warps, pipeline stages) instead of the
     defaults."""
-    if not _use_triton(q):
+    if not use_triton(q):
         return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window)
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     n, m, d = q.shape[1], q.shape[2], q.shape[3]
@@ -194,27 +195,31 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
 
 
 def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, positions: torch.Tensor,
-                   kv: Any, layer: int, n: int, hkv: int, d: int, interleaved: bool) -> torch.Tensor:  # fmt: skip
-    """Packed QKV of S tokens `[1, S, (n + 2*hkv) * d]` -> rotated q `[1, n, S, d]`; rotated k and v are
-    written into `kv.keys[layer]` / `kv.values[layer]` at `positions` (`[S]` int64 on the device).
-    One kernel launch on CUDA (decode and prefill alike)."""
+                   kv: Any, layer: int, n: int, hkv: int, d: int, interleaved: bool,
+                   slots: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Packed QKV of S tokens `[1, S, (n + 2*hkv) * d]` -> rotated q `[1, n, S, d]` (rotated at `positions`,
+    `[S]` int64 on the device); rotated k and v are written into `kv.keys[layer]` / `kv.values[layer]`
+    (`[1, hkv, rows, d]`, any strides) at rows `slots` (default: `positions`). One kernel launch on CUDA
+    (decode and prefill alike)."""
+    if slots is None:
+        slots = positions
     kb, vb = kv.keys[layer], kv.values[layer]
     s = qkv.shape[1]
-    if not _use_triton(qkv):
+    if not use_triton(qkv):
         q = qkv[..., : n * d].reshape(1, s, n, d)
         k = qkv[..., n * d : (n + hkv) * d].reshape(1, s, hkv, d)
         v = qkv[..., (n + hkv) * d :].reshape(1, s, hkv, d)
         cos = cos_c.index_select(0, positions).unsqueeze(1)
         sin = sin_c.index_select(0, positions).unsqueeze(1)
         q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
-        kv.write_at(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
+        kv.write_at(layer, slots, k.transpose(1, 2), v.transpose(1, 2))
         return q.transpose(1, 2).contiguous()
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     qkv = qkv.contiguous()
     qout = torch.empty((1, n, s, d), dtype=qkv.dtype, device=qkv.device)
     half = cos_c.shape[1]
     _TRITON["rope_qkv"][(n + 2 * hkv, s)](
-        qkv, cos_c, sin_c, positions, qout, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
+        qkv, cos_c, sin_c, positions, slots, qout, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
         cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, s, D=d, HALF=half, DP=max(16, 1 << (d - 1).bit_length()),
         INTERLEAVED=interleaved, num_warps=1,
     )  # fmt: skip

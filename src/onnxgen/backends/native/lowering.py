@@ -26,7 +26,7 @@ import torch
 
 from onnxgen.backends.native import ops as O
 from onnxgen.backends.native.weights import ExternalData, tensor_from_proto
-from onnxgen.errors import UnsupportedModel, UnsupportedOp
+from onnxgen.errors import NotCapturable, UnsupportedModel, UnsupportedOp
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,32 @@ class Program:
     static_ok: bool  # every KV binding is a fused attention op (decode can be captured)
     weight_bytes: int
     info: dict[str, Any] = field(default_factory=dict)
+
+    def new_env(self) -> list[Any]:
+        """A fresh slot list holding the constants (weights); inputs are set by the caller."""
+        env: list[Any] = [None] * self.nslots
+        for s, t in self.consts.items():
+            env[s] = t
+        return env
+
+    def execute(self, env: list[Any], ctx: O.RunCtx) -> torch.Tensor:
+        """Run every step over `env` (consumed: dead slots are cleared) and return the logits output. An
+        op's error gets a note naming its node; `NotCapturable` passes through as it is."""
+        for st in self.steps:
+            args = [env[i] if i >= 0 else None for i in st.ins]
+            try:
+                res = st.fn(ctx, *args)
+            except NotCapturable:
+                raise
+            except Exception as exc:
+                exc.add_note(f"in node {st.node.name!r} ({st.node.domain or 'ai.onnx'}::{st.node.op})")
+                raise
+            for o, v in zip(st.outs, res, strict=False):
+                if o >= 0:
+                    env[o] = v
+            for f in st.frees:
+                env[f] = None
+        return env[self.logits_slot]
 
 
 def _attr_value(a: Any, ext: ExternalData) -> Any:

@@ -86,6 +86,21 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
                      narrow[b * maxp + b + 1 :], q_starts, seq_lens)  # fmt: skip
 
 
+class PoolRows:
+    """The pool as per-layer `[1, kv_heads, rows, head_dim]` buffers whose rows are slots: what
+    `kernels.rope_qkv_write` (given the step's slots) writes a step's rotated keys and values into."""
+
+    def __init__(self, storage: Any) -> None:
+        views = [storage.rows(layer) for layer in range(storage.num_layers)]
+        self.keys = [k for k, _ in views]
+        self.values = [v for _, v in views]
+
+    def write_at(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write `k`/`v` (`[1, kv_heads, T, head_dim]`) at rows `index` (`[T]` int64)."""
+        self.keys[layer].index_copy_(2, index, k)
+        self.values[layer].index_copy_(2, index, v)
+
+
 def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store `k`/`v` (`[T, kv_heads, head_dim]`) at the step's slots in layer `layer`."""
     ps.storage.write(layer, ps.slots, k, v)
@@ -98,7 +113,7 @@ def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap:
     torch reference elsewhere."""
     from onnxgen.backends.native import kernels
 
-    if kernels._use_triton(q):
+    if kernels.use_triton(q):
         return attention_triton(ps, layer, q, scale, softcap, window)
     return attention_ref(ps, layer, q, scale, softcap, window)
 

@@ -153,7 +153,7 @@ def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr,
 
 
 @triton.jit
-def rope_qkv_kernel(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV, ROW, S,
+def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV, ROW, S,
               D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
     hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
     t = tl.program_id(1)  # token
@@ -176,7 +176,8 @@ def rope_qkv_kernel(QKV, COS, SIN, POS, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_
     s = tl.load(SIN + pos * cos_stride + fi, mask=mj & rot, other=0.0).to(tl.float32)
     o = tl.where(rot, x * c + sign * xp * s, x).to(QO.dtype.element_ty)
     tl.store(QO + (hh * S + t).to(tl.int64) * D + j, o, mask=mj & (hh < N))
+    slot = tl.load(SLOT + t).to(tl.int64)  # the cache row this token's k and v go to
     kh = tl.minimum(tl.maximum(hh - N, 0), HKV - 1).to(tl.int64)
-    tl.store(KB + kh * sk_h + pos * sk_s + j, o, mask=mj & (hh >= N) & (hh < N + HKV))
+    tl.store(KB + kh * sk_h + slot * sk_s + j, o, mask=mj & (hh >= N) & (hh < N + HKV))
     vh = tl.minimum(tl.maximum(hh - N - HKV, 0), HKV - 1).to(tl.int64)
-    tl.store(VB + vh * sv_h + pos * sv_s + j, o, mask=mj & (hh >= N + HKV))
+    tl.store(VB + vh * sv_h + slot * sv_s + j, o, mask=mj & (hh >= N + HKV))

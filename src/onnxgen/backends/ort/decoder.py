@@ -6,7 +6,9 @@ Two KV modes, chosen from the graph at load:
   and K/V, `[1, kv_heads, capacity, head_size]`, bound as both `past_*` input and `present_*` output, so
   GroupQueryAttention writes the new keys/values in place (O(1) per token). The valid length is carried
   by `attention_mask` (GQA derives `seqlens_k`/`total_sequence_length` from it). `rewind_to(n)` only
-  sets the length. Capacity grows in power-of-two buckets (floor `kv_floor`) by copying the valid prefix.
+  sets the length. The buffers are `onnxgen.kv.buffers.KVBuffers` of numpy arrays (the native backend's
+  storage class, so capacity grows by the same power-of-two buckets from `kv_floor`, copying the valid
+  prefix); `reset()` keeps them, `close()` frees them.
 - **concat** (plain `past_key_values` graphs, or a non-CPU execution provider): `present_*` outputs are
   allocated by onnxruntime on the session's device and fed back as the next step's `past_*` (the graph
   concatenates). On CPU `rewind_to(n)` slices the cache; elsewhere it declines (the engine then resets).
@@ -22,7 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from onnxgen.errors import BackendUnavailable, DeviceOutOfMemory, InvalidRequest, MissingRequiredInput
+from onnxgen.errors import (
+    BackendUnavailable,
+    ContextOverflow,
+    DeviceOutOfMemory,
+    InvalidRequest,
+    MissingRequiredInput,
+)
+from onnxgen.kv.buffers import KVBuffers, capacity_bucket
 from onnxgen.package.spec import ModelSpec
 
 _NP_DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16}
@@ -80,19 +89,17 @@ def _open_session(spec: ModelSpec, opts: Any, providers: list[str], last_logits:
     return ort.InferenceSession(str(spec.decoder_path), opts, providers=providers), gqa, False
 
 
-def _bucket(n: int, floor: int, limit: int) -> int:
-    cap = max(floor, 1)
-    while cap < n:
-        cap *= 2
-    return min(cap, max(limit, n))
-
-
 class OrtDecoder:
-    """Decoder over onnxruntime (see module docstring). Batch 1, one sequence.
+    """Decoder over onnxruntime (see the module docstring; the contract is `onnxgen.backends.base`'s).
+    Batch 1, one sequence.
 
-    `threads` sets intra-op threads (None: onnxruntime's default). `kv_mode` forces "shared" or
-    "concat" (None: shared for GroupQueryAttention graphs on CPU). `last_logits` (default True)
-    rewrites the graph in memory so the lm_head runs on the last position only.
+    Options (declared in `onnxgen.backends.ort.OPTIONS`): `threads` sets intra-op threads (None:
+    onnxruntime's default). `kv_floor`: smallest KV capacity bucket (shared mode). `kv_mode` forces
+    "shared" or "concat" (None: shared for GroupQueryAttention graphs on CPU). `last_logits` (default
+    True) rewrites the graph in memory so the lm_head runs on the last position only.
+
+    `info` keys beyond the contract's: `kv_mode` ("shared" | "concat"), `last_logits` (bool: the graph
+    was rewritten to compute the last position's logits only).
     """
 
     backend = "ort"
@@ -107,10 +114,10 @@ class OrtDecoder:
         kv_mode: str | None = None,
         last_logits: bool = True,
         _shared: tuple[Any, str, bool] | None = None,
-        **_: Any,
     ) -> None:
         import onnxruntime as ort
 
+        assert device in ("cpu", "cuda"), f"device {device!r} was not checked (resolve_backend)"
         self.spec = spec
         self.device = device
         providers = ["CPUExecutionProvider"]
@@ -121,8 +128,6 @@ class OrtDecoder:
                     "(or install onnxruntime-gpu)"
                 )
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        elif device != "cpu":
-            raise InvalidRequest(f"unknown device {device!r}; choose cpu or cuda", field="device")
         self._ort = ort
         if _shared is not None:  # a fork: same InferenceSession (weights), own KV
             self._session, kv_mode, self.last_logits = _shared
@@ -148,85 +153,94 @@ class OrtDecoder:
         self._step_logits = np.empty((1, 1, spec.vocab_size), dtype=self._logits_dtype)
         self._step_logits_ov = ort.OrtValue.ortvalue_from_numpy(self._step_logits)
         self._ones = np.ones((1, 0), dtype=np.int64)
+        # shared mode: capacity buffers, and an IO binding over them kept until they are reallocated
+        self._kv: KVBuffers | None = None
+        if kv_mode == "shared":
+            self._kv = KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, self._dtype, "cpu",
+                                 floor=kv_floor, max_capacity=spec.context_length, alloc=self._alloc)  # fmt: skip
         self._io: Any = None
-        self._io_kv: Any = None
-        self._len = 0
-        self._cap = 0
-        self._keys: list[np.ndarray] = []
-        self._values: list[np.ndarray] = []
-        self._kv_ov: list[Any] = []  # OrtValues: [k0, v0, k1, v1, ...]
-        self.reset()
+        self._io_gen = -1
+        self._io_ov: list[Any] = []
+        # concat mode: the last step's present_* OrtValues ([k0, v0, k1, v1, ...]) and their length
+        self._concat_ov: list[Any] = []
+        self._concat_len = 0
+        self._hold: list[np.ndarray] = []
+        if kv_mode == "concat":
+            self._set_concat_kv(None, 0)
 
     # --- the KV seam -----------------------------------------------------------------------
 
     def kv_len(self) -> int:
-        return self._len
-
-    def kv_bytes(self) -> int:
-        if self.kv_mode == "shared":
-            return sum(a.nbytes for a in self._keys) + sum(a.nbytes for a in self._values)
-        return sum(int(ov.tensor_size_in_bytes()) for ov in self._kv_ov) if self._len else 0
-
-    def reset(self) -> None:
-        """Empty the cache and free its memory."""
-        self._len = 0
-        self._cap = 0
-        self._keys, self._values, self._kv_ov = [], [], []
-        self._io = self._io_kv = None
-        if self.kv_mode == "concat":
-            self._set_concat_kv(None)
+        return self._kv.length if self._kv is not None else self._concat_len
 
     def rewind_to(self, n: int) -> bool:
-        assert 0 <= n <= self._len, f"rewind_to({n}) outside [0, {self._len}]"
-        if n == self._len:
+        held = self.kv_len()
+        assert 0 <= n <= held, f"rewind_to({n}) outside [0, {held}]"
+        if n == held:
             return True
         if not self.can_rewind:
             return False
-        if n == 0:
-            self.reset()
-            return True
-        if self.kv_mode == "concat":
-            arrays = [ov.numpy()[:, :, :n] for ov in self._kv_ov]
-            self._set_concat_kv([np.ascontiguousarray(a) for a in arrays])
-        self._len = n
+        if self._kv is not None:
+            self._kv.rewind_to(n)
+        elif n == 0:
+            self._set_concat_kv(None, 0)
+        else:
+            self._set_concat_kv([np.ascontiguousarray(ov.numpy()[:, :, :n]) for ov in self._concat_ov], n)
         return True
+
+    def reset(self) -> None:
+        """Empty the cache; shared mode keeps its buffers (and the IO binding over them)."""
+        if self._kv is not None:
+            self._kv.reset()
+        else:
+            self._set_concat_kv(None, 0)
+
+    # --- memory and lifetime -----------------------------------------------------------------
+
+    def kv_bytes(self) -> int:
+        if self._kv is not None:
+            return self._kv.nbytes()
+        return sum(int(ov.tensor_size_in_bytes()) for ov in self._concat_ov) if self._concat_len else 0
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "kv_dtype": self.spec.kv_dtype,
+            "kv_capacity": self._kv.capacity if self._kv is not None else self._concat_len,
+            "weights": id(self._session),
+            "kv_mode": self.kv_mode,
+            "last_logits": self.last_logits,
+        }
+
+    def close(self) -> None:
+        """Empty the cache and free its buffers; the decoder stays usable (the InferenceSession is kept:
+        forks share it)."""
+        if self._kv is not None:
+            self._io, self._io_ov = None, []  # NOTE: the binding points into the buffers freed next
+            self._kv.reset(free=True)
+        else:
+            self._set_concat_kv(None, 0)
 
     def fork(self) -> OrtDecoder:
         """A new decoder with an empty cache that shares this one's InferenceSession (weights)."""
         shared = (self._session, self.kv_mode, self.last_logits)
         return OrtDecoder(self.spec, self.device, kv_floor=self._kv_floor, _shared=shared)
 
-    def close(self) -> None:
-        self.reset()
-        self._session = None  # type: ignore[assignment]
-
     # --- running ---------------------------------------------------------------------------
 
-    def _set_concat_kv(self, arrays: list[np.ndarray] | None) -> None:
+    def _alloc(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=self._dtype)
+
+    def _set_concat_kv(self, arrays: list[np.ndarray] | None, n: int) -> None:
         spec = self.spec
         if arrays is None:
             empty = np.zeros((1, spec.num_kv_heads, 0, spec.head_size), dtype=self._dtype)
             arrays = [empty] * (2 * spec.num_layers)
-        self._kv_ov = [self._ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+        self._concat_ov = [self._ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+        self._concat_len = n
         self._hold = arrays  # keep the host arrays alive while OrtValues wrap them
-
-    def _ensure_capacity(self, total: int) -> None:
-        if total <= self._cap:
-            return
-        spec = self.spec
-        cap = _bucket(total, self._kv_floor, spec.context_length)
-        shape = (1, spec.num_kv_heads, cap, spec.head_size)
-        try:
-            keys = [np.zeros(shape, dtype=self._dtype) for _ in range(spec.num_layers)]
-            values = [np.zeros(shape, dtype=self._dtype) for _ in range(spec.num_layers)]
-        except MemoryError as exc:
-            raise DeviceOutOfMemory(f"cannot allocate a KV cache of {cap} positions: {exc}") from exc
-        if self._len:
-            for old, new in zip(self._keys + self._values, keys + values, strict=True):
-                new[:, :, : self._len] = old[:, :, : self._len]
-        self._keys, self._values, self._cap = keys, values, cap
-        ov = self._ort.OrtValue.ortvalue_from_numpy
-        self._kv_ov = [x for k, v in zip(keys, values, strict=True) for x in (ov(k), ov(v))]
 
     def _bind_extra(self, io: Any, inputs: Mapping[str, Any] | None) -> None:
         for gi in self._extra:
@@ -242,20 +256,28 @@ class OrtDecoder:
 
     def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None) -> np.ndarray:
         """Feed `tokens` at `start_pos` (== kv_len()) and return the last position's float32 logits."""
-        assert start_pos == self._len, f"forward at {start_pos} but the cache holds {self._len}"
+        assert start_pos == self.kv_len(), f"forward at {start_pos} but the cache holds {self.kv_len()}"
         n = len(tokens)
         assert n > 0, "forward needs at least one token"
         spec = self.spec
         total = start_pos + n
-        if self.kv_mode == "shared":
-            self._ensure_capacity(total)
+        if total > spec.context_length:
+            raise ContextOverflow(total, spec.context_length)
+        if self._kv is not None:
+            try:
+                self._kv.reserve(total)
+            except MemoryError as exc:
+                cap = capacity_bucket(total, self._kv.floor, self._kv.max_capacity)
+                raise DeviceOutOfMemory(f"cannot allocate a KV cache of {cap} positions: {exc}") from exc
             io = self._shared_binding()
+            cap = self._kv.capacity
         else:
             io = self._session.io_binding()
+            cap = total
         io.bind_cpu_input(spec.input_ids_name, np.asarray([tokens], dtype=np.int64))
         if spec.attention_mask_name in self._input_names:
             if self._ones.shape[1] < total:
-                self._ones = np.ones((1, max(total, self._cap)), dtype=np.int64)
+                self._ones = np.ones((1, max(total, cap)), dtype=np.int64)
             io.bind_cpu_input(spec.attention_mask_name, self._ones[:, :total])
         if spec.position_ids_name in self._input_names:
             io.bind_cpu_input(spec.position_ids_name, np.arange(start_pos, total, dtype=np.int64)[None, :])
@@ -264,10 +286,10 @@ class OrtDecoder:
         one_row = n == 1 or self.last_logits
         logits = self._step_logits if one_row else np.empty((1, n, spec.vocab_size), dtype=self._logits_dtype)
         io.bind_ortvalue_output(spec.logits_name, self._step_logits_ov if one_row else self._ort.OrtValue.ortvalue_from_numpy(logits))
-        if self.kv_mode == "concat":
+        if self._kv is None:
             for i in range(spec.num_layers):
-                io.bind_ortvalue_input(spec.past_key_names[i], self._kv_ov[2 * i])
-                io.bind_ortvalue_input(spec.past_value_names[i], self._kv_ov[2 * i + 1])
+                io.bind_ortvalue_input(spec.past_key_names[i], self._concat_ov[2 * i])
+                io.bind_ortvalue_input(spec.past_value_names[i], self._concat_ov[2 * i + 1])
                 io.bind_output(spec.present_key_names[i], self.device)
                 io.bind_output(spec.present_value_names[i], self.device)
         try:
@@ -276,25 +298,31 @@ class OrtDecoder:
             if "bad_alloc" in str(exc) or "Failed to allocate memory" in str(exc):
                 raise DeviceOutOfMemory(f"onnxruntime ran out of memory on {self.device}: {exc}") from exc
             raise
-        if self.kv_mode == "concat":
+        if self._kv is None:
             # NOTE: outputs come back in binding order: logits, then k0, v0, k1, v1, ...
-            self._kv_ov = list(io.get_outputs()[1:])
+            self._concat_ov = list(io.get_outputs()[1:])
+            self._concat_len = total
             self._hold = []
-        self._len = total
+        else:
+            self._kv.set_length(total)
         return np.array(logits[0, -1], dtype=np.float32)
 
     def _shared_binding(self) -> Any:
         """Shared mode's IO binding with every KV buffer bound as both past and present. Kept across
-        steps; rebuilt only when the buffers change (capacity growth or reset)."""
-        if self._io is None or self._io_kv is not self._kv_ov:
+        steps; rebuilt only when `KVBuffers` reallocates (its `generation` changes)."""
+        kv = self._kv
+        assert kv is not None
+        if self._io is None or self._io_gen != kv.generation:
             io = self._session.io_binding()
             spec = self.spec
+            ov = self._ort.OrtValue.ortvalue_from_numpy
+            held = []
             for i in range(spec.num_layers):
-                k, v = self._kv_ov[2 * i], self._kv_ov[2 * i + 1]
+                k, v = ov(kv.keys[i]), ov(kv.values[i])
                 io.bind_ortvalue_input(spec.past_key_names[i], k)
                 io.bind_ortvalue_input(spec.past_value_names[i], v)
                 io.bind_ortvalue_output(spec.present_key_names[i], k)
                 io.bind_ortvalue_output(spec.present_value_names[i], v)
-            self._io, self._io_kv = io, self._kv_ov
+                held += (k, v)
+            self._io, self._io_gen, self._io_ov = io, kv.generation, held
         return self._io
-

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onnxgen.backends.native import kernels
+from onnxgen.backends.native import kernels, paged
 from onnxgen.backends.native.ops.base import (
     AI,
     INTERNAL,
@@ -49,6 +49,13 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: 
     causal mask. Returns `[1, N, S, D]`."""
     kv = ctx.kv
     s = q.shape[2]
+    if ctx.paged is not None:  # a ragged batch: each token attends over its own sequence's pages
+        if bias is not None or mask is not None:
+            raise NotImplementedError("an attention bias or mask in a batched step")
+        if k is not None:  # None: the caller already wrote this step's k/v at the step's slots
+            paged.write_kv(ctx.paged, layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
+        o = paged.attention(ctx.paged, layer, q[0].transpose(0, 1), scale, softcap, window)
+        return o.transpose(0, 1).unsqueeze(0)
     if ctx.static:
         if bias is not None or mask is not None:
             raise NotCapturable("an attention bias or mask in a static step")
@@ -166,8 +173,10 @@ def _gqa(node: Node) -> Fn:
             bias, = same_device(ctx, bias)  # fmt: skip
         if key is None and do_rotary and qnw is None:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
-            assert ctx.static or ctx.pos0 + s <= ctx.kv.capacity
-            q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved)
+            assert ctx.static or ctx.paged is not None or ctx.pos0 + s <= ctx.kv.capacity
+            slots = ctx.paged.slots if ctx.paged is not None else None
+            q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved,
+                                       slots=slots)  # fmt: skip
             o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:

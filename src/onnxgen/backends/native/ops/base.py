@@ -47,13 +47,15 @@ class RunCtx:
     """Per-forward state the ops read: KV buffers, positions, and whether the step is static."""
 
     def __init__(self, kv: Any, pos0: int, n: int, positions: torch.Tensor | None, *,
-                 past: torch.Tensor | None = None, last: torch.Tensor | None = None) -> None:  # fmt: skip
+                 past: torch.Tensor | None = None, last: torch.Tensor | None = None,
+                 paged: Any = None) -> None:  # fmt: skip
         self.kv = kv
-        self.pos0 = pos0  # KV length before this forward (host int; -1 when static)
+        self.pos0 = pos0  # KV length before this forward (host int; -1 when static or paged)
         self.n = n  # tokens in this forward (static: the bucket size, padding included)
-        self.positions = positions  # [n] int64 on the device: pos0 + arange(n)
+        self.positions = positions  # [n] int64 on the device: pos0 + arange(n) (paged: each token's own)
         self.past = past  # static only: [1] int64 on the device, the KV length before this forward
-        self.last = last  # static only: [1] int64 on the device, index of the last real token
+        self.last = last  # static/paged: int64 on the device, the index of each token whose logits are wanted
+        self.paged = paged  # a ragged batch over the paged pool (`native.paged.PagedStep`), or None
         self.static = past is not None
 
 

@@ -1,0 +1,132 @@
+"""Paged KV shared across requests and sessions: the scheduler's KV adapter over `kv.KVManager` and a
+batched runner (`backends.batch.BatchRunner`).
+
+A request's pages come from the prefix index when it is admitted (the longest indexed prefix of its
+tokens under its identity digest, capped at len - 1; a partly matched page is copied) and from the pool
+as it grows. Each step runs every scheduled chunk in one ragged batch. On success the request's pages
+join the index (`finish`), so any later request with the same identity and prefix shares them: another
+turn of the same session, or another session under the same system prompt. A failed, cancelled or
+preempted request only releases its pages: nothing of it is ever indexed (docs/reuse.md, invariant 3).
+
+A session keeps `Pinned(node, identity)`: a pin on the end of its last context's path in the index, so
+the pages of that context stay while the session does; the next turn matches them exactly as a retained
+decoder would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from onnxgen.backends.batch import BatchRunner, BatchStep, SeqChunk
+from onnxgen.engine.identity import Identity
+from onnxgen.engine.request import Request
+from onnxgen.engine.scheduler import Chunk
+from onnxgen.kv.manager import KVManager, PageTable
+from onnxgen.kv.pages import PageAllocator
+from onnxgen.kv.prefix import Node, PrefixIndex
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A session's hold on the pages of its last context: the pinned end of its path, and what it holds."""
+
+    node: Node
+    identity: Identity
+
+
+class PagedKV:
+    """The scheduler's KV adapter and the step's executor over a paged pool and a batched runner."""
+
+    paged = True
+
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+        self.page_size = runner.page_size
+        allocator = PageAllocator(runner.num_pages)
+        self.index = PrefixIndex(allocator, runner.page_size)
+        self.kv = KVManager(allocator, self.index, runner.storage)
+        self.bytes_per_page = runner.storage.nbytes() // runner.num_pages
+        self.pinned_sessions = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.runner.num_pages * self.page_size
+
+    # --- the scheduler's calls ---------------------------------------------------------------------
+
+    def admit(self, req: Request) -> bool:
+        table, cached = self.kv.open(req.digest if req.reuse else None, req.tokens)
+        req.kv = table
+        req.computed = cached
+        return True
+
+    def reserve(self, req: Request, total: int) -> bool:
+        return self.kv.grow(req.kv, total)
+
+    def release(self, req: Request) -> None:
+        if req.kv is not None:
+            self.kv.release(req.kv)
+            req.kv = None
+
+    # --- the engine's calls ------------------------------------------------------------------------
+
+    def run(self, chunks: Sequence[Chunk]) -> list[Any]:
+        """All chunks in one batch. Per chunk: its last position's logits (a row of one `[R, vocab]`
+        tensor) when it samples, else None. A failure of the batch raises (every request in it fails)."""
+        step = BatchStep(tuple(SeqChunk(c.req.tokens[c.start : c.start + c.n], c.start, c.req.kv.pages, c.sample)
+                               for c in chunks))  # fmt: skip
+        rows = self.runner.run(step)
+        out: list[Any] = []
+        i = 0
+        for c in chunks:
+            if c.sample:
+                out.append(rows[i])
+                i += 1
+            else:
+                out.append(None)
+        return out
+
+    def finish(self, req: Request) -> Pinned | None:
+        """After success: index the request's pages (its fed tokens) and drop its hold; return the pin a
+        session keeps, or None."""
+        table: PageTable = req.kv
+        req.kv = None
+        if not req.reuse or req.digest is None:
+            self.kv.release(table)
+            return None
+        fed = req.fed
+        node = self.kv.commit(table, fed)
+        if node is None or req.owner is None:
+            return None
+        self.index.pin(node)
+        self.pinned_sessions += 1
+        return Pinned(node, Identity(tuple(fed), req.digest))
+
+    def drop(self, state: Pinned | None) -> None:
+        """A session lets go of its context: unpin it (its pages stay indexed until evicted)."""
+        if state is not None:
+            self.index.unpin(state.node)
+            self.pinned_sessions -= 1
+
+    def state_bytes(self, state: Pinned | None) -> int:
+        """The bytes of the pages a pinned context spans (shared pages counted in full)."""
+        if state is None:
+            return 0
+        return -(-len(state.identity.tokens) // self.page_size) * self.bytes_per_page
+
+    def stats(self) -> dict[str, int]:
+        """Pool occupancy: pages in all, free, held by the index, shared (more than one holder)."""
+        alloc = self.kv.allocator
+        c = self.kv.counters
+        shared = sum(1 for p in range(alloc.num_pages) if alloc.refs(p) > 1)
+        return {"pages_total": alloc.num_pages, "pages_free": alloc.num_free, "pages_used": alloc.num_used,
+                "pages_indexed": self.index.num_nodes, "pages_shared": shared, "page_size": self.page_size,
+                "pinned_sessions": self.pinned_sessions, "prefix_lookups": c.lookups,
+                "prefix_lookup_tokens": c.looked_up_tokens, "prefix_hit_tokens": c.hit_tokens}  # fmt: skip
+
+    def close(self) -> None:
+        """Drop every unpinned indexed page (the sessions' pins are dropped first by the engine)."""
+        self.index.clear()
+
