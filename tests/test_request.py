@@ -181,19 +181,23 @@ def test_stop_scanner_holds_back_partial_matches_and_cuts_at_the_first_hit():
     assert s.feed("xa") == ("x", False) and s.flush() == "a" and s.flush() == ""
 
 
-def _scanners():
-    """The stop-string scanner of the batching engine's Request, and the decode loop's (while it exists)."""
+def _from_loop(name: str):
+    """The old decode loop's copy of a helper (`engine/loop.py`, while it exists), else None."""
     import importlib
 
-    loop_scanner = getattr(importlib.import_module("onnxgen.engine.loop"), "_StopScanner", None)
-    return [StopScanner] + ([loop_scanner] if loop_scanner is not None else [])
+    try:
+        return getattr(importlib.import_module("onnxgen.engine.loop"), name, None)
+    except ModuleNotFoundError:
+        return None
+
+
+def _scanners():
+    """The stop-string scanner of the batching engine's Request (and of the old decode loop, if any)."""
+    return [f for f in (StopScanner, _from_loop("_StopScanner")) if f is not None]
 
 
 def _to_hosts():
-    import importlib
-
-    loop_to_host = getattr(importlib.import_module("onnxgen.engine.loop"), "_to_host", None)
-    return [to_host] + ([loop_to_host] if loop_to_host is not None else [])
+    return [f for f in (to_host, _from_loop("_to_host")) if f is not None]
 
 
 @pytest.mark.parametrize("scanner", _scanners())
