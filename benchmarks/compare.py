@@ -4,8 +4,9 @@ Each commit's `src/` is exported (`git archive`) into a temporary tree; every sc
 subprocesses whose PYTHONPATH points at one tree, alternately BASE, HEAD, BASE, HEAD, ... (the order
 flips each round), `--rounds` times each (>= 5). A run times its scenario `reps` times after a warm-up and
 reports the median; the table shows, per scenario, the median of the runs of each commit, the change, and
-the noise: the larger of the two commits' run-to-run spreads ((max - min) / median of its runs). A change
-is flagged (faster / slower) only when it exceeds that noise; otherwise it reads "~".
+the noise: the larger of the two commits' run-to-run spreads (interquartile range / median of its runs; on
+a shared machine a single disturbed run would make the full range meaningless). A change is flagged
+(faster / slower) only when it exceeds that noise; otherwise it reads "~". `--json` keeps every run.
 
 Scenarios (the scripts below run against either tree, through names both expose):
   sample_greedy    Sampler.sample on 49152 float32 logits, greedy (per token)
@@ -214,6 +215,11 @@ def run_once(scenario: str, src: Path, model_dir: str) -> dict[str, float]:
     return out
 
 
+def _iqr(xs: list[float]) -> float:
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q3 - q1
+
+
 def fmt_time(s: float) -> str:
     for unit, k in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if s >= k:
@@ -229,6 +235,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated scenarios (default: all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", help="SmolLM2 package (default: the default model, built if missing)")
+    ap.add_argument("--json", type=Path, help="write every run's seconds here")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.model)))
@@ -258,12 +265,14 @@ def main() -> None:
                     if "tokens" in out:
                         notes[s] = f"{int(out['tokens'])} tokens"
             print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps({"base": base_sha, "head": head_sha, "runs": runs}, indent=1))
     rows = []
     for s in scenarios:
         b, h = runs[s]["base"], runs[s]["head"]
         mb, mh = statistics.median(b), statistics.median(h)
         change = (mh - mb) / mb * 100
-        noise = max((max(x) - min(x)) / statistics.median(x) for x in (b, h)) * 100
+        noise = max(_iqr(x) / statistics.median(x) for x in (b, h)) * 100
         verdict = "~" if abs(change) <= noise else ("slower" if change > 0 else "faster")
         rows.append([s, fmt_time(mb), fmt_time(mh), f"{change:+.1f} %", f"±{noise:.1f} %", verdict])
     from _util import machine, table  # benchmarks/_util.py, beside this script

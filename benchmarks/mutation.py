@@ -42,27 +42,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 
-# Per module: the fast, relevant pytest arguments (node ids, -k). The hypothesis property test and the
-# native backend's slower twins are left out; the ort backend exercises the same engine code.
-_ENGINE_CORE = ["tests/test_reuse.py", "tests/test_reuse_edges.py", "-k", "not native and not random_request"]
+# Per module: the fast, relevant pytest arguments (node ids, -k). Hypothesis property tests, SmolLM2 and
+# server tests are left out; the ort backend (per-request decoders) and the native backend (the paged pool)
+# exercise different engine modules, so each module names the backend whose path runs it.
+_NO_SLOW = "not random_request and not batched_requests_equal and not smollm2 and not server and not cuda"
+_REUSE = ["tests/test_reuse.py", "tests/test_reuse_edges.py"]
+_ORT = f"not native and {_NO_SLOW}"
 SELECT: dict[str, list[str]] = {
-    "engine/reuse.py": _ENGINE_CORE,
-    "engine/identity.py": _ENGINE_CORE,
-    "engine/session.py": [*_ENGINE_CORE[:2], "tests/test_engine.py", "tests/test_concurrency.py", "-k",
-                          "not native and not random_request and not cuda"],
-    "engine/loop.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_request.py", *_ENGINE_CORE],
-    "engine/engine.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_tools.py", *_ENGINE_CORE[:2],
-                         "-k", "not native and not random_request and not smollm2 and not server"],
-    "engine/result.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_reuse_edges.py", "-k", "not native"],
-    "engine/request.py": ["tests/test_scheduler.py", "tests/test_request.py"],
-    "engine/scheduler.py": ["tests/test_scheduler.py"],
+    "engine/reuse.py": [*_REUSE, "-k", _ORT],
+    "engine/identity.py": [*_REUSE, "-k", _NO_SLOW],
+    "engine/slots.py": [*_REUSE, "tests/test_engine.py", "-k", _ORT],
+    "engine/paged.py": [*_REUSE, "tests/test_batching.py", "-k", f"not ort and {_NO_SLOW}"],
+    "engine/session.py": [*_REUSE, "tests/test_engine.py", "tests/test_concurrency.py", "-k", _ORT],
+    "engine/engine.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_tools.py", *_REUSE,
+                         "tests/test_batching.py", "-k", _NO_SLOW],
+    "engine/result.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_reuse_edges.py", "-k", _ORT],
+    "engine/request.py": ["tests/test_scheduler.py", "tests/test_request.py", "tests/test_engine.py",
+                          "tests/test_engine_edges.py", "-k", _ORT],
+    "engine/scheduler.py": ["tests/test_scheduler.py", "tests/test_batching.py", "-k", _NO_SLOW],
     "kv/pages.py": ["tests/test_kv_pages.py"],
     "kv/prefix.py": ["tests/test_kv_pages.py"],
-    "kv/manager.py": ["tests/test_kv_pages.py"],
-    "kv/storage.py": ["tests/test_kv_pages.py", "tests/test_paged_attention.py", "-k", "not cuda and not triton"],
-    "kv/buffers.py": ["tests/test_native_backend.py", "tests/test_reuse.py", "tests/test_reuse_edges.py", "-k",
-                      "native and not random_request and not cuda and not smollm2 and not fp16 and not int4 "
-                      "and not parity and not static and not unsupported"],
+    "kv/manager.py": ["tests/test_kv_pages.py", "tests/test_batching.py", "-k", _NO_SLOW],
+    "kv/storage.py": ["tests/test_kv_pages.py", "tests/test_paged_attention.py", "tests/test_native_runner.py",
+                      "-k", "not cuda and not triton"],
+    "kv/buffers.py": ["tests/test_native_backend.py", "tests/test_decoder_contract.py", "-k",
+                      "not cuda and not smollm2 and not fp16 and not int4 and not parity and not static "
+                      "and not unsupported and not ort"],
 }
 
 _BINOP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult, ast.Div: ast.Mult,

@@ -345,6 +345,9 @@ def test_identity_digest_covers_input_names_and_raw_bytes():
     assert make_identity([1], {"a": b"\x00\x01\x00"}, "pkg").digest != raw.digest
     # bytes then a name, or a longer name: the fields cannot run into each other
     assert make_identity([1], {"a": b"b", "c": b""}, "pkg").digest != make_identity([1], {"a": b"", "bc": b""}, "pkg").digest
+    # a value that spells the next input's header: only the length prefix tells the two apart
+    spelled = make_identity([1], {"a": b"x\x00input\x00b\x00bytes\x00y"}, "pkg").digest
+    assert spelled != make_identity([1], {"a": b"x", "b": b"y"}, "pkg").digest
     assert make_identity([1], {"a": x}, "pkg").digest != make_identity([1], {"a": x.tobytes()}, "pkg").digest
     assert make_identity([1], {"a": 1.5}, "pkg").digest is None and not make_identity([1], {"a": 1.5}, "pkg").retainable
 
