@@ -525,3 +525,34 @@ def test_clear_and_close_drop_the_context_and_a_closed_session_is_collectable(ti
     del s
     gc.collect()
     assert ref() is None  # the engine keeps no reference to a closed session
+
+
+# --- the paged pool (native backend) ----------------------------------------------------------------------
+
+needs_native = pytest.mark.skipif(not native_available(), reason="native backend not importable")
+
+
+@needs_native
+def test_a_paged_sessions_kv_bytes_are_its_pages(tiny_dir):
+    from onnxgen.kv.storage import page_bytes
+
+    m = load(tiny_dir, "native")
+    stats = m.kv_stats()
+    assert stats["paged"]
+    page = stats["page_size"]
+    s = m.session()
+    run(s, BASE)
+    spec = m.spec
+    per_page = page_bytes(spec.num_layers, page, spec.num_kv_heads, spec.head_size, 4)  # fp32 KV
+    assert s.kv_bytes() == -(-s.retained_tokens // page) * per_page
+    assert m.retained_kv_bytes() >= s.kv_bytes()
+
+
+@needs_native
+def test_a_reuse_false_request_leaves_nothing_in_the_paged_cache(tiny_dir):
+    m = load(tiny_dir, "native")
+    first = m.generate(BASE, max_new_tokens=N, output_logits=True, reuse=False)
+    assert first.stats.reused_tokens == 0
+    r = run(m.session(), BASE)  # nothing of the reuse=False request was indexed
+    assert r.stats.reused_tokens == 0
+    check_same(r, first)
