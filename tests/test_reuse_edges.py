@@ -551,8 +551,10 @@ def test_a_paged_sessions_kv_bytes_are_its_pages(tiny_dir):
 @needs_native
 def test_a_reuse_false_request_leaves_nothing_in_the_paged_cache(tiny_dir):
     m = load(tiny_dir, "native")
+    free = m.kv_stats()["pages_free"]
     first = m.generate(BASE, max_new_tokens=N, output_logits=True, reuse=False)
     assert first.stats.reused_tokens == 0
+    assert m.kv_stats()["pages_free"] == free  # its pages went back to the pool
     r = run(m.session(), BASE)  # nothing of the reuse=False request was indexed
     assert r.stats.reused_tokens == 0
     check_same(r, first)
