@@ -558,3 +558,39 @@ def test_a_reuse_false_request_leaves_nothing_in_the_paged_cache(tiny_dir):
     r = run(m.session(), BASE)  # nothing of the reuse=False request was indexed
     assert r.stats.reused_tokens == 0
     check_same(r, first)
+
+
+@needs_native
+def test_paged_pool_stats_follow_pins_sharing_and_close(tiny_dir):
+    m = load(tiny_dir, "native")
+    total = m.kv_stats()["pages_total"]
+    a, b = m.session(), m.session()
+    run(a, BASE)
+    run(b, BASE + [70, 71])  # shares BASE's full pages with a
+    st = m.kv_stats()
+    assert st["pinned_sessions"] == 2
+    assert st["pages_shared"] == 0  # between requests only the index holds pages: nothing is shared
+    assert st["pages_used"] == st["pages_indexed"] and st["pages_free"] == total - st["pages_used"]
+    during: list[dict] = []
+    c = m.session()
+    run(c, BASE + [80], on_token=lambda _p: during.append(m.kv_stats()))  # reads the pool mid-request
+    assert during, "nothing streamed"
+    full = len(BASE) // st["page_size"]
+    assert during[0]["pages_shared"] == full  # BASE's full pages: held by the index and by c's request
+    c.close()
+    a.evict()
+    assert m.kv_stats()["pinned_sessions"] == 1
+    b.close()
+    assert m.kv_stats()["pinned_sessions"] == 0
+    m.close()
+    after = m.kv_stats()
+    assert after["pages_free"] == total and after["pages_indexed"] == 0  # close drops every unpinned page
+
+
+def test_a_one_token_context_counts_against_max_sessions(tiny_dir):
+    m = load(tiny_dir, max_sessions=1)
+    a, b = m.session(), m.session()
+    a.generate([5], max_new_tokens=1)
+    assert a.retained_tokens == 1
+    b.generate([6], max_new_tokens=1)
+    assert (a.retained_tokens, b.retained_tokens) == (0, 1)
