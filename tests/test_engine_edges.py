@@ -129,3 +129,17 @@ def test_the_tool_call_format_is_read_off_the_packages_template(tiny_dir, tmp_pa
     assert onnxgen.load(str(pkg), backend="ort", threads=1).tool_format.name == "mistral"
     forced = onnxgen.load(str(pkg), backend="ort", threads=1, tool_parser="llama3_json")
     assert forced.tool_format.name == "llama3_json"  # the caller's choice wins
+
+
+def test_load_checks_the_batching_limits(tiny_dir):
+    for name in ("max_running", "max_batch_tokens"):
+        for bad in (0, -1, "2", 1.5):
+            with pytest.raises(onnxgen.errors.InvalidRequest, match=f"{name} must be an int >= 1"):
+                onnxgen.load(str(tiny_dir), backend="ort", threads=1, **{name: bad})
+    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1, max_running=1, max_batch_tokens=1)
+    assert m.generate([5, 6, 7], max_new_tokens=2, reuse=False).stats.generated_tokens >= 1
+
+
+def test_a_fresh_ort_engine_has_one_idle_decoder(tiny_dir):
+    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
+    assert m.kv_stats()["idle_decoders"] == 1  # the decoder made at load waits for the first request
