@@ -143,3 +143,21 @@ def test_load_checks_the_batching_limits(tiny_dir):
 def test_a_fresh_ort_engine_has_one_idle_decoder(tiny_dir):
     m = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
     assert m.kv_stats()["idle_decoders"] == 1  # the decoder made at load waits for the first request
+
+
+def test_reused_fraction_and_the_result_record(tiny):
+    from onnxgen.engine.result import Result
+
+    s = tiny.session()
+    prompt = list(range(3, 43))
+    s.generate(prompt, max_new_tokens=2)
+    r = s.generate(prompt, max_new_tokens=2, output_logits=True)
+    assert r.stats.reused_tokens == 39 and r.stats.reused_fraction == 39 / 40
+    assert "39 reused (98%)" in r.stats.line()
+    assert r.content == r.text and r.tool_calls == []  # no tools: the content is the text
+    text = repr(r)
+    assert "prompt_ids" not in text and "logits" not in text  # big arrays stay out of the repr
+    base = dict(text="hi", tokens=[1], finish_reason="stop", stats=r.stats)
+    assert Result(**base).content == "hi"
+    assert Result(**base, content="x").content == "x"
+    assert Result(**base, tool_calls=["call"]).content is None  # calls and no text around them

@@ -544,7 +544,7 @@ def test_a_paged_sessions_kv_bytes_are_its_pages(tiny_dir):
     run(s, BASE)
     spec = m.spec
     per_page = page_bytes(spec.num_layers, page, spec.num_kv_heads, spec.head_size, 4)  # fp32 KV
-    assert s.retained_tokens == len(BASE) + N - 1 or s.retained_tokens > len(BASE)  # the session pins its context
+    assert s.retained_tokens >= len(BASE)  # the session pins its context
     assert s.kv_bytes() == -(-s.retained_tokens // page) * per_page > 0
     assert m.retained_kv_bytes() >= s.kv_bytes()
 
