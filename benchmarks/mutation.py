@@ -59,7 +59,7 @@ SELECT: dict[str, list[str]] = {
     "engine/result.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_reuse_edges.py", "-k", _ORT],
     "engine/request.py": ["tests/test_scheduler.py", "tests/test_request.py", "tests/test_engine.py",
                           "tests/test_engine_edges.py", "-k", _ORT],
-    "engine/scheduler.py": ["tests/test_scheduler.py", "tests/test_batching.py", "-k", _NO_SLOW],
+    "engine/scheduler.py": ["tests/test_scheduler.py", "tests/test_request.py", "tests/test_batching.py", "-k", _NO_SLOW],
     "kv/pages.py": ["tests/test_kv_pages.py"],
     "kv/prefix.py": ["tests/test_kv_pages.py"],
     "kv/manager.py": ["tests/test_kv_pages.py", "tests/test_batching.py", "-k", _NO_SLOW],
@@ -343,6 +343,9 @@ def main() -> None:
     ap.add_argument("--report", type=Path, help="JSON lines of outcomes; mutants already in it are skipped")
     ap.add_argument("--timeout-factor", type=float, default=3.0)
     ap.add_argument("--lines", default="", help="only mutants on these lines: module:line,module:line")
+    ap.add_argument("--sample", type=int, default=0,
+                    help="run a seeded random sample of this many mutants per module (0: all)")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
     ap.add_argument("--retry-survivors", action="store_true",
                     help="run again the mutants the report lists as survived or uncovered (after adding tests)")
     args = ap.parse_args()
@@ -382,8 +385,14 @@ def main() -> None:
             covered = {int(k): v for k, v in json.loads(cov_out.read_text()).items()}
             timeout = args.timeout_factor * clean_s + 10
             print(f"== {m}: {len(ss)} mutants; clean run {clean_s:.1f} s; {len(covered)} lines covered", flush=True)
+            chosen_ids = set(range(len(ss)))
+            if args.sample and args.sample < len(ss):
+                import random
+
+                chosen_ids = set(random.Random(f"{args.seed}:{m}").sample(range(len(ss)), args.sample))
+                print(f"   a sample of {args.sample} (seed {args.seed})", flush=True)
             for i, (line, desc, in_body) in enumerate(ss):
-                if only_lines and (m, str(line)) not in only_lines:
+                if i not in chosen_ids or (only_lines and (m, str(line)) not in only_lines):
                     continue
                 if (m, i) in done:
                     results.append(done[(m, i)])

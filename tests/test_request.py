@@ -228,3 +228,26 @@ def test_to_host_copies_float32_too(host):
     y = host(x)
     x[:] = 9
     assert y.tolist() == [0, 1, 2, 3]  # a copy, never a view of the decoder's reused buffer
+
+
+def test_defaults_keep_no_logits_and_reuse():
+    r = request(max_new=2)
+    feed(r, [3, 4])
+    assert r.logits == [] and r.reuse and r.cached == 0 and r.admissions == 0
+
+
+def test_text_after_a_stop_string_stays_out_even_when_the_detokenizer_holds_more():
+    streamed: list[str] = []
+    r = request(stop=["END"], tail="!", on_token=streamed.append)
+    assert feed(r, [3, 8, 9]) == [False, False, True]
+    assert r.finish_reason == "stop" and r.text == "he" and "".join(streamed) == "he"
+
+
+def test_the_scheduler_needs_room_for_one_request_and_one_token():
+    from onnxgen.engine.scheduler import Scheduler
+
+    for bad in ({"max_running": 0, "token_budget": 8}, {"max_running": 1, "token_budget": 0}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            Scheduler(None, preempt=False, **bad)
+    s = Scheduler(None, max_running=1, token_budget=1, preempt=False)
+    assert (s.max_running, s.token_budget) == (1, 1) and not s.has_work()
