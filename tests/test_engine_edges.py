@@ -89,7 +89,7 @@ def test_load_retains_eight_sessions_by_default(tiny_dir):
 def test_token_id_prompts_are_checked_against_the_vocabulary(tiny):
     v = tiny.spec.vocab_size
     assert tiny.generate([0, v - 1], max_new_tokens=1, reuse=False).stats.prompt_tokens == 2  # both ends are ids
-    for prompt, bad in (([5, v], v), ([5, -1], -1), ([5, v + 7, -3], v + 7), ([-3, v + 7], -3)):
+    for prompt, bad in (([5, v], v), ([5, -1], -1), ([5, v + 7, -3], v + 7), ([-3, v + 7], -3), ([0, v, 1], v)):
         with pytest.raises(onnxgen.errors.InvalidRequest, match=rf"token id {bad} is outside the vocabulary \[0, {v}\)"):
             tiny.generate(prompt, max_new_tokens=1)
 

@@ -250,4 +250,7 @@ def test_the_scheduler_needs_room_for_one_request_and_one_token():
         with pytest.raises(ValueError, match="must be >= 1"):
             Scheduler(None, preempt=False, **bad)
     s = Scheduler(None, max_running=1, token_budget=1, preempt=False)
-    assert (s.max_running, s.token_budget) == (1, 1) and not s.has_work()
+    assert (s.max_running, s.token_budget) == (1, 1) and not s.has_work() and s.num_waiting() == 0
+    s.add(request())
+    s.add(request())
+    assert s.has_work() and s.num_waiting() == 2  # queued from any thread, not yet scheduled
