@@ -102,3 +102,28 @@ def test_eviction_follows_recency_exactly_and_clear_keeps_pinned_paths():
     assert index.clear() == 2 and index.pages() == set() and alloc.num_free == 32
     alloc.check_integrity()
     index.check_integrity()
+
+
+def test_open_shares_all_but_the_last_token_of_a_fully_indexed_prompt():
+    from onnxgen.kv.manager import KVManager
+
+    class Copies:
+        def __init__(self):
+            self.done = []
+
+        def copy_prefix(self, src, dst, n):
+            self.done.append((src, dst, n))
+
+    alloc = PageAllocator(8)
+    index = PrefixIndex(alloc, P)
+    store = Copies()
+    kv = KVManager(alloc, index, store)
+    tokens = list(range(10))
+    pages = alloc.alloc(3)
+    index.insert(D, tokens, pages)
+    alloc.decref(pages)
+    table, cached = kv.open(D, tokens)  # the whole prompt is indexed: one token is still computed
+    assert cached == 9 and table.pages[:2] == pages[:2] and store.done == [(pages[2], table.pages[2], 1)]
+    kv.release(table)
+    table, cached = kv.open(D, tokens[:8])  # two whole pages indexed: the second is copied up to 3 positions
+    assert cached == 7 and table.pages[0] == pages[0] and store.done[-1] == (pages[1], table.pages[1], 3)
