@@ -127,3 +127,16 @@ def test_open_shares_all_but_the_last_token_of_a_fully_indexed_prompt():
     kv.release(table)
     table, cached = kv.open(D, tokens[:8])  # two whole pages indexed: the second is copied up to 3 positions
     assert cached == 7 and table.pages[0] == pages[0] and store.done[-1] == (pages[1], table.pages[1], 3)
+
+
+def test_kv_buffers_grow_from_empty_and_only_when_needed():
+    torch = pytest.importorskip("torch")
+    from onnxgen.kv.buffers import KVBuffers
+
+    kv = KVBuffers(2, 1, 4, torch.float32, "cpu", floor=1)
+    assert (kv.capacity, kv.length, kv.nbytes()) == (0, 0, 0)
+    gen = kv.generation
+    assert kv.reserve(1) is True and kv.capacity == 1 and kv.generation == gen + 1  # a first 1-token cache
+    assert kv.reserve(1) is False and kv.generation == gen + 1  # already room: nothing reallocated
+    assert kv.nbytes() == 2 * 2 * 1 * 4 * 4  # layers x (K, V) x capacity x head_dim x 4 bytes
+    assert kv.reserve(3) is True and kv.capacity == 4
