@@ -62,7 +62,7 @@ SELECT: dict[str, list[str]] = {
     "engine/scheduler.py": ["tests/test_scheduler.py", "tests/test_request.py", "tests/test_batching.py", "-k", _NO_SLOW],
     "kv/pages.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
     "kv/prefix.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
-    "kv/manager.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py", "tests/test_batching.py", "-k", _NO_SLOW],
+    "kv/manager.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py", "tests/test_reuse_edges.py", "tests/test_batching.py", "-k", _NO_SLOW],
     "kv/storage.py": ["tests/test_kv_pages.py", "tests/test_paged_attention.py", "tests/test_native_runner.py",
                       "-k", "not cuda and not triton"],
     "kv/buffers.py": ["tests/test_native_backend.py", "tests/test_decoder_contract.py", "tests/test_kv_edges.py", "-k",

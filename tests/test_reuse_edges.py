@@ -596,3 +596,17 @@ def test_a_one_token_context_counts_against_max_sessions(tiny_dir):
     assert a.retained_tokens == 1
     b.generate([6], max_new_tokens=1)
     assert (a.retained_tokens, b.retained_tokens) == (0, 1)
+
+
+@needs_native
+def test_paged_prefix_counters_count_lookups_and_hits(tiny_dir):
+    m = load(tiny_dir, "native")
+    page = m.kv_stats()["page_size"]
+    before = m.kv_stats()
+    assert (before["prefix_lookups"], before["prefix_lookup_tokens"], before["prefix_hit_tokens"]) == (0, 0, 0)
+    s = m.session()
+    run(s, BASE)
+    r = run(s, BASE + [70, 71])
+    st = m.kv_stats()
+    assert st["prefix_lookups"] == 2 and st["prefix_lookup_tokens"] == 2 * len(BASE) + 2
+    assert st["prefix_hit_tokens"] == r.stats.reused_tokens >= (len(BASE) // page) * page
