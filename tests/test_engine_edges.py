@@ -161,3 +161,21 @@ def test_reused_fraction_and_the_result_record(tiny):
     assert Result(**base).content == "hi"
     assert Result(**base, content="x").content == "x"
     assert Result(**base, tool_calls=["call"]).content is None  # calls and no text around them
+
+
+def test_step_says_whether_there_was_work(tiny_dir):
+    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
+    assert m.step() is False  # nothing queued
+    p = m.submit([5, 6, 7], max_new_tokens=3, reuse=False)
+    steps = 0
+    while not p.done():
+        assert m.step() is True
+        steps += 1
+    assert steps >= 1 and m.step() is False
+    assert p.result().stats.generated_tokens >= 1
+    ev = __import__("threading").Event()
+    q = m.submit([5, 6, 7], max_new_tokens=3, reuse=False, cancel=ev)
+    ev.set()
+    assert m.step() is True and q.done()  # a step that only finds a cancelled request still did work
+    with pytest.raises(onnxgen.errors.Cancelled):
+        q.result()
