@@ -63,7 +63,7 @@ SELECT: dict[str, list[str]] = {
     "kv/pages.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
     "kv/prefix.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
     "kv/manager.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py", "tests/test_reuse_edges.py", "tests/test_batching.py", "-k", _NO_SLOW],
-    "kv/storage.py": ["tests/test_kv_pages.py", "tests/test_paged_attention.py", "tests/test_native_runner.py",
+    "kv/storage.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py", "tests/test_paged_attention.py", "tests/test_native_runner.py",
                       "-k", "not cuda and not triton"],
     "kv/buffers.py": ["tests/test_native_backend.py", "tests/test_decoder_contract.py", "tests/test_kv_edges.py", "-k",
                       "not cuda and not smollm2 and not fp16 and not int4 and not parity and not static "

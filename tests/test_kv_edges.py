@@ -164,9 +164,9 @@ def test_kv_buffers_keep_the_prefix_rewind_within_bounds_and_reset_or_free():
     default = KVBuffers(1, 1, 2, torch.float32, "cpu")
     default.reserve(1)
     assert default.capacity == 256  # the default floor
-    kv = KVBuffers(2, 1, 2, torch.float32, "cpu", floor=2)
+    kv = KVBuffers(2, 1, 3, torch.float32, "cpu", floor=2)
     kv.reserve(2)
-    k = torch.arange(4, dtype=torch.float32).view(1, 1, 2, 2)
+    k = torch.arange(6, dtype=torch.float32).view(1, 1, 2, 3)  # 2 positions of head_dim 3
     for layer in range(2):
         kv.write(layer, 0, k + layer, -(k + layer))
     kv.set_length(2)
@@ -177,6 +177,9 @@ def test_kv_buffers_keep_the_prefix_rewind_within_bounds_and_reset_or_free():
     kv.rewind_to(2)
     kv.rewind_to(1)
     assert kv.length == 1
+    kv.rewind_to(0)
+    assert kv.length == 0
+    kv.set_length(1)
     for bad in (2, -1):
         with pytest.raises(ValueError, match="rewind_to"):
             kv.rewind_to(bad)
