@@ -198,7 +198,7 @@ class NativeDecoder:
                 if logits is None:
                     logits = self._run_eager(tokens, start_pos, extra)
                     self._eager_forwards += 1
-        except torch.cuda.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(
                 f"the device ran out of memory running {n} token(s) at position {start_pos}"
             ) from exc
@@ -252,7 +252,7 @@ class NativeDecoder:
         except NotCapturable as exc:  # the first capture will find out too and fall back to eager
             log.info("warm-up stopped: %s", exc)
         self.kv.set_length(0)
-        if self._dev.type == "cuda":
+        if self._dev.type == "cuda":  # pragma: cuda
             torch.cuda.synchronize(self._dev)
         done.update(steps)
         self._warmed = tuple(steps)
@@ -270,6 +270,7 @@ class NativeDecoder:
             logits = _last_logits(self._run_static(tokens, start, m))
             self._count_static(m)
             return logits
+        # pragma: cuda-begin (CUDA graphs)
         if self._graph_gen != self.kv.generation:
             # NOTE: the KV buffers were reallocated, so every captured graph is stale. Dropping the
             # graphs frees their private memory pool: forget its handle too, or the next capture
@@ -303,6 +304,7 @@ class NativeDecoder:
         graph.replay()
         self._count_static(m)
         return _last_logits(out)
+        # pragma: cuda-end
 
     def _count_static(self, m: int) -> None:
         self._static_forwards[m] = self._static_forwards.get(m, 0) + 1
@@ -332,7 +334,7 @@ class NativeDecoder:
         ctx = RunCtx(self.kv, -1, m, positions, past=past, last=self._step_dev[1:2] if m > 1 else None)
         return env, ctx
 
-    def _capture(self, m: int) -> tuple[Any, torch.Tensor]:
+    def _capture(self, m: int) -> tuple[Any, torch.Tensor]:  # pragma: cuda
         # Warm up on a side stream (compiles Triton kernels, settles allocator), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -348,7 +350,7 @@ class NativeDecoder:
             out = self.program.execute(env, ctx)
         return graph, out
 
-    def _capture_failed(self, exc: BaseException) -> None:
+    def _capture_failed(self, exc: BaseException) -> None:  # pragma: cuda
         """After a capture that raised: disable graphs for this decoder (logged once), drop its graphs
         and pool, and repair what a broken capture leaves behind process-wide."""
         if self._use_graphs:

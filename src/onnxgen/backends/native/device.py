@@ -58,12 +58,14 @@ def device_lock(dev: torch.device) -> Any:
     it: CUDA graph capture state is per process); a no-op context on the CPU."""
     if dev.type != "cuda":
         return _NoLock()
+    # pragma: cuda-begin
     key = str(dev)
     with _DEVICE_LOCKS_GUARD:
         return _DEVICE_LOCKS.setdefault(key, threading.RLock())
+    # pragma: cuda-end
 
 
-def repair_after_failed_capture(dev: torch.device) -> None:
+def repair_after_failed_capture(dev: torch.device) -> None:  # pragma: cuda
     """A capture that raised before `capture_end` completed leaves the default CUDA generator in its
     capture state, and every later random op of the process fails ("Offset increment outside graph
     capture"). A small successful capture runs the generator's capture prologue and epilogue again,
@@ -96,6 +98,7 @@ class Staging:
         if not self._cuda:
             out.copy_(values)
             return
+        # pragma: cuda-begin (pinned staging buffers)
         i = self._i
         self._i = (i + 1) % len(self._bufs)
         ev = self._events[i]
@@ -111,6 +114,7 @@ class Staging:
         staged.copy_(values)
         out.copy_(staged, non_blocking=True)
         ev.record()
+        # pragma: cuda-end
 
 
 _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()

@@ -38,6 +38,7 @@ def use_triton(t: torch.Tensor) -> bool:
     global _TRITON_OK
     if DISABLE_TRITON or not (t.is_cuda or FORCE_TRITON):
         return False
+    # pragma: cuda-begin (a CUDA tensor, or the Triton interpreter)
     if _TRITON_OK is None:
         try:
             _build()
@@ -45,6 +46,7 @@ def use_triton(t: torch.Tensor) -> bool:
         except Exception:  # triton missing or broken: torch path
             _TRITON_OK = False
     return bool(_TRITON_OK)
+    # pragma: cuda-end
 
 
 def triton_available() -> bool:
@@ -92,6 +94,7 @@ def rms_norm(
 ) -> tuple[torch.Tensor, Any]:
     if not use_triton(x) or not x.is_contiguous() or (skip is not None and not skip.is_contiguous()):
         return rms_norm_ref(x, skip, w, eps)
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     tl_k = _TRITON
     n = x.shape[-1]
     rows = x.numel() // n
@@ -103,6 +106,7 @@ def rms_norm(
         HAS_SKIP=skip is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
     )  # fmt: skip
     return y, (s if skip is not None else None)
+    # pragma: cuda-end
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,12 +121,14 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
         if out is g and g.shape == y.shape:
             return g.copy_(y)
         return y.to(g.dtype)
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     if out is None:
         out = torch.empty_like(g)
     n = g.numel()
     block = 2048
     _TRITON["silu_mul"][(triton_cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
     return out
+    # pragma: cuda-end
 
 
 _MAX_SPLITS = 64  # key splits per (KV head, row block); the combine pass reads this many slots, masked
@@ -146,6 +152,7 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
     defaults."""
     if not use_triton(q):
         return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window)
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     n, m, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, cap = kbuf.shape[1], kbuf.shape[2]
     g = n // hkv
@@ -184,6 +191,7 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
             acc, ml, out, rows, rp, hkv * nsplit * rp, nsplit, D=d, DP=dp, NSP=_MAX_SPLITS, num_warps=4,
         )  # fmt: skip
     return out
+    # pragma: cuda-end
 
 
 def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, positions: torch.Tensor,
@@ -206,6 +214,7 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
         q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
         kv.write_at(layer, slots, k.transpose(1, 2), v.transpose(1, 2))
         return q.transpose(1, 2).contiguous()
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     qkv = qkv.contiguous()
     qout = torch.empty((1, n, s, d), dtype=qkv.dtype, device=qkv.device)
     half = cos_c.shape[1]
@@ -215,12 +224,13 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
         INTERLEAVED=interleaved, num_warps=1,
     )  # fmt: skip
     return qout
+    # pragma: cuda-end
 
 
 # --- Triton kernels (built on first use) -------------------------------------------------------------
 
 
-def _build() -> None:
+def _build() -> None:  # pragma: cuda (Triton only)
     global _TRITON
     if _TRITON is not None:
         return

@@ -131,7 +131,7 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
 
 
-def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
+def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
                      window: int = -1, nsplit: int | None = None) -> torch.Tensor:  # fmt: skip
     """The Triton path of `attention`. `nsplit` (tests): the number of key splits; by default enough
     splits for about two waves of programs over the longest sequence (host shapes: a captured step sizes

@@ -106,7 +106,7 @@ class NativeRunner:
             raise BackendUnavailable(f"{spec.path}: cannot batch this package: {why}")
         per_page = page_bytes(spec.num_layers, page_size, spec.num_kv_heads, spec.head_size, dtype.itemsize)
         if kv_bytes is None:
-            if self._dev.type == "cuda":
+            if self._dev.type == "cuda":  # pragma: cuda
                 free, _total = torch.cuda.mem_get_info(self._dev)
                 kv_bytes = int(free * GPU_KV_FRACTION)
             else:
@@ -118,7 +118,7 @@ class NativeRunner:
         try:  # one page more than the pool: the scratch page padding rows of graph steps write into
             self.storage = PageStorage(spec.num_layers, num_pages + 1, page_size, spec.num_kv_heads,
                                        spec.head_size, dtype, self._dev)  # fmt: skip
-        except torch.cuda.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(f"cannot allocate a KV pool of {kv_bytes / 2**30:.1f} GiB") from exc
         self.page_size = page_size
         self.num_pages = num_pages
@@ -176,7 +176,7 @@ class NativeRunner:
             with self.device_lock:
                 g = self._graph_for(step)
                 return self._run_graph(g, step) if g is not None else self._run_eager(step)
-        except torch.cuda.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(f"the device ran out of memory running a batch of {step.num_tokens} "
                                     "token(s)") from exc  # fmt: skip
 
@@ -196,7 +196,7 @@ class NativeRunner:
 
     # --- CUDA graphs for decode steps --------------------------------------------------------------
 
-    def _run_graph(self, g: _Graph, step: BatchStep) -> torch.Tensor:
+    def _run_graph(self, g: _Graph, step: BatchStep) -> torch.Tensor:  # pragma: cuda
         b, m, P = len(step.seqs), g.tokens, self.page_size
         t = g.batch * m
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
@@ -237,7 +237,7 @@ class NativeRunner:
         self.steps["graph"] += 1
         return g.out.reshape(g.batch, -1)[:b].float()
 
-    def _graph_step(self, g: _Graph) -> paged.PagedStep:
+    def _graph_step(self, g: _Graph) -> paged.PagedStep:  # pragma: cuda
         """The attention metadata of a graph's step: views of its device buffers, and host shapes sized for
         any KV length up to the context (so the kernels' split of the keys is fixed at capture)."""
         bm, m, t = g.batch, g.tokens, g.batch * g.tokens
@@ -248,7 +248,7 @@ class NativeRunner:
             q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm, split_t=g.narrow[-1:],
         )  # fmt: skip
 
-    def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:
+    def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
         t = g.batch * g.tokens
         env = self.program.new_env()
         env[self._in_ids] = g.wide[:t].view(1, t).to(self._ids_dtype)
@@ -257,7 +257,7 @@ class NativeRunner:
         return self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
                                                 static=True))  # fmt: skip
 
-    def _capture(self, batch: int, tokens: int) -> None:
+    def _capture(self, batch: int, tokens: int) -> None:  # pragma: cuda
         """Capture the step of `batch` sequences of `tokens` positions (all padding: harmless to run). On
         failure turn graphs off for this runner and repair what a broken capture leaves behind."""
         t, mp, P = batch * tokens, self._max_pages, self.page_size
