@@ -78,3 +78,21 @@ def test_a_new_prompt_is_never_split_where_held_text_ends(tiny_dir) -> None:
         msgs = [{"role": "user", "content": f"client {c} says hello number {c * 7}"}]
         r = s.generate(msgs, max_new_tokens=3, temperature=0.0)
         assert r.prompt_ids == model.encode_prompt(msgs), c
+
+
+def test_a_reply_with_invalid_utf8_keeps_every_id(smollm2_ort) -> None:
+    """A sampled reply can hold a character's first bytes followed by no continuation (found at temperature
+    0.9: "\\xef\\xbc" then " **"). Its text decodes that sequence to U+FFFD; a client echoing the text back
+    still keeps every id, and the rest is encoded as usual."""
+    tok = smollm2_ort.tokenizer
+    table = tok._bytes_table()
+    lead = next(i for i, b in enumerate(table) if len(b) == 2 and b[0] >= 0xE0 and b[1] & 0xC0 == 0x80)
+    held = tok.encode("The answer is", add_special_tokens=False) + [lead] + tok.encode(" done", add_special_tokens=False)
+    text = tok.decode(held)
+    assert "\ufffd" in text
+    ids = tok.encode_after(text + " And more.", held)
+    assert ids[: len(held)] == held
+    assert tok.decode(ids) == text + " And more."
+    broken = text.replace("\ufffd", "?")  # a client that changed the text keeps only what still matches
+    kept = tok.encode_after(broken, held)
+    assert tok.decode(kept) == broken and kept[: len(held)] != held

@@ -233,14 +233,16 @@ class Tokenizer:
         """Token ids of `text` (no special tokens added) that keep as much of `held` as spells its start.
 
         `held` are ids a cache already holds (an earlier prompt and the reply the model generated). When the
-        start of `text` is exactly the bytes of `held[:k]`, the result is `held[:k]` + the encoding of the
+        start of `text` is exactly the text of `held[:k]`, the result is `held[:k]` + the encoding of the
         rest of `text`: the same text, in the ids the model itself produced, where plain `encode` might split
         the reply differently (a reply's text does not always re-tokenize into the ids that were sampled).
-        The split falls on a UTF-8 character boundary, and either after all of `held` (the reply ends the
-        cache) or before a special token (a turn's end marker): never inside text that plain encoding
-        would tokenize across the split, so the rest of a prompt is tokenized as a fresh run would (a new
-        prompt "client 10" after a held "client 1" is not split into "client 1" + "0"). With no such
-        `k` > 0 this is plain `encode`."""
+        "The text of" ids is their bytes decoded as `decode` does, each invalid UTF-8 sequence a sampled
+        reply may hold becoming U+FFFD, so a client that echoes such a reply still keeps every id.
+        The split falls between whole characters, and either all of `held` spells the start of `text` (the
+        reply ends the cache) or the split is before a special token (a turn's end marker): never inside
+        text that plain encoding would tokenize across the split, so the rest of a prompt is tokenized as a
+        fresh run would (a new prompt "client 10" after a held "client 1" is not split into "client 1" +
+        "0"). With no such `k` > 0 this is plain `encode`."""
         import numpy as np
 
         if not held:
@@ -248,20 +250,24 @@ class Tokenizer:
         table = self._bytes_table()
         pieces = [table[i] if 0 <= i < len(table) else b"" for i in held]
         raw = text.encode("utf-8")
-        spelled = b"".join(pieces)
-        n = min(len(raw), len(spelled))
-        a = np.frombuffer(raw[:n], dtype=np.uint8)
-        b = np.frombuffer(spelled[:n], dtype=np.uint8)
-        diff = np.flatnonzero(a != b)
-        common = int(diff[0]) if diff.size else n  # bytes of text spelled by held's bytes
-        ends = np.cumsum([len(p) for p in pieces])  # ends[j]: bytes spelled by held[: j + 1]
-        k = int(np.searchsorted(ends, common, side="right"))  # tokens wholly inside the common bytes
-        while k > 0 and int(ends[k - 1]) < len(raw) and (raw[int(ends[k - 1])] & 0xC0) == 0x80:
-            k -= 1  # never split a character
+        whole = b"".join(pieces)
+        try:
+            whole.decode("utf-8")
+            ends = np.cumsum([len(p) for p in pieces])  # ends[j]: bytes spelled by held[: j + 1]
+            inside = np.frombuffer(whole + b"\0", dtype=np.uint8)[ends] & 0xC0 == 0x80  # mid-character ends
+            ends[inside] = -1
+        except UnicodeDecodeError:
+            whole, ends = _lossy_spelling(pieces)
+        n = min(len(raw), len(whole))
+        diff = np.flatnonzero(np.frombuffer(raw[:n], dtype=np.uint8) != np.frombuffer(whole[:n], dtype=np.uint8))
+        common = int(diff[0]) if diff.size else n  # bytes of text spelled by held's text
+        k = int(np.searchsorted(np.maximum.accumulate(ends), common, side="right"))  # tokens inside common
+        while k > 0 and ends[k - 1] < 0:
+            k -= 1  # the last of them that ends between characters
         if k == 0:
             return self.encode(text, add_special_tokens=False)
         cut = int(ends[k - 1])
-        if k < len(held) and not raw[cut:].startswith(self._special_bytes()):
+        if common < len(whole) and not raw[cut:].startswith(self._special_bytes()):
             return self.encode(text, add_special_tokens=False)
         return list(held[:k]) + self.encode(raw[cut:].decode("utf-8"), add_special_tokens=False)
 
@@ -302,3 +308,23 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "
             f"eos_ids={self.eos_token_ids})"
         )
+
+
+def _lossy_spelling(pieces: Sequence[bytes]) -> tuple[bytes, Any]:
+    """The UTF-8 text that `pieces` decode to with each invalid sequence replaced by U+FFFD (as `decode` does),
+    and, per piece, the byte length of that text up to the piece's end (-1 where it ends inside a character)."""
+    import codecs
+
+    import numpy as np
+
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    out: list[bytes] = []
+    ends = np.empty(len(pieces), dtype=np.int64)
+    size = 0
+    for j, piece in enumerate(pieces):
+        part = decoder.decode(piece).encode("utf-8")
+        out.append(part)
+        size += len(part)
+        ends[j] = -1 if decoder.getstate()[0] else size
+    out.append(decoder.decode(b"", final=True).encode("utf-8"))  # an incomplete character at the very end
+    return b"".join(out), ends
