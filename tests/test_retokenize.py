@@ -96,3 +96,22 @@ def test_a_reply_with_invalid_utf8_keeps_every_id(smollm2_ort) -> None:
     broken = text.replace("\ufffd", "?")  # a client that changed the text keeps only what still matches
     kept = tok.encode_after(broken, held)
     assert tok.decode(kept) == broken and kept[: len(held)] != held
+
+
+def test_an_evicted_session_encodes_its_next_prompt_the_same(smollm2_ort) -> None:
+    """The ids a turn runs on do not depend on whether the session's KV survived eviction (32 clients over a
+    registry of 8 found it): the session keeps the ids of its last context, so only the reuse is lost."""
+    q = QUESTIONS[0]  # its reply re-tokenizes differently
+    kept, evicted = smollm2_ort.session(), smollm2_ort.session()
+    history = [{"role": "user", "content": q}]
+    r1 = kept.generate(history, max_new_tokens=64, temperature=0)
+    assert evicted.generate(history, max_new_tokens=64, temperature=0).tokens == r1.tokens
+    assert evicted.evict() > 0
+    history += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "Thanks. One more?"}]
+    a = kept.generate(history, max_new_tokens=4, temperature=0)
+    b = evicted.generate(history, max_new_tokens=4, temperature=0)
+    assert b.stats.reused_tokens < a.stats.reused_tokens  # the KV is gone...
+    assert b.prompt_ids == a.prompt_ids != smollm2_ort.encode_prompt(history)  # ...the generated ids are not
+    assert b.tokens == a.tokens
+    evicted.clear()  # /reset forgets the ids too
+    assert evicted.generate(history, max_new_tokens=4, temperature=0).prompt_ids == smollm2_ort.encode_prompt(history)

@@ -259,6 +259,7 @@ class Engine:
         *,
         owner: Any = None,
         held: Any = None,
+        history: Sequence[int] | None = None,
         salt: str | None = None,
         max_new_tokens: int | None = None,
         stop: str | Sequence[str] | None = None,
@@ -278,7 +279,9 @@ class Engine:
 
         `owner`: the session the request's context is kept for (None: nobody; with paged KV its pages
         still join the prefix index). `held`: the owner's retained state, taken for this request: this
-        call disposes of it on every path (reused, replaced, or dropped on failure). `salt`: part of the
+        call disposes of it on every path (reused, replaced, or dropped on failure). `history`: the ids of
+        the owner's last context, which a chat prompt keeps where it spells them (`encode_prompt`); None:
+        those `held` covers. `salt`: part of the
         identity (requests under different salts share no KV). `sampling` holds the
         `SamplingParams.resolve` keywords (temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, frequency_penalty, seed); None means "not given".
@@ -295,7 +298,9 @@ class Engine:
         """
         t0 = time.perf_counter()
         try:
-            ids = self.encode_prompt(prompt, held.identity.tokens if held is not None and reuse else (), tools=tools)
+            if history is None:
+                history = held.identity.tokens if held is not None else ()
+            ids = self.encode_prompt(prompt, history if reuse else (), tools=tools)
             tool_grammar = self.tool_processor(tools, tool_choice, parallel_tool_calls)
             if tool_grammar is not None:
                 processors = [*processors, tool_grammar]

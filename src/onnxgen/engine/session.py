@@ -13,6 +13,10 @@ a pin on the index path of the last context (`paged.Pinned`); no path updates it
 description. Any exception (including cancellation) between 1 and 5 drops the taken state: the failure
 direction is "lose the speedup", never "corrupt the context".
 
+A session also remembers the ids of its last context (its history: ints, not KV). A chat prompt is
+encoded against them (`Engine.encode_prompt(held=...)`) whether or not the KV survived eviction, so the
+ids a request runs on, and so its output, never depend on memory pressure; only the reuse does.
+
 `SessionRegistry` bounds retained KV (LRU by count and bytes). A Session reaches its engine only
 through `Runner`: this module does not import the engine.
 """
@@ -37,8 +41,9 @@ class Runner(Protocol):
     def run_request(self, prompt: Any, *, owner: Any, held: Any, salt: str | None,
                     **kwargs: Any) -> tuple[Result, Any]:  # fmt: skip
         """Run one request whose context `owner` keeps; `held` is the owner's retained state, taken for
-        the request (the engine disposes of it on every path). Returns the result and the new state to
-        keep (None: nothing)."""
+        the request (the engine disposes of it on every path); `history=` the ids of the owner's last
+        context, which a chat prompt keeps where it spells them (`Engine.encode_prompt`) even when `held`
+        was evicted. Returns the result and the new state to keep (None: nothing)."""
         ...
 
     def drop_state(self, state: Any) -> None:
@@ -65,6 +70,7 @@ class Session:
         self._request_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._retained: Any = None  # the engine's state: a retained decoder, or a pin on the paged index
+        self._history: tuple[int, ...] = ()  # the ids of the last context, kept when its KV is evicted
         self.last_used = time.monotonic()
         self.closed = False
 
@@ -103,9 +109,10 @@ class Session:
         return self.engine.state_bytes(state) if state is not None else 0
 
     def clear(self) -> None:
-        """Forget the retained context (e.g. the REPL's /reset); waits for a running request."""
+        """Forget the retained context and its ids (e.g. the REPL's /reset); waits for a running request."""
         with self._request_lock:
             self.evict()
+            self._history = ()
 
     def close(self) -> None:
         self.clear()
@@ -127,8 +134,11 @@ class Session:
                 result, _ = self.engine.run_request(prompt, owner=None, held=None, salt=self.salt, **kwargs)
                 return result
             state = self._take()  # NOTE: from here on the session holds nothing (invariant 2)
-            result, kept = self.engine.run_request(prompt, owner=self, held=state, salt=self.salt, **kwargs)
+            result, kept = self.engine.run_request(
+                prompt, owner=self, held=state, history=self._history, salt=self.salt, **kwargs
+            )
             if kept is not None:
+                self._history = tuple(kept.identity.tokens)
                 self._commit(kept)
                 self.engine.registry.touch(self)
             return result
