@@ -21,7 +21,7 @@ def capacity_bucket(total: int, floor: int, limit: int | None = None) -> int:
     """The KV capacity (in positions) a cache grows to so that it holds `total`: the smallest power of two
     >= max(total, floor), except that it stops at `limit` (the context length) when `total` fits in it.
 
-        floor 256, limit 2000:  total 1 -> 256, 257 -> 512, 1025 -> 2000 (not 2048), 2001 -> 4096
+        floor 256, limit 2000:  total 1 -> 256, 257 -> 512, 1025 -> 2000 (not 2048), 2001 -> 2048
     """
     need = max(int(total), int(floor), 1)
     cap = 1 << (need - 1).bit_length()
