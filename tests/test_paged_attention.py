@@ -68,6 +68,23 @@ def test_torch_path_equals_dense_attention(window: int) -> None:
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
 
 
+@pytest.mark.parametrize("window", [-1, 8])
+def test_a_decode_step_in_one_batched_product_equals_dense_attention(window: int) -> None:
+    """One query per sequence takes the batched path (every sequence's pages at once, padded to the longest);
+    slots no sequence wrote hold NaN, as an uninitialised pool may, and must not leak into any row."""
+    st, step, q = _batch("cpu", torch.float32, [(37, 1), (100, 1), (3, 1), (300, 1), (0, 1), (15, 1)])
+    written = torch.zeros(st.data.shape[2:4], dtype=torch.bool)  # [pages, P]
+    for s in step.seqs:
+        for p in range(s.end):
+            written[s.pages[p // P], p % P] = True
+    st.data.masked_fill_(~written[None, None, :, :, None, None], float("nan"))
+    ps = paged.build_step(step, st, P, torch.device("cpu"))
+    got = paged.attention_ref(ps, 1, q, 0.2, window=window)
+    want = _dense(st, step, q, 1, 0.2, window)
+    assert not got.isnan().any()
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
 def test_write_kv_lands_at_each_tokens_slot() -> None:
     st, step, _ = _batch("cpu", torch.float32, [(14, 4), (0, 2)])
     ps = paged.build_step(step, st, P, torch.device("cpu"))

@@ -142,6 +142,7 @@ class Engine:
                                    preempt=self.paged)  # fmt: skip
         self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
         self._progress = threading.Condition()
+        self._completed = 0  # requests finished or failed so far: waiters are woken only when it changes
         self._driving = False
         self._stuck = 0
         self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
@@ -382,9 +383,11 @@ class Engine:
                 self._driving = True
             try:
                 while not req.done.is_set():
+                    seen = self._completed
                     self.step()
-                    with self._progress:
-                        self._progress.notify_all()
+                    if self._completed != seen:  # waking every waiter each step costs the step's cores
+                        with self._progress:
+                            self._progress.notify_all()
             finally:
                 with self._progress:
                     self._driving = False
@@ -464,6 +467,7 @@ class Engine:
         req.held = None
         req.status = Status.FINISHED
         req.t_done = time.perf_counter()
+        self._completed += 1
         req.done.set()
 
     def _fail(self, req: Request, exc: BaseException) -> None:
@@ -474,6 +478,7 @@ class Engine:
         req.error = exc
         req.status = Status.FINISHED
         req.t_done = time.perf_counter()
+        self._completed += 1
         req.done.set()
 
     def _unstick(self) -> None:

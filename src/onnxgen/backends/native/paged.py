@@ -182,6 +182,10 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
 
 def attention_ref(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
                   window: int = -1) -> torch.Tensor:  # fmt: skip
+    """The torch reference (the CPU path): a decode step (one query per sequence) in one batched product
+    over the page table; otherwise sequence by sequence. float32 inside."""
+    if len(ps.seq_lens) > 1 and ps.q_starts[-1] == len(ps.seq_lens):
+        return _decode_batched(ps, layer, q, scale, softcap, window)
     out = torch.empty_like(q)
     n = q.shape[1]
     for b, total in enumerate(ps.seq_lens):
@@ -189,6 +193,31 @@ def attention_ref(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, soft
         kk, vv = ps.storage.gather(layer, ps.page_table[b, : -(-total // ps.page_size)].long(), total)
         out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window)
     return out
+
+
+def _decode_batched(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float,
+                    window: int) -> torch.Tensor:  # fmt: skip
+    """`q` `[B, N, D]`, one query per sequence at position `seq_lens[b] - 1`: every sequence's pages read at
+    once (padded to the longest, the padding masked), grouped-query heads without repeating K/V."""
+    b, n, d = q.shape
+    lens = ps.seq_lens_t.long()
+    maxp = -(-max(ps.seq_lens) // ps.page_size)
+    pages = ps.page_table[:, :maxp].long()  # [B, maxp]
+    keys, values = ps.storage.keys(layer), ps.storage.values(layer)  # [pages, P, Hkv, D]
+    hkv = keys.shape[2]
+    k = keys[pages].flatten(1, 2).float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+    v = values[pages].flatten(1, 2).float().transpose(1, 2)  # [B, Hkv, L, D]
+    s = torch.matmul(q.float().view(b, hkv, n // hkv, d), k) * scale  # [B, Hkv, G, L]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    kpos = torch.arange(k.shape[-1], device=q.device)
+    drop = kpos.unsqueeze(0) >= lens.unsqueeze(1)  # [B, L]: past each sequence's end
+    if window > 0:
+        drop = drop | (kpos.unsqueeze(0) <= (lens - 1 - window).unsqueeze(1))
+    s = s.masked_fill(drop[:, None, None, :], float("-inf"))
+    v = v.masked_fill(drop[:, None, :, None], 0.0)  # slots never written may hold NaN: 0 * NaN is NaN
+    o = torch.matmul(torch.softmax(s, dim=-1), v)  # [B, Hkv, G, D]
+    return o.reshape(b, n, d).to(q.dtype)
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, total: int, n: int, scale: float,
