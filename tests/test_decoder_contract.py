@@ -118,6 +118,22 @@ def test_forward_returns_the_last_positions_logits_as_a_fresh_1d_float32_array(r
     assert rel(second, whole) <= 1e-5
 
 
+def test_forward_returns_the_last_rows_logits_for_draft_verification(request, kind, dec) -> None:
+    """`rows=r` gives the last r positions' logits `[r, vocab]`, each equal to feeding up to it alone."""
+    vocab = load_spec(request.getfixturevalue(KINDS[kind][1])).vocab_size
+    feed(dec, PROMPT)
+    tail = [40, 41, 42]
+    rows = dec.forward(tail, len(PROMPT), rows=3)
+    assert tuple(rows.shape) == (3, vocab) and str(rows.dtype).endswith("float32")
+    assert dec.kv_len() == len(PROMPT) + 3
+    one = make(request, kind)
+    feed(one, PROMPT)
+    for i, t in enumerate(tail):
+        assert rel(rows[i], one.forward([t], len(PROMPT) + i)) <= 1e-5, i
+    with pytest.raises(AssertionError):
+        dec.forward([7], dec.kv_len(), rows=2)  # more rows than tokens
+
+
 def test_forward_asserts_its_preconditions_and_overflow_is_typed(dec) -> None:
     feed(dec, PROMPT)
     with pytest.raises(AssertionError):

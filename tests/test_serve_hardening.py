@@ -201,9 +201,9 @@ def slow_decode(tiny_model, monkeypatch):
     cls = type(tiny_model._prototype)
     original = cls.forward
 
-    def forward(self, tokens, start_pos, inputs=None):
+    def forward(self, tokens, start_pos, inputs=None, rows=1):
         time.sleep(0.005)
-        return original(self, tokens, start_pos, inputs)
+        return original(self, tokens, start_pos, inputs, rows=rows)
 
     monkeypatch.setattr(cls, "forward", forward)
 

@@ -25,7 +25,10 @@ Running:
 - `forward(tokens, start_pos, inputs)` appends the KV of `tokens` and returns the logits of the last fed
   position as a 1-D float32 array of `vocab_size` in the backend's own array type (numpy for ort, a
   torch tensor on the device for native; never a `[seq, vocab]` array, never a view the next forward
-  overwrites). `start_pos == kv_len()` and `len(tokens) >= 1` are the caller's invariants (asserted).
+  overwrites). `forward(tokens, start_pos, inputs, rows=r)` with r > 1 returns the logits of the last r
+  fed positions as `[r, vocab_size]` float32 instead (speculative decoding verifies drafts with it;
+  `1 <= r <= len(tokens)`). `start_pos == kv_len()` and `len(tokens) >= 1` are the caller's invariants
+  (asserted).
   `inputs` are extra graph inputs (e.g. `pixel_values`); a required one that is missing raises
   `MissingRequiredInput`. Errors: `ContextOverflow` when `start_pos + len(tokens)` exceeds the
   package's context length (raised before anything runs: the cache is unchanged), `DeviceOutOfMemory`
@@ -74,7 +77,8 @@ class Decoder(Protocol):
     @property
     def info(self) -> Mapping[str, Any]: ...
 
-    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None) -> Any: ...
+    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None,
+                rows: int = 1) -> Any: ...  # fmt: skip
 
     def kv_len(self) -> int: ...
 

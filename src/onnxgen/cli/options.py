@@ -31,6 +31,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--speculative", choices=("prompt_lookup", "off"), default=None,
+                   help="draft tokens from the context and verify them in one forward; same output "
+                        "(default: the engine's choice, prompt_lookup where it can rewind)")  # fmt: skip
 
 
 def load_model(args: argparse.Namespace, **options: Any) -> Any:
@@ -57,4 +60,5 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.top_p,
         "seed": args.seed,
         "stop": args.stop,
+        "speculative": args.speculative,
     }

@@ -26,6 +26,8 @@ import numpy as np
 from onnxgen.backends import backend_options, create_decoder, create_runner, resolve_backend
 from onnxgen.backends.base import Decoder
 from onnxgen.engine import reuse as reuse_policy
+from onnxgen.engine.drafts import MODES as DRAFT_MODES
+from onnxgen.engine.drafts import DraftControl
 from onnxgen.engine.identity import make_identity
 from onnxgen.engine.request import Request, Status
 from onnxgen.engine.result import Result, Stats
@@ -132,6 +134,7 @@ class Engine:
             self.pool.release(self._prototype)
             self.executor = SlotKV(self.pool)
         self.paged = self.executor.paged
+        self.speculative: str | bool = "prompt_lookup"  # what `speculative=None` means (where the executor can verify)
         if self.paged:
             running = paged_running
             budget = max_batch_tokens or (4096 if cuda else 512)
@@ -273,6 +276,7 @@ class Engine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool = True,
+        speculative: str | bool | None = None,
         **sampling: Any,
     ) -> Pending:
         """Queue one request and return at once; `Pending.result()` runs steps until it is done (and so
@@ -286,6 +290,13 @@ class Engine:
         identity (requests under different salts share no KV). `sampling` holds the
         `SamplingParams.resolve` keywords (temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, frequency_penalty, seed); None means "not given".
+
+        `speculative`: "prompt_lookup" drafts tokens from the context (n-gram lookup) and verifies them
+        in one forward per step, keeping the longest prefix that plain decoding would have produced and
+        rewinding the KV past the rest: the output is exactly plain decoding's, greedy or sampled. False
+        (or "off") decodes one token per step; None is the engine's choice (`Engine.speculative`).
+        `Stats.draft_tokens` / `accepted_tokens` count what was proposed and kept. Requests on the paged
+        pool decode plainly for now (verification in ragged batches is not built yet).
 
         Tools (chat prompts): `tools` are OpenAI-style definitions; `tool_choice` is "auto" (the default
         with tools: text or calls), "none" (text, never parsed), "required" (one or more calls) or
@@ -320,6 +331,7 @@ class Engine:
             self._check_inputs(inputs)
             if salt is not None and not isinstance(salt, str):
                 raise InvalidRequest("salt must be a string", field="salt")
+            drafts = self._draft_control(speculative)
             key = self.package_key if salt is None else f"{self.package_key}|salt={salt}"
             digest = make_identity(ids, inputs, key).digest
             from onnxgen.text import IncrementalDetokenizer
@@ -329,13 +341,23 @@ class Engine:
                 detokenizer=IncrementalDetokenizer(self.tokenizer), max_new_tokens=max_new_tokens,
                 context_length=self.spec.context_length, eos_ids=frozenset(self.eos_token_ids), stop=stops,
                 inputs=inputs, on_token=on_token, output_logits=output_logits, cancel=cancel, reuse=reuse,
-                chunk_size=self.spec.chunk_size, owner=owner, held=held,
+                chunk_size=self.spec.chunk_size, owner=owner, held=held, drafts=drafts,
             )  # fmt: skip
         except BaseException:
             self.drop_state(held)
             raise
         self.scheduler.add(req)
         return Pending(self, req, t0, tools, tool_choice)
+
+    def _draft_control(self, speculative: str | bool | None) -> DraftControl | None:
+        """The request's draft length control, or None when it decodes one token per step."""
+        mode = self.speculative if speculative is None else speculative
+        if mode in (False, "off"):
+            return None
+        if mode not in (True, *DRAFT_MODES):
+            raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
+                                 field="speculative")  # fmt: skip
+        return DraftControl()
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""
@@ -356,6 +378,8 @@ class Engine:
             backend=self.backend,
             device=self.device,
             chunk_size=self.spec.chunk_size,
+            draft_tokens=req.drafts.drafted if req.drafts is not None else 0,
+            accepted_tokens=req.drafts.accepted if req.drafts is not None else 0,
         )
         content: str | None = req.text
         calls: list[Any] = []
@@ -413,7 +437,7 @@ class Engine:
                 return True
             # every sampled row's token in one call (one host transfer); a processor's error fails its request
             rows = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
-                    if c.sample and out is not None and not isinstance(out, BaseException)]  # fmt: skip
+                    if c.sample and not c.draft and out is not None and not isinstance(out, BaseException)]  # fmt: skip
             picked = self._sample(chunks, outs, rows)
             for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
                 req = c.req
@@ -422,6 +446,9 @@ class Engine:
                     continue
                 req.computed = c.start + c.n
                 if not c.sample:
+                    continue
+                if c.draft:
+                    self._verify(c, out)
                     continue
                 if isinstance(picked.get(i), BaseException):
                     self._fail(req, picked[i])
@@ -434,6 +461,26 @@ class Engine:
                 if finished:
                     self._finish(req)
             return True
+
+    def _verify(self, c: Any, rows: Any) -> None:
+        """A decode step that fed drafts: sample its rows as plain decoding would, keep the drafts up to
+        the first that differs from its sample, and take the rest back out of the cache."""
+        req = c.req
+        try:
+            finished, taken = req.accept_drafted(rows, c.draft)
+        except Exception as exc:  # a processor or the on_token callback
+            self._fail(req, exc)
+            return
+        req.drafts.update(len(c.draft), taken - 1)
+        req.computed = c.start + taken  # the fed tokens the samples confirmed
+        if taken < len(c.draft) + 1:
+            try:
+                self.executor.discard(req, req.computed)
+            except Exception as exc:
+                self._fail(req, exc)
+                return
+        if finished:
+            self._finish(req)
 
     @staticmethod
     def _sample(chunks: Sequence[Any], outs: Sequence[Any], rows: Sequence[int]) -> dict[int, Any]:

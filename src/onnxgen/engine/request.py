@@ -111,6 +111,7 @@ class Request:
     owner: Any = None  # the session that keeps this request's context on success, or None
     held: Any = None  # the owner's retained state, taken for this request (docs/reuse.md, invariant 2)
     kept: Any = None  # after success: the state the owner keeps (its decoder, or a pin on its context)
+    drafts: Any = None  # a `drafts.DraftControl` when the request decodes speculatively, else None
 
     id: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)
@@ -191,6 +192,20 @@ class Request:
         if len(self.output) >= self.max_new_tokens or self.num_tokens >= self.context_length:
             return self._finish("length")
         return False
+
+    def accept_drafted(self, rows: Any, draft: Sequence[int]) -> tuple[bool, int]:
+        """Verify `draft` (fed after the last sampled token) with `rows`, the logits of those
+        `len(draft) + 1` positions: sample each row in order exactly as plain decoding would, and stop
+        after the first sample that differs from its draft (or that finishes the request). Returns
+        (finished, samples taken); the samples are in `output`, and the cache's valid positions end
+        after the fed tokens that match them (the caller rewinds past the rest)."""
+        taken = 0
+        for i in range(len(draft) + 1):
+            finished = self.accept(rows[i])
+            taken += 1
+            if finished or i == len(draft) or self.output[-1] != draft[i]:
+                return finished, taken
+        return False, taken  # pragma: no cover - the loop always returns
 
     def _finish(self, reason: str, flushed: bool = False) -> bool:
         self.finish_reason = reason

@@ -20,6 +20,8 @@ class Stats:
     backend: str
     device: str
     chunk_size: int | None = None
+    draft_tokens: int = 0  # speculative decoding: tokens proposed (prompt lookup) and verified
+    accepted_tokens: int = 0  # of those, the ones kept (each saved a forward)
 
     @property
     def reused_fraction(self) -> float:

@@ -97,3 +97,11 @@ def clear(decoder: Decoder) -> None:
     """Empty a decoder's cache (eviction, failure, or a fresh `reuse=False` run)."""
     decoder.reset()
     assert decoder.kv_len() == 0
+
+
+def discard(decoder: Decoder, keep: int) -> None:
+    """Drop the positions past `keep` that a verification forward fed (rejected draft tokens): the cache
+    then holds exactly the accepted context. Only called on decoders that can rewind."""
+    assert decoder.can_rewind and keep <= decoder.kv_len()
+    ok = decoder.rewind_to(keep)
+    assert ok and decoder.kv_len() == keep

@@ -23,6 +23,7 @@ import threading
 from collections import deque
 from typing import NamedTuple, Protocol
 
+from onnxgen.engine.drafts import prompt_lookup
 from onnxgen.engine.request import Request, Status
 
 
@@ -42,12 +43,14 @@ class KVAdapter(Protocol):
 
 class Chunk(NamedTuple):
     """`req` feeds `tokens[start : start + n]` this step; `sample`: the chunk reaches the end of the
-    request's tokens, so the next token is sampled from its last position."""
+    request's tokens, so the next token is sampled from its last position. `draft`: tokens proposed to
+    follow them (speculative decoding), fed after them in the same forward and verified by sampling."""
 
     req: Request
     start: int
     n: int
     sample: bool
+    draft: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -105,7 +108,11 @@ class Scheduler:
             if req.status is not Status.RUNNING or budget <= 0:  # preempted meanwhile, or no budget
                 continue
             n = self._chunk(req, budget)
-            while n and not self.kv.reserve(req, req.computed + n):
+            draft = self._draft(req, budget) if n == 1 == req.pending else ()
+            while n and not self.kv.reserve(req, req.computed + n + len(draft)):
+                if draft:  # no room for the drafts: a plain decode step
+                    draft = ()
+                    continue
                 victim = self._victim()
                 if victim is None:
                     n = 0
@@ -116,8 +123,8 @@ class Scheduler:
                 if victim is req:
                     n = 0
             if n:
-                chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens))
-                budget -= n
+                chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens, draft))
+                budget -= n + len(draft)
         # waiting requests, first come first served (none in a step that had to preempt)
         while self.preemptions == preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting[0]
@@ -136,6 +143,16 @@ class Scheduler:
             chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens))
             budget -= n
         return chunks, cancelled
+
+    @staticmethod
+    def _draft(req: Request, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request that speculates (prompt lookup over its tokens): no more than
+        the budget, the tokens it may still generate and the context allow."""
+        if req.drafts is None:
+            return ()
+        room = min(budget - 1, req.max_new_tokens - len(req.output) - 1, req.context_length - req.num_tokens - 1)
+        k = min(req.drafts.budget(), room)
+        return tuple(prompt_lookup(req.tokens, k)) if k > 0 else ()
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.pending, budget)

@@ -106,6 +106,8 @@ class SlotKV:
         known = held.identity if held is not None and req.reuse else None
         req.kv = decoder
         req.computed = reuse.prepare(decoder, known, Identity(tuple(req.tokens), req.digest))
+        if not decoder.can_rewind:
+            req.drafts = None  # rejected drafts could not be taken back out of the cache
         return True
 
     def reserve(self, req: Request, total: int) -> bool:
@@ -119,17 +121,26 @@ class SlotKV:
 
     def run(self, chunks: Sequence[Chunk]) -> list[Any]:
         """Each chunk on its request's decoder, in order. Per chunk: the last position's logits when it
-        samples, else None; an exception in place of either when that request's forward failed."""
+        samples (with drafts: `[1 + drafts, vocab]`, every fed position's), else None; an exception in
+        place of either when that request's forward failed."""
         out: list[Any] = []
         for c in chunks:
             req = c.req
             try:
-                logits = req.kv.forward(req.token_slice(c.start, c.n), c.start, req.inputs)
+                if c.draft:  # the last sampled token and the drafts: every position's logits, to verify
+                    tokens = [*req.token_slice(c.start, c.n), *c.draft]
+                    logits = req.kv.forward(tokens, c.start, req.inputs, rows=len(tokens))
+                else:
+                    logits = req.kv.forward(req.token_slice(c.start, c.n), c.start, req.inputs)
             except Exception as exc:
                 out.append(exc)
                 continue
             out.append(logits if c.sample else None)
         return out
+
+    def discard(self, req: Request, keep: int) -> None:
+        """Rejected drafts: the request's cache keeps its first `keep` positions."""
+        reuse.discard(req.kv, keep)
 
     def finish(self, req: Request) -> Retained | None:
         """After success: what the request's session keeps (its decoder and the fed tokens), or None

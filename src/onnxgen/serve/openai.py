@@ -151,7 +151,8 @@ def prepare(model: Any, req: Any, prompt: Any, kind: Kind, *, model_id: str, mod
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
         raise APIError(400, "stream_options needs stream=true", param="stream_options", code="invalid_value")
-    kwargs = {"max_new_tokens": max_new_tokens, "stop": stop or None, "processors": processors, **sampling, **tools}
+    kwargs = {"max_new_tokens": max_new_tokens, "stop": stop or None, "processors": processors,
+              "speculative": req.speculative, **sampling, **tools}  # fmt: skip
     marker = model.tool_format.marker if tools.get("tools") and tools.get("tool_choice") != "none" else ""
     return Prepared(prompt if kind.chat else ids, kwargs, recorder, stream,
                     bool(req.stream_options and req.stream_options.include_usage), marker)  # fmt: skip

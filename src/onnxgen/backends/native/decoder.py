@@ -182,11 +182,12 @@ class NativeDecoder:
     # --- running --------------------------------------------------------------------------------
 
     def forward(
-        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None, rows: int = 1
     ) -> torch.Tensor:
         assert start_pos == self.kv.length, f"start_pos {start_pos} != kv_len {self.kv.length}"
         n = len(tokens)
         assert n > 0, "forward needs at least one token"
+        assert 1 <= rows <= n, f"rows={rows} outside [1, {n}]"
         total = start_pos + n
         if total > self.spec.context_length:
             raise ContextOverflow(total, self.spec.context_length)
@@ -194,9 +195,9 @@ class NativeDecoder:
         try:
             with self.device_lock:
                 self.kv.reserve(total)
-                logits = None if extra else self._static_forward(tokens, start_pos)
+                logits = None if extra or rows > 1 else self._static_forward(tokens, start_pos)
                 if logits is None:
-                    logits = self._run_eager(tokens, start_pos, extra)
+                    logits = self._run_eager(tokens, start_pos, extra, rows)
                     self._eager_forwards += 1
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(
@@ -215,7 +216,8 @@ class NativeDecoder:
             out[self.program.input_slots[io.name]] = t.to(self._dev)
         return out
 
-    def _run_eager(self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _run_eager(self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor],
+                   rows: int = 1) -> torch.Tensor:  # fmt: skip
         n = len(tokens)
         env = self.program.new_env()
         ids = torch.empty(n, dtype=torch.int64, device=self._dev)
@@ -228,8 +230,12 @@ class NativeDecoder:
             env[self._in_pos] = positions.to(self._pos_dtype).unsqueeze(0)
         for s, t in extra.items():
             env[s] = t
-        ctx = RunCtx(self.kv, start, n, positions)
-        return _last_logits(self.program.execute(env, ctx))
+        last = torch.arange(n - rows, n, device=self._dev) if rows > 1 else None  # logits of these positions
+        ctx = RunCtx(self.kv, start, n, positions, last=last)
+        out = self.program.execute(env, ctx)
+        if rows > 1:
+            return out.reshape(-1, out.shape[-1])[-rows:].to(torch.float32, copy=True)
+        return _last_logits(out)
 
     # --- static steps and CUDA graphs ------------------------------------------------------------
 

@@ -47,10 +47,14 @@ def _np_dtype(name: str) -> Any:
     raise BackendUnavailable(f"the ort backend cannot hold KV of dtype {name!r}")
 
 
+LOGITS_FROM = "onnxgen_logits_from"  # the input _last_position_graph adds: -(rows of logits wanted)
+
+
 def _last_position_graph(model: Any, logits_name: str) -> bool:
-    """Rewrite `model` (in place) so the lm_head sees only the last position: a Slice of the hidden
-    states before the MatMul that produces the logits (possibly through a Cast). Prefill then never
-    computes a `[seq, vocab]` product. Returns False (model untouched) if the pattern is not found."""
+    """Rewrite `model` (in place) so the lm_head sees only the last positions: a Slice of the hidden
+    states before the MatMul that produces the logits (possibly through a Cast), from the new input
+    `LOGITS_FROM` (`[-rows]`: one row for a step, more to verify drafts). Prefill then never computes a
+    `[seq, vocab]` product. Returns False (model untouched) if the pattern is not found."""
     from onnx import TensorProto, helper
 
     graph = model.graph
@@ -62,14 +66,14 @@ def _last_position_graph(model: Any, logits_name: str) -> bool:
         return False
     hidden = node.input[0]
     prefix = "/onnxgen/last_position"
+    graph.input.append(helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1]))
     graph.initializer.extend([
-        helper.make_tensor(f"{prefix}/starts", TensorProto.INT64, [1], [-1]),
         helper.make_tensor(f"{prefix}/ends", TensorProto.INT64, [1], [2**62]),
         helper.make_tensor(f"{prefix}/axes", TensorProto.INT64, [1], [1]),
     ])  # fmt: skip
     sliced = f"{prefix}/output"
     at = list(graph.node).index(node)
-    graph.node.insert(at, helper.make_node("Slice", [hidden, f"{prefix}/starts", f"{prefix}/ends", f"{prefix}/axes"],
+    graph.node.insert(at, helper.make_node("Slice", [hidden, LOGITS_FROM, f"{prefix}/ends", f"{prefix}/axes"],
                                            [sliced], name=prefix))  # fmt: skip
     node.input[0] = sliced
     return True
@@ -96,7 +100,9 @@ class OrtDecoder:
     Options (declared in `onnxgen.backends.ort.OPTIONS`): `threads` sets intra-op threads (None:
     onnxruntime's default). `kv_floor`: smallest KV capacity bucket (shared mode). `kv_mode` forces
     "shared" or "concat" (None: shared for GroupQueryAttention graphs on CPU). `last_logits` (default
-    True) rewrites the graph in memory so the lm_head runs on the last position only.
+    True) rewrites the graph in memory so the lm_head runs on the last position only. `spinning` (default
+    False) lets intra-op threads spin-wait between ops: slightly faster on a machine with idle cores,
+    much slower when another process competes for them.
 
     `info` keys beyond the contract's: `kv_mode` ("shared" | "concat"), `last_logits` (bool: the graph
     was rewritten to compute the last position's logits only).
@@ -113,6 +119,7 @@ class OrtDecoder:
         kv_floor: int = 256,
         kv_mode: str | None = None,
         last_logits: bool = True,
+        spinning: bool = False,
         _shared: tuple[Any, str, bool] | None = None,
     ) -> None:
         import onnxruntime as ort
@@ -137,6 +144,11 @@ class OrtDecoder:
                 opts.intra_op_num_threads = threads
                 opts.inter_op_num_threads = 1
             opts.log_severity_level = 3
+            # Threads that spin between ops win a few ms on an idle machine and lose 2-3x when another
+            # process wants a core (docs/benchmarks/cpu-load.md); blocks handed out in shrinking sizes
+            # (dynamic_block_base) let a descheduled thread's share be taken by the others.
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+            opts.add_session_config_entry("session.dynamic_block_base", "4")
             self._session, gqa, self.last_logits = _open_session(spec, opts, providers, last_logits)
             if kv_mode is None:
                 kv_mode = "shared" if device == "cpu" and gqa else "concat"
@@ -153,6 +165,7 @@ class OrtDecoder:
         self._step_logits = np.empty((1, 1, spec.vocab_size), dtype=self._logits_dtype)
         self._step_logits_ov = ort.OrtValue.ortvalue_from_numpy(self._step_logits)
         self._ones = np.ones((1, 0), dtype=np.int64)
+        self._logits_from = _LogitsFrom()
         # shared mode: capacity buffers, and an IO binding over them kept until they are reallocated
         self._kv: KVBuffers | None = None
         if kv_mode == "shared":
@@ -254,11 +267,14 @@ class OrtDecoder:
                 )
             io.bind_cpu_input(gi.name, np.ascontiguousarray(value))
 
-    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None) -> np.ndarray:
-        """Feed `tokens` at `start_pos` (== kv_len()) and return the last position's float32 logits."""
+    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None,
+                rows: int = 1) -> np.ndarray:  # fmt: skip
+        """Feed `tokens` at `start_pos` (== kv_len()) and return the last position's float32 logits (the
+        last `rows` positions' as `[rows, vocab]` when rows > 1)."""
         assert start_pos == self.kv_len(), f"forward at {start_pos} but the cache holds {self.kv_len()}"
         n = len(tokens)
         assert n > 0, "forward needs at least one token"
+        assert 1 <= rows <= n, f"rows={rows} outside [1, {n}]"
         spec = self.spec
         total = start_pos + n
         if total > spec.context_length:
@@ -282,9 +298,12 @@ class OrtDecoder:
         if spec.position_ids_name in self._input_names:
             io.bind_cpu_input(spec.position_ids_name, np.arange(start_pos, total, dtype=np.int64)[None, :])
         self._bind_extra(io, inputs)
+        if self.last_logits:
+            io.bind_cpu_input(LOGITS_FROM, self._logits_from[rows])
         # logits land in a host array we own (no per-step allocation for one-token steps)
-        one_row = n == 1 or self.last_logits
-        logits = self._step_logits if one_row else np.empty((1, n, spec.vocab_size), dtype=self._logits_dtype)
+        one_row = n == 1 or (self.last_logits and rows == 1)
+        shape = (1, rows if self.last_logits else n, spec.vocab_size)
+        logits = self._step_logits if one_row else np.empty(shape, dtype=self._logits_dtype)
         io.bind_ortvalue_output(spec.logits_name, self._step_logits_ov if one_row else self._ort.OrtValue.ortvalue_from_numpy(logits))
         if self._kv is None:
             for i in range(spec.num_layers):
@@ -305,6 +324,8 @@ class OrtDecoder:
             self._hold = []
         else:
             self._kv.set_length(total)
+        if rows > 1:
+            return np.array(logits[0, -rows:], dtype=np.float32)
         return np.array(logits[0, -1], dtype=np.float32)
 
     def _shared_binding(self) -> Any:
@@ -326,3 +347,11 @@ class OrtDecoder:
                 held += (k, v)
             self._io, self._io_gen, self._io_ov = io, kv.generation, held
         return self._io
+
+
+class _LogitsFrom(dict):
+    """rows -> the `LOGITS_FROM` array `[-rows]`, made once per row count."""
+
+    def __missing__(self, rows: int) -> np.ndarray:
+        self[rows] = a = np.array([-rows], dtype=np.int64)
+        return a

@@ -1,0 +1,74 @@
+"""Draft tokens for speculative decoding without a draft model: prompt lookup.
+
+A request's next tokens often repeat its context (an edited document, code being refactored, a quoted
+passage). `prompt_lookup` finds the most recent earlier occurrence of the context's last n tokens (n from
+`ngram_max` down to `ngram_min`) and proposes the tokens that followed it. The engine feeds the last
+sampled token and the drafts in one forward, samples every position as plain decoding would (same
+sampler, same order), keeps the drafts up to the first one that differs from what was sampled, and
+rewinds the KV past the rest: the output is exactly that of plain decoding, greedy or sampled.
+
+`DraftControl` keeps a request's draft length where it pays: drafts grow while they are accepted and
+shrink (down to none, with a retry now and then) while they are not, so a workload without repetition
+pays for almost no verification.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+MODES = ("prompt_lookup",)
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
+    """Up to `k` tokens that followed the most recent earlier occurrence of the last n tokens of `tokens`
+    (the longest n in [ngram_min, ngram_max] that occurs), or [] when none occurs."""
+    n_tok = len(tokens)
+    if k <= 0 or n_tok < ngram_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(ngram_max, n_tok - 1), ngram_min - 1, -1):
+        tail = arr[n_tok - n :]
+        # starts i of earlier windows arr[i : i + n] equal to the tail, with at least one token after them
+        cand = np.flatnonzero(arr[: n_tok - n] == tail[0])
+        for j in range(1, n):
+            cand = cand[arr[cand + j] == tail[j]]
+        if cand.size:
+            start = int(cand[-1]) + n  # the most recent occurrence
+            return arr[start : start + k].tolist()
+    return []
+
+
+class DraftControl:
+    """A request's draft length: starts at `k`, +1 after a fully accepted draft (up to `k_max`), halved
+    after a draft with nothing accepted. At 0 it waits `cooldown` steps, then tries 1 again."""
+
+    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16) -> None:
+        self.k = k
+        self.k_max = k_max
+        self.cooldown = cooldown
+        self._wait = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    def budget(self) -> int:
+        """How many drafts to propose this step (0: a plain decode step)."""
+        if self.k > 0:
+            return self.k
+        self._wait += 1
+        if self._wait >= self.cooldown:
+            self._wait = 0
+            return 1
+        return 0
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """After verifying `proposed` drafts of which the first `accepted` were kept."""
+        self.drafted += proposed
+        self.accepted += accepted
+        if proposed == 0:
+            return
+        if accepted == proposed:
+            self.k = min(self.k_max, max(self.k, proposed) + 1)
+        elif accepted == 0:
+            self.k //= 2

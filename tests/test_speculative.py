@@ -1,0 +1,116 @@
+"""Speculative decoding without a draft model (prompt lookup): drafts come from the context, are verified
+in one forward, and the output is exactly plain decoding's (greedy and seeded sampling), on both backends;
+rejected drafts are taken back out of the KV, so a session's next turn reuses exactly what it should."""
+
+from __future__ import annotations
+
+import pytest
+
+import onnxgen
+from onnxgen.engine.drafts import DraftControl, prompt_lookup
+from onnxgen.errors import InvalidRequest
+
+DOC = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree near the river. "
+       "Every morning the farmer walks to the market to sell apples, pears and fresh bread. ") * 2  # fmt: skip
+EDIT = [{"role": "user", "content": "Repeat the following text exactly, replacing 'fox' with 'cat':\n\n" + DOC}]
+
+
+def test_prompt_lookup_proposes_what_followed_the_most_recent_match() -> None:
+    assert prompt_lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert prompt_lookup([1, 2, 9, 7, 1, 2, 8, 6, 1, 2], 2) == [8, 6]  # the most recent of two matches
+    assert prompt_lookup([1, 2, 3, 9, 3, 7, 2, 3], 2) == [9, 3]  # the longest n-gram wins ([2, 3], not [3])
+    assert prompt_lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert prompt_lookup([5, 6, 5], 5) == [6, 5]  # fewer than k follow
+    assert prompt_lookup([5, 6, 5], 0) == [] and prompt_lookup([7], 2) == []
+
+
+def test_draft_control_grows_on_acceptance_and_backs_off_on_rejection() -> None:
+    c = DraftControl(k=4, k_max=6, cooldown=3)
+    c.update(4, 4)
+    assert c.budget() == 5
+    c.update(5, 0)
+    c.update(2, 0)
+    c.update(1, 0)
+    assert c.k == 0
+    assert [c.budget() for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # a retry every `cooldown` steps
+    assert (c.drafted, c.accepted) == (12, 4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_native(smollm2_dir):
+    pytest.importorskip("torch")
+    return onnxgen.load(str(smollm2_dir), backend="native", paged=False)
+
+
+@pytest.mark.parametrize("backend", ["ort", "native"])
+def test_greedy_and_sampled_output_equals_plain_decoding(request, backend) -> None:
+    model = request.getfixturevalue("smollm2_ort" if backend == "ort" else "smollm2_native")
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 7}):
+        plain = model.generate(EDIT, max_new_tokens=48, speculative=False, output_logits=True, **sampling)
+        spec = model.generate(EDIT, max_new_tokens=48, speculative="prompt_lookup", output_logits=True, **sampling)
+        assert spec.tokens == plain.tokens and spec.text == plain.text, sampling
+        assert spec.stats.draft_tokens >= spec.stats.accepted_tokens > (10 if sampling["temperature"] == 0 else 0)
+        assert plain.stats.draft_tokens == 0
+        assert abs(spec.logits - plain.logits).max() <= 1e-3 * abs(plain.logits).max()
+
+
+def test_limits_and_stops_hold_with_drafts(smollm2_ort) -> None:
+    """max_new_tokens, stop strings and the streamed text are exactly plain decoding's."""
+    for kw in ({"max_new_tokens": 5}, {"max_new_tokens": 64, "stop": "lazy"}):
+        pieces: list[str] = []
+        plain = smollm2_ort.generate(EDIT, temperature=0, speculative=False, **kw)
+        spec = smollm2_ort.generate(EDIT, temperature=0, speculative="prompt_lookup", on_token=pieces.append, **kw)
+        assert spec.tokens == plain.tokens and spec.text == plain.text == "".join(pieces)
+        assert spec.finish_reason == plain.finish_reason
+    assert len(spec.tokens) < 64 and spec.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("backend", ["ort", "native"])
+def test_rejected_drafts_leave_the_kv_of_the_accepted_context(request, backend) -> None:
+    """A session's next turn, after a speculative turn, reuses its context and gives what a fresh run on the
+    same ids gives (the rejected drafts' KV was rewound away)."""
+    model = request.getfixturevalue("smollm2_ort" if backend == "ort" else "smollm2_native")
+    s = model.session()
+    r1 = s.generate(EDIT, max_new_tokens=40, temperature=0.8, seed=7, speculative="prompt_lookup")
+    assert r1.stats.draft_tokens > r1.stats.accepted_tokens > 0  # some drafts were rejected
+    turn2 = [*EDIT, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "Now in French."}]
+    r2 = s.generate(turn2, max_new_tokens=8, temperature=0, speculative=False, output_logits=True)
+    assert r2.stats.reused_tokens == len(r1.prompt_ids) + len(r1.tokens) - 1
+    fresh = model.generate(r2.prompt_ids, max_new_tokens=8, temperature=0, reuse=False, output_logits=True)
+    assert r2.tokens == fresh.tokens
+    assert abs(r2.logits - fresh.logits).max() <= 1e-3 * abs(fresh.logits).max()
+    s.close()
+
+
+def test_bad_mode_is_a_typed_error_and_paged_requests_decode_plainly(smollm2_ort, tiny_dir) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        smollm2_ort.generate("hi", max_new_tokens=2, speculative="medusa")
+    assert e.value.field == "speculative" and "prompt_lookup" in str(e.value)
+    pytest.importorskip("torch")
+    paged = onnxgen.load(str(tiny_dir), backend="native")
+    assert paged.paged
+    r = paged.generate([5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=6, temperature=0, speculative="prompt_lookup")
+    assert r.stats.draft_tokens == 0  # not built for ragged batches yet
+    assert r.tokens == paged.generate([5, 6, 7, 5, 6, 7, 5, 6], max_new_tokens=6, temperature=0).tokens
+
+
+def test_server_and_cli_expose_it(smollm2_ort, tmp_path) -> None:
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from onnxgen.serve.app import RunningServer, ServerConfig, create_app
+
+    app = create_app(smollm2_ort, ServerConfig(api_keys=("k" * 32,)))
+    auth = {"Authorization": "Bearer " + "k" * 32}
+    with RunningServer(app) as srv:
+        mid = httpx.get(srv.url + "/v1/models", headers=auth).json()["data"][0]["id"]
+        body = {"model": mid, "messages": EDIT, "max_tokens": 24, "temperature": 0}
+        texts = [httpx.post(srv.url + "/v1/chat/completions", headers=auth, timeout=120,
+                            json={**body, "speculative": mode}).json()["choices"][0]["message"]["content"]
+                 for mode in ("prompt_lookup", "off")]  # fmt: skip
+        bad = httpx.post(srv.url + "/v1/chat/completions", headers=auth, json={**body, "speculative": "medusa"})
+    assert texts[0] == texts[1] and texts[0]
+    assert bad.status_code == 400 and "speculative" in bad.text
+    from onnxgen.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--speculative", "off"])
+    assert args.speculative == "off"
