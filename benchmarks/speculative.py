@@ -5,7 +5,8 @@
 Workloads (greedy, fresh state each run: `reuse=False`):
 - edit: "repeat this document with one change" (the output mostly copies the prompt);
 - free: a story from a one-line request (little to copy);
-- numbers: a list the model invents (no repetition to speak of).
+- numbers: a list the model invents;
+- explain: a one-paragraph explanation (the least repetition of the four).
 Contenders interleaved (order alternating), median of --runs; generated tokens / wall time of the whole
 request (prefill included, same for both). The outputs are compared token for token.
 """
@@ -34,6 +35,7 @@ WORKLOADS = {
     "edit": "Rewrite the following notes exactly as they are, but change the launch date to 4 April:\n\n" + DOC,
     "free": "Tell me a short original story about a robot who learns to paint.",
     "numbers": "Invent twenty random five-digit numbers, separated by commas, with no pattern.",
+    "explain": "In one paragraph, explain why the sky is blue to a ten-year-old.",
 }
 
 
