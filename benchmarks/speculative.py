@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup against plain decoding, same model, same run.
 
-    .venv/bin/python benchmarks/speculative.py [MODEL] --backend ort --runs 5 [--threads 2] [--tokens 128]
+    .venv/bin/python benchmarks/speculative.py [MODEL] --backend ort|native|native-paged --runs 5 [--threads 2]
 
 Workloads (greedy, fresh state each run: `reuse=False`):
 - edit: "repeat this document with one change" (the output mostly copies the prompt);
@@ -48,12 +48,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     path = str(resolve_model_path(args.model))
-    opts = {"threads": args.threads} if args.backend == "ort" else {"paged": False}
-    if args.backend == "native":
+    backend = args.backend.removesuffix("-paged")  # "native-paged": the paged pool (native's default)
+    opts = {"threads": args.threads} if backend == "ort" else {"paged": args.backend.endswith("-paged")}
+    if backend == "native":
         import torch
 
         torch.set_num_threads(args.threads)
-    model = onnxgen.load(path, backend=args.backend, **opts)
+    model = onnxgen.load(path, backend=backend, **opts)
     rows = []
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]

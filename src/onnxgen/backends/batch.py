@@ -23,12 +23,13 @@ from typing import Any, NamedTuple, Protocol
 
 class SeqChunk(NamedTuple):
     """One sequence's part of a step: `tokens` at positions `[start, start + len(tokens))`; `pages` cover
-    at least `start + len(tokens)` positions; `logits`: return the last token's logits."""
+    at least `start + len(tokens)` positions; `logits`: how many of the last tokens' logits to return
+    (0 / False: none; 1 / True: the last token's; more: to verify draft tokens)."""
 
     tokens: Sequence[int]
     start: int
     pages: Sequence[int]
-    logits: bool = True
+    logits: int = 1
 
     @property
     def end(self) -> int:
@@ -45,7 +46,7 @@ class BatchStep:
 
     @property
     def num_logits(self) -> int:
-        return sum(1 for s in self.seqs if s.logits)
+        return sum(int(s.logits) for s in self.seqs)
 
 
 class BatchRunner(Protocol):

@@ -134,7 +134,10 @@ class Engine:
             self.pool.release(self._prototype)
             self.executor = SlotKV(self.pool)
         self.paged = self.executor.paged
-        self.speculative: str | bool = "prompt_lookup"  # what `speculative=None` means (where the executor can verify)
+        # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
+        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA until measured there, since a step
+        # with drafts runs eagerly instead of as a captured decode graph
+        self.speculative: str | bool = "prompt_lookup" if self.device == "cpu" else False
         if self.paged:
             running = paged_running
             budget = max_batch_tokens or (4096 if cuda else 512)
@@ -295,8 +298,8 @@ class Engine:
         in one forward per step, keeping the longest prefix that plain decoding would have produced and
         rewinding the KV past the rest: the output is exactly plain decoding's, greedy or sampled. False
         (or "off") decodes one token per step; None is the engine's choice (`Engine.speculative`).
-        `Stats.draft_tokens` / `accepted_tokens` count what was proposed and kept. Requests on the paged
-        pool decode plainly for now (verification in ragged batches is not built yet).
+        `Stats.draft_tokens` / `accepted_tokens` count what was proposed and kept. Drafts are verified on
+        both executors (per-request decoders that can rewind, and ragged batches on the paged pool).
 
         Tools (chat prompts): `tools` are OpenAI-style definitions; `tool_choice` is "auto" (the default
         with tools: text or calls), "none" (text, never parsed), "required" (one or more calls) or

@@ -60,7 +60,6 @@ class PagedKV:
         table, cached = self.kv.open(req.digest if req.reuse else None, req.tokens)
         req.kv = table
         req.computed = cached
-        req.drafts = None  # NOTE: verification of drafts in ragged batches is not built yet (issue 13)
         return True
 
     def reserve(self, req: Request, total: int) -> bool:
@@ -77,19 +76,28 @@ class PagedKV:
 
     def run(self, chunks: Sequence[Chunk]) -> list[Any]:
         """All chunks in one batch. Per chunk: its last position's logits (a row of one `[R, vocab]`
-        tensor) when it samples, else None. A failure of the batch raises (every request in it fails)."""
-        step = BatchStep(tuple(SeqChunk(c.req.token_slice(c.start, c.n), c.start, c.req.kv.pages, c.sample)
-                               for c in chunks))  # fmt: skip
+        tensor) when it samples (with drafts: the `[1 + drafts, vocab]` rows of every fed position), else
+        None. A failure of the batch raises (every request in it fails)."""
+        step = BatchStep(tuple(SeqChunk([*c.req.token_slice(c.start, c.n), *c.draft], c.start, c.req.kv.pages,
+                                        (1 + len(c.draft)) if c.sample else 0) for c in chunks))  # fmt: skip
         rows = self.runner.run(step)
         out: list[Any] = []
         i = 0
         for c in chunks:
-            if c.sample:
+            if c.draft:  # every fed position's logits, to verify the drafts
+                out.append(rows[i : i + 1 + len(c.draft)])
+                i += 1 + len(c.draft)
+            elif c.sample:
                 out.append(rows[i])
                 i += 1
             else:
                 out.append(None)
         return out
+
+    def discard(self, req: Request, keep: int) -> None:
+        """Rejected drafts: nothing to undo. Their keys sit in the request's own pages past position
+        `keep`, where attention never reads (each sequence reads up to its length) and the next step
+        writes first; the pages stay the request's until it finishes (`commit` indexes `fed` only)."""
 
     def finish(self, req: Request) -> Pinned | None:
         """After success: index the request's pages (its fed tokens) and drop its hold; return the pin a

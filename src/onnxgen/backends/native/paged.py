@@ -82,8 +82,9 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
         slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(s.start, s.end))
         q_starts.append(q_starts[-1] + n)
         seq_lens.append(s.end)
-        if s.logits:
-            last.append(q_starts[-1] - 1)
+        rows = int(s.logits)
+        assert rows <= n, f"{rows} rows of logits from a chunk of {n} tokens"
+        last.extend(range(q_starts[-1] - rows, q_starts[-1]))
         tables.append(pages[:need])
     t, r, b = len(positions), len(last), len(tables)
     wide = torch.tensor([*positions, *slots, *last], dtype=torch.int64).to(device, non_blocking=True)

@@ -157,6 +157,8 @@ class NativeRunner:
         if not self._graph_batches:
             return None
         seqs = step.seqs
+        if any(s.logits > 1 for s in seqs):  # draft verification: several rows of one chunk (eager)
+            return None
         if all(len(s.tokens) == 1 for s in seqs):
             bucket = next((b for b in self._graph_batches if b >= len(seqs)), 0)
             return self._graphs.get((bucket, 1))
@@ -171,7 +173,7 @@ class NativeRunner:
         return self.storage.nbytes()
 
     def run(self, step: BatchStep) -> torch.Tensor:
-        """Logits `[R, vocab]` (float32, on the device) of the last token of each chunk with `logits`."""
+        """Logits `[R, vocab]` (float32, on the device): each chunk's last `logits` tokens', in order."""
         try:
             with self.device_lock:
                 g = self._graph_for(step)
