@@ -1,0 +1,69 @@
+"""Triton kernel for MatMulNBits executed on its packed int4 weights (imported only when Triton is used).
+
+`int4_linear(x, packed, scales, zero_points, k, n, block)` computes `x @ W.T` where `W` `[N, K]` is
+MatMulNBits' B as the model builder writes it: uint8 `[N, n_blocks, block / 2]`, element 2i of a block in
+the low nibble of byte i and 2i+1 in the high one; `scales` `[N * n_blocks]`; zero points absent (8),
+packed uint8 `[N, ceil(n_blocks / 2)]` (block j's in the low nibble of byte j / 2 when j is even), or one
+float per block. Nothing is dequantized in memory: each program reads a tile of packed bytes, expands the
+nibbles in registers and accumulates in float32, so the weights' traffic is their packed size (half a byte
+per weight plus the scales). One program per (output tile, row of x): meant for the small row counts of
+decode steps. Its contract is `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it
+under `TRITON_INTERPRET=1` on the CPU). Not wired into the lowering yet: the native backend still
+dequantizes at load (issue 13, item 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def int4_gemv_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HALF_K: tl.constexpr, ZP: tl.constexpr):  # fmt: skip
+    """ZP: 0 none (8), 1 packed uint8 nibbles, 2 one float per block."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    row_bytes = NB * (BLOCK // 2)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, 2 * HALF_K):
+        rb = k0 // 2 + tl.arange(0, HALF_K)  # byte index within the row: elements 2*rb and 2*rb + 1
+        bmask = nmask[:, None] & (2 * rb[None, :] < K)
+        byte = tl.load(B + rn[:, None] * row_bytes + rb[None, :], mask=bmask, other=0).to(tl.int32)
+        lo = (byte & 0xF).to(tl.float32)
+        hi = (byte >> 4).to(tl.float32)
+        blk = (2 * rb) // BLOCK  # both elements of a byte are in the same block (BLOCK is even)
+        s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=bmask, other=0.0).to(tl.float32)
+        if ZP == 1:
+            zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=bmask, other=0).to(tl.int32)
+            z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
+        elif ZP == 2:
+            z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=bmask, other=0.0).to(tl.float32)
+        else:
+            z = 8.0
+        xe = tl.load(X + m * sxm + 2 * rb, mask=2 * rb < K, other=0.0).to(tl.float32)
+        xo = tl.load(X + m * sxm + 2 * rb + 1, mask=2 * rb + 1 < K, other=0.0).to(tl.float32)
+        acc += tl.sum((lo - z) * s * xe[None, :] + (hi - z) * s * xo[None, :], axis=1)
+    tl.store(Y + m * sym + rn, acc.to(Y.dtype.element_ty), mask=nmask)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                k: int, n: int, block: int, block_n: int = 32, half_k: int = 64) -> torch.Tensor:  # fmt: skip
+    """`x` `[..., K]` times the packed weights -> `[..., N]` in x's dtype (float32 accumulation)."""
+    assert block % 2 == 0 and packed.dtype == torch.uint8
+    nb = (k + block - 1) // block
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if zero_points is None:
+        zmode, z = 0, scales
+    elif zero_points.dtype == torch.uint8:
+        zmode, z = 1, zero_points.contiguous()
+    else:
+        zmode, z = 2, zero_points.contiguous()
+    grid = (triton.cdiv(n, block_n), x2.shape[0])
+    int4_gemv_kernel[grid](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb, x2.stride(0), y.stride(0),
+                           BLOCK=block, BLOCK_N=block_n, HALF_K=half_k, ZP=zmode)  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
