@@ -17,9 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
+import onnxgen  # noqa: E402
 from onnxgen.backends.native.decoder import NativeDecoder  # noqa: E402
 from onnxgen.convert.synthetic import SyntheticConfig, reference_weights, write_package  # noqa: E402
-from onnxgen.errors import UnsupportedOp  # noqa: E402
+from onnxgen.errors import InvalidRequest, UnsupportedOp  # noqa: E402
 from onnxgen.package.spec import load_spec  # noqa: E402
 
 TINY = SyntheticConfig(num_layers=2, context_length=2048)
@@ -226,15 +227,23 @@ def _llama_f64(cfg: SyntheticConfig, w: dict[str, np.ndarray], ids: list[int]) -
     return (x @ head.T).numpy()
 
 
+@pytest.mark.parametrize("int4", ["dense", "packed"])
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_int4_matmulnbits_vs_float64_and_onnxruntime(
-    zero_points: bool, tmp_path_factory: pytest.TempPathFactory
+    zero_points: bool, int4: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """Both int4 modes: weights dequantized at load, or kept packed (`Int4Linear`: on the CPU each call
+    dequantizes; under Triton decode rows run the packed GEMV, `tests/test_int4_kernel.py`)."""
     cfg = dataclasses.replace(TINY, quant="int4", accuracy_level=1, quant_zero_points=zero_points,
                               quant_embeddings=zero_points)  # fmt: skip
     pkg = _pkg(tmp_path_factory, f"int4_{zero_points}", cfg, seed=3)
     spec = load_spec(pkg)
-    dec, ref = NativeDecoder(spec), OrtRef(spec)
+    dec, ref = NativeDecoder(spec, int4=int4), OrtRef(spec)
+    ops = {st.node.op for st in dec.program.steps}
+    assert ("Int4Linear" in ops) == (int4 == "packed") and ("MatMulNBits" not in ops)
+    if int4 == "packed":  # the weights stay packed: half a byte per weight, less than the dense bytes
+        dense = NativeDecoder(spec, int4="dense").program.weight_bytes
+        assert dec.program.weight_bytes < 0.6 * dense
     prompt = _prompt(16, 384, seed=5)
     # greedy with the native decoder, then check every step against float64 and onnxruntime
     seq = list(prompt)
@@ -423,3 +432,18 @@ def test_cuda_graph_prefill_chunks_match_cpu(tiny_spec: Any) -> None:
                 a, b = cpu.forward([t], cpu.kv_len()), gpu.forward([t], gpu.kv_len())
                 assert rel(b, a.double().numpy()) <= 1e-4
     assert {m for m, _cap in gpu.info["graphs"]} == {1, 16, 32, 64}
+
+
+def test_int4_option_reaches_both_executors_and_is_checked(tmp_path_factory: pytest.TempPathFactory) -> None:
+    cfg = dataclasses.replace(TINY, quant="int4")
+    pkg = _pkg(tmp_path_factory, "int4_option", cfg, seed=4)
+    packed = onnxgen.load(str(pkg), backend="native", int4="packed")  # the paged runner
+    plain = onnxgen.load(str(pkg), backend="native", paged=False, int4="packed")  # per-request decoders
+    dense = onnxgen.load(str(pkg), backend="native", paged=False)
+    want = dense.generate([5, 6, 7, 8], max_new_tokens=8, temperature=0, output_logits=True)
+    for m in (packed, plain):
+        got = m.generate([5, 6, 7, 8], max_new_tokens=8, temperature=0, output_logits=True)
+        assert got.tokens == want.tokens and rel(got.logits, want.logits) <= 1e-5
+    with pytest.raises(InvalidRequest) as e:
+        onnxgen.load(str(pkg), backend="native", int4="nf4")
+    assert e.value.field == "int4" and "packed" in str(e.value)

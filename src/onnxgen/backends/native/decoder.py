@@ -84,17 +84,17 @@ class NativeDecoder:
     can_rewind = True
 
     def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
-                 graph_max_tokens: int = 1024, static_steps: bool = False,
+                 graph_max_tokens: int = 1024, static_steps: bool = False, int4: str = "dense",
                  _program: Program | None = None) -> None:  # fmt: skip
         """`_program`: the lowered program to share (a fork's); None: the package's shared one."""
         t0 = time.perf_counter()
         self.spec = spec
         self.device = device
         self._options = {"kv_floor": kv_floor, "cuda_graphs": cuda_graphs, "graph_max_tokens": graph_max_tokens,
-                         "static_steps": static_steps}  # fmt: skip
+                         "static_steps": static_steps, "int4": int4}  # fmt: skip
         self._dev = torch_device(device)
         dtype = kv_dtype(spec)
-        self.program: Program = _program if _program is not None else shared_program(spec, self._dev)
+        self.program: Program = _program if _program is not None else shared_program(spec, self._dev, int4)
         self.kv = KVBuffers(
             spec.num_layers, spec.num_kv_heads, spec.head_size, dtype, self._dev,
             floor=kv_floor, max_capacity=spec.context_length,

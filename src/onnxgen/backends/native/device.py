@@ -120,14 +120,18 @@ class Staging:
 _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
 
 
-def shared_program(spec: Any, dev: torch.device) -> Program:
+def shared_program(spec: Any, dev: torch.device, int4: str = "dense") -> Program:
     """Decoders of one package on one device share the lowered program (and so the weights)."""
+    if int4 not in ("dense", "packed"):
+        from onnxgen.errors import InvalidRequest
+
+        raise InvalidRequest(f"int4 must be 'dense' or 'packed', got {int4!r}", field="int4")
     path = spec.decoder_path
     st = path.stat()
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name)
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name, int4)
     prog = _PROGRAMS.get(key)
     if prog is None:
-        prog = lower(path, spec, dev)
+        prog = lower(path, spec, dev, int4)
         _PROGRAMS[key] = prog
     return prog
 

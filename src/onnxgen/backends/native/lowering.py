@@ -98,8 +98,10 @@ def _norm_domain(d: str) -> str:
     return "" if d in ("", "ai.onnx") else d
 
 
-def lower(path: Path, spec: Any, device: torch.device) -> Program:
-    """Read `path` (the package's decoder graph) and build its Program for `device`."""
+def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense") -> Program:
+    """Read `path` (the package's decoder graph) and build its Program for `device`. `int4`: "dense"
+    dequantizes MatMulNBits weights at load; "packed" keeps them packed on the device and runs them as
+    `Int4Linear` (ops.quant: a Triton GEMV on the packed bytes for decode rows)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -137,7 +139,8 @@ def lower(path: Path, spec: Any, device: torch.device) -> Program:
     nodes = _fuse_silu(nodes, spec.logits_name)
     nodes = _dce(nodes, [spec.logits_name])
     nodes = _fold_constants(nodes, consts)
-    nodes = _prepare_linear(nodes, consts, device, int4_meta)
+    on_device: set[str] = set()  # packed int4 weights, scales and zero points: never host tensors
+    nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
     nodes = _dce(nodes, [spec.logits_name])
 
     # Placement: every constant a step reads.
@@ -149,7 +152,7 @@ def lower(path: Path, spec: Any, device: torch.device) -> Program:
         if name not in consts:
             continue
         t = consts[name]
-        if not _is_host(t) and device.type != "cpu":
+        if (name in on_device or not _is_host(t)) and device.type != "cpu":
             key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
             dt = memo.get(key)
             if dt is None:
@@ -400,9 +403,10 @@ def _nk_layout(cuda: bool, dtype: torch.dtype) -> bool:
 
 def _prepare_linear(
     nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device,
-    int4_meta: dict[str, tuple[tuple[int, ...], bool]],
+    int4_meta: dict[str, tuple[tuple[int, ...], bool]], packed: bool = False, on_device: set[str] | None = None,
 ) -> list[O.Node]:  # fmt: skip
-    """Constant-weight MatMul / MatMulNBits -> Linear; GatherBlockQuantized -> Gather over a dequantized table."""
+    """Constant-weight MatMul / MatMulNBits -> Linear (`packed`: MatMulNBits -> Int4Linear on its packed
+    inputs, named in `on_device`); GatherBlockQuantized -> Gather over a dequantized table."""
     cuda = device.type == "cuda"
     for n in nodes:
         if n.domain == "" and n.op == "MatMul" and n.inputs[1] in consts and consts[n.inputs[1]].dim() == 2:
@@ -424,6 +428,16 @@ def _prepare_linear(
             bits, block = int(n.attr("bits", 4)), int(n.attr("block_size"))
             zp = consts[n.inputs[3]] if len(n.inputs) > 3 and n.inputs[3] else None
             scales = consts[n.inputs[2]]
+            if packed:
+                if bits != 4:
+                    raise UnsupportedOp(f"MatMulNBits(bits={bits})", n.domain, n.name, O.supported_ops())
+                zname = n.inputs[3] if zp is not None else ""
+                bias = n.inputs[5] if len(n.inputs) > 5 and n.inputs[5] else ""
+                n.inputs = [n.inputs[0], n.inputs[1], n.inputs[2], zname, bias]
+                if on_device is not None:
+                    on_device.update(x for x in n.inputs[1:4] if x)
+                n.op, n.domain = "Int4Linear", "onnxgen"
+                continue
             dev = device if cuda else torch.device("cpu")
             w = O.dequant_matmul_nbits(
                 consts[n.inputs[1]].to(dev), scales.to(dev), None if zp is None else zp.to(dev), k, nn, bits, block,

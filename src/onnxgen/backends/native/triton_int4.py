@@ -8,8 +8,8 @@ float per block. Nothing is dequantized in memory: each program reads a tile of 
 nibbles in registers and accumulates in float32, so the weights' traffic is their packed size (half a byte
 per weight plus the scales). One program per (output tile, row of x): meant for the small row counts of
 decode steps. Its contract is `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it
-under `TRITON_INTERPRET=1` on the CPU). Not wired into the lowering yet: the native backend still
-dequantizes at load (issue 13, item 3).
+under `TRITON_INTERPRET=1` on the CPU). Used by the lowering's `Int4Linear` with `int4="packed"`
+(`ops.quant`); the default still dequantizes at load until this kernel is measured on the GPU (issue 13).
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""Int4 weights dequantized once at load: MatMulNBits' B and GatherBlockQuantized's table to dense
-tensors. The lowering then runs those ops as a `Linear` and a `Gather` (see `linear` and `tensor`)."""
+"""Int4 weights. By default dequantized once at load: MatMulNBits' B and GatherBlockQuantized's table to
+dense tensors, which the lowering then runs as a `Linear` and a `Gather` (see `linear` and `tensor`). With
+`int4="packed"` MatMulNBits stays packed on the device as the lowering's `Int4Linear`: decode rows (at most
+`GEMV_ROWS`) run the Triton GEMV on the packed bytes (`triton_int4`), longer chunks and the CPU
+dequantize the weight for that call (the weight's memory stays the packed size)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from onnxgen.backends.native.ops.base import nonneg_axis
+from onnxgen.backends.native.ops.base import INTERNAL, Builder, Fn, Node, RunCtx, nonneg_axis
 from onnxgen.package.int4 import unpack_nibbles
 
 
@@ -55,3 +59,29 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
             zv = torch.where(zv >= 8, zv - 16, zv)
         z = zv.reshape(zshape).float().repeat_interleave(block, dim=qa).narrow(qa, 0, shape[qa])
     return ((q - z) * sc).to(scales.dtype)
+
+
+GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps); more: dequantize
+
+
+def _int4_linear(node: Node) -> Fn:
+    """The lowering's Int4Linear: inputs x, B (packed uint8), scales, zero points ("" if none), bias."""
+    k, n = int(node.attr("K")), int(node.attr("N"))
+    block = int(node.attr("block_size"))
+
+    def f(ctx: RunCtx, x: Any, b: Any, scales: Any, zp: Any = None, bias: Any = None) -> tuple[Any, ...]:
+        from onnxgen.backends.native import kernels
+
+        if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
+            from onnxgen.backends.native.triton_int4 import int4_linear
+
+            y = int4_linear(x, b, scales, zp, k, n, block)
+        else:
+            w = dequant_matmul_nbits(b, scales, zp, k, n, 4, block, torch.float32 if x.device.type == "cpu" else x.dtype)
+            y = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
+        return (y if bias is None else y + bias,)
+
+    return f
+
+
+BUILDERS: dict[tuple[str, str], Builder] = {(INTERNAL, "Int4Linear"): _int4_linear}
