@@ -1,8 +1,10 @@
 """int4 (MatMulNBits, block 32) vs bf16 packages of the same Llama-3.2-1B shape on the native backend.
 
-The native backend dequantizes int4 weights once at load into the model dtype (no int4 kernel yet). This
-measures what that costs and buys: write time, load time, device memory for weights, TTFT at 512 tokens
-and batch-1 decode tok/s, both packages in one run.
+By default the native backend dequantizes int4 weights once at load into the model dtype; `int4="packed"`
+keeps them packed and runs decode rows through the Triton GEMV (`backends/native/triton_int4.py`). This
+measures both against bf16: write time, load time, device memory for weights, TTFT at 512 tokens and
+batch-1 decode tok/s, in one run; `same tokens` compares the first 32 greedy tokens with the dequantized
+int4 run's.
 
     PYTHONPATH=src python3 benchmarks/gpu_int4.py [--layers N] [--device cuda]
 """
@@ -34,8 +36,10 @@ def main() -> int:
         base = dataclasses.replace(base, num_layers=args.layers)
     cuda = args.device == "cuda"
     rows = []
-    for label, cfg in (("bf16", base), ("int4", dataclasses.replace(base, quant="int4"))):
-        pkg = Path(args.root) / (f"1b_{label}" if args.layers is None else f"1b_{label}_{args.layers}")
+    q4 = dataclasses.replace(base, quant="int4")
+    for label, cfg, opts in (("bf16", base, {}), ("int4", q4, {}), ("int4 packed", q4, {"int4": "packed"})):
+        name = label.split()[0]
+        pkg = Path(args.root) / (f"1b_{name}" if args.layers is None else f"1b_{name}_{args.layers}")
         t = time.perf_counter()
         if not (pkg / "genai_config.json").exists():
             write_package(pkg, cfg)
@@ -46,22 +50,24 @@ def main() -> int:
             torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated() if cuda else 0
         t = time.perf_counter()
-        m = onnxgen.load(str(pkg), backend="native", device=args.device)
+        m = onnxgen.load(str(pkg), backend="native", device=args.device, **opts)
         load_s = time.perf_counter() - t
         weights = (torch.cuda.memory_allocated() - before) if cuda else 0
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, cfg.vocab_size - 1, (512,), generator=g).tolist()
         m.generate(prompt[:32], max_new_tokens=8, reuse=False)  # warm-up
-        runs = [m.generate(prompt, max_new_tokens=129, reuse=False, stop=[]) for _ in range(3)]
+        runs = [m.generate(prompt, max_new_tokens=129, reuse=False, stop=[], temperature=0) for _ in range(3)]
         ttft = statistics.median(r.stats.ttft_s for r in runs) * 1000
         tps = statistics.median(r.stats.decode_tok_s for r in runs)
-        rows.append((label, write_s, disk / 1e9, load_s, weights / 1e9, ttft, tps, runs[0].tokens[:8]))
+        rows.append((label, write_s, disk / 1e9, load_s, weights / 1e9, ttft, tps, runs[0].tokens[:32]))
         m.close()
         del m
-    print("\n| package | write s | on disk GB | load s | weights on device GB | TTFT 512 ms | decode tok/s |")
-    print("|---|---|---|---|---|---|---|")
-    for label, w, d, ld, wg, ttft, tps, _ in rows:
-        print(f"| {label} | {w:.1f} | {d:.2f} | {ld:.1f} | {wg:.2f} | {ttft:.1f} | {tps:.1f} |")
+    ref = rows[1][7]
+    print("\n| package | write s | on disk GB | load s | weights on device GB | TTFT 512 ms | decode tok/s | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, w, d, ld, wg, ttft, tps, toks in rows:
+        same = "-" if label == "bf16" else ("yes" if toks == ref else "no")
+        print(f"| {label} | {w:.1f} | {d:.2f} | {ld:.1f} | {wg:.2f} | {ttft:.1f} | {tps:.1f} | {same} |")
     return 0
 
 

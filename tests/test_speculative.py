@@ -50,7 +50,8 @@ def test_greedy_and_sampled_output_equals_plain_decoding(request, backend) -> No
         spec = model.generate(EDIT, max_new_tokens=48, speculative="prompt_lookup", output_logits=True, **sampling)
         assert spec.tokens == plain.tokens and spec.text == plain.text, sampling
         assert spec.stats.draft_tokens >= spec.stats.accepted_tokens > (10 if sampling["temperature"] == 0 else 0)
-        assert plain.stats.draft_tokens == 0
+        assert plain.stats.draft_tokens == 0 and "drafts" not in plain.stats.line()
+        assert f"{spec.stats.accepted_tokens}/{spec.stats.draft_tokens} drafts kept" in spec.stats.line()
         assert abs(spec.logits - plain.logits).max() <= 1e-3 * abs(plain.logits).max()
 
 

@@ -28,11 +28,13 @@ class Stats:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def line(self) -> str:
-        """One human line: `[ 613 in · 598 reused (98%) · 15 prefilled · 64 out · ttft 41 ms · 38.2 tok/s ]`."""
+        """One human line: `[ 613 in · 598 reused (98%) · 15 prefilled · 64 out · ttft 41 ms · 38.2 tok/s ]`,
+        with `· 40/52 drafts kept` before the backend when speculative decoding proposed any."""
+        drafts = f" · {self.accepted_tokens}/{self.draft_tokens} drafts kept" if self.draft_tokens else ""
         return (
             f"[ {self.prompt_tokens} in · {self.reused_tokens} reused ({self.reused_fraction:.0%}) · "
             f"{self.prefilled_tokens} prefilled · {self.generated_tokens} out · "
-            f"ttft {self.ttft_s * 1000:.0f} ms · {self.decode_tok_s:.1f} tok/s · {self.backend}/{self.device} ]"
+            f"ttft {self.ttft_s * 1000:.0f} ms · {self.decode_tok_s:.1f} tok/s{drafts} · {self.backend}/{self.device} ]"
         )
 
 
