@@ -15,9 +15,9 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def interleave(runs: int, contenders: dict[str, Callable[[], dict[str, float]]]) -> dict[str, list[dict[str, float]]]:
+def interleave(runs: int, contenders: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
     """Run each contender once per round, alternating the order each round; `runs` rounds."""
-    out: dict[str, list[dict[str, float]]] = {k: [] for k in contenders}
+    out: dict[str, list[Any]] = {k: [] for k in contenders}
     names = list(contenders)
     for r in range(runs):
         for name in names if r % 2 == 0 else reversed(names):
@@ -29,13 +29,15 @@ def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: median([s[k] for s in samples]) for k in samples[0]}
 
 
-def genai_model(path: str, threads: int) -> Any:
-    """An onnxruntime-genai Model on `path` with `threads` intra-op threads (same as onnxgen's)."""
+def genai_model(path: str, threads: int | None) -> Any:
+    """An onnxruntime-genai Model on `path` with `threads` intra-op threads (same as onnxgen's; None: its
+    default)."""
     import onnxruntime_genai as og
 
     cfg = og.Config(path)
-    cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                                       "inter_op_num_threads": 1}}}}))  # fmt: skip
+    if threads:
+        cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
+                                                                           "inter_op_num_threads": 1}}}}))  # fmt: skip
     return og.Model(cfg)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import onnxgen
-from _util import machine, table
+from _util import genai_model, interleave, machine, table
 from onnxgen.convert.default import resolve_model_path
 from onnxgen.engine.reuse import common_prefix
 
@@ -34,18 +34,6 @@ TURN2 = "How many days would you recommend staying?"
 def _spin() -> None:  # the unrelated process that keeps a core busy
     while True:
         pass
-
-
-def genai_model(path: str, threads: int | None):
-    import json
-
-    import onnxruntime_genai as og
-
-    cfg = og.Config(path)
-    if threads:
-        cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                                           "inter_op_num_threads": 1}}}}))  # fmt: skip
-    return og.Model(cfg)
 
 
 def main() -> int:
@@ -112,14 +100,10 @@ def main() -> int:
             p.start()
         time.sleep(0.5 if busy else 0)
         try:
-            times: dict[str, list[float]] = {k: [] for k in contenders}
-            names = list(contenders)
-            for r in range(args.runs):
-                for name in names if r % 2 == 0 else reversed(names):
-                    dt, n, cached = contenders[name]()
-                    times[name].append(dt)
-                    if name.startswith("onnxgen"):
-                        shape = (n, cached)
+            samples = interleave(args.runs, contenders)
+            times = {k: [dt for dt, _, _ in v] for k, v in samples.items()}
+            _, n, cached = samples["onnxgen (ort, reuse)"][-1]
+            shape = (n, cached)
         finally:
             for p in procs:
                 p.terminate()

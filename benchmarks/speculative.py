@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import onnxgen
-from _util import machine, table
+from _util import interleave, machine, table
 from onnxgen.convert.default import resolve_model_path
 
 DOC = (
@@ -65,14 +65,9 @@ def main() -> int:
             return r, r.stats.generated_tokens / (time.perf_counter() - t0)
 
         go(False), go("prompt_lookup")  # warm-up
-        rate: dict[str, list[float]] = {"plain": [], "spec": []}
-        results = {}
-        for i in range(args.runs):
-            for key, spec in ((("plain", False), ("spec", "prompt_lookup")) if i % 2 == 0
-                              else (("spec", "prompt_lookup"), ("plain", False))):  # fmt: skip
-                r, tps = go(spec)
-                rate[key].append(tps)
-                results[key] = r
+        samples = interleave(args.runs, {"plain": lambda: go(False), "spec": lambda: go("prompt_lookup")})
+        rate = {k: [tps for _, tps in v] for k, v in samples.items()}
+        results = {k: v[-1][0] for k, v in samples.items()}
         same = results["plain"].tokens == results["spec"].tokens
         s = results["spec"].stats
         plain, spec = statistics.median(rate["plain"]), statistics.median(rate["spec"])
