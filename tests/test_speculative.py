@@ -4,6 +4,8 @@ rejected drafts are taken back out of the KV, so a session's next turn reuses ex
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import onnxgen
@@ -130,3 +132,16 @@ def test_server_and_cli_expose_it(smollm2_ort, tmp_path) -> None:
 
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--speculative", "off"])
     assert args.speculative == "off"
+
+
+def test_cli_generate_reports_drafts_and_can_turn_them_off(smollm2_dir, capsys) -> None:
+    from onnxgen.cli.main import main
+
+    prompt = "Repeat exactly: the cat sat on the mat, the dog sat on the log, the bird sat on the word."
+    outs = []
+    for extra in ([], ["--speculative", "off"]):
+        assert main(["generate", str(smollm2_dir), "--prompt", prompt, "--max-new-tokens", "24", "--temperature",
+                     "0", "--backend", "ort", *extra]) == 0  # fmt: skip
+        outs.append(capsys.readouterr())
+    assert outs[0].out == outs[1].out
+    assert re.search(r"· \d+/\d+ drafts kept ·", outs[0].err) and "drafts" not in outs[1].err

@@ -123,9 +123,10 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()
     s = result.stats
+    drafts = f" · {s.accepted_tokens}/{s.draft_tokens} drafts kept" if s.draft_tokens else ""
     print(
         f"[ {s.prompt_tokens} prompt tokens · {s.generated_tokens} generated · ttft {s.ttft_s * 1000:.0f} ms · "
-        f"{s.decode_tok_s:.1f} tok/s · {s.backend}/{s.device} · finish {result.finish_reason} ]",
+        f"{s.decode_tok_s:.1f} tok/s{drafts} · {s.backend}/{s.device} · finish {result.finish_reason} ]",
         file=sys.stderr,
     )
     return 0
