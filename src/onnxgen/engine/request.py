@@ -199,13 +199,11 @@ class Request:
         after the first sample that differs from its draft (or that finishes the request). Returns
         (finished, samples taken); the samples are in `output`, and the cache's valid positions end
         after the fed tokens that match them (the caller rewinds past the rest)."""
-        taken = 0
-        for i in range(len(draft) + 1):
+        for i, want in enumerate(draft):
             finished = self.accept(rows[i])
-            taken += 1
-            if finished or i == len(draft) or self.output[-1] != draft[i]:
-                return finished, taken
-        return False, taken  # pragma: no cover - the loop always returns
+            if finished or self.output[-1] != want:
+                return finished, i + 1
+        return self.accept(rows[len(draft)]), len(draft) + 1  # every draft kept: the next token too
 
     def _finish(self, reason: str, flushed: bool = False) -> bool:
         self.finish_reason = reason
