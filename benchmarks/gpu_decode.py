@@ -1,0 +1,238 @@
+"""Batch-1 decode against the bandwidth floor on one GPU (issue 13): where a token's time goes.
+
+    PYTHONPATH=src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_decode.py [--shapes 0.5b,1b,8b] [--no-hf]
+        [--decode-steps 1,8]
+
+For each shape (bf16 synthetic packages of Qwen2.5-0.5B's, Llama-3.2-1B's and Llama-3-8B's shapes, random
+weights, written once under /tmp/onnxgen_bench), through the public API (`onnxgen.load(pkg,
+backend="native", device="cuda")`, the paged engine, greedy, a 512-token prompt, 128 tokens):
+- decode tok/s (median of 5, `Stats.decode_tok_s`) and the host CPU time per token (process CPU time
+  over the generation / tokens), for each `decode_steps` value (tokens decoded per host round trip);
+- the GPU time of one decode step alone: the captured batch-1 graph replayed 200 times back to back
+  (CUDA events), so `ms per token - replay ms` is the time the GPU waits on the host per token;
+- kernels per step and the top kernels (torch.profiler over 20 replays);
+- transformers eager on the same shape (random weights, sdpa, logits_to_keep=1) in the same run;
+- the floor: weights + KV bytes over the copy bandwidth measured at the start.
+A JSON of every number goes to $OUT; the table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+OUT = Path(os.environ.get("OUT") or "/tmp/gpu_decode_out")
+OUT.mkdir(parents=True, exist_ok=True)
+
+
+def log(*a: Any) -> None:
+    print(" ".join(str(x) for x in a), flush=True)
+
+
+def shapes() -> dict[str, Any]:
+    from onnxgen.convert.synthetic import LLAMA_1B, LLAMA_8B, SyntheticConfig
+
+    qwen05 = SyntheticConfig(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_size=64,
+                             intermediate_size=4864, vocab_size=151936, context_length=8192, dtype="bfloat16",
+                             rope_theta=1000000.0, tie_embeddings=True)  # fmt: skip
+    return {"0.5b": qwen05, "1b": LLAMA_1B, "8b": LLAMA_8B}
+
+
+def write(name: str, cfg: Any) -> Path:
+    from onnxgen.convert.synthetic import write_package
+
+    out = Path("/tmp/onnxgen_bench") / name
+    if not (out / "genai_config.json").is_file():
+        t0 = time.perf_counter()
+        write_package(out, cfg, seed=0)
+        log(f"wrote {name} in {time.perf_counter() - t0:.1f}s")
+    return out
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    y = torch.empty_like(x)
+    ts = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * (2 << 30) / statistics.median(ts[2:])
+
+
+def floor_ms(cfg: Any, ctx: int, bw: float) -> float:
+    from onnxgen.convert.synthetic import hf_weight_shapes
+
+    sh = hf_weight_shapes(cfg)
+    params = sum(int(np.prod(s)) for k, s in sh.items() if k != "model.embed_tokens.weight")
+    if cfg.tie_embeddings:
+        params += int(np.prod(sh["model.embed_tokens.weight"]))
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ctx * 2
+    return (params * 2 + kv) / bw * 1e3
+
+
+def replay_ms(runner: Any, reps: int = 200) -> float:
+    g = runner._graphs[(1, 1)]
+    for _ in range(20):
+        g.graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(reps):
+        g.graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def kernels(runner: Any, reps: int = 20) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    g = runner._graphs[(1, 1)]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and ev.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append((ev.key[:90], t / reps / 1e3, ev.count / reps))
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "kernels_per_step": sum(r[2] for r in rows),
+        "kernel_ms": sum(r[1] for r in rows),
+        "top": rows[:15],
+    }
+
+
+def hf_tps(cfg: Any, prompt: list[int], n: int = 64) -> float:
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from onnxgen.convert.synthetic import to_hf_llama_config
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    conf = LlamaConfig(**to_hf_llama_config(cfg))
+    conf._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(conf).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for i in range(n + 4):
+            if i == 4:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            tok = torch.tensor([[int(out.logits[0, -1].argmax())]], device="cuda")
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    del model, cache
+    return n / dt
+
+
+def run_shape(name: str, cfg: Any, bw: float, steps: list[int], with_hf: bool) -> dict[str, Any]:
+    import onnxgen
+
+    pkg = write(name, cfg)
+    r: dict[str, Any] = {"shape": name, "floor_ms": floor_ms(cfg, 512 + 128, bw)}
+    prompt = np.random.default_rng(1).integers(100, min(cfg.vocab_size, 32000), 512).tolist()
+    m = onnxgen.load(str(pkg), backend="native", device="cuda")
+    runner = m.executor.runner
+    m.generate(prompt[:64], max_new_tokens=16, reuse=False, temperature=0)  # warm-up
+    for k in steps:
+        opts = {"decode_steps": k} if k != 1 else {}
+        tps, cpu = [], []
+        for _ in range(5):
+            c0 = time.process_time()
+            res = m.generate(prompt, max_new_tokens=128, reuse=False, stop=[], temperature=0, **opts)
+            cpu.append((time.process_time() - c0) / res.stats.generated_tokens * 1e3)
+            tps.append(res.stats.decode_tok_s)
+        r[f"tps_{k}"] = statistics.median(tps)
+        r[f"cpu_ms_{k}"] = statistics.median(cpu)
+        log(name, f"decode_steps={k}: {r[f'tps_{k}']:.1f} tok/s, CPU {r[f'cpu_ms_{k}']:.3f} ms/token")
+    r["replay_ms"] = replay_ms(runner)
+    r.update(kernels(runner))
+    log(
+        name,
+        f"replay {r['replay_ms']:.3f} ms; {r['kernels_per_step']:.0f} kernels/step, {r['kernel_ms']:.3f} ms",
+    )
+    for k_, ms, cnt in r["top"]:
+        log(f"   {ms:7.3f} ms {cnt:5.1f}x {k_}")
+    m.close()
+    del m, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    if with_hf:
+        r["hf_tps"] = hf_tps(cfg, prompt)
+        log(name, f"transformers eager {r['hf_tps']:.1f} tok/s")
+        gc.collect()
+        torch.cuda.empty_cache()
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="0.5b,1b,8b")
+    ap.add_argument("--decode-steps", default="1")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--layers", type=int, default=None, help="truncate the shapes (smoke tests)")
+    a = ap.parse_args()
+    bw = copy_bandwidth()
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}; {torch.cuda.get_device_name()}")
+    all_shapes = shapes()
+    rows = []
+    steps = [int(x) for x in a.decode_steps.split(",")]
+    for name in a.shapes.split(","):
+        cfg = all_shapes[name]
+        if a.layers:
+            cfg = dataclasses.replace(cfg, num_layers=a.layers)
+            name = f"{name}_{a.layers}"
+        try:
+            rows.append(run_shape(name, cfg, bw, steps, not a.no_hf))
+        except Exception as exc:  # keep the other shapes' numbers
+            log(f"!!! {name}: {type(exc).__name__}: {exc}")
+    (OUT / "gpu_decode.json").write_text(json.dumps({"bw": bw, "rows": rows}, indent=2, default=str))
+    log(
+        "\n| shape | decode_steps | tok/s | ms/token | replay ms (GPU) | GPU idle ms/token | CPU ms/token | "
+        "kernels/step | floor ms | % of floor | transformers tok/s |"
+    )
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for k in steps:
+            ms = 1e3 / r[f"tps_{k}"]
+            log(
+                f"| {r['shape']} | {k} | {r[f'tps_{k}']:.0f} | {ms:.3f} | {r['replay_ms']:.3f} | "
+                f"{ms - r['replay_ms']:.3f} | {r[f'cpu_ms_{k}']:.3f} | {r['kernels_per_step']:.0f} | "
+                f"{r['floor_ms']:.3f} | {r['floor_ms'] / ms:.0%} | {r.get('hf_tps', float('nan')):.0f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
