@@ -167,11 +167,11 @@ def run_shape(name: str, cfg: Any, bw: float, steps: list[int], with_hf: bool) -
     runner = m.executor.runner
     m.generate(prompt[:64], max_new_tokens=16, reuse=False, temperature=0)  # warm-up
     for k in steps:
-        opts = {"decode_steps": k} if k != 1 else {}
+        m.decode_steps = k
         tps, cpu = [], []
         for _ in range(5):
             c0 = time.process_time()
-            res = m.generate(prompt, max_new_tokens=128, reuse=False, stop=[], temperature=0, **opts)
+            res = m.generate(prompt, max_new_tokens=128, reuse=False, stop=[], temperature=0)
             cpu.append((time.process_time() - c0) / res.stats.generated_tokens * 1e3)
             tps.append(res.stats.decode_tok_s)
         r[f"tps_{k}"] = statistics.median(tps)

@@ -33,7 +33,8 @@ def load(
 
     path: a package folder; omitted (or "default") means the embedded default model, built on first
     use (needs the `convert` extra). backend: "auto" (native on CUDA, ort on CPU), "ort" or
-    "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, tool_parser
+    "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, paged, max_running,
+    max_batch_tokens, decode_steps (decode steps per host round trip with paged KV: 8 on CUDA), tool_parser
     (hermes | llama3_json | mistral; default: detected from the chat template), and the options each
     backend declares (`OPTIONS` in `onnxgen.backends.ort` / `onnxgen.backends.native`; a backend
     ignores the other's): threads, kv_mode, last_logits (ort), kv_floor (smallest KV capacity bucket,

@@ -61,3 +61,10 @@ class BatchRunner(Protocol):
     storage: Any
 
     def run(self, step: BatchStep) -> Any: ...
+
+    def run_decodes(self, step: BatchStep, k: int, choose: Any) -> Any:
+        """`k` decode steps of `step`'s sequences (one token each) back to back, each step's tokens chosen
+        on the device by `choose(logits [B, vocab] float32, j) -> [B] int64` and fed to the next without
+        a host round trip; `pages` cover `start + k` positions. Returns the `[k, B]` chosen tokens (on
+        the device: reading them is the caller's one synchronisation). Raises as `run`."""
+        ...

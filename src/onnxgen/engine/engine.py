@@ -92,6 +92,7 @@ class Engine:
         paged: bool | None = None,
         max_running: int | None = None,
         max_batch_tokens: int | None = None,
+        decode_steps: int | None = None,
         **backend_options: Any,
     ) -> None:
         """`paged`: share one paged KV pool between all requests, batched (None: when the backend can, i.e.
@@ -105,7 +106,8 @@ class Engine:
         self.device = device
         self.backend = resolve_backend(backend, device)
         _check_backend_options(backend_options)
-        for name, v in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens)):
+        for name, v in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
+                        ("decode_steps", decode_steps)):  # fmt: skip
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise InvalidRequest(f"{name} must be an int >= 1, got {v!r}", field=name)
         self.tokenizer = Tokenizer.from_spec(self.spec)
@@ -134,6 +136,7 @@ class Engine:
             self.pool.release(self._prototype)
             self.executor = SlotKV(self.pool)
         self.paged = self.executor.paged
+        self.decode_steps = decode_steps or (8 if cuda and self.paged else 1)
         # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
         # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA until measured there, since a step
         # with drafts runs eagerly instead of as a captured decode graph
@@ -432,6 +435,10 @@ class Engine:
                     self._unstick()
                 return bool(cancelled)
             self._stuck = 0
+            k = self._decode_run(chunks)
+            if k > 1:
+                self._run_decodes(chunks, k)
+                return True
             try:
                 outs = self.executor.run(chunks)
             except Exception as exc:  # the batch failed: every request in it fails
@@ -464,6 +471,51 @@ class Engine:
                 if finished:
                     self._finish(req)
             return True
+
+    def _decode_run(self, chunks: Sequence[Any]) -> int:
+        """How many decode steps to run back to back now (1: an ordinary step). More than one only when
+        the KV is paged, every chunk is a plain decode whose choice needs nothing of the host (no
+        processors or penalties, no logits kept, no drafts), and no waiting request could be admitted
+        meanwhile; at most `decode_steps` and what every request may still generate; pages for them all
+        reserved (else 1)."""
+        k = self.decode_steps
+        sch = self.scheduler
+        if k <= 1 or not self.paged or (sch.num_waiting() and len(sch.running) < sch.max_running):
+            return 1
+        for c in chunks:
+            r = c.req
+            if c.n != 1 or not c.sample or c.draft or r.output_logits or r.sampler.needs_processing:
+                return 1
+            k = min(k, r.max_new_tokens - len(r.output), r.context_length - r.num_tokens)
+        if k > 1 and all(self.executor.reserve(c.req, c.start + k) for c in chunks):
+            return k
+        return 1
+
+    def _run_decodes(self, chunks: Sequence[Any], k: int) -> None:
+        """`k` decode steps of `chunks` in one run (`PagedKV.run_decodes`), then each request takes its
+        tokens in order exactly as `k` ordinary steps would have (EOS, stop strings and lengths checked
+        per token); the positions fed after a request finished are taken back out of its cache."""
+        try:
+            rows = self.executor.run_decodes(chunks, k)
+        except Exception as exc:  # the run failed: every request in it fails
+            for c in chunks:
+                self._fail(c.req, exc)
+            return
+        for i, c in enumerate(chunks):
+            req = c.req
+            taken, finished = 0, False
+            try:
+                while taken < k and not finished:
+                    finished = req.accept(None, rows[taken][i])
+                    taken += 1
+                req.computed = c.start + taken
+                if taken < k:
+                    self.executor.discard(req, req.computed)
+            except Exception as exc:  # a processor, the on_token callback, or the rewind
+                self._fail(req, exc)
+                continue
+            if finished:
+                self._finish(req)
 
     def _verify(self, c: Any, rows: Any) -> None:
         """A decode step that fed drafts: sample its rows as plain decoding would, keep the drafts up to

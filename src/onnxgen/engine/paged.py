@@ -26,6 +26,7 @@ from onnxgen.engine.scheduler import Chunk
 from onnxgen.kv.manager import KVManager, PageTable
 from onnxgen.kv.pages import PageAllocator
 from onnxgen.kv.prefix import Node, PrefixIndex
+from onnxgen.sampling.choice import RowChooser
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,16 @@ class PagedKV:
             else:
                 out.append(None)
         return out
+
+    def run_decodes(self, chunks: Sequence[Chunk], k: int) -> list[list[int]]:
+        """`k` decode steps of `chunks` (each a plain decode with pages for `k` positions) back to back on
+        the runner, the tokens chosen on the device by each request's sampling settings exactly as
+        `sampling.choose_rows` would at its next `k` steps. Returns the `[k][B]` tokens (one host read)."""
+        step = BatchStep(tuple(SeqChunk(c.req.token_slice(c.start, 1), c.start, c.req.kv.pages, 1) for c in chunks))
+        samplers = [c.req.sampler for c in chunks]
+        choose = RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
+                            self.runner.device)  # fmt: skip
+        return self.runner.run_decodes(step, k, choose).tolist()
 
     def discard(self, req: Request, keep: int) -> None:
         """Rejected drafts: nothing to undo. Their keys sit in the request's own pages past position

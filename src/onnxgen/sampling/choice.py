@@ -125,33 +125,59 @@ def choose_numpy(p: SamplingParams, seed: int, step: int, logits: np.ndarray) ->
 
 def choose_rows(params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int], logits: Any) -> list[int]:
     """The token of each row of `logits` (`[R, V]`, numpy or torch). torch rows are chosen together on
-    their device with one transfer to the host; rows differing in their settings are filtered with per-row
-    values (a top-k or top-p of 0 / 1 keeps every token)."""
+    their device with one transfer to the host (`RowChooser`)."""
     if not _is_torch(logits):
         return [choose_numpy(p, s, t, row) for p, s, t, row in zip(params, seeds, steps, logits, strict=True)]
-    import torch
+    return RowChooser(params, seeds, steps, logits.device)(logits).tolist()
 
-    dev = logits.device
-    v = logits.shape[1]
-    if all(p.greedy for p in params):
-        return logits.argmax(-1).tolist()
-    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float64, device=dev)
-    x = logits.to(torch.float64) / temp[:, None]
-    ks = [p.top_k if 0 < p.top_k < v else v for p in params]
-    if min(ks) < v:
-        kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)
-        x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
-    probs = torch.softmax(x, dim=-1)
-    if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float64, device=dev)
-        probs = torch.where(probs < min_p[:, None] * probs.amax(-1, keepdim=True), torch.zeros_like(probs), probs)
-    if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        cum = torch.cumsum(sorted_p, dim=-1)
-        drop = ((cum - sorted_p) >= top_p[:, None] * cum[:, -1:]) & (top_p[:, None] < 1)
-        probs = probs.scatter(1, order, torch.where(drop, torch.zeros_like(sorted_p), sorted_p))
-    noise = race_noise_torch(torch.tensor([_signed(s & _M64) for s in seeds], dtype=torch.int64, device=dev),
-                             torch.tensor(list(steps), dtype=torch.int64, device=dev), v)  # fmt: skip
-    greedy = torch.tensor([p.greedy for p in params], device=dev)
-    return torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1)).tolist()
+
+class RowChooser:
+    """The choice of a fixed batch of rows on their torch device, as a tensor (no host transfer): per-row
+    settings are uploaded once, so the same batch can choose at several consecutive steps (`offset`: how
+    many tokens each row has generated since `steps`). Rows differing in their settings are filtered with
+    per-row values (a top-k or top-p of 0 / 1 keeps every token)."""
+
+    def __init__(self, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
+                 device: Any) -> None:  # fmt: skip
+        import torch
+
+        self.params = list(params)
+        self.greedy = all(p.greedy for p in params)
+        if self.greedy:
+            return
+        dev = device
+        f64 = torch.float64
+        self.temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=f64, device=dev)
+        self.top_k = [p.top_k for p in params]
+        self.min_p = (torch.tensor([p.min_p for p in params], dtype=f64, device=dev)
+                      if any(p.min_p > 0 for p in params) else None)  # fmt: skip
+        self.top_p = (torch.tensor([p.top_p for p in params], dtype=f64, device=dev)
+                      if any(p.top_p < 1 for p in params) else None)  # fmt: skip
+        self.seeds = torch.tensor([_signed(s & _M64) for s in seeds], dtype=torch.int64, device=dev)
+        self.steps = torch.tensor(list(steps), dtype=torch.int64, device=dev)
+        self.is_greedy = torch.tensor([p.greedy for p in params], device=dev)
+
+    def __call__(self, logits: Any, offset: int = 0) -> Any:
+        """`[R]` int64 tokens on the logits' device."""
+        import torch
+
+        if self.greedy:
+            return logits.argmax(-1)
+        dev = logits.device
+        v = logits.shape[1]
+        x = logits.to(torch.float64) / self.temp[:, None]
+        ks = [k if 0 < k < v else v for k in self.top_k]
+        if min(ks) < v:
+            kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)
+            x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
+        probs = torch.softmax(x, dim=-1)
+        if self.min_p is not None:
+            keep = probs >= self.min_p[:, None] * probs.amax(-1, keepdim=True)
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+        if self.top_p is not None:
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = ((cum - sorted_p) >= self.top_p[:, None] * cum[:, -1:]) & (self.top_p[:, None] < 1)
+            probs = probs.scatter(1, order, torch.where(drop, torch.zeros_like(sorted_p), sorted_p))
+        noise = race_noise_torch(self.seeds, self.steps + offset, v)
+        return torch.where(self.is_greedy, logits.argmax(-1), (probs / noise).argmax(-1))

@@ -13,6 +13,9 @@ in tests) and, when the tensors live on a CUDA device and Triton imports, a Trit
   heads that share a KV head packed into one tile; only the valid KV is read.
 - `rope_qkv_write(qkv, cos, sin, positions, kv, layer, ...)`: split packed QKV rows, rotate q and k,
   write k and v into the KV buffers at `positions` and return q.
+- `linear(x, w, silu_halves)`: `x @ w.T` over a constant `[N, K]` weight; one-row products (batch-1
+  decode) run a Triton GEMV where it measured faster than cuBLAS on that shape (chosen once per shape,
+  outside CUDA-graph capture); `silu_halves` fuses `silu(g) * u` over a merged `[gate; up]` weight.
 
 `FORCE_TRITON` (tests) runs the Triton kernels on CPU tensors under `TRITON_INTERPRET=1`.
 """
@@ -131,6 +134,93 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
     # pragma: cuda-end
 
 
+def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
+    """`silu(g) * u` where `y` `[..., 2N]` holds g in its first half and u in its second (a merged
+    gate/up product), float32 inside, rounded once."""
+    n = y.shape[-1] // 2
+    if not use_triton(y) or not y.is_contiguous():
+        return silu_mul(y[..., :n], y[..., n:])
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
+    out = torch.empty((*y.shape[:-1], n), dtype=y.dtype, device=y.device)
+    total = out.numel()
+    _TRITON["silu_halves"][(triton_cdiv(total, 2048),)](y, out, n, total, BLOCK=2048, num_warps=4)
+    return out
+    # pragma: cuda-end
+
+
+GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (32, 128, 8), (2, 512, 4))
+"""(BLOCK_N, BLOCK_K, warps) tried for each one-row product shape; the fastest, or cuBLAS, is kept."""
+_GEMV_CHOICE: dict[tuple[Any, ...], tuple[int, int, int] | None] = {}
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:
+    """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype.
+
+    A one-row product on a Triton device runs `triton_gemv` when, the first time its shape is seen
+    (outside graph capture), it measured faster than cuBLAS; everything else is `F.linear` (+
+    `silu_mul_halves`)."""
+    rows = x.numel() // x.shape[-1]
+    if rows == 1 and use_triton(x) and x.dtype == w.dtype and w.is_contiguous():
+        # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
+        cfg = _gemv_choice(x, w, silu_halves)
+        if cfg is not None:
+            return _gemv(x, w, silu_halves, cfg)
+        # pragma: cuda-end
+    return linear_unfused(x, w, silu_halves)
+
+
+def _gemv(
+    x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int]
+) -> torch.Tensor:  # pragma: cuda
+    n = w.shape[0] // 2 if silu else w.shape[0]
+    k = w.shape[1]
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    bn, bk, warps = cfg
+    _TRITON["gemv"][(triton_cdiv(n, bn),)](x.contiguous(), w, y, k, n, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
+                                           num_warps=warps)  # fmt: skip
+    return y
+
+
+def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int] | None:  # pragma: cuda
+    """The GEMV configuration for this shape, or None for cuBLAS: measured once per shape on CUDA (each
+    candidate and cuBLAS, 20 launches each); the first configuration under the interpreter; cuBLAS when
+    first seen during a capture (nothing can be timed then)."""
+    key = (tuple(w.shape), w.dtype, silu, x.device)
+    if key in _GEMV_CHOICE:
+        return _GEMV_CHOICE[key]
+    if not x.is_cuda:
+        return GEMV_CONFIGS[0]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+
+    def timed(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+
+    best: tuple[float, tuple[int, int, int] | None] = (timed(lambda: linear_unfused(x, w, silu)), None)
+    for cfg in GEMV_CONFIGS:
+        try:
+            t = timed(lambda cfg=cfg: _gemv(x, w, silu, cfg))
+        except Exception:  # a configuration that does not compile here: skip it
+            continue
+        best = min(best, (t, cfg), key=lambda b: b[0])
+    _GEMV_CHOICE[key] = best[1]
+    return best[1]
+
+
+def linear_unfused(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:
+    """The cuBLAS / torch form of `linear` (its reference)."""
+    y = F.linear(x, w)
+    return silu_mul_halves(y) if silu_halves else y
+
+
 _MAX_SPLITS = 64  # key splits per (KV head, row block); the combine pass reads this many slots, masked
 _LOG2E = 1.4426950408889634  # the kernels keep scores in base 2 (exp2 is one instruction)
 
@@ -234,7 +324,9 @@ def _build() -> None:  # pragma: cuda (Triton only)
     global _TRITON
     if _TRITON is not None:
         return
+    from onnxgen.backends.native import triton_gemv as tg
     from onnxgen.backends.native import triton_kernels as tk
 
     _TRITON = {"rms": tk.rms_kernel, "silu_mul": tk.silu_mul_kernel, "attn_split": tk.attn_split_kernel,
-               "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel}  # fmt: skip
+               "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel, "gemv": tg.gemv_kernel,
+               "silu_halves": tg.silu_mul_halves_kernel}  # fmt: skip

@@ -9,7 +9,8 @@ Passes, in order:
 4. slice before the lm_head: the MatMul that produces the logits (through per-position ops) gets only
    the last position, so prefill never builds a `[seq, vocab]` tensor;
 5. peephole fusions (`x * sigmoid(x)` -> Silu, `silu(g) * u` -> SiluMul; constant-weight MatMul /
-   MatMulNBits (int4 dequantized at load) -> Linear);
+   MatMulNBits (int4 dequantized at load) -> Linear; SiluMul of a gate and an up Linear of the same
+   input -> LinearSiluMul over their weights concatenated, one product instead of two);
 6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
    stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
 """
@@ -141,6 +142,7 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense") -> P
     nodes = _fold_constants(nodes, consts)
     on_device: set[str] = set()  # packed int4 weights, scales and zero points: never host tensors
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
+    nodes = _merge_gate_up(nodes, consts, device)
     nodes = _dce(nodes, [spec.logits_name])
 
     # Placement: every constant a step reads.
@@ -479,6 +481,41 @@ def _prepare_linear(
             n.op, n.domain = "Gather", ""
             n.attrs = {"axis": 0}
     return nodes
+
+
+def _merge_gate_up(
+    nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device
+) -> list[O.Node]:
+    """`SiluMul(Linear(x, Wg), Linear(x, Wu))` -> `LinearSiluMul(x, [Wg | Wu])` when both Linears have no
+    bias, the same layout and dtype, and feed only the SiluMul. The merged weight is built on the device
+    (CUDA: the halves are copied there first, so no host copy of the weights is made)."""
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    uses: dict[str, int] = {}
+    for n in nodes:
+        for x in n.inputs:
+            if x:
+                uses[x] = uses.get(x, 0) + 1
+    drop: set[int] = set()
+    for m in nodes:
+        if m.op != "SiluMul" or m.domain != "onnxgen":
+            continue
+        g, u = (producer.get(x) for x in m.inputs)
+        if g is None or u is None or g is u or any(
+            p.op != "Linear" or p.domain != "onnxgen" or len(p.inputs) != 2 or p.inputs[1] not in consts
+            or uses.get(p.outputs[0], 0) != 1 for p in (g, u)):  # fmt: skip
+            continue
+        t = bool(g.attrs.get("_transposed", 0))
+        wg, wu = consts[g.inputs[1]], consts[u.inputs[1]]
+        if g.inputs[0] != u.inputs[0] or t != bool(u.attrs.get("_transposed", 0)) or wg.dtype != wu.dtype \
+                or wg.shape != wu.shape:  # fmt: skip
+            continue
+        name = f"{g.inputs[1]}+{u.inputs[1]}"
+        if name not in consts:
+            parts = [w.to(device) for w in (wg, wu)] if device.type == "cuda" else [wg, wu]
+            consts[name] = torch.cat(parts, dim=0 if t else 1)
+        m.op, m.inputs, m.attrs = "LinearSiluMul", [g.inputs[0], name], {"_transposed": int(t)}
+        drop.update((id(g), id(u)))
+    return [n for n in nodes if id(n) not in drop]
 
 
 # --- folding & DCE ------------------------------------------------------------------------------------

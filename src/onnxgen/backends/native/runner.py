@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from onnxgen.backends.batch import BatchStep
+from onnxgen.backends.batch import BatchStep, SeqChunk
 from onnxgen.backends.native import paged
 from onnxgen.backends.native.device import (
     device_lock,
@@ -183,14 +183,39 @@ class NativeRunner:
             raise DeviceOutOfMemory(f"the device ran out of memory running a batch of {step.num_tokens} "
                                     "token(s)") from exc  # fmt: skip
 
+    def run_decodes(self, step: BatchStep, k: int, choose: Any) -> torch.Tensor:
+        """`BatchRunner.run_decodes`: on CUDA with graphs, each step's inputs are filled and uploaded while
+        the previous step runs, and its token ids are copied on the device from the previous step's
+        choice, so the host never waits for a token; elsewhere, `k` eager steps."""
+        b = len(step.seqs)
+        toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
+        try:
+            with self.device_lock:
+                bucket = next((x for x in self._graph_batches if x >= b), 0)
+                g = self._graphs.get((bucket, 1))
+                for j in range(k):
+                    seqs = tuple(SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs)
+                    sj = BatchStep(seqs)
+                    if g is not None:  # pragma: cuda
+                        logits = self._run_graph(g, sj, toks[j - 1] if j else None)
+                    else:
+                        logits = self._run_eager(sj, toks[j - 1] if j else None)
+                    toks[j] = choose(logits, j)
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
+            raise DeviceOutOfMemory(f"the device ran out of memory running {k} decode steps of {b} "
+                                    "sequence(s)") from exc  # fmt: skip
+        return toks
+
     # --- eager -------------------------------------------------------------------------------------
 
-    def _run_eager(self, step: BatchStep) -> torch.Tensor:
+    def _run_eager(self, step: BatchStep, ids_t: torch.Tensor | None = None) -> torch.Tensor:
+        """`ids_t`: the step's token ids as a device tensor (they replace the chunks' `tokens`)."""
         t = step.num_tokens
         ps = paged.build_step(step, self.storage, self.page_size, self._dev)
         env = self.program.new_env()
-        ids = torch.tensor([tok for s in step.seqs for tok in s.tokens], dtype=torch.int64)
-        env[self._in_ids] = ids.to(self._dev, non_blocking=True).view(1, t).to(self._ids_dtype)
+        if ids_t is None:
+            ids_t = torch.tensor([tok for s in step.seqs for tok in s.tokens], dtype=torch.int64)
+        env[self._in_ids] = ids_t.to(self._dev, non_blocking=True).view(1, t).to(self._ids_dtype)
         if self._in_pos >= 0:
             env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
         out = self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps))
@@ -199,7 +224,8 @@ class NativeRunner:
 
     # --- CUDA graphs for decode steps --------------------------------------------------------------
 
-    def _run_graph(self, g: _Graph, step: BatchStep) -> torch.Tensor:  # pragma: cuda
+    def _run_graph(self, g: _Graph, step: BatchStep, ids_t: torch.Tensor | None = None) -> torch.Tensor:  # pragma: cuda
+        """`ids_t`: a decode step's token ids as a device tensor `[B]` (copied in after the upload)."""
         b, m, P = len(step.seqs), g.tokens, self.page_size
         t = g.batch * m
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
@@ -236,6 +262,8 @@ class NativeRunner:
         g.wide.copy_(g.host_wide, non_blocking=True)
         g.narrow.copy_(g.host_narrow, non_blocking=True)
         g.uploaded.record()
+        if ids_t is not None:
+            g.wide[:b].copy_(ids_t)
         g.graph.replay()
         self.steps["graph"] += 1
         return g.out.reshape(g.batch, -1)[:b].float()

@@ -1,5 +1,6 @@
-"""Matrix products: MatMul, Gemm, and the lowering's Linear (a MatMul, MatMulNBits or Gemm with a constant
-weight), with the float32 path for low-precision matmuls on CPUs without bf16/fp16 matrix units."""
+"""Matrix products: MatMul, Gemm, the lowering's Linear (a MatMul, MatMulNBits or Gemm with a constant
+weight) and LinearSiluMul (a gate and an up Linear of the same input merged, followed by `silu(g) * u`),
+with the float32 path for low-precision matmuls on CPUs without bf16/fp16 matrix units."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onnxgen.backends.native import kernels
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, same_device
 
 
@@ -26,13 +28,32 @@ def _linear(node: Node) -> Fn:
     transposed = bool(node.attr("_transposed", 0))
 
     def f(ctx: Any, x: Any, w: Any, bias: Any = None) -> tuple[Any, ...]:
-        if transposed and _upcast_cpu_matmul(x):
-            y = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
-            return (y,)
-        y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
-        if bias is not None and not transposed:
-            y = y + bias
-        return (y,)
+        return (_product(x, w, bias, transposed),)
+
+    return f
+
+
+def _product(x: Any, w: Any, bias: Any, transposed: bool) -> Any:
+    if transposed and _upcast_cpu_matmul(x):
+        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+    if transposed and bias is None:
+        return kernels.linear(x, w)
+    y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
+    if bias is not None and not transposed:
+        y = y + bias
+    return y
+
+
+def _linear_silu_mul(node: Node) -> Fn:
+    """`silu(x @ Wg) * (x @ Wu)` over the merged weight `[Wg | Wu]` (`[2N, K]` transposed, else `[K, 2N]`):
+    one product (one-row products: one fused GEMV on a Triton device), the same values as the two Linears
+    and SiluMul it replaces."""
+    transposed = bool(node.attr("_transposed", 0))
+
+    def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
+        if transposed and not _upcast_cpu_matmul(x):
+            return (kernels.linear(x, w, silu_halves=True),)
+        return (kernels.silu_mul_halves(_product(x, w, None, transposed)),)
 
     return f
 
@@ -79,5 +100,5 @@ def _gemm(node: Node) -> Fn:
 BUILDERS: dict[tuple[str, str], Builder] = {
     (AI, "MatMul"): _matmul, (AI, "Gemm"): _gemm,
     (MS, "MatMulNBits"): _linear,  # the lowering dequantizes the weight at load (see `quant`)
-    (INTERNAL, "Linear"): _linear,
+    (INTERNAL, "Linear"): _linear, (INTERNAL, "LinearSiluMul"): _linear_silu_mul,
 }  # fmt: skip

@@ -1,0 +1,51 @@
+"""Triton GEMV for one-row products over a constant `[N, K]` weight (imported only when Triton is used).
+
+The contract is `onnxgen.backends.native.kernels.linear`'s: `y = x @ W.T` for x `[1, K]`, float32
+accumulation, rounded once to x's dtype. With `SILU`, W holds `[gate; up]` (`2 * N` rows) and the kernel
+writes `silu(g) * u` for the `N` output columns, each of g and u first rounded to the output dtype (the
+same values as the unfused product followed by `silu_mul`). One program owns `BLOCK_N` output rows and
+walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
+end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_kernel(X, W, Y, K, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    wp = W + rn[:, None].to(tl.int64) * K + rk[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up = N.to(tl.int64) * K  # SILU: the up rows start N rows below the gate rows
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + rk) < K
+        x = tl.load(X + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        m2 = nmask[:, None] & kmask[None, :]
+        w = tl.load(wp + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc += w * x[None, :]
+        if SILU:
+            u = tl.load(wp + up + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            acc_u += u * x[None, :]
+    y = tl.sum(acc, 1)
+    if SILU:
+        g = y.to(Y.dtype.element_ty).to(tl.float32)
+        u = tl.sum(acc_u, 1).to(Y.dtype.element_ty).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def silu_mul_halves_kernel(Y, OUT, N, TOTAL, BLOCK: tl.constexpr):
+    """`OUT[r, c] = silu(Y[r, c]) * Y[r, N + c]` for rows of `2 * N` (a merged gate/up product)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < TOTAL
+    row = offs // N
+    col = offs % N
+    g = tl.load(Y + row * 2 * N + col, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(Y + row * 2 * N + N + col, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)

@@ -1,0 +1,153 @@
+"""Decode runs (`Engine.decode_steps`): several decode steps back to back with tokens chosen on the device and
+read once per run give exactly what one step at a time gives: the same tokens, text and finish reasons
+(greedy and seeded sampling, EOS, stop strings, lengths, requests of one batch finishing at different
+steps), and the positions fed after a request finished never reach a later turn (native, paged, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import onnxgen
+
+from .conftest import native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")
+
+PROMPTS = [[5, 9, 2, 33, 7], [11, 4, 4, 80, 3, 19, 21, 6, 2], [100, 3], list(range(40, 77))]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir: Path) -> Any:
+    return onnxgen.load(str(tiny_dir), backend="native", paged=True)
+
+
+class Spy:
+    """Counts the runs of several decode steps the engine makes."""
+
+    def __init__(self, model: Any) -> None:
+        self.runs: list[int] = []
+        self._inner = model.executor.run_decodes
+        model.executor.run_decodes = self
+
+    def __call__(self, chunks: Any, k: int) -> Any:
+        self.runs.append(k)
+        return self._inner(chunks, k)
+
+
+def batch(model: Any, steps: int, prompts: list[list[int]], **kw: Any) -> list[Any]:
+    model.decode_steps = steps
+    try:
+        pend = [model.submit(p, reuse=False, speculative=False, **{**kw, **extra})
+                for p, extra in zip(prompts, kw.pop("per", [{}] * len(prompts)), strict=True)]  # fmt: skip
+        return [p.result() for p in pend]
+    finally:
+        model.decode_steps = 1
+
+
+def same(a: list[Any], b: list[Any]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert (x.tokens, x.text, x.finish_reason) == (y.tokens, y.text, y.finish_reason)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 3},
+                                      {"temperature": 1.3, "min_p": 0.05, "seed": 11}])  # fmt: skip
+def test_runs_equal_single_steps(model: Any, sampling: dict) -> None:
+    """Different max_new_tokens per request: runs shrink to what the closest-to-done request may take."""
+    per = [{"max_new_tokens": n} for n in (13, 30, 7, 22)]
+    ref = batch(model, 1, PROMPTS, per=per, **sampling)
+    spy = Spy(model)
+    try:
+        got = batch(model, 4, PROMPTS, per=per, **sampling)
+    finally:
+        model.executor.run_decodes = spy._inner
+    same(got, ref)
+    assert spy.runs and max(spy.runs) == 4 and all(1 < k <= 4 for k in spy.runs)
+    assert [len(r.tokens) for r in got if r.finish_reason == "length"] == [
+        n for r, n in zip(got, (13, 30, 7, 22), strict=True) if r.finish_reason == "length"]
+
+
+def test_stop_strings_and_eos_mid_run(model: Any) -> None:
+    """A request that stops inside a run takes only its tokens up to the stop; the batch goes on."""
+    ref = batch(model, 1, PROMPTS, max_new_tokens=24, temperature=0)
+    stop = ref[1].text[len(ref[1].text) // 2 :][:3]
+    eos = ref[3].tokens[9]
+    for extra in ({"stop": [stop]}, {"stop": [stop], "per": [{}, {}, {}, {}]}):
+        want = batch(model, 1, PROMPTS, max_new_tokens=24, temperature=0, **extra)
+        got = batch(model, 8, PROMPTS, max_new_tokens=24, temperature=0, **extra)
+        same(got, want)
+    assert want[1].finish_reason == "stop" and len(want[1].tokens) < 24
+    # EOS: a model whose eos list holds a token the reference emits mid-run
+    saved = model.eos_token_ids
+    model.eos_token_ids = (eos,)
+    try:
+        want = batch(model, 1, PROMPTS, max_new_tokens=24, temperature=0)
+        got = batch(model, 8, PROMPTS, max_new_tokens=24, temperature=0)
+    finally:
+        model.eos_token_ids = saved
+    same(got, want)
+    assert got[3].finish_reason == "stop" and got[3].tokens[-1] == eos and len(got[3].tokens) == 10
+
+
+def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path) -> None:
+    """Turn 1 stops mid-run (its run fed positions past the stop); turn 2 of the session reuses turn 1's
+    context and equals a fresh run of the same tokens, logits included."""
+    fresh = onnxgen.load(str(tiny_dir), backend="native", paged=False, kv_floor=16)
+    probe = model.generate(PROMPTS[3], max_new_tokens=20, temperature=0, reuse=False, speculative=False)
+    stop = probe.text[8:11]
+    s = model.session("runs")
+    model.decode_steps = 8
+    try:
+        one = s.generate(PROMPTS[3], max_new_tokens=20, temperature=0, stop=[stop], speculative=False)
+        assert one.finish_reason == "stop" and len(one.tokens) < 20
+        ctx = [*one.prompt_ids, *one.tokens, 50, 51, 52]
+        two = s.generate(ctx, max_new_tokens=6, temperature=0, output_logits=True, speculative=False)
+    finally:
+        model.decode_steps = 1
+    ref = fresh.generate(ctx, max_new_tokens=6, temperature=0, output_logits=True, reuse=False, speculative=False)
+    assert two.stats.reused_tokens == len(ctx) - 4  # turn 1's context but its last sample (never fed)
+    assert two.tokens == ref.tokens
+    d = np.linalg.norm(two.logits - ref.logits, axis=-1) / np.linalg.norm(ref.logits, axis=-1)
+    assert float(d.max()) <= 1e-5
+
+
+def test_host_side_sampling_runs_one_step_at_a_time(model: Any) -> None:
+    """Penalties (or kept logits) need the host between steps: no runs, same result as before."""
+    spy = Spy(model)
+    try:
+        got = batch(model, 8, PROMPTS[:2], max_new_tokens=10, temperature=0, repetition_penalty=1.3)
+        kept = batch(model, 8, PROMPTS[:2], max_new_tokens=10, temperature=0, output_logits=True)
+    finally:
+        model.executor.run_decodes = spy._inner
+    assert spy.runs == []
+    same(got, batch(model, 1, PROMPTS[:2], max_new_tokens=10, temperature=0, repetition_penalty=1.3))
+    assert all(r.logits.shape[0] == 10 for r in kept)
+
+
+def test_decode_steps_validated(tiny_dir: Path) -> None:
+    with pytest.raises(onnxgen.errors.InvalidRequest, match="decode_steps"):
+        onnxgen.load(str(tiny_dir), backend="native", decode_steps=0)
+    assert onnxgen.load(str(tiny_dir), backend="native").decode_steps == 1  # the CPU default
+
+
+@pytest.mark.gpu
+def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path) -> None:
+    """On CUDA each step of a run replays the captured decode graph with its ids copied on the device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU host)")
+    m = onnxgen.load(str(tiny_dir), backend="native", device="cuda")
+    assert m.decode_steps == 8 and m.executor.runner.cuda_graphs
+    for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
+        per = [{"max_new_tokens": n} for n in (13, 30, 7, 22)]
+        ref = batch(m, 1, PROMPTS, per=per, **sampling)
+        spy = Spy(m)
+        got = batch(m, 8, PROMPTS, per=per, **sampling)
+        m.executor.run_decodes = spy._inner
+        same(got, ref)
+        assert spy.runs and max(spy.runs) == 8
+    m.close()

@@ -1,0 +1,62 @@
+"""The Triton GEMV behind `kernels.linear` (one-row products, and the fused gate/up + SiLU) equals the float64
+product: on the GPU (every configuration, and the one `linear` picks), and on the CPU under
+`TRITON_INTERPRET=1` where Triton is installed (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1", allow_module_level=True)
+
+from onnxgen.backends.native import kernels  # noqa: E402
+
+
+def _ref(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    if not silu:
+        return y
+    n = w.shape[0] // 2
+    g, u = y[..., :n].to(x.dtype).double(), y[..., n:].to(x.dtype).double()  # rounded, as the unfused path
+    return g * torch.sigmoid(g) * u
+
+
+CONFIGS = kernels.GEMV_CONFIGS if DEVICE == "cuda" else kernels.GEMV_CONFIGS[:2]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize(("n", "k", "dtype"), [(40, 200, torch.float32), (96, 256, torch.bfloat16),
+                                               (130, 520, torch.bfloat16)])  # fmt: skip
+def test_gemv_equals_float64_product(n: int, k: int, dtype: torch.dtype, silu: bool, cfg: tuple) -> None:
+    kernels._build()
+    g = torch.Generator().manual_seed(n + k)
+    rows = 2 * n if silu else n
+    w = (torch.randn(rows, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    x = torch.randn(1, 1, k, generator=g).to(dtype).to(DEVICE)
+    got = kernels._gemv(x, w, silu, cfg)
+    assert got.shape == (1, 1, n) and got.dtype == dtype
+    want = _ref(x, w, silu)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output (and of g, u)
+    assert (got.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_linear_dispatch_matches_unfused(silu: bool) -> None:
+    """`linear` (a GEMV where it was measured faster, else cuBLAS) and `linear_unfused` agree, for one row
+    and for several (never the GEMV)."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(256 if silu else 128, 192, generator=g) / 14).to(torch.bfloat16).to(DEVICE)
+    for rows in (1, 3):
+        x = torch.randn(1, rows, 192, generator=g).to(torch.bfloat16).to(DEVICE)
+        got = kernels.linear(x, w, silu_halves=silu) if kernels.use_triton(x) else None
+        want = kernels.linear_unfused(x, w, silu)
+        if got is None:
+            pytest.skip("Triton is not usable here")
+        assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
