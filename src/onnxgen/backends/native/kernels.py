@@ -169,22 +169,43 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch
     return linear_unfused(x, w, silu_halves)
 
 
-def _gemv(
-    x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int]
-) -> torch.Tensor:  # pragma: cuda
+def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
+               silu_halves: bool = False) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """`linear(rms_norm(x, skip, nw, eps)[0], w, silu_halves)` and the residual sum `x + skip` (None without
+    skip): a one-row product where `linear` would run the GEMV normalises inside it (no norm launch)."""
+    rows = x.numel() // x.shape[-1]
+    if (rows == 1 and use_triton(x) and x.dtype == w.dtype and w.is_contiguous() and x.is_contiguous()
+            and (skip is None or (skip.is_contiguous() and skip.shape == x.shape))):  # fmt: skip
+        # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
+        cfg = _gemv_choice(x, w, silu_halves)
+        if cfg is not None:
+            s = torch.empty_like(x) if skip is not None else None
+            return _gemv(x, w, silu_halves, cfg, (skip, nw, eps, s)), s
+        # pragma: cuda-end
+    h, s = rms_norm(x, skip, nw, eps)
+    return linear(h, w, silu_halves), s
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
+          norm: tuple[Any, Any, float, Any] | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+    """The GEMV launch; `norm` = (skip or None, norm weight, eps, sum output or None)."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     bn, bk, warps = cfg
-    _TRITON["gemv"][(triton_cdiv(n, bn),)](x.contiguous(), w, y, k, n, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
-                                           num_warps=warps)  # fmt: skip
+    skip, nw, eps, s = norm if norm is not None else (None, x, 0.0, None)
+    _TRITON["gemv"][(triton_cdiv(n, bn),)](
+        x.contiguous(), w, y, k, n, skip if skip is not None else x, nw, s if s is not None else y, eps,
+        BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, num_warps=warps,
+    )  # fmt: skip
     return y
 
 
 def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int] | None:  # pragma: cuda
     """The GEMV configuration for this shape, or None for cuBLAS: measured once per shape on CUDA (each
-    candidate and cuBLAS, 20 launches each); the first configuration under the interpreter; cuBLAS when
-    first seen during a capture (nothing can be timed then)."""
+    candidate and cuBLAS as the GPU time of a captured graph of 10 launches, so launch costs that graphs
+    remove do not count); the first configuration under the interpreter; cuBLAS when first seen during a
+    capture (nothing can be timed then) or when timing fails."""
     key = (tuple(w.shape), w.dtype, silu, x.device)
     if key in _GEMV_CHOICE:
         return _GEMV_CHOICE[key]
@@ -192,27 +213,38 @@ def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int
         return GEMV_CONFIGS[0]
     if torch.cuda.is_current_stream_capturing():
         return None
-
-    def timed(fn: Any) -> float:
-        for _ in range(3):
-            fn()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(20):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-
-    best: tuple[float, tuple[int, int, int] | None] = (timed(lambda: linear_unfused(x, w, silu)), None)
+    try:
+        best: tuple[float, tuple[int, int, int] | None] = (_graph_ms(lambda: linear_unfused(x, w, silu)), None)
+    except Exception:  # cannot time here: cuBLAS, and ask again next time
+        return None
     for cfg in GEMV_CONFIGS:
         try:
-            t = timed(lambda cfg=cfg: _gemv(x, w, silu, cfg))
-        except Exception:  # a configuration that does not compile here: skip it
+            t = _graph_ms(lambda cfg=cfg: _gemv(x, w, silu, cfg))
+        except Exception:  # a configuration that does not compile or capture here: skip it
             continue
         best = min(best, (t, cfg), key=lambda b: b[0])
     _GEMV_CHOICE[key] = best[1]
     return best[1]
+
+
+def _graph_ms(fn: Any, launches: int = 10, replays: int = 5) -> float:  # pragma: cuda
+    """GPU milliseconds of `launches` calls of `fn` captured in one CUDA graph (the mean of `replays`
+    replays after a warm-up replay)."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(launches):
+            fn()
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    del graph
+    return a.elapsed_time(b) / replays
 
 
 def linear_unfused(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:

@@ -10,7 +10,8 @@ Passes, in order:
    the last position, so prefill never builds a `[seq, vocab]` tensor;
 5. peephole fusions (`x * sigmoid(x)` -> Silu, `silu(g) * u` -> SiluMul; constant-weight MatMul /
    MatMulNBits (int4 dequantized at load) -> Linear; SiluMul of a gate and an up Linear of the same
-   input -> LinearSiluMul over their weights concatenated, one product instead of two);
+   input -> LinearSiluMul over their weights concatenated, one product instead of two; an RMSNorm read
+   only by a Linear / LinearSiluMul -> RmsLinear, normalised inside one-row products);
 6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
    stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
 """
@@ -99,10 +100,12 @@ def _norm_domain(d: str) -> str:
     return "" if d in ("", "ai.onnx") else d
 
 
-def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense") -> Program:
+def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse: bool = True) -> Program:
     """Read `path` (the package's decoder graph) and build its Program for `device`. `int4`: "dense"
     dequantizes MatMulNBits weights at load; "packed" keeps them packed on the device and runs them as
-    `Int4Linear` (ops.quant: a Triton GEMV on the packed bytes for decode rows)."""
+    `Int4Linear` (ops.quant: a Triton GEMV on the packed bytes for decode rows). `fuse=False` leaves out the
+    fusions across ops that compute the same values (LinearSiluMul, RmsLinear): one op per ONNX node, as
+    the per-op error diagnostics (`numerics`) need."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -142,7 +145,9 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense") -> P
     nodes = _fold_constants(nodes, consts)
     on_device: set[str] = set()  # packed int4 weights, scales and zero points: never host tensors
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
-    nodes = _merge_gate_up(nodes, consts, device)
+    if fuse:
+        nodes = _merge_gate_up(nodes, consts, device)
+        nodes = _fuse_norm_linear(nodes, consts)
     nodes = _dce(nodes, [spec.logits_name])
 
     # Placement: every constant a step reads.
@@ -516,6 +521,44 @@ def _merge_gate_up(
         m.op, m.inputs, m.attrs = "LinearSiluMul", [g.inputs[0], name], {"_transposed": int(t)}
         drop.update((id(g), id(u)))
     return [n for n in nodes if id(n) not in drop]
+
+
+def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> list[O.Node]:
+    """`(Skip)SimplifiedLayerNormalization` over the last axis (constant weight, no bias) whose normalised
+    output only a Linear / LinearSiluMul (no bias) reads -> `RmsLinear(x, skip, weight, W)` in the norm's
+    place, with outputs (the product, the norm's residual sum)."""
+    readers: dict[str, list[O.Node]] = {}
+    for n in nodes:
+        for x in n.inputs:
+            if x:
+                readers.setdefault(x, []).append(n)
+    drop: set[int] = set()
+    out: list[O.Node] = []
+    for n in nodes:
+        if id(n) in drop:
+            continue
+        skip = n.op == "SkipSimplifiedLayerNormalization" and n.domain == "com.microsoft"
+        plain = n.op == "SimplifiedLayerNormalization" and n.domain in ("", "com.microsoft")
+        users = readers.get(n.outputs[0], []) if n.outputs else []
+        lin = users[0] if len(users) == 1 else None
+        ok = (skip or (plain and int(n.attr("axis", -1)) == -1)) and lin is not None
+        if ok:
+            gamma = n.inputs[2] if skip else n.inputs[1]
+            ok = (gamma in consts and (not skip or len(n.inputs) < 4 or not n.inputs[3])
+                  and lin.domain == "onnxgen" and lin.op in ("Linear", "LinearSiluMul") and len(lin.inputs) == 2
+                  and lin.inputs[0] == n.outputs[0] and lin.inputs[1] in consts
+                  and not any(readers.get(o) for o in n.outputs[1:3] if o))  # fmt: skip
+        if not ok:
+            out.append(n)
+            continue
+        assert lin is not None
+        total = n.outputs[3] if skip and len(n.outputs) > 3 else ""
+        out.append(O.Node("RmsLinear", "onnxgen", f"{n.name}+{lin.name}",
+                          [n.inputs[0], n.inputs[1] if skip else "", gamma, lin.inputs[1]], [lin.outputs[0], total],
+                          {"epsilon": float(n.attr("epsilon", 1e-5)), "silu": int(lin.op == "LinearSiluMul"),
+                           "_transposed": int(lin.attrs.get("_transposed", 0))}))  # fmt: skip
+        drop.add(id(lin))
+    return out
 
 
 # --- folding & DCE ------------------------------------------------------------------------------------

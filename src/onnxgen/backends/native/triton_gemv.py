@@ -3,7 +3,10 @@
 The contract is `onnxgen.backends.native.kernels.linear`'s: `y = x @ W.T` for x `[1, K]`, float32
 accumulation, rounded once to x's dtype. With `SILU`, W holds `[gate; up]` (`2 * N` rows) and the kernel
 writes `silu(g) * u` for the `N` output columns, each of g and u first rounded to the output dtype (the
-same values as the unfused product followed by `silu_mul`). One program owns `BLOCK_N` output rows and
+same values as the unfused product followed by `silu_mul`). With `NORM`, x is first RMS-normalised
+(`x (+ skip)`, weight `NW`, float32, rounded to the output dtype as `kernels.rms_norm` would write it; with
+`HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own. One
+program owns `BLOCK_N` output rows and
 walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
 end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
 """
@@ -13,11 +16,23 @@ import triton.language as tl
 
 
 @triton.jit
-def gemv_kernel(X, W, Y, K, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr):
+def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
+    rstd = 1.0
+    if NORM:  # RMSNorm of x (+ skip) first: every program reduces the (small) row itself
+        ss = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + rk) < K
+            xs = tl.load(X + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+            if HAS_SKIP:
+                xs += tl.load(SKIP + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+                tl.store(SUM + k0 + rk, xs.to(SUM.dtype.element_ty), mask=kmask & (pid == 0))
+            ss += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
     wp = W + rn[:, None].to(tl.int64) * K + rk[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -25,6 +40,11 @@ def gemv_kernel(X, W, Y, K, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SIL
     for k0 in range(0, K, BLOCK_K):
         kmask = (k0 + rk) < K
         x = tl.load(X + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        if NORM:  # the normalised row, rounded as the separate RMSNorm would write it
+            if HAS_SKIP:
+                x += tl.load(SKIP + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+            nw = tl.load(NW + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+            x = (x * rstd * nw).to(Y.dtype.element_ty).to(tl.float32)
         m2 = nmask[:, None] & kmask[None, :]
         w = tl.load(wp + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
         acc += w * x[None, :]

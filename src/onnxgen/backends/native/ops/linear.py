@@ -1,6 +1,7 @@
 """Matrix products: MatMul, Gemm, the lowering's Linear (a MatMul, MatMulNBits or Gemm with a constant
-weight) and LinearSiluMul (a gate and an up Linear of the same input merged, followed by `silu(g) * u`),
-with the float32 path for low-precision matmuls on CPUs without bf16/fp16 matrix units."""
+weight), LinearSiluMul (a gate and an up Linear of the same input merged, followed by `silu(g) * u`) and
+RmsLinear (an RMSNorm whose only reader is one of those: normalised inside the one-row GEMV), with the
+float32 path for low-precision matmuls on CPUs without bf16/fp16 matrix units."""
 
 from __future__ import annotations
 
@@ -58,6 +59,23 @@ def _linear_silu_mul(node: Node) -> Fn:
     return f
 
 
+def _rms_linear(node: Node) -> Fn:
+    """`(Skip)SimplifiedLayerNormalization` followed by the Linear / LinearSiluMul that alone reads its
+    output: outputs (the product, the residual sum `x + skip` or None). The same values as the two ops."""
+    transposed = bool(node.attr("_transposed", 0))
+    silu = bool(node.attr("silu", 0))
+    eps = float(node.attr("epsilon", 1e-5))
+
+    def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any) -> tuple[Any, ...]:
+        if transposed and not _upcast_cpu_matmul(x):
+            return kernels.rms_linear(x, skip, nw, eps, w, silu)
+        h, s = kernels.rms_norm(x, skip, nw, eps)
+        y = _product(h, w, None, transposed)
+        return (kernels.silu_mul_halves(y) if silu else y), s
+
+    return f
+
+
 def _cpu_has_lowp_matmul() -> bool:
     cpu = getattr(torch, "cpu", None)
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -100,5 +118,5 @@ def _gemm(node: Node) -> Fn:
 BUILDERS: dict[tuple[str, str], Builder] = {
     (AI, "MatMul"): _matmul, (AI, "Gemm"): _gemm,
     (MS, "MatMulNBits"): _linear,  # the lowering dequantizes the weight at load (see `quant`)
-    (INTERNAL, "Linear"): _linear, (INTERNAL, "LinearSiluMul"): _linear_silu_mul,
+    (INTERNAL, "Linear"): _linear, (INTERNAL, "LinearSiluMul"): _linear_silu_mul, (INTERNAL, "RmsLinear"): _rms_linear,
 }  # fmt: skip
