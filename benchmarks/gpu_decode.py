@@ -1,25 +1,27 @@
 """Batch-1 decode against the bandwidth floor on one GPU (issue 13): where a token's time goes.
 
-    PYTHONPATH=src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_decode.py [--shapes 0.5b,1b,8b] [--no-hf]
-        [--decode-steps 1,8]
+    PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_decode.py --tokenizer DIR \
+        [--shapes 0.5b,1b,8b16k] [--no-hf] [--decode-steps 1,8]
 
-For each shape (bf16 synthetic packages of Qwen2.5-0.5B's, Llama-3.2-1B's and Llama-3-8B's shapes, random
-weights, written once under /tmp/onnxgen_bench), through the public API (`onnxgen.load(pkg,
-backend="native", device="cuda")`, the paged engine, greedy, a 512-token prompt, 128 tokens):
+For each shape (Qwen2.5-0.5B's, Llama-3.2-1B's and Llama-3-8B's, `onnxgen.convert.reference.SHAPES`): a
+random Llama checkpoint saved by transformers and converted by onnxruntime-genai's builder (`-p bf16 -e
+cuda`, `benchmarks/gpu_parity.py`'s `package`; without `--tokenizer`, a synthetic package of the same
+shape written by onnxgen), through the public API (`onnxgen.load(pkg, backend="native", device="cuda")`,
+the paged engine, greedy, a 512-token prompt, 128 tokens):
 - decode tok/s (median of 5, `Stats.decode_tok_s`) and the host CPU time per token (process CPU time
-  over the generation / tokens), for each `decode_steps` value (tokens decoded per host round trip);
+  over the generation / tokens; it includes the host's spin while it waits for the GPU), for each
+  `decode_steps` value (`Model.decode_steps`: decode steps per host round trip);
 - the GPU time of one decode step alone: the captured batch-1 graph replayed 200 times back to back
   (CUDA events), so `ms per token - replay ms` is the time the GPU waits on the host per token;
 - kernels per step and the top kernels (torch.profiler over 20 replays);
-- transformers eager on the same shape (random weights, sdpa, logits_to_keep=1) in the same run;
-- the floor: weights + KV bytes over the copy bandwidth measured at the start.
+- transformers eager on the same checkpoint (sdpa, logits_to_keep=1, bf16) in the same run;
+- the floor: the bytes a step reads (weights, lm_head, KV) over the copy bandwidth measured at the start.
 A JSON of every number goes to $OUT; the table prints last.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -44,23 +46,19 @@ def log(*a: Any) -> None:
     print(" ".join(str(x) for x in a), flush=True)
 
 
-def shapes() -> dict[str, Any]:
-    from onnxgen.convert.synthetic import LLAMA_1B, LLAMA_8B, SyntheticConfig
+def synthetic(name: str) -> Path:
+    """A synthetic bf16 package of the shape (no tokenizer needed), written once."""
+    from onnxgen.convert.reference import SHAPES
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
 
-    qwen05 = SyntheticConfig(num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, head_size=64,
-                             intermediate_size=4864, vocab_size=151936, context_length=8192, dtype="bfloat16",
-                             rope_theta=1000000.0, tie_embeddings=True)  # fmt: skip
-    return {"0.5b": qwen05, "1b": LLAMA_1B, "8b": LLAMA_8B}
-
-
-def write(name: str, cfg: Any) -> Path:
-    from onnxgen.convert.synthetic import write_package
-
-    out = Path("/tmp/onnxgen_bench") / name
+    sh = SHAPES[name]
+    out = Path("/tmp/onnxgen_bench") / f"synthetic_{name}"
     if not (out / "genai_config.json").is_file():
-        t0 = time.perf_counter()
+        cfg = SyntheticConfig(num_layers=sh.num_layers, hidden_size=sh.hidden_size, num_heads=sh.num_heads,
+                              num_kv_heads=sh.num_kv_heads, intermediate_size=sh.intermediate_size,
+                              vocab_size=sh.vocab_size, context_length=sh.context_length, dtype="bfloat16",
+                              rope_theta=sh.rope_theta, tie_embeddings=sh.tie_word_embeddings)  # fmt: skip
         write_package(out, cfg, seed=0)
-        log(f"wrote {name} in {time.perf_counter() - t0:.1f}s")
     return out
 
 
@@ -79,14 +77,16 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / statistics.median(ts[2:])
 
 
-def floor_ms(cfg: Any, ctx: int, bw: float) -> float:
-    from onnxgen.convert.synthetic import hf_weight_shapes
+def floor_ms(name: str, ctx: int, bw: float) -> float:
+    """Bytes one bf16 decode step must read (every layer's weights, the lm_head, the KV of `ctx`
+    positions; one embedding row is negligible) over the copy bandwidth."""
+    from onnxgen.convert.reference import SHAPES
 
-    sh = hf_weight_shapes(cfg)
-    params = sum(int(np.prod(s)) for k, s in sh.items() if k != "model.embed_tokens.weight")
-    if cfg.tie_embeddings:
-        params += int(np.prod(sh["model.embed_tokens.weight"]))
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * ctx * 2
+    sh = SHAPES[name]
+    h, kv_dim = sh.hidden_size, sh.hidden_size // sh.num_heads * sh.num_kv_heads
+    layer = h * (h + 2 * kv_dim) + h * h + 3 * h * sh.intermediate_size + 2 * h
+    params = sh.num_layers * layer + sh.vocab_size * h + h
+    kv = 2 * sh.num_layers * kv_dim * ctx * 2
     return (params * 2 + kv) / bw * 1e3
 
 
@@ -126,20 +126,29 @@ def kernels(runner: Any, reps: int = 20) -> dict[str, Any]:
     }
 
 
-def hf_tps(cfg: Any, prompt: list[int], n: int = 64) -> float:
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-
-    from onnxgen.convert.synthetic import to_hf_llama_config
+def hf_tps(hf: Path | None, name: str, prompt: list[int], n: int = 64) -> float:
+    """transformers eager decode tok/s (batch 1, greedy, one token read per step): the checkpoint `hf`, or
+    random weights of the shape."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
     torch.backends.cuda.enable_cudnn_sdp(False)
-    conf = LlamaConfig(**to_hf_llama_config(cfg))
-    conf._attn_implementation = "sdpa"
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(conf).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
+    if hf is not None:
+        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = model.to("cuda").eval()
+    else:
+        from onnxgen.convert.reference import SHAPES
+
+        sh = SHAPES[name]
+        conf = LlamaConfig(hidden_size=sh.hidden_size, intermediate_size=sh.intermediate_size,
+                           num_hidden_layers=sh.num_layers, num_attention_heads=sh.num_heads,
+                           num_key_value_heads=sh.num_kv_heads, vocab_size=sh.vocab_size,
+                           tie_word_embeddings=sh.tie_word_embeddings, attn_implementation="sdpa")  # fmt: skip
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = LlamaForCausalLM(conf).eval()
+        finally:
+            torch.set_default_dtype(torch.float32)
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
         cache = DynamicCache()
@@ -157,13 +166,21 @@ def hf_tps(cfg: Any, prompt: list[int], n: int = 64) -> float:
     return n / dt
 
 
-def run_shape(name: str, cfg: Any, bw: float, steps: list[int], with_hf: bool) -> dict[str, Any]:
+def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], with_hf: bool) -> dict[str, Any]:
     import onnxgen
 
-    pkg = write(name, cfg)
-    r: dict[str, Any] = {"shape": name, "floor_ms": floor_ms(cfg, 512 + 128, bw)}
-    prompt = np.random.default_rng(1).integers(100, min(cfg.vocab_size, 32000), 512).tolist()
+    if tokenizer is not None:
+        from gpu_parity import package
+
+        hf, pkg = package(name, tokenizer)
+    else:
+        hf, pkg = None, synthetic(name)
+    r: dict[str, Any] = {"shape": name, "floor_ms": floor_ms(name, 512 + 128, bw), "builder": hf is not None}
+    prompt = np.random.default_rng(1).integers(100, 32000, 512).tolist()
+    t0 = time.perf_counter()
     m = onnxgen.load(str(pkg), backend="native", device="cuda")
+    r["load_s"] = time.perf_counter() - t0
+    r["weights_GB"] = m.executor.runner.program.weight_bytes / 1e9
     runner = m.executor.runner
     m.generate(prompt[:64], max_new_tokens=16, reuse=False, temperature=0)  # warm-up
     for k in steps:
@@ -179,10 +196,8 @@ def run_shape(name: str, cfg: Any, bw: float, steps: list[int], with_hf: bool) -
         log(name, f"decode_steps={k}: {r[f'tps_{k}']:.1f} tok/s, CPU {r[f'cpu_ms_{k}']:.3f} ms/token")
     r["replay_ms"] = replay_ms(runner)
     r.update(kernels(runner))
-    log(
-        name,
-        f"replay {r['replay_ms']:.3f} ms; {r['kernels_per_step']:.0f} kernels/step, {r['kernel_ms']:.3f} ms",
-    )
+    log(name, f"load {r['load_s']:.1f}s; replay {r['replay_ms']:.3f} ms; {r['kernels_per_step']:.0f} kernels/step, "
+        f"{r['kernel_ms']:.3f} ms")  # fmt: skip
     for k_, ms, cnt in r["top"]:
         log(f"   {ms:7.3f} ms {cnt:5.1f}x {k_}")
     m.close()
@@ -190,7 +205,7 @@ def run_shape(name: str, cfg: Any, bw: float, steps: list[int], with_hf: bool) -
     gc.collect()
     torch.cuda.empty_cache()
     if with_hf:
-        r["hf_tps"] = hf_tps(cfg, prompt)
+        r["hf_tps"] = hf_tps(hf, name, prompt)
         log(name, f"transformers eager {r['hf_tps']:.1f} tok/s")
         gc.collect()
         torch.cuda.empty_cache()
@@ -199,39 +214,30 @@ def run_shape(name: str, cfg: Any, bw: float, steps: list[int], with_hf: bool) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="0.5b,1b,8b")
+    ap.add_argument("--shapes", default="0.5b,1b,8b16k")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="builder packages (SmolLM2's tokenizer files)")
     ap.add_argument("--decode-steps", default="1")
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--layers", type=int, default=None, help="truncate the shapes (smoke tests)")
     a = ap.parse_args()
     bw = copy_bandwidth()
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}; {torch.cuda.get_device_name()}")
-    all_shapes = shapes()
     rows = []
     steps = [int(x) for x in a.decode_steps.split(",")]
     for name in a.shapes.split(","):
-        cfg = all_shapes[name]
-        if a.layers:
-            cfg = dataclasses.replace(cfg, num_layers=a.layers)
-            name = f"{name}_{a.layers}"
         try:
-            rows.append(run_shape(name, cfg, bw, steps, not a.no_hf))
+            rows.append(run_shape(name, a.tokenizer, bw, steps, not a.no_hf))
         except Exception as exc:  # keep the other shapes' numbers
             log(f"!!! {name}: {type(exc).__name__}: {exc}")
     (OUT / "gpu_decode.json").write_text(json.dumps({"bw": bw, "rows": rows}, indent=2, default=str))
-    log(
-        "\n| shape | decode_steps | tok/s | ms/token | replay ms (GPU) | GPU idle ms/token | CPU ms/token | "
-        "kernels/step | floor ms | % of floor | transformers tok/s |"
-    )
+    log("\n| shape | decode_steps | tok/s | ms/token | replay ms (GPU) | GPU idle ms/token | CPU ms/token | "
+        "kernels/step | floor ms | % of floor | transformers tok/s |")  # fmt: skip
     log("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         for k in steps:
             ms = 1e3 / r[f"tps_{k}"]
-            log(
-                f"| {r['shape']} | {k} | {r[f'tps_{k}']:.0f} | {ms:.3f} | {r['replay_ms']:.3f} | "
+            log(f"| {r['shape']} | {k} | {r[f'tps_{k}']:.0f} | {ms:.3f} | {r['replay_ms']:.3f} | "
                 f"{ms - r['replay_ms']:.3f} | {r[f'cpu_ms_{k}']:.3f} | {r['kernels_per_step']:.0f} | "
-                f"{r['floor_ms']:.3f} | {r['floor_ms'] / ms:.0%} | {r.get('hf_tps', float('nan')):.0f} |"
-            )
+                f"{r['floor_ms']:.3f} | {r['floor_ms'] / ms:.0%} | {r.get('hf_tps', float('nan')):.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ SHAPES = {
     "tiny": LlamaShape(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=512,
                        context_length=1024),  # dry runs
     "2048x4": LlamaShape(num_layers=4),  # reproduces the 1B shape's numerics in seconds on a CPU
+    "0.5b": LlamaShape(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                       vocab_size=151936, rope_theta=1000000.0),  # Qwen2.5-0.5B's shape (no qkv bias)
     "1b": LlamaShape(),
     "8b": LlamaShape(hidden_size=4096, num_layers=32, intermediate_size=14336, tie_word_embeddings=False),
     # the same with a 16k context: conversations that grow past 8k tokens
