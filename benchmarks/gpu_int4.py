@@ -1,12 +1,15 @@
-"""int4 (MatMulNBits, block 32) vs bf16 packages of the same Llama-3.2-1B shape on the native backend.
+"""int4 (MatMulNBits) vs bf16 packages of the same shape on the native backend (CUDA).
 
 By default the native backend dequantizes int4 weights once at load into the model dtype; `int4="packed"`
 keeps them packed and runs decode rows through the Triton GEMV (`backends/native/triton_int4.py`). This
-measures both against bf16: write time, load time, device memory for weights, TTFT at 512 tokens and
-batch-1 decode tok/s, in one run; `same tokens` compares the first 32 greedy tokens with the dequantized
-int4 run's.
+measures both against bf16 in one run: load time, the weights' bytes on the device (the lowered program's
+tensors), TTFT at 512 tokens and batch-1 decode tok/s (median of 3, public API, greedy); `same tokens`
+compares the first 32 greedy tokens with the dequantized int4 run's.
 
-    PYTHONPATH=src python3 benchmarks/gpu_int4.py [--layers N] [--device cuda]
+    # builder-made packages (onnxruntime-genai's `-p bf16` and `-p int4` from one random checkpoint)
+    PYTHONPATH=/tmp/site:src python3 benchmarks/gpu_int4.py --tokenizer DIR --shape 8b16k
+    # synthetic packages written by onnxgen (the 1B shape; --tiny checks the script on a CPU)
+    PYTHONPATH=src python3 benchmarks/gpu_int4.py [--layers N] [--device cuda] [--tiny]
 """
 
 from __future__ import annotations
@@ -17,57 +20,85 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", default="/tmp/onnxgen_bench")
-    ap.add_argument("--layers", type=int, default=None, help="truncate the shape (smoke tests)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="a tiny fp32 shape (checks the script on a CPU)")
-    args = ap.parse_args()
-    import torch
-
-    import onnxgen
+def synthetic_packages(args: Any) -> list[tuple[str, Path, dict[str, Any], int]]:
     from onnxgen.convert.synthetic import LLAMA_1B, SyntheticConfig, write_package
 
     base = SyntheticConfig(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512) if args.tiny else LLAMA_1B
     if args.layers is not None:
         base = dataclasses.replace(base, num_layers=args.layers)
-    cuda = args.device == "cuda"
-    rows = []
-    q4 = dataclasses.replace(base, quant="int4")
-    for label, cfg, opts in (("bf16", base, {}), ("int4", q4, {}), ("int4 packed", q4, {"int4": "packed"})):
-        name = label.split()[0]
+    out = []
+    for name, cfg in (("bf16", base), ("int4", dataclasses.replace(base, quant="int4"))):
         pkg = Path(args.root) / (f"1b_{name}" if args.layers is None else f"1b_{name}_{args.layers}")
-        t = time.perf_counter()
         if not (pkg / "genai_config.json").exists():
             write_package(pkg, cfg)
-        write_s = time.perf_counter() - t
+        out.append((name, pkg, {}, base.vocab_size))
+    return [*out, ("int4 packed", out[1][1], {"int4": "packed"}, base.vocab_size)]
+
+
+def builder_packages(args: Any) -> list[tuple[str, Path, dict[str, Any], int]]:
+    from gpu_parity import package
+    from onnxgen.convert.checkpoint import convert_checkpoint
+    from onnxgen.convert.reference import SHAPES
+
+    hf, bf16 = package(args.shape, args.tokenizer)
+    int4 = bf16.parent / f"{args.shape}_int4_pkg"
+    if not (int4 / "genai_config.json").is_file():
+        t = time.perf_counter()
+        convert_checkpoint(hf, int4, precision="int4", execution_provider="cuda", progress=False)
+        print(f"{args.shape}: builder int4 package in {time.perf_counter() - t:.1f}s", flush=True)
+    v = SHAPES[args.shape].vocab_size
+    return [("bf16", bf16, {}, v), ("int4", int4, {}, v), ("int4 packed", int4, {"int4": "packed"}, v)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", default="/tmp/onnxgen_bench")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="builder packages (SmolLM2's tokenizer files)")
+    ap.add_argument("--shape", default="8b16k", help="with --tokenizer: a shape of onnxgen.convert.reference")
+    ap.add_argument("--layers", type=int, default=None, help="truncate the synthetic shape (smoke tests)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny fp32 synthetic shape (checks the script on a CPU)")
+    args = ap.parse_args()
+    import torch
+
+    import onnxgen
+
+    cuda = args.device == "cuda"
+    packages = builder_packages(args) if args.tokenizer is not None else synthetic_packages(args)
+    rows = []
+    for label, pkg, opts, vocab in packages:
         disk = sum(f.stat().st_size for f in pkg.iterdir())
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        before = torch.cuda.memory_allocated() if cuda else 0
         t = time.perf_counter()
         m = onnxgen.load(str(pkg), backend="native", device=args.device, **opts)
         load_s = time.perf_counter() - t
-        weights = (torch.cuda.memory_allocated() - before) if cuda else 0
+        runner = getattr(m.executor, "runner", None)
+        weights = runner.program.weight_bytes if runner is not None else 0
         g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(100, cfg.vocab_size - 1, (512,), generator=g).tolist()
+        prompt = torch.randint(100, min(vocab, 32000) - 1, (512,), generator=g).tolist()
         m.generate(prompt[:32], max_new_tokens=8, reuse=False)  # warm-up
         runs = [m.generate(prompt, max_new_tokens=129, reuse=False, stop=[], temperature=0) for _ in range(3)]
         ttft = statistics.median(r.stats.ttft_s for r in runs) * 1000
         tps = statistics.median(r.stats.decode_tok_s for r in runs)
-        rows.append((label, write_s, disk / 1e9, load_s, weights / 1e9, ttft, tps, runs[0].tokens[:32]))
+        rows.append((label, disk / 1e9, load_s, weights / 1e9, ttft, tps, runs[0].tokens[:32]))
+        print(f"{label}: {tps:.1f} tok/s, weights {weights / 1e9:.2f} GB", flush=True)
         m.close()
-        del m
-    ref = rows[1][7]
-    print("\n| package | write s | on disk GB | load s | weights on device GB | TTFT 512 ms | decode tok/s | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
-    for label, w, d, ld, wg, ttft, tps, toks in rows:
-        same = "-" if label == "bf16" else ("yes" if toks == ref else "no")
-        print(f"| {label} | {w:.1f} | {d:.2f} | {ld:.1f} | {wg:.2f} | {ttft:.1f} | {tps:.1f} | {same} |")
+        del m, runner
+    ref = rows[1][6]
+    print("\n| package | on disk GB | load s | weights on device GB | TTFT 512 ms | decode tok/s | same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    for label, d, ld, wg, ttft, tps, toks in rows:
+        same = "-" if label == "bf16" else ("yes" if toks == ref else f"{sum(a == b for a, b in zip(toks, ref, strict=False))}/32")
+        print(f"| {label} | {d:.2f} | {ld:.1f} | {wg:.2f} | {ttft:.1f} | {tps:.1f} | {same} |")
     return 0
 
 

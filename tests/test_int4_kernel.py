@@ -33,14 +33,15 @@ def _weights(n: int, k: int, block: int, zp: str, seed: int = 0):
     return packed, scales, z
 
 
+@pytest.mark.parametrize("tile", [(8, None), (4, 1), (16, 4)])  # (rows per program, blocks per loop step)
 @pytest.mark.parametrize("zp", ["none", "packed", "float"])
 @pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 96, 256, 32), (3, 40, 200, 32), (2, 64, 384, 128)])
-def test_packed_gemv_equals_dequantize_then_matmul(zp: str, m: int, n: int, k: int, block: int) -> None:
+def test_packed_gemv_equals_dequantize_then_matmul(zp: str, m: int, n: int, k: int, block: int, tile: tuple) -> None:
     packed, scales, z = _weights(n, k, block, zp)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     w = dequant_matmul_nbits(packed, scales, z, k, n, 4, block, torch.float32)  # [N, K]
     want = x.double() @ w.double().T
     got = int4_linear(x.to(DEVICE), packed.to(DEVICE), scales.to(DEVICE), None if z is None else z.to(DEVICE),
-                      k, n, block).cpu()  # fmt: skip
+                      k, n, block, block_n=tile[0], blocks=tile[1]).cpu()  # fmt: skip
     assert got.shape == (m, n)
     assert float((got.double() - want).norm() / want.norm()) < 1e-5

@@ -21,40 +21,54 @@ import triton.language as tl
 
 @triton.jit
 def int4_gemv_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     HALF_K: tl.constexpr, ZP: tl.constexpr):  # fmt: skip
-    """ZP: 0 none (8), 1 packed uint8 nibbles, 2 one float per block."""
+                     BLOCKS: tl.constexpr, ZP: tl.constexpr):  # fmt: skip
+    """ZP: 0 none (8), 1 packed uint8 nibbles, 2 one float per block. Each step of the loop takes `BLOCKS`
+    quantization blocks of `BLOCK_N` rows: the nibbles' dot products with x are summed per block, then
+    scaled once per block (`s * (sum(q * x) - z * sum(x))`)."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
+    HB: tl.constexpr = BLOCK // 2  # bytes per block
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
-    row_bytes = NB * (BLOCK // 2)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, 2 * HALF_K):
-        rb = k0 // 2 + tl.arange(0, HALF_K)  # byte index within the row: elements 2*rb and 2*rb + 1
-        bmask = nmask[:, None] & (2 * rb[None, :] < K)
-        byte = tl.load(B + rn[:, None] * row_bytes + rb[None, :], mask=bmask, other=0).to(tl.int32)
-        lo = (byte & 0xF).to(tl.float32)
-        hi = (byte >> 4).to(tl.float32)
-        blk = (2 * rb) // BLOCK  # both elements of a byte are in the same block (BLOCK is even)
-        s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=bmask, other=0.0).to(tl.float32)
+    row_bytes = NB * HB
+    rblk = tl.arange(0, BLOCKS)
+    rb = tl.arange(0, BLOCKS * HB)  # bytes of this step, block-major
+    acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
+    xrow = X + m * sxm
+    for b0 in range(0, NB, BLOCKS):
+        byte_i = b0 * HB + rb  # byte index within a row: elements 2i and 2i + 1
+        bmask = (b0 + rb // HB) < NB
+        byte = tl.load(B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
+                       mask=nmask[:, None] & bmask[None, :], other=0, eviction_policy="evict_first")  # fmt: skip
+        byte = byte.to(tl.int32)
+        xe = tl.load(xrow + 2 * byte_i, mask=bmask & (2 * byte_i < K), other=0.0).to(tl.float32)
+        xo = tl.load(xrow + 2 * byte_i + 1, mask=bmask & (2 * byte_i + 1 < K), other=0.0).to(tl.float32)
+        q = (byte & 0xF).to(tl.float32) * xe[None, :] + (byte >> 4).to(tl.float32) * xo[None, :]
+        dot = tl.sum(tl.reshape(q, (BLOCK_N, BLOCKS, HB)), axis=2)  # [BLOCK_N, BLOCKS]
+        xsum = tl.sum(tl.reshape(xe + xo, (BLOCKS, HB)), axis=1)  # [BLOCKS]
+        blk = b0 + rblk
+        km = nmask[:, None] & (blk < NB)[None, :]
+        s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
         if ZP == 1:
-            zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=bmask, other=0).to(tl.int32)
+            zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=km, other=0).to(tl.int32)
             z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
         elif ZP == 2:
-            z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=bmask, other=0.0).to(tl.float32)
+            z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
         else:
             z = 8.0
-        xe = tl.load(X + m * sxm + 2 * rb, mask=2 * rb < K, other=0.0).to(tl.float32)
-        xo = tl.load(X + m * sxm + 2 * rb + 1, mask=2 * rb + 1 < K, other=0.0).to(tl.float32)
-        acc += tl.sum((lo - z) * s * xe[None, :] + (hi - z) * s * xo[None, :], axis=1)
-    tl.store(Y + m * sym + rn, acc.to(Y.dtype.element_ty), mask=nmask)
+        acc += s * (dot - z * xsum[None, :])
+    tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                k: int, n: int, block: int, block_n: int = 32, half_k: int = 64) -> torch.Tensor:  # fmt: skip
-    """`x` `[..., K]` times the packed weights -> `[..., N]` in x's dtype (float32 accumulation)."""
-    assert block % 2 == 0 and packed.dtype == torch.uint8
+                k: int, n: int, block: int, block_n: int = 8, blocks: int | None = None,
+                warps: int = 4) -> torch.Tensor:  # fmt: skip
+    """`x` `[..., K]` times the packed weights -> `[..., N]` in x's dtype (float32 accumulation). `blocks`:
+    quantization blocks per loop step (default: 256 elements' worth)."""
+    assert block % 2 == 0 and block & (block - 1) == 0 and packed.dtype == torch.uint8
     nb = (k + block - 1) // block
+    if blocks is None:
+        blocks = max(1, 256 // block)
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if zero_points is None:
@@ -65,5 +79,5 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         zmode, z = 2, zero_points.contiguous()
     grid = (triton.cdiv(n, block_n), x2.shape[0])
     int4_gemv_kernel[grid](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb, x2.stride(0), y.stride(0),
-                           BLOCK=block, BLOCK_N=block_n, HALF_K=half_k, ZP=zmode)  # fmt: skip
+                           BLOCK=block, BLOCK_N=block_n, BLOCKS=blocks, ZP=zmode, num_warps=warps)  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
