@@ -9,7 +9,10 @@ import re
 import pytest
 
 import onnxgen
-from onnxgen.engine.drafts import DraftControl, prompt_lookup
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from onnxgen.engine.drafts import DraftControl, NgramIndex, prompt_lookup
 from onnxgen.errors import InvalidRequest
 
 DOC = ("The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree near the river. "
@@ -24,6 +27,25 @@ def test_prompt_lookup_proposes_what_followed_the_most_recent_match() -> None:
     assert prompt_lookup([1, 2, 3, 4], 3) == []  # nothing repeats
     assert prompt_lookup([5, 6, 5], 5) == [6, 5]  # fewer than k follow
     assert prompt_lookup([5, 6, 5], 0) == [] and prompt_lookup([7], 2) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=60), st.lists(st.integers(1, 7), max_size=12),
+       st.integers(0, 6))  # fmt: skip
+def test_ngram_index_answers_what_prompt_lookup_answers(tokens: list[int], cuts: list[int], k: int) -> None:
+    """Fed in pieces of any size (as a request's prompt and then its samples arrive), the incremental index
+    proposes exactly what a full scan of the same tokens proposes, after every piece."""
+    index, at = NgramIndex(), 0
+    for c in [*cuts, len(tokens)]:
+        piece = tokens[at : at + c]
+        at += len(piece)
+        index.extend(piece)
+        assert index.lookup(k) == prompt_lookup(tokens[:at], k)
+    control, out = DraftControl(), []
+    for t in tokens:  # DraftControl.propose over a prompt that grows by output
+        out.append(t)
+        assert control.propose(tokens[:3], out[3:] if len(out) > 3 else [], k) == prompt_lookup(
+            tokens[:3] + (out[3:] if len(out) > 3 else []), k)
 
 
 def test_draft_control_grows_on_acceptance_and_backs_off_on_rejection() -> None:

@@ -7,6 +7,8 @@ sampled token and the drafts in one forward, samples every position as plain dec
 sampler, same order), keeps the drafts up to the first one that differs from what was sampled, and
 rewinds the KV past the rest: the output is exactly that of plain decoding, greedy or sampled.
 
+`NgramIndex` answers the same lookup incrementally (each token is indexed once, as it joins the context;
+a lookup is O(ngram_max)), so a speculating request pays no per-step work proportional to its context.
 `DraftControl` keeps a request's draft length where it pays: drafts grow while they are accepted and
 shrink (down to none, with a retry now and then) while they are not, so a workload without repetition
 pays for almost no verification.
@@ -40,6 +42,36 @@ def prompt_lookup(tokens: Sequence[int], k: int, ngram_max: int = 3, ngram_min: 
     return []
 
 
+class NgramIndex:
+    """`prompt_lookup` over a growing token sequence, incrementally: for every n-gram (n in [ngram_min,
+    ngram_max]) that has a token after it, the position of that token at its most recent occurrence."""
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}
+
+    def extend(self, new: Sequence[int]) -> None:
+        """Append `new`: the n-grams ending just before each appended token now have a follower."""
+        toks, nxt = self.tokens, self._next
+        for t in new:
+            pos = len(toks)
+            for n in range(self.ngram_min, min(self.ngram_max, pos) + 1):
+                nxt[tuple(toks[pos - n : pos])] = pos
+            toks.append(t)
+
+    def lookup(self, k: int) -> list[int]:
+        """What `prompt_lookup(self.tokens, k, ngram_max, ngram_min)` returns."""
+        toks = self.tokens
+        if k <= 0 or len(toks) < self.ngram_min + 1:
+            return []
+        for n in range(min(self.ngram_max, len(toks) - 1), self.ngram_min - 1, -1):
+            pos = self._next.get(tuple(toks[len(toks) - n :]))
+            if pos is not None:
+                return toks[pos : pos + k]
+        return []
+
+
 class DraftControl:
     """A request's draft length: starts at `k`, +1 after a fully accepted draft (up to `k_max`), halved
     after a draft with nothing accepted. At 0 it waits `cooldown` steps, then tries 1 again."""
@@ -51,6 +83,20 @@ class DraftControl:
         self._wait = 0
         self.drafted = 0
         self.accepted = 0
+        self._index = NgramIndex()
+        self._seen = 0  # of the request's prompt + output, the tokens already in the index
+
+    def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
+        """Up to `k` drafts for the context `prompt + output` (append-only across calls: a request's
+        prompt never changes and its output only grows), indexing only what is new since the last call."""
+        lp = len(prompt)
+        if self._seen < lp:
+            self._index.extend(prompt[self._seen :])
+            self._seen = lp
+        if self._seen < lp + len(output):
+            self._index.extend(output[self._seen - lp :])
+            self._seen = lp + len(output)
+        return self._index.lookup(k)
 
     def budget(self) -> int:
         """How many drafts to propose this step (0: a plain decode step)."""

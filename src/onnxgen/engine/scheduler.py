@@ -23,7 +23,6 @@ import threading
 from collections import deque
 from typing import NamedTuple, Protocol
 
-from onnxgen.engine.drafts import prompt_lookup
 from onnxgen.engine.request import Request, Status
 
 
@@ -152,7 +151,7 @@ class Scheduler:
             return ()
         room = min(budget - 1, req.max_new_tokens - len(req.output) - 1, req.context_length - req.num_tokens - 1)
         k = min(req.drafts.budget(), room)
-        return tuple(prompt_lookup(req.tokens, k)) if k > 0 else ()
+        return tuple(req.drafts.propose(req.prompt, req.output, k)) if k > 0 else ()
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.pending, budget)
