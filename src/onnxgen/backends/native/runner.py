@@ -10,11 +10,13 @@ program is shared with the batch-1 `NativeDecoder`s of the package (one copy of 
 
 On CUDA, a step of decodes only (one token per sequence) replays a CUDA graph captured for its batch size
 padded up to a bucket (`GRAPH_BATCHES`), and a step that is one sequence's prefill chunk of up to 1024
-tokens replays one captured for its length padded up to a power of two (`PREFILL_GRAPH_TOKENS`: the
+tokens replays one captured for its length padded up to the next size in `PREFILL_GRAPH_TOKENS` (the
 chunk is padded with copies of its last token at the following positions). Every per-step input lives in
-device buffers (token ids, positions, slots, KV lengths, page tables, logits rows: one upload from pinned
-memory, no synchronisation). Padding writes its keys into a scratch page outside the pool; padding rows
-attend to it alone and their logits are dropped. Mixed steps run eagerly. A capture that fails turns
+device buffers (token ids, positions, slots, KV lengths, page tables, each sequence's first row, logits
+rows: one upload from pinned memory, no synchronisation). Padding writes its keys into a scratch page
+outside the pool; padding sequences of a decode step attend to it alone, the padding rows of a prefill
+chunk are past its sequence's last row (the attention kernels skip them: their values are garbage that no
+real row reads), and their logits are dropped. Mixed steps run eagerly. A capture that fails turns
 graphs off for the runner (logged once) and leaves the process usable.
 
 A package can be batched when every KV-bound node is a fused attention op (GroupQueryAttention, or ai.onnx
@@ -53,7 +55,8 @@ PAGE_SIZE = 16
 CPU_KV_BYTES = 2 << 30  # default pool on the CPU: 2 GiB of address space (pages are touched when written)
 GPU_KV_FRACTION = 0.8  # default pool on CUDA: this fraction of the device memory free after the weights
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode steps: sequences, padded up
-PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)  # one sequence's prefill chunk: tokens, padded up
+# one sequence's prefill chunk: tokens, padded up (a turn of 65 tokens replays the 80-token step, not 128)
+PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
 def batchable(program: Program, spec: Any) -> str | None:
@@ -75,7 +78,7 @@ class _Graph:
     batch: int
     tokens: int
     wide: torch.Tensor  # int64 [3 * T + batch]: token ids, positions, slots (T = batch * tokens), logits rows
-    narrow: torch.Tensor  # int32 [batch * (1 + max pages) + 1]: KV lengths, the page table rows, keys per split
+    narrow: torch.Tensor  # int32 [batch * (2 + max pages) + 2]: KV lengths, page table rows, first rows, keys per split
     host_wide: torch.Tensor  # pinned host mirrors of `wide` and `narrow`, filled each step
     host_narrow: torch.Tensor
     uploaded: Any  # a CUDA event recorded after the last upload from the host mirrors
@@ -231,7 +234,9 @@ class NativeRunner:
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
         wide, nar = g.host_wide.numpy(), g.host_narrow.numpy()
         ids, pos, slots, last = wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], wide[3 * t :]
-        lens, table = nar[: g.batch], nar[g.batch : -1].reshape(g.batch, -1)
+        mp = self._max_pages
+        lens, table = nar[: g.batch], nar[g.batch : g.batch * (1 + mp)].reshape(g.batch, mp)
+        qs = nar[g.batch * (1 + mp) : -1]  # each sequence's first row (and the end of the last)
         scratch = self._scratch
         if m == 1:  # decodes: one token per sequence
             starts = [s.start for s in step.seqs]
@@ -239,6 +244,7 @@ class NativeRunner:
             pos[:b] = starts
             slots[:b] = [s.pages[p // P] * P + p % P for s, p in zip(step.seqs, starts, strict=True)]
             last[:] = np.arange(g.batch)
+            qs[:] = np.arange(g.batch + 1)
             lens[:b] = np.asarray(starts) + 1
             for i, s in enumerate(step.seqs):
                 table[i, : starts[i] // P + 1] = s.pages[: starts[i] // P + 1]  # later entries are never read
@@ -253,9 +259,9 @@ class NativeRunner:
             need = (p0 + n - 1) // P + 1
             slots[:n] = np.asarray(s.pages[:need])[where[:n] // P] * P + where[:n] % P
             slots[n:] = scratch * P + where[n:] % P  # the padding's keys go to the scratch page
-            last[0], lens[0] = n - 1, p0 + m
+            last[0], lens[0] = n - 1, p0 + n
+            qs[0], qs[1] = 0, n  # the attention kernels take the n real rows only
             table[0, :need] = s.pages[:need]  # entries past the KV length are never read
-            table[0, need : (p0 + m - 1) // P + 1] = scratch
         splits, block = g.step.split_plan  # keys per split for this step's longest sequence
         per = -(-int(lens[:b].max()) // splits)
         nar[-1] = -(-per // block) * block
@@ -271,11 +277,11 @@ class NativeRunner:
     def _graph_step(self, g: _Graph) -> paged.PagedStep:  # pragma: cuda
         """The attention metadata of a graph's step: views of its device buffers, and host shapes sized for
         any KV length up to the context (so the kernels' split of the keys is fixed at capture)."""
-        bm, m, t = g.batch, g.tokens, g.batch * g.tokens
+        bm, m, t, mp = g.batch, g.tokens, g.batch * g.tokens, self._max_pages
         return paged.PagedStep(
             self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
-            last=g.wide[3 * t :], page_table=g.narrow[bm:-1].view(bm, self._max_pages),
-            q_starts_t=torch.arange(0, t + 1, m, dtype=torch.int32, device=self._dev), seq_lens_t=g.narrow[:bm],
+            last=g.wide[3 * t :], page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
+            q_starts_t=g.narrow[bm * (1 + mp) : -1], seq_lens_t=g.narrow[:bm],
             q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm, split_t=g.narrow[-1:],
         )  # fmt: skip
 
@@ -293,8 +299,9 @@ class NativeRunner:
         failure turn graphs off for this runner and repair what a broken capture leaves behind."""
         t, mp, P = batch * tokens, self._max_pages, self.page_size
         host_wide = torch.zeros(3 * t + batch, dtype=torch.int64).pin_memory()
-        host_narrow = torch.full((batch * (1 + mp) + 1,), self._scratch, dtype=torch.int32).pin_memory()
+        host_narrow = torch.full((batch * (2 + mp) + 2,), self._scratch, dtype=torch.int32).pin_memory()
         host_narrow[-1] = self.spec.context_length  # keys per split until the first step sets it
+        host_narrow[batch * (1 + mp) : -1] = torch.arange(0, t + 1, tokens, dtype=torch.int32)  # first rows
         w = host_wide.numpy()
         w[t : 2 * t] = np.tile(np.arange(tokens), batch)
         w[2 * t : 3 * t] = self._scratch * P + w[t : 2 * t] % P

@@ -64,6 +64,34 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
 GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps); more: dequantize
 
 
+INT4_CONFIGS = ((8, 256, 4), (4, 256, 4), (16, 256, 4), (8, 512, 4), (4, 512, 4), (16, 512, 8), (32, 256, 8))
+"""(rows per program, elements per loop step, warps) tried for each packed int4 GEMV shape."""
+
+
+def _int4_choice(x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> tuple[int, int, int]:
+    """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM) as
+    `int4_linear`'s (block_n, blocks, warps); the first elsewhere."""
+    from onnxgen.backends.native import kernels
+
+    def args(cfg: tuple[int, int, int]) -> tuple[int, int, int]:
+        return cfg[0], max(1, cfg[1] // block), cfg[2]
+
+    key = ("int4", tuple(b.shape), k, n, block, x.dtype, x.device)
+    if key in kernels._CHOICE:
+        return args(kernels._CHOICE[key])
+    if not x.is_cuda:
+        return args(INT4_CONFIGS[0])
+    # pragma: cuda-begin (timing on the GPU)
+    from onnxgen.backends.native.triton_int4 import int4_linear
+
+    x1 = x.reshape(-1, k)[:1]
+    copies = kernels.cold_copies(b, scales)
+    cands = [(cfg, lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *args(cfg)))
+             for cfg in INT4_CONFIGS]  # fmt: skip
+    return args(kernels.fastest(key, cands, len(copies)))
+    # pragma: cuda-end
+
+
 def _int4_linear(node: Node) -> Fn:
     """The lowering's Int4Linear: inputs x, B (packed uint8), scales, zero points ("" if none), bias."""
     k, n = int(node.attr("K")), int(node.attr("N"))
@@ -75,7 +103,7 @@ def _int4_linear(node: Node) -> Fn:
         if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
             from onnxgen.backends.native.triton_int4 import int4_linear
 
-            y = int4_linear(x, b, scales, zp, k, n, block)
+            y = int4_linear(x, b, scales, zp, k, n, block, *_int4_choice(x, b, scales, zp, k, n, block))
         else:
             w = dequant_matmul_nbits(b, scales, zp, k, n, 4, block, torch.float32 if x.device.type == "cpu" else x.dtype)
             y = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
