@@ -136,8 +136,10 @@ def throughput(name: str, model: Any, batches: list[int], prompt: int, gen: int,
             h.result()
         tokens = sum(len(h.request.output) for h in handles) - first
         floor_ms = weight_bytes / bw * 1e3
-        row = {"shape": name, "batch": b, "prefill_s": t1 - t0, "decode_steps": steps, "decode_tokens": tokens,
-               "agg_tok_s": tokens / (t2 - t1), "step_ms": (t2 - t1) / max(steps, 1) * 1e3,
+        # engine steps may each run several decode steps (`decode_steps`): a decode step's time is the
+        # decode time over the tokens each request generated in it
+        row = {"shape": name, "batch": b, "prefill_s": t1 - t0, "engine_steps": steps, "decode_tokens": tokens,
+               "agg_tok_s": tokens / (t2 - t1), "step_ms": (t2 - t1) / max(tokens / b, 1) * 1e3,
                "weights_floor_ms": floor_ms, "stats": model.kv_stats()}  # fmt: skip
         RESULTS["throughput"].append(row)
         log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
