@@ -219,7 +219,7 @@ _CHOICE: dict[tuple[Any, ...], Any] = {}
 COLD_BYTES = 192 << 20  # several times the L2: weights cycled through this many bytes are read from HBM
 
 
-def cold_copies(*ts: torch.Tensor) -> list[Any]:
+def cold_copies(*ts: torch.Tensor) -> list[Any]:  # pragma: cuda
     """Enough copies of the tensors `ts` (the first copy is `ts` themselves) that launches cycling through
     them find none in the L2, as in a decode step, where every weight is read once: a single tensor, or a
     tuple per copy."""

@@ -68,7 +68,7 @@ INT4_CONFIGS = ((8, 256, 4), (4, 256, 4), (16, 256, 4), (8, 512, 4), (4, 512, 4)
 """(rows per program, elements per loop step, warps) tried for each packed int4 GEMV shape."""
 
 
-def _int4_choice(x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> tuple[int, int, int]:
+def _int4_choice(x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> tuple[int, int, int]:  # pragma: cuda
     """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM) as
     `int4_linear`'s (block_n, blocks, warps); the first elsewhere."""
     from onnxgen.backends.native import kernels
@@ -81,7 +81,6 @@ def _int4_choice(x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block: in
         return args(kernels._CHOICE[key])
     if not x.is_cuda:
         return args(INT4_CONFIGS[0])
-    # pragma: cuda-begin (timing on the GPU)
     from onnxgen.backends.native.triton_int4 import int4_linear
 
     x1 = x.reshape(-1, k)[:1]
@@ -89,7 +88,6 @@ def _int4_choice(x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block: in
     cands = [(cfg, lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *args(cfg)))
              for cfg in INT4_CONFIGS]  # fmt: skip
     return args(kernels.fastest(key, cands, len(copies)))
-    # pragma: cuda-end
 
 
 def _int4_linear(node: Node) -> Fn:
