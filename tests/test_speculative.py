@@ -7,11 +7,10 @@ from __future__ import annotations
 import re
 
 import pytest
-
-import onnxgen
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import onnxgen
 from onnxgen.engine.drafts import DraftControl, NgramIndex, prompt_lookup
 from onnxgen.errors import InvalidRequest
 
