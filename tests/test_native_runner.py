@@ -120,7 +120,7 @@ def test_cuda_graph_decode_steps_equal_each_sequence_alone(tmp_path: Path, dtype
 
 @pytest.mark.gpu
 def test_cuda_graph_prefill_chunks_equal_the_cpu_path(tiny_dir: Path) -> None:
-    """One sequence's prefill chunks replayed from graphs padded to a power of two (the padding's keys go to
+    """One sequence's prefill chunks replayed from graphs padded to the next captured size (the padding's keys go to
     the scratch page): each chunk's logits and the decode after them equal the CPU decoder's, and the
     sequence's pages past its length are untouched by the padding."""
     spec = load_spec(tiny_dir)
