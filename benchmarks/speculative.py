@@ -1,6 +1,7 @@
 """Speculative decoding by prompt lookup against plain decoding, same model, same run.
 
     .venv/bin/python benchmarks/speculative.py [MODEL] --backend ort|native|native-paged --runs 5 [--threads 2]
+        [--device cuda]   (CUDA: native only; plain decoding there runs `decode_steps` steps per host round trip)
 
 Workloads (greedy, fresh state each run: `reuse=False`):
 - edit: "repeat this document with one change" (the output mostly copies the prompt);
@@ -46,6 +47,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     path = str(resolve_model_path(args.model))
     backend = args.backend.removesuffix("-paged")  # "native-paged": the paged pool (native's default)
@@ -54,7 +56,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model = onnxgen.load(path, backend=backend, **opts)
+    model = onnxgen.load(path, backend=backend, device=args.device, **opts)
     rows = []
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]
@@ -73,7 +75,7 @@ def main() -> int:
         plain, spec = statistics.median(rate["plain"]), statistics.median(rate["spec"])
         rows.append([name, str(s.generated_tokens), f"{plain:.1f}", f"{spec:.1f}", f"{spec / plain:.2f}x",
                      f"{s.accepted_tokens}/{s.draft_tokens}", "yes" if same else "NO"])  # fmt: skip
-    print(f"\nmodel: {path}; backend {args.backend}; {machine()}; threads {args.threads}; "
+    print(f"\nmodel: {path}; backend {args.backend} on {args.device}; {machine()}; threads {args.threads}; "
           f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens max\n")  # fmt: skip
     print(table(rows, ["workload", "tokens", "plain tok/s", "speculative tok/s", "speedup", "accepted/drafted",
                        "identical"]))  # fmt: skip
