@@ -11,6 +11,25 @@ from collections.abc import Callable
 from typing import Any
 
 
+def copy_bandwidth() -> float:
+    """This GPU's device-to-device copy bandwidth in bytes/s (read + write), median of 10 copies of 2 GiB
+    after 2 warm-up copies: the ceiling a decode step's bytes are measured against."""
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    y = torch.empty_like(x)
+    ts = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * (2 << 30) / statistics.median(ts[2:])
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -40,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _util import copy_bandwidth  # noqa: E402
 
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_batch_out")
 OUT.mkdir(parents=True, exist_ok=True)
@@ -54,22 +55,6 @@ def sync() -> None:
 
 def log(*a: Any) -> None:
     print(" ".join(str(x) for x in a), flush=True)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), median of 10 copies of 2 GiB."""
-    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    y = torch.empty_like(x)
-    ts = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    return 2 * (2 << 30) / statistics.median(ts[2:])
 
 
 def p99(xs: list[float]) -> float:

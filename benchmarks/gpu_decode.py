@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from _util import copy_bandwidth  # noqa: E402
 
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_decode_out")
 OUT.mkdir(parents=True, exist_ok=True)
@@ -60,21 +61,6 @@ def synthetic(name: str) -> Path:
                               rope_theta=sh.rope_theta, tie_embeddings=sh.tie_word_embeddings)  # fmt: skip
         write_package(out, cfg, seed=0)
     return out
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    y = torch.empty_like(x)
-    ts = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    del x, y
-    return 2 * (2 << 30) / statistics.median(ts[2:])
 
 
 def floor_ms(name: str, ctx: int, bw: float) -> float:
