@@ -374,6 +374,52 @@ def test_prefill_never_builds_seq_by_vocab_logits(tiny_spec: Any) -> None:
     assert shapes == [(1, 1, 384)]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_program_equals_one_op_per_node(dtype: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The cross-node fusions (gate/up merged with SiLU: LinearSiluMul; RMSNorm folded into the projection
+    that reads it: RmsLinear) compute what the unfused program computes, prefill and decode rows alike."""
+    from onnxgen.backends.native.lowering import lower
+    from onnxgen.backends.native.ops import RunCtx
+    from onnxgen.kv.buffers import KVBuffers
+
+    pkg = write_package(tmp_path_factory.mktemp("fuse") / dtype, SyntheticConfig(num_layers=2, dtype=dtype))
+    spec = load_spec(pkg)
+    dev = torch.device("cpu")
+    progs = {f: lower(spec.decoder_path, spec, dev, fuse=f) for f in (True, False)}
+    ops = {f: {st.node.op for st in p.steps} for f, p in progs.items()}
+    assert "RmsLinear" in ops[True] and "SiluMul" not in ops[True]  # gate/up + SiLU, with the norm before it
+    assert any(st.node.attrs.get("silu") for st in progs[True].steps if st.node.op == "RmsLinear")
+    assert not {"LinearSiluMul", "RmsLinear"} & ops[False] and "SiluMul" in ops[False]
+    ids = torch.tensor(_prompt(12, spec.vocab_size))
+    out = {}
+    for f, prog in progs.items():
+        kv = KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, torch.float32 if dtype == "float32"
+                       else torch.bfloat16, dev)  # fmt: skip
+        kv.reserve(16)
+        rows = []
+        for start, chunk in ((0, ids[:11]), (11, ids[11:])):  # a prefill chunk, then a one-row decode step
+            env = prog.new_env()
+            env[prog.input_slots[spec.input_ids_name]] = chunk.view(1, -1)
+            n = chunk.numel()
+            rows.append(prog.execute(env, RunCtx(kv, start, n, torch.arange(start, start + n))).float())
+        out[f] = rows
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for a, b in zip(out[True], out[False], strict=True):
+        assert float((a - b).norm() / b.norm()) <= tol
+
+
+def test_silu_mul_halves_writes_over_the_gate_half() -> None:
+    from onnxgen.backends.native import kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        y = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+        g, u = y[..., :8].float().clone(), y[..., 8:].float().clone()
+        got = kernels.silu_mul_halves(y)
+        assert got.shape == (3, 5, 8) and got.data_ptr() == y.data_ptr()  # a view over y's first half
+        want = (torch.nn.functional.silu(g) * u).to(dtype)
+        assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
 # --- GPU ----------------------------------------------------------------------------------------------
 
 

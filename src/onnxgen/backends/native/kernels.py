@@ -136,15 +136,16 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
 
 def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
     """`silu(g) * u` where `y` `[..., 2N]` holds g in its first half and u in its second (a merged
-    gate/up product), float32 inside, rounded once."""
+    gate/up product), float32 inside, rounded once. Written over g in place (callers pass a product nobody
+    else reads): returns the view `y[..., :N]`, so the activation peak is that of the unmerged pair."""
     n = y.shape[-1] // 2
+    g = y[..., :n]
     if not use_triton(y) or not y.is_contiguous():
-        return silu_mul(y[..., :n], y[..., n:])
+        return silu_mul(g, y[..., n:], out=g)
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
-    out = torch.empty((*y.shape[:-1], n), dtype=y.dtype, device=y.device)
-    total = out.numel()
-    _TRITON["silu_halves"][(triton_cdiv(total, 2048),)](y, out, n, total, BLOCK=2048, num_warps=4)
-    return out
+    total = y.numel() // 2
+    _TRITON["silu_halves"][(triton_cdiv(total, 2048),)](y, y, n, total, BLOCK=2048, num_warps=4)
+    return g
     # pragma: cuda-end
 
 

@@ -61,11 +61,11 @@ def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, BLOCK_N: tl.constexpr, BLOCK_
 
 @triton.jit
 def silu_mul_halves_kernel(Y, OUT, N, TOTAL, BLOCK: tl.constexpr):
-    """`OUT[r, c] = silu(Y[r, c]) * Y[r, N + c]` for rows of `2 * N` (a merged gate/up product)."""
+    """`OUT[r, c] = silu(Y[r, c]) * Y[r, N + c]` for rows of `2 * N` (a merged gate/up product); `OUT` has
+    rows of `2 * N` too (it may be `Y`: each element is read, then written, by the same thread)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < TOTAL
-    row = offs // N
-    col = offs % N
-    g = tl.load(Y + row * 2 * N + col, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(Y + row * 2 * N + N + col, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)
+    at = (offs // N) * 2 * N + offs % N
+    g = tl.load(Y + at, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(Y + at + N, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + at, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)
