@@ -141,3 +141,29 @@ def test_cuda_graph_prefill_chunks_equal_the_cpu_path(tiny_dir: Path) -> None:
         assert torch.equal(flat_a[:, :, start + n :], flat_b[:, :, start + n :]), "padding wrote into the pool"
         start += n
     assert gpu.steps["graph"] == 6 and gpu.steps["eager"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_verify_steps_replay_graphs_equal_the_cpu_path(tiny_dir: Path) -> None:
+    """Draft verification (one sequence, a logits row per fed position) replays a verify graph captured on
+    first use: every row equals the CPU decoder's, for draft counts inside and at a graph's size."""
+    spec = load_spec(tiny_dir)
+    gpu = NativeRunner(spec, "cuda", kv_bytes=16 << 20, max_batch=4)
+    cpu = NativeDecoder(spec)
+    toks = _tokens(200, 4, spec.vocab_size)
+    pages = list(range(10, 40))
+    first = toks[:50]
+    gpu.run(BatchStep((SeqChunk(first, 0, pages),)))
+    cpu.forward(first, 0)
+    start = 50
+    graphs_before = gpu.steps["graph"]
+    for n in (3, 4, 7, 16):
+        chunk = toks[start : start + n]
+        got = gpu.run(BatchStep((SeqChunk(chunk, start, pages, n),)))
+        want = cpu.forward(chunk, start, rows=n)
+        assert got.shape[0] == n
+        for i in range(n):
+            assert _rel(got[i].cpu(), want[i]) <= 1e-4, (n, i)
+        start += n
+    assert gpu.steps["graph"] - graphs_before == 4, "every verify step replayed a graph"
+    assert sorted(k for k, g in gpu._verify.items() if g is not None) == [4, 8, 16]

@@ -13,7 +13,10 @@ padded up to a bucket (`GRAPH_BATCHES`), and a step that is one sequence's prefi
 tokens replays one captured for its length padded up to the next size in `PREFILL_GRAPH_TOKENS` (the
 chunk is padded with copies of its last token at the following positions). Every per-step input lives in
 device buffers (token ids, positions, slots, KV lengths, page tables, each sequence's first row, logits
-rows: one upload from pinned memory, no synchronisation). Padding writes its keys into a scratch page
+rows: one upload from pinned memory, no synchronisation). A step that verifies one sequence's draft tokens
+(speculative decoding: logits for every fed position) replays a graph of `VERIFY_GRAPH_TOKENS` positions
+with a logits row per position, captured the first time one is needed; a failed capture of one turns
+only verify graphs off. Padding writes its keys into a scratch page
 outside the pool; padding sequences of a decode step attend to it alone, the padding rows of a prefill
 chunk are past its sequence's last row (the attention kernels skip them: their values are garbage that no
 real row reads), and their logits are dropped. Mixed steps run eagerly. A capture that fails turns
@@ -57,6 +60,7 @@ GPU_KV_FRACTION = 0.8  # default pool on CUDA: this fraction of the device memor
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode steps: sequences, padded up
 # one sequence's prefill chunk: tokens, padded up (a turn of 65 tokens replays the 80-token step, not 128)
 PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1024)
+VERIFY_GRAPH_TOKENS = (4, 8, 16)  # one sequence's last sample + drafts, a logits row per position
 
 
 def batchable(program: Program, spec: Any) -> str | None:
@@ -73,11 +77,13 @@ def batchable(program: Program, spec: Any) -> str | None:
 @dataclass
 class _Graph:
     """A captured step of `batch` sequences of `tokens` positions each (decode: 1; a prefill chunk of one
-    sequence: its padded length) and the device buffers it reads and writes, with pinned host mirrors."""
+    sequence: its padded length) returning `rows` logits rows (decode: one per sequence; prefill: 1; a
+    verify step: one per position), and the device buffers it reads and writes, with pinned host mirrors."""
 
     batch: int
     tokens: int
-    wide: torch.Tensor  # int64 [3 * T + batch]: token ids, positions, slots (T = batch * tokens), logits rows
+    rows: int
+    wide: torch.Tensor  # int64 [3 * T + rows]: token ids, positions, slots (T = batch * tokens), logits rows
     narrow: torch.Tensor  # int32 [batch * (2 + max pages) + 2]: KV lengths, page table rows, first rows, keys per split
     host_wide: torch.Tensor  # pinned host mirrors of `wide` and `narrow`, filled each step
     host_narrow: torch.Tensor
@@ -136,6 +142,7 @@ class NativeRunner:
         self._pos_dtype = input_dtype(spec, spec.position_ids_name, torch.int64)
         self._max_pages = -(-spec.context_length // page_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._verify: dict[int, _Graph | None] = {}  # verify steps by padded length (None: its capture failed)
         self._pool: Any = None
         on = cuda_graphs and self._dev.type == "cuda"
         self._graph_batches = [b for b in GRAPH_BATCHES if b <= max_batch] if on else []
@@ -156,13 +163,14 @@ class NativeRunner:
         return bool(self._graph_batches)
 
     def _graph_for(self, step: BatchStep) -> _Graph | None:
-        """The captured graph that runs `step`: decodes only (batch padded up to a bucket), or one sequence's
-        prefill chunk (padded up to a power of two, whose padding positions stay inside the context)."""
+        """The captured graph that runs `step`: decodes only (batch padded up to a bucket), one sequence's
+        prefill chunk (padded up to a captured size, whose padding positions stay inside the context), or
+        one sequence's draft verification (`_verify_graph`)."""
         if not self._graph_batches:
             return None
         seqs = step.seqs
-        if any(s.logits > 1 for s in seqs):  # draft verification: several rows of one chunk (eager)
-            return None
+        if any(s.logits > 1 for s in seqs):  # draft verification: one sequence's rows from a verify graph
+            return self._verify_graph(step)
         if all(len(s.tokens) == 1 for s in seqs):
             bucket = next((b for b in self._graph_batches if b >= len(seqs)), 0)
             return self._graphs.get((bucket, 1))
@@ -172,6 +180,18 @@ class NativeRunner:
             if m and seqs[0].start + m <= self.spec.context_length:
                 return self._graphs.get((1, m))
         return None
+
+    def _verify_graph(self, step: BatchStep) -> _Graph | None:  # pragma: cuda
+        """The verify graph for a step of one sequence whose every fed position wants logits, captured the
+        first time its size is needed (a failure turns that size off, and nothing else); else None."""
+        (s, *more) = step.seqs
+        n = len(s.tokens)
+        m = next((x for x in VERIFY_GRAPH_TOKENS if x >= n), 0)
+        if more or s.logits != n or not m or s.start + m > self.spec.context_length:
+            return None
+        if m not in self._verify:
+            self._verify[m] = self._capture(1, m, rows=m, disable_on_failure=False)
+        return self._verify[m]
 
     def kv_bytes(self) -> int:
         return self.storage.nbytes()
@@ -259,7 +279,11 @@ class NativeRunner:
             need = (p0 + n - 1) // P + 1
             slots[:n] = np.asarray(s.pages[:need])[where[:n] // P] * P + where[:n] % P
             slots[n:] = scratch * P + where[n:] % P  # the padding's keys go to the scratch page
-            last[0], lens[0] = n - 1, p0 + n
+            lens[0] = p0 + n
+            if g.rows == 1:
+                last[0] = n - 1
+            else:  # a verify step: every real position's row (the padding's rows repeat the last)
+                last[:] = np.minimum(np.arange(g.rows), n - 1)
             qs[0], qs[1] = 0, n  # the attention kernels take the n real rows only
             table[0, :need] = s.pages[:need]  # entries past the KV length are never read
         splits, block = g.step.split_plan  # keys per split for this step's longest sequence
@@ -272,6 +296,8 @@ class NativeRunner:
             g.wide[:b].copy_(ids_t)
         g.graph.replay()
         self.steps["graph"] += 1
+        if g.rows > 1 and m > 1:  # a verify step: every real position's row
+            return g.out.reshape(g.rows, -1)[: len(step.seqs[0].tokens)].float()
         return g.out.reshape(g.batch, -1)[:b].float()
 
     def _graph_step(self, g: _Graph) -> paged.PagedStep:  # pragma: cuda
@@ -294,21 +320,25 @@ class NativeRunner:
         return self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
                                                 static=True))  # fmt: skip
 
-    def _capture(self, batch: int, tokens: int) -> None:  # pragma: cuda
-        """Capture the step of `batch` sequences of `tokens` positions (all padding: harmless to run). On
-        failure turn graphs off for this runner and repair what a broken capture leaves behind."""
+    def _capture(self, batch: int, tokens: int, rows: int | None = None,
+                 disable_on_failure: bool = True) -> _Graph | None:  # fmt: skip  # pragma: cuda
+        """Capture the step of `batch` sequences of `tokens` positions returning `rows` logits rows (default:
+        one per sequence; all padding: harmless to run). On failure repair what a broken capture leaves
+        behind and, with `disable_on_failure`, turn graphs off for this runner; return None. Without it (verify
+        graphs) the graph gets a memory pool of its own, so a failure leaves the other graphs' pool alone."""
         t, mp, P = batch * tokens, self._max_pages, self.page_size
-        host_wide = torch.zeros(3 * t + batch, dtype=torch.int64).pin_memory()
+        rows = batch if rows is None else rows
+        host_wide = torch.zeros(3 * t + rows, dtype=torch.int64).pin_memory()
         host_narrow = torch.full((batch * (2 + mp) + 2,), self._scratch, dtype=torch.int32).pin_memory()
         host_narrow[-1] = self.spec.context_length  # keys per split until the first step sets it
         host_narrow[batch * (1 + mp) : -1] = torch.arange(0, t + 1, tokens, dtype=torch.int32)  # first rows
         w = host_wide.numpy()
         w[t : 2 * t] = np.tile(np.arange(tokens), batch)
         w[2 * t : 3 * t] = self._scratch * P + w[t : 2 * t] % P
-        w[3 * t :] = np.arange(batch) * tokens + tokens - 1
+        w[3 * t :] = np.arange(batch) * tokens + tokens - 1 if rows == batch else np.arange(rows)
         host_narrow.numpy()[:batch] = tokens
-        g = _Graph(batch, tokens, host_wide.to(self._dev), host_narrow.to(self._dev), host_wide, host_narrow,
-                   torch.cuda.Event())  # fmt: skip
+        g = _Graph(batch, tokens, rows, host_wide.to(self._dev), host_narrow.to(self._dev), host_wide,
+                   host_narrow, torch.cuda.Event())  # fmt: skip
         g.uploaded.record()
         try:
             stream = torch.cuda.Stream()
@@ -319,16 +349,21 @@ class NativeRunner:
             torch.cuda.current_stream().wait_stream(stream)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+            pool = self._pool if disable_on_failure else torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 g.out = self._graph_forward(g, ps)
             g.graph, g.step = graph, ps
-            self._graphs[(batch, tokens)] = g
+            if rows == batch:
+                self._graphs[(batch, tokens)] = g
+            return g
         except (NotCapturable, RuntimeError) as exc:
-            log.warning("CUDA graph capture of a %d x %d step failed (%s: %s); steps run eagerly", batch, tokens,
-                        type(exc).__name__, exc)  # fmt: skip
-            self._graph_batches = []
-            self._graph_chunks = []
-            self._graphs.clear()
-            self._pool = None
+            log.warning("CUDA graph capture of a %d x %d step failed (%s: %s); %s run eagerly", batch, tokens,
+                        type(exc).__name__, exc, "steps" if disable_on_failure else "such steps")  # fmt: skip
+            if disable_on_failure:
+                self._graph_batches = []
+                self._graph_chunks = []
+                self._graphs.clear()
+                self._pool = None
             repair_after_failed_capture(self._dev)
+            return None
