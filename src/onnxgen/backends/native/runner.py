@@ -220,7 +220,7 @@ class NativeRunner:
                     seqs = tuple(SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs)
                     sj = BatchStep(seqs)
                     if g is not None:  # pragma: cuda
-                        logits = self._run_graph(g, sj, toks[j - 1] if j else None)
+                        logits = self._run_graph(g, sj, toks[j - 1] if j else None, raw=True)
                     else:
                         logits = self._run_eager(sj, toks[j - 1] if j else None)
                     toks[j] = choose(logits, j)
@@ -247,8 +247,11 @@ class NativeRunner:
 
     # --- CUDA graphs for decode steps --------------------------------------------------------------
 
-    def _run_graph(self, g: _Graph, step: BatchStep, ids_t: torch.Tensor | None = None) -> torch.Tensor:  # pragma: cuda
-        """`ids_t`: a decode step's token ids as a device tensor `[B]` (copied in after the upload)."""
+    def _run_graph(self, g: _Graph, step: BatchStep, ids_t: torch.Tensor | None = None,
+                   raw: bool = False) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+        """`ids_t`: a decode step's token ids as a device tensor `[B]` (copied in after the upload). `raw`: the
+        logits as the graph's output rows in the model's dtype (a view, valid until the next replay; the
+        device choice reads them exactly), not a float32 copy."""
         b, m, P = len(step.seqs), g.tokens, self.page_size
         t = g.batch * m
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
@@ -298,7 +301,8 @@ class NativeRunner:
         self.steps["graph"] += 1
         if g.rows > 1 and m > 1:  # a verify step: every real position's row
             return g.out.reshape(g.rows, -1)[: len(step.seqs[0].tokens)].float()
-        return g.out.reshape(g.batch, -1)[:b].float()
+        rows = g.out.reshape(g.batch, -1)[:b]
+        return rows if raw else rows.float()
 
     def _graph_step(self, g: _Graph) -> paged.PagedStep:  # pragma: cuda
         """The attention metadata of a graph's step: views of its device buffers, and host shapes sized for
