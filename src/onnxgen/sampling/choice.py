@@ -143,6 +143,7 @@ class RowChooser:
 
         self.params = list(params)
         self.greedy = all(p.greedy for p in params)
+        self._ks: Any = None
         if self.greedy:
             return
         dev = device
@@ -168,7 +169,9 @@ class RowChooser:
         x = logits.to(torch.float64) / self.temp[:, None]
         ks = [k if 0 < k < v else v for k in self.top_k]
         if min(ks) < v:
-            kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=dev)[:, None] - 1)
+            if self._ks is None:  # uploaded once for the batch, not at every step of a run
+                self._ks = torch.tensor(ks, device=dev)[:, None] - 1
+            kth = torch.topk(x, max(ks), dim=-1).values.gather(1, self._ks)
             x = torch.where(x < kth, torch.full_like(x, float("-inf")), x)
         probs = torch.softmax(x, dim=-1)
         if self.min_p is not None:
