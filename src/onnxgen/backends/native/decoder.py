@@ -39,10 +39,10 @@ from onnxgen.backends.native.device import (
     device_lock,
     input_dtype,
     kv_dtype,
-    repair_after_failed_capture,
     shared_program,
     torch_device,
 )
+from onnxgen.backends.native.kernels import repair_after_failed_capture
 from onnxgen.backends.native.lowering import Program, describe
 from onnxgen.backends.native.ops import RunCtx
 from onnxgen.errors import (

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 import weakref
 from typing import Any
 
@@ -63,23 +62,6 @@ def device_lock(dev: torch.device) -> Any:
     with _DEVICE_LOCKS_GUARD:
         return _DEVICE_LOCKS.setdefault(key, threading.RLock())
     # pragma: cuda-end
-
-
-def repair_after_failed_capture(dev: torch.device) -> None:  # pragma: cuda
-    """A capture that raised before `capture_end` completed leaves the default CUDA generator in its
-    capture state, and every later random op of the process fails ("Offset increment outside graph
-    capture"). A small successful capture runs the generator's capture prologue and epilogue again,
-    which resets that state; the error of the broken capture itself is not sticky."""
-    try:
-        torch.cuda.synchronize(dev)
-        g = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
-                torch.zeros(1, device=dev).add_(1)
-        del g
-    except Exception as exc:  # pragma: no cover - the device is in a state we cannot mend
-        log.error("could not restore the CUDA state after a failed capture: %s", exc)
 
 
 class Staging:

@@ -22,7 +22,9 @@ in tests) and, when the tensors live on a CUDA device and Triton imports, a Trit
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from onnxgen.backends.native.rotary import rope
 
+_log = logging.getLogger(__name__)
 FORCE_TRITON = os.environ.get("ONNXGEN_FORCE_TRITON") == "1"
 DISABLE_TRITON = os.environ.get("ONNXGEN_NO_TRITON") == "1"
 _TRITON: Any = None
@@ -256,13 +259,17 @@ def fastest(key: tuple[Any, ...], candidates: list[tuple[Any, Any]], copies: int
 
 def _graph_ms(fn: Any, launches: int, copies: int, replays: int = 5) -> float:  # pragma: cuda
     """GPU milliseconds of `launches` calls `fn(i % copies)` captured in one CUDA graph (the mean of
-    `replays` replays after a warm-up replay)."""
+    `replays` replays after a warm-up replay). A failed capture is repaired before its error propagates."""
     fn(0)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for i in range(launches):
-            fn(i % copies)
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for i in range(launches):
+                fn(i % copies)
+    except Exception:
+        repair_after_failed_capture(torch.device("cuda", torch.cuda.current_device()))
+        raise
     graph.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -272,6 +279,23 @@ def _graph_ms(fn: Any, launches: int, copies: int, replays: int = 5) -> float:  
     b.synchronize()
     del graph
     return a.elapsed_time(b) / replays
+
+
+def repair_after_failed_capture(dev: torch.device) -> None:  # pragma: cuda
+    """A capture that raised before `capture_end` completed leaves the default CUDA generator in its
+    capture state, and every later random op of the process fails ("Offset increment outside graph
+    capture"). A small successful capture runs the generator's capture prologue and epilogue again,
+    which resets that state; the error of the broken capture itself is not sticky."""
+    try:
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                torch.zeros(1, device=dev).add_(1)
+        del g
+    except Exception as exc:  # pragma: no cover - the device is in a state we cannot mend
+        _log.error("could not restore the CUDA state after a failed capture: %s", exc)
 
 
 def linear_unfused(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:
