@@ -16,10 +16,10 @@ device buffers (token ids, positions, slots, KV lengths, page tables, each seque
 rows: one upload from pinned memory, no synchronisation). A step that verifies one sequence's draft tokens
 (speculative decoding: logits for every fed position) replays a graph of `VERIFY_GRAPH_TOKENS` positions
 with a logits row per position, captured the first time one is needed; a failed capture of one turns
-only verify graphs off. Padding writes its keys into a scratch page
-outside the pool; padding sequences of a decode step attend to it alone, the padding rows of a prefill
-chunk are past its sequence's last row (the attention kernels skip them: their values are garbage that no
-real row reads), and their logits are dropped. Mixed steps run eagerly. A capture that fails turns
+only verify graphs off. Padding writes its keys into a scratch page outside the pool; padding sequences
+of a decode step attend to it alone, the padding rows of a prefill chunk are past its sequence's last row
+(the attention kernels skip them: their values are garbage that no real row reads), and their logits are
+dropped. Mixed steps run eagerly. A capture that fails turns
 graphs off for the runner (logged once) and leaves the process usable.
 
 A package can be batched when every KV-bound node is a fused attention op (GroupQueryAttention, or ai.onnx
