@@ -209,8 +209,8 @@ def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int
     """The GEMV configuration for this shape, or None for cuBLAS (`fastest`); the first configuration under
     the interpreter."""
     key = ("gemv", tuple(w.shape), w.dtype, silu, x.device)
-    if key in _CHOICE:
-        return _CHOICE[key]
+    if key in CHOICES:
+        return CHOICES[key]
     if not x.is_cuda:
         return GEMV_CONFIGS[0]
     copies = cold_copies(w)
@@ -219,7 +219,7 @@ def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int
     return fastest(key, cands, len(copies))
 
 
-_CHOICE: dict[tuple[Any, ...], Any] = {}
+CHOICES: dict[tuple[Any, ...], Any] = {}  # `fastest`'s decisions, by shape key (read before timing anew)
 COLD_BYTES = 192 << 20  # several times the L2: weights cycled through this many bytes are read from HBM
 
 
@@ -253,7 +253,7 @@ def fastest(key: tuple[Any, ...], candidates: list[tuple[Any, Any]], copies: int
         if best is None or t < best[0]:
             best = (t, cfg)
     assert best is not None
-    _CHOICE[key] = best[1]
+    CHOICES[key] = best[1]
     return best[1]
 
 

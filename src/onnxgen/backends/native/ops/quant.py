@@ -77,8 +77,8 @@ def _int4_choice(x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block: in
         return cfg[0], max(1, cfg[1] // block), cfg[2]
 
     key = ("int4", tuple(b.shape), k, n, block, x.dtype, x.device)
-    if key in kernels._CHOICE:
-        return args(kernels._CHOICE[key])
+    if key in kernels.CHOICES:
+        return args(kernels.CHOICES[key])
     if not x.is_cuda:
         return args(INT4_CONFIGS[0])
     from onnxgen.backends.native.triton_int4 import int4_linear
