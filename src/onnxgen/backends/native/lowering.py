@@ -361,12 +361,18 @@ def _slice_before_lm_head(nodes: list[O.Node], logits: str, consts: dict[str, to
 # --- fusions ------------------------------------------------------------------------------------------
 
 
-def _fuse_silu(nodes: list[O.Node], logits: str) -> list[O.Node]:
-    consumers: dict[str, list[O.Node]] = {}
+def _readers(nodes: list[O.Node]) -> dict[str, list[O.Node]]:
+    """Each value's reading nodes, once per input slot that reads it (a node reading it twice is listed twice)."""
+    readers: dict[str, list[O.Node]] = {}
     for n in nodes:
         for x in n.inputs:
             if x:
-                consumers.setdefault(x, []).append(n)
+                readers.setdefault(x, []).append(n)
+    return readers
+
+
+def _fuse_silu(nodes: list[O.Node], logits: str) -> list[O.Node]:
+    consumers = _readers(nodes)
     drop: set[int] = set()
     produced = {o for n in nodes for o in n.outputs}
     for n in nodes:
@@ -495,11 +501,7 @@ def _merge_gate_up(
     bias, the same layout and dtype, and feed only the SiluMul. The merged weight is built on the device
     (CUDA: the halves are copied there first, so no host copy of the weights is made)."""
     producer = {o: n for n in nodes for o in n.outputs if o}
-    uses: dict[str, int] = {}
-    for n in nodes:
-        for x in n.inputs:
-            if x:
-                uses[x] = uses.get(x, 0) + 1
+    readers = _readers(nodes)
     drop: set[int] = set()
     for m in nodes:
         if m.op != "SiluMul" or m.domain != "onnxgen":
@@ -507,7 +509,7 @@ def _merge_gate_up(
         g, u = (producer.get(x) for x in m.inputs)
         if g is None or u is None or g is u or any(
             p.op != "Linear" or p.domain != "onnxgen" or len(p.inputs) != 2 or p.inputs[1] not in consts
-            or uses.get(p.outputs[0], 0) != 1 for p in (g, u)):  # fmt: skip
+            or len(readers.get(p.outputs[0], ())) != 1 for p in (g, u)):  # fmt: skip
             continue
         t = bool(g.attrs.get("_transposed", 0))
         wg, wu = consts[g.inputs[1]], consts[u.inputs[1]]
@@ -527,11 +529,7 @@ def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> l
     """`(Skip)SimplifiedLayerNormalization` over the last axis (constant weight, no bias) whose normalised
     output only a Linear / LinearSiluMul (no bias) reads -> `RmsLinear(x, skip, weight, W)` in the norm's
     place, with outputs (the product, the norm's residual sum)."""
-    readers: dict[str, list[O.Node]] = {}
-    for n in nodes:
-        for x in n.inputs:
-            if x:
-                readers.setdefault(x, []).append(n)
+    readers = _readers(nodes)
     drop: set[int] = set()
     out: list[O.Node] = []
     for n in nodes:
