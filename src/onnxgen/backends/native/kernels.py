@@ -55,6 +55,26 @@ def use_triton(t: torch.Tensor) -> bool:
     # pragma: cuda-end
 
 
+PDL = os.environ.get("ONNXGEN_PDL", "1") != "0"  # ONNXGEN_PDL=0 turns programmatic dependent launch off
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def launch_options(t: torch.Tensor) -> dict[str, Any]:
+    """The Triton launch options every kernel of this package takes for tensors on `t`'s device: with
+    programmatic dependent launch (Hopper and later; `PDL`) a kernel may start while the previous one on the
+    stream finishes — each kernel waits for it (`triton_kernels.pdl_begin`) before touching anything it
+    wrote, so only the launch latency and the first constant-weight loads overlap. Elsewhere (older GPUs,
+    the interpreter) `PDL=False` compiles the waits out."""
+    if not (PDL and t.is_cuda):
+        return {"PDL": False}
+    # pragma: cuda-begin
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_DEVICES:
+        _PDL_DEVICES[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
+    return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[idx] else {"PDL": False}
+    # pragma: cuda-end
+
+
 def triton_available() -> bool:
     return use_triton(torch.empty(0, device="cuda")) if torch.cuda.is_available() else False
 
@@ -109,7 +129,7 @@ def rms_norm(
     block = max(16, 1 << (n - 1).bit_length())
     tl_k["rms"][(rows,)](
         x, skip if skip is not None else x, w, y, s, n, eps,
-        HAS_SKIP=skip is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+        HAS_SKIP=skip is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4, **launch_options(x),
     )  # fmt: skip
     return y, (s if skip is not None else None)
     # pragma: cuda-end
@@ -132,7 +152,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
         out = torch.empty_like(g)
     n = g.numel()
     block = 2048
-    _TRITON["silu_mul"][(triton_cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4)
+    _TRITON["silu_mul"][(triton_cdiv(n, block),)](g, u, out, n, BLOCK=block, num_warps=4, **launch_options(g))
     return out
     # pragma: cuda-end
 
@@ -147,13 +167,14 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
         return silu_mul(g, y[..., n:], out=g)
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     total = y.numel() // 2
-    _TRITON["silu_halves"][(triton_cdiv(total, 2048),)](y, y, n, total, BLOCK=2048, num_warps=4)
+    _TRITON["silu_halves"][(triton_cdiv(total, 2048),)](y, y, n, total, BLOCK=2048, num_warps=4,
+                                                          **launch_options(y))
     return g
     # pragma: cuda-end
 
 
-GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (32, 128, 8), (2, 512, 4), (4, 1024, 4),
-                (2, 1024, 4), (8, 512, 8))
+GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (2, 512, 4), (4, 512, 4), (1, 1024, 4),
+                (2, 1024, 4), (4, 1024, 4), (1, 2048, 8), (8, 512, 8))
 """(BLOCK_N, BLOCK_K, warps) tried for each one-row product shape; the fastest, or cuBLAS, is kept."""
 
 
@@ -201,6 +222,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     _TRITON["gemv"][(triton_cdiv(n, bn),)](
         x.contiguous(), w, y, k, n, skip if skip is not None else x, nw, s if s is not None else y, eps,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, num_warps=warps,
+        **launch_options(x),
     )  # fmt: skip
     return y
 
@@ -357,11 +379,12 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
         qc, kbuf, vbuf, past, acc, ml, out, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
         float(scale) * _LOG2E, float(softcap), int(window), m, rows, rp, hkv * nsplit * rp, split,
         nsplit, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages, **launch_options(q),
     )  # fmt: skip
     if not direct:
         k_["attn_combine"][(n * m,)](
             acc, ml, out, rows, rp, hkv * nsplit * rp, nsplit, D=d, DP=dp, NSP=_MAX_SPLITS, num_warps=4,
+            **launch_options(q),
         )  # fmt: skip
     return out
     # pragma: cuda-end
@@ -394,7 +417,7 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
     _TRITON["rope_qkv"][(n + 2 * hkv, s)](
         qkv, cos_c, sin_c, positions, slots, qout, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
         cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, s, D=d, HALF=half, DP=max(16, 1 << (d - 1).bit_length()),
-        INTERLEAVED=interleaved, num_warps=1,
+        INTERLEAVED=interleaved, num_warps=1, **launch_options(qkv),
     )  # fmt: skip
     return qout
     # pragma: cuda-end

@@ -138,6 +138,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     splits for about two waves of programs over the longest sequence (host shapes: a captured step sizes
     them for the whole context), each a whole number of key blocks. A captured step reads the keys per
     split from `ps.split_t`, which the runner sets from the step's actual longest sequence."""
+    from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
     kpool, vpool = ps.storage.keys(layer), ps.storage.values(layer)
@@ -171,12 +172,12 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], split_arg, nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2, **kernels.launch_options(q),
     )  # fmt: skip
     if not direct:
         tp.paged_combine_kernel[(w, hkv, block_m)](
             acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m,
-            NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=1,
+            NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=1, **kernels.launch_options(q),
         )  # fmt: skip
     return out
 

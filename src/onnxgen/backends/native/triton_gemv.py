@@ -13,15 +13,45 @@ end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs t
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from onnxgen.backends.native.triton_kernels import pdl_begin
+
+
+@triton.jit
+def _x_tile(X, SKIP, NW, k0, rk, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr):
+    """x[k0 : k0 + BLOCK_K] in float32; with NORM the normalised row, rounded as the separate RMSNorm would
+    write it."""
+    kmask = (k0 + rk) < K
+    x = tl.load(X + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+    if NORM:
+        if HAS_SKIP:
+            x += tl.load(SKIP + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        nw = tl.load(NW + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        x = (x * rstd * nw).to(OUT_TY).to(tl.float32)
+    return x
 
 
 @triton.jit
 def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr):  # fmt: skip
+                SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """With PDL (programmatic dependent launch) the first `[BLOCK_N, BLOCK_K]` tile of the weights, which
+    no kernel writes, is requested before waiting for the previous kernel: the HBM latency of the first
+    loads overlaps the previous kernel's tail."""
     pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
+    wp = W + rn[:, None].to(tl.int64) * K + rk[None, :]
+    up = N.to(tl.int64) * K  # SILU: the up rows start N rows below the gate rows
+    m0 = nmask[:, None] & (rk < K)[None, :]
+    w0 = tl.load(wp, mask=m0, other=0.0, eviction_policy="evict_first")
+    if SILU:
+        u0 = tl.load(wp + up, mask=m0, other=0.0, eviction_policy="evict_first")
+    if PDL:
+        gdc_wait()
     rstd = 1.0
     if NORM:  # RMSNorm of x (+ skip) first: every program reduces the (small) row itself
         ss = tl.zeros([BLOCK_K], tl.float32)
@@ -33,19 +63,13 @@ def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, BLOCK_N: tl.constexpr, BLOCK_
                 tl.store(SUM + k0 + rk, xs.to(SUM.dtype.element_ty), mask=kmask & (pid == 0))
             ss += xs * xs
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
-    wp = W + rn[:, None].to(tl.int64) * K + rk[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    up = N.to(tl.int64) * K  # SILU: the up rows start N rows below the gate rows
-    for k0 in range(0, K, BLOCK_K):
-        kmask = (k0 + rk) < K
-        x = tl.load(X + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-        if NORM:  # the normalised row, rounded as the separate RMSNorm would write it
-            if HAS_SKIP:
-                x += tl.load(SKIP + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-            nw = tl.load(NW + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-            x = (x * rstd * nw).to(Y.dtype.element_ty).to(tl.float32)
-        m2 = nmask[:, None] & kmask[None, :]
+    x = _x_tile(X, SKIP, NW, 0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP)
+    acc = w0.to(tl.float32) * x[None, :]
+    if SILU:
+        acc_u = u0.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x = _x_tile(X, SKIP, NW, k0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP)
+        m2 = nmask[:, None] & ((k0 + rk) < K)[None, :]
         w = tl.load(wp + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
         acc += w * x[None, :]
         if SILU:
@@ -60,9 +84,10 @@ def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, BLOCK_N: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def silu_mul_halves_kernel(Y, OUT, N, TOTAL, BLOCK: tl.constexpr):
+def silu_mul_halves_kernel(Y, OUT, N, TOTAL, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """`OUT[r, c] = silu(Y[r, c]) * Y[r, N + c]` for rows of `2 * N` (a merged gate/up product); `OUT` has
     rows of `2 * N` too (it may be `Y`: each element is read, then written, by the same thread)."""
+    pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < TOTAL
     at = (offs // N) * 2 * N + offs % N

@@ -7,10 +7,23 @@ base 2 (`qk_scale` includes log2(e)) so the softmax uses `exp2`.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
+def pdl_begin(PDL: tl.constexpr):
+    """Programmatic dependent launch (`kernels.launch_options`): let the next kernel on the stream start
+    launching, then wait until the previous kernel has finished and its writes are visible. Every kernel
+    launched with `launch_pdl` calls this (or, as the GEMV, `gdc_wait` after prefetching constant weights)
+    before it reads or writes anything another kernel touches."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
+def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -24,7 +37,8 @@ def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr):
+def silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     g = tl.load(G + offs, mask=m, other=0.0).to(tl.float32)
@@ -88,7 +102,8 @@ def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, s
 @triton.jit(do_not_specialize=["NSPLIT"])  # the split count varies with the KV capacity: one compile
 def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_scale, softcap, window, M, R, RP,
                       ML_STRIDE, SPLIT, NSPLIT, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+                      BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     h = tl.program_id(0)  # KV head
     rb = tl.program_id(1)  # block of rows (query head within the group x token)
     sp = tl.program_id(2)  # split of the keys
@@ -134,7 +149,8 @@ def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_sc
 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr, DP: tl.constexpr,
-                        NSP: tl.constexpr):  # fmt: skip
+                        NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     row = tl.program_id(0)  # global query row: KV head h, row r within it
     h = row // R
     r = row % R
@@ -154,7 +170,8 @@ def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr,
 
 @triton.jit
 def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV, ROW, S,
-              D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+              D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
     t = tl.program_id(1)  # token
     pos = tl.load(POS + t).to(tl.int64)

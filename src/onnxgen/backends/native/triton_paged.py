@@ -11,12 +11,15 @@ sequence's keys, reading them page by page through the page table. Scores are ke
 import triton
 import triton.language as tl
 
+from onnxgen.backends.native.triton_kernels import pdl_begin
+
 
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
 def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, SPLITP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
     sp = tl.program_id(2)  # split of the keys
@@ -89,7 +92,8 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                         DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+                         DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     w = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2)  # row within the work item's block
