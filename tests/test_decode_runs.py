@@ -142,12 +142,45 @@ def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path) -> None:
         pytest.skip("needs CUDA (runs on the GPU host)")
     m = onnxgen.load(str(tiny_dir), backend="native", device="cuda")
     assert m.decode_steps == 8 and m.executor.runner.cuda_graphs
-    for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
-        per = [{"max_new_tokens": n} for n in (13, 30, 7, 22)]
-        ref = batch(m, 1, PROMPTS, per=per, **sampling)
-        spy = Spy(m)
-        got = batch(m, 8, PROMPTS, per=per, **sampling)
-        m.executor.run_decodes = spy._inner
-        same(got, ref)
-        assert spy.runs and max(spy.runs) == 8
+    # runs of 40 steps: longer than a graph's token record (RUN_TOKENS), across page boundaries
+    for steps, lengths, longest in ((8, (13, 30, 7, 22), 8), (40, (45, 60, 38, 50), 37)):
+        for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
+            per = [{"max_new_tokens": n} for n in lengths]
+            ref = batch(m, 1, PROMPTS, per=per, **sampling)
+            spy = Spy(m)
+            got = batch(m, steps, PROMPTS, per=per, **sampling)
+            m.executor.run_decodes = spy._inner
+            same(got, ref)
+            assert spy.runs and max(spy.runs) == longest  # the first run: all 4 decode, 37 to go for one
     m.close()
+
+
+def test_decode_advance_moves_each_live_row_to_its_next_step() -> None:
+    """`kernels.decode_advance` (the tail of a captured decode step; Triton on CUDA, the torch reference
+    elsewhere) against a row-by-row reading of its contract: padding rows untouched, slots through each
+    row's page table, the token recorded at the step counter modulo the record's length."""
+    import torch
+
+    from onnxgen.backends.native import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    b, mp, page, live, kmax = 6, 5, 4, 4, 3
+    g = torch.Generator().manual_seed(0)
+    pos = torch.tensor([0, 3, 7, 18, 2, 9])
+    table = torch.randint(0, 50, (b, mp), generator=g, dtype=torch.int32)
+    wide = torch.cat([torch.randint(0, 99, (4 * b,), generator=g), torch.tensor([4, live])])
+    wide[b : 2 * b] = pos
+    narrow = torch.cat([(pos + 1).to(torch.int32), table.view(-1), torch.tensor([7, 7], dtype=torch.int32)])
+    top = torch.randint(0, 1000, (b,), generator=g)
+    toks = torch.full((kmax, b), -1, dtype=torch.int64)
+    want_w, want_n, want_t = wide.clone(), narrow.clone(), toks.clone()
+    for r in range(live):
+        p = int(pos[r]) + 1
+        want_t[4 % kmax, r] = top[r]
+        want_w[r], want_w[b + r], want_w[2 * b + r] = top[r], p, int(table[r, p // page]) * page + p % page
+        want_n[r] = p + 1
+    want_w[4 * b] = 5
+    args = [t.to(dev) for t in (top, wide, narrow, toks)]
+    kernels.decode_advance(*args, b, mp, page)
+    for got, want in zip(args[1:], (want_w, want_n, want_t), strict=True):
+        assert torch.equal(got.cpu(), want)

@@ -423,6 +423,42 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
     # pragma: cuda-end
 
 
+def decode_advance_ref(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, toks: torch.Tensor,
+                       batch: int, max_pages: int, page: int) -> None:  # fmt: skip
+    """The torch reference of `decode_advance` (tests)."""
+    b = batch
+    cnt, live = int(wide[4 * b]), int(wide[4 * b + 1])
+    toks[cnt % toks.shape[0], :live] = top[:live]
+    wide[:live] = top[:live]
+    pos = wide[b : b + live] + 1
+    wide[b : b + live] = pos
+    table = narrow[b : b * (1 + max_pages)].view(b, max_pages)[:live]
+    pages = table.gather(1, (pos // page).clamp(max=max_pages - 1).view(-1, 1).to(torch.int64)).view(-1)
+    wide[2 * b : 2 * b + live] = pages.to(torch.int64) * page + pos % page
+    narrow[:live] = (pos + 1).to(narrow.dtype)
+    wide[4 * b] = cnt + 1
+
+
+def decode_advance(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, toks: torch.Tensor, batch: int,
+                   max_pages: int, page: int) -> None:  # fmt: skip
+    """The tail of a captured decode step of `batch` rows, so that the next replay is the next decode step
+    with no host work: for each live row r (`wide[4B + 1]` of them) the step's chosen token `top[r]`
+    becomes its next token id and is recorded in `toks[count % len(toks), r]` (`count` = `wide[4B]`,
+    then incremented), its position moves on by one, its slot is looked up in its page-table row and its
+    KV length grows by one. `wide` is the graph's int64 `[ids B, positions B, slots B, rows B, count,
+    live]`, `narrow` its int32 `[lengths B, page table B x max_pages, ...]`. Rows past `live` (padding)
+    are left alone. One launch, on a Triton device; `decode_advance_ref` elsewhere."""
+    if not use_triton(top):
+        decode_advance_ref(top, wide, narrow, toks, batch, max_pages, page)
+        return
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
+    _TRITON["decode_advance"][(1,)](
+        top, wide, narrow, toks, batch, max_pages, toks.shape[0], PAGE=page,
+        BLOCK=max(16, 1 << (batch - 1).bit_length()), num_warps=4, **launch_options(top),
+    )  # fmt: skip
+    # pragma: cuda-end
+
+
 # --- Triton kernels (built on first use) -------------------------------------------------------------
 
 
@@ -435,4 +471,4 @@ def _build() -> None:  # pragma: cuda (Triton only)
 
     _TRITON = {"rms": tk.rms_kernel, "silu_mul": tk.silu_mul_kernel, "attn_split": tk.attn_split_kernel,
                "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel, "gemv": tg.gemv_kernel,
-               "silu_halves": tg.silu_mul_halves_kernel}  # fmt: skip
+               "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel}  # fmt: skip

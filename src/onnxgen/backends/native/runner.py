@@ -46,7 +46,7 @@ from onnxgen.backends.native.device import (
     shared_program,
     torch_device,
 )
-from onnxgen.backends.native.kernels import repair_after_failed_capture
+from onnxgen.backends.native.kernels import decode_advance, repair_after_failed_capture
 from onnxgen.backends.native.lowering import Program
 from onnxgen.backends.native.ops import RunCtx
 from onnxgen.errors import BackendUnavailable, DeviceOutOfMemory, NotCapturable
@@ -61,6 +61,7 @@ GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode st
 # one sequence's prefill chunk: tokens, padded up (a turn of 65 tokens replays the 80-token step, not 128)
 PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1024)
 VERIFY_GRAPH_TOKENS = (4, 8, 16)  # one sequence's last sample + drafts, a logits row per position
+RUN_TOKENS = 32  # a decode graph records the chosen tokens of this many consecutive replays
 
 
 def batchable(program: Program, spec: Any) -> str | None:
@@ -83,7 +84,8 @@ class _Graph:
     batch: int
     tokens: int
     rows: int
-    wide: torch.Tensor  # int64 [3 * T + rows]: token ids, positions, slots (T = batch * tokens), logits rows
+    wide: torch.Tensor  # int64 [3 * T + rows + 2]: token ids, positions, slots (T = batch * tokens), logits
+    #                      rows, then (decode graphs) replays since the run began and live rows
     narrow: torch.Tensor  # int32 [batch * (2 + max pages) + 2]: KV lengths, page table rows, first rows, keys per split
     host_wide: torch.Tensor  # pinned host mirrors of `wide` and `narrow`, filled each step
     host_narrow: torch.Tensor
@@ -91,6 +93,7 @@ class _Graph:
     graph: Any = None
     out: Any = None  # the program's logits output [1, batch, vocab]
     step: Any = None  # the step's attention metadata (NOTE: the graph reads its tensors: keep them alive)
+    toks: Any = None  # decode graphs: [RUN_TOKENS, batch] int64, each replay's greedy tokens (`decode_advance`)
 
 
 class NativeRunner:
@@ -207,26 +210,48 @@ class NativeRunner:
                                     "token(s)") from exc  # fmt: skip
 
     def run_decodes(self, step: BatchStep, k: int, choose: Any) -> torch.Tensor:
-        """`BatchRunner.run_decodes`: on CUDA with graphs, each step's inputs are filled and uploaded while
-        the previous step runs, and its token ids are copied on the device from the previous step's
-        choice, so the host never waits for a token; elsewhere, `k` eager steps."""
+        """`BatchRunner.run_decodes`: on CUDA with graphs, `_graph_decodes`; elsewhere `k` eager steps, each
+        fed the previous step's choice on the device."""
         b = len(step.seqs)
-        toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
         try:
             with self.device_lock:
                 bucket = next((x for x in self._graph_batches if x >= b), 0)
                 g = self._graphs.get((bucket, 1))
+                if g is not None:  # pragma: cuda
+                    return self._graph_decodes(g, step, k, choose)
+                toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
                 for j in range(k):
                     seqs = tuple(SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs)
-                    sj = BatchStep(seqs)
-                    if g is not None:  # pragma: cuda
-                        logits = self._run_graph(g, sj, toks[j - 1] if j else None, raw=True)
-                    else:
-                        logits = self._run_eager(sj, toks[j - 1] if j else None)
+                    logits = self._run_eager(BatchStep(seqs), toks[j - 1] if j else None)
                     toks[j] = choose(logits, j)
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(f"the device ran out of memory running {k} decode steps of {b} "
                                     "sequence(s)") from exc  # fmt: skip
+        return toks
+
+    def _graph_decodes(self, g: _Graph, step: BatchStep, k: int, choose: Any) -> torch.Tensor:  # pragma: cuda
+        """`k` decode steps as `k` replays of the decode graph: the first uploads the inputs (page tables for
+        the whole run); each replay then chooses its greedy tokens and advances the inputs to the next step
+        on the device (`_graph_body`), so the host only enqueues replays. Greedy rows take the tokens the
+        graph recorded (read every `RUN_TOKENS` steps); otherwise `choose` picks each step's tokens from
+        the logits rows, which replace the greedy ids before the next replay."""
+        b = len(step.seqs)
+        toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
+        greedy = bool(getattr(choose, "greedy", False))
+        rows = g.out.reshape(g.batch, -1)[:b]
+        for j in range(k):
+            if j == 0:
+                self._run_graph(g, step, raw=True, run=k)
+            else:
+                g.graph.replay()
+                self.steps["graph"] += 1
+            if not greedy:
+                toks[j] = choose(rows, j)
+                if j < k - 1:
+                    g.wide[:b].copy_(toks[j])
+            elif (j + 1) % RUN_TOKENS == 0 or j == k - 1:
+                j0 = j - j % RUN_TOKENS
+                toks[j0 : j + 1] = g.toks[: j + 1 - j0, :b]
         return toks
 
     # --- eager -------------------------------------------------------------------------------------
@@ -248,15 +273,17 @@ class NativeRunner:
     # --- CUDA graphs for decode steps --------------------------------------------------------------
 
     def _run_graph(self, g: _Graph, step: BatchStep, ids_t: torch.Tensor | None = None,
-                   raw: bool = False) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+                   raw: bool = False, run: int = 0) -> torch.Tensor:  # fmt: skip  # pragma: cuda
         """`ids_t`: a decode step's token ids as a device tensor `[B]` (copied in after the upload). `raw`: the
         logits as the graph's output rows in the model's dtype (a view, valid until the next replay; the
-        device choice reads them exactly), not a float32 copy."""
+        device choice reads them exactly), not a float32 copy. `run`: the first of `run` decode steps whose
+        later replays advance their inputs on the device (`_graph_decodes`): the page tables and the split
+        of the keys are uploaded for the run's last step, the sequences are marked live."""
         b, m, P = len(step.seqs), g.tokens, self.page_size
         t = g.batch * m
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
         wide, nar = g.host_wide.numpy(), g.host_narrow.numpy()
-        ids, pos, slots, last = wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], wide[3 * t :]
+        ids, pos, slots, last = wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], wide[3 * t : 3 * t + g.rows]
         mp = self._max_pages
         lens, table = nar[: g.batch], nar[g.batch : g.batch * (1 + mp)].reshape(g.batch, mp)
         qs = nar[g.batch * (1 + mp) : -1]  # each sequence's first row (and the end of the last)
@@ -269,8 +296,8 @@ class NativeRunner:
             last[:] = np.arange(g.batch)
             qs[:] = np.arange(g.batch + 1)
             lens[:b] = np.asarray(starts) + 1
-            for i, s in enumerate(step.seqs):
-                table[i, : starts[i] // P + 1] = s.pages[: starts[i] // P + 1]  # later entries are never read
+            for i, s in enumerate(step.seqs):  # entries past the run's last position are never read
+                table[i, : (starts[i] + max(run, 1) - 1) // P + 1] = s.pages[: (starts[i] + max(run, 1) - 1) // P + 1]
             # padding rows: one position on the scratch page, attending to it alone
             ids[b:], pos[b:], slots[b:], lens[b:], table[b:, 0] = 0, 0, scratch * P, 1, scratch
         else:  # one sequence's prefill chunk, padded with copies of its last token at the next positions
@@ -289,9 +316,10 @@ class NativeRunner:
                 last[:] = np.minimum(np.arange(g.rows), n - 1)
             qs[0], qs[1] = 0, n  # the attention kernels take the n real rows only
             table[0, :need] = s.pages[:need]  # entries past the KV length are never read
-        splits, block = g.step.split_plan  # keys per split for this step's longest sequence
-        per = -(-int(lens[:b].max()) // splits)
+        splits, block = g.step.split_plan  # keys per split for this step's (or run's) longest sequence
+        per = -(-(int(lens[:b].max()) + max(run, 1) - 1) // splits)
         nar[-1] = -(-per // block) * block
+        wide[-2:] = 0, (b if run else 0)  # replays since the run began; live rows (`decode_advance`)
         g.wide.copy_(g.host_wide, non_blocking=True)
         g.narrow.copy_(g.host_narrow, non_blocking=True)
         g.uploaded.record()
@@ -310,7 +338,7 @@ class NativeRunner:
         bm, m, t, mp = g.batch, g.tokens, g.batch * g.tokens, self._max_pages
         return paged.PagedStep(
             self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
-            last=g.wide[3 * t :], page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
+            last=g.wide[3 * t : 3 * t + g.rows], page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
             q_starts_t=g.narrow[bm * (1 + mp) : -1], seq_lens_t=g.narrow[:bm],
             q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm, split_t=g.narrow[-1:],
         )  # fmt: skip
@@ -324,6 +352,16 @@ class NativeRunner:
         return self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
                                                 static=True))  # fmt: skip
 
+    def _graph_body(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
+        """What a graph runs: the forward step; a decode step then chooses each row's greedy token and
+        advances its own inputs to the next decode step (`kernels.decode_advance`; with no live rows, the
+        host fills every input before each replay, only a counter moves)."""
+        out = self._graph_forward(g, ps)
+        if g.toks is not None:
+            top = out.reshape(g.batch, -1).argmax(-1)
+            decode_advance(top, g.wide, g.narrow, g.toks, g.batch, self._max_pages, self.page_size)
+        return out
+
     def _capture(self, batch: int, tokens: int, rows: int | None = None,
                  disable_on_failure: bool = True) -> _Graph | None:  # fmt: skip  # pragma: cuda
         """Capture the step of `batch` sequences of `tokens` positions returning `rows` logits rows (default:
@@ -332,31 +370,33 @@ class NativeRunner:
         graphs) the graph gets a memory pool of its own, so a failure leaves the other graphs' pool alone."""
         t, mp, P = batch * tokens, self._max_pages, self.page_size
         rows = batch if rows is None else rows
-        host_wide = torch.zeros(3 * t + rows, dtype=torch.int64).pin_memory()
+        host_wide = torch.zeros(3 * t + rows + 2, dtype=torch.int64).pin_memory()
         host_narrow = torch.full((batch * (2 + mp) + 2,), self._scratch, dtype=torch.int32).pin_memory()
         host_narrow[-1] = self.spec.context_length  # keys per split until the first step sets it
         host_narrow[batch * (1 + mp) : -1] = torch.arange(0, t + 1, tokens, dtype=torch.int32)  # first rows
         w = host_wide.numpy()
         w[t : 2 * t] = np.tile(np.arange(tokens), batch)
         w[2 * t : 3 * t] = self._scratch * P + w[t : 2 * t] % P
-        w[3 * t :] = np.arange(batch) * tokens + tokens - 1 if rows == batch else np.arange(rows)
+        w[3 * t : 3 * t + rows] = np.arange(batch) * tokens + tokens - 1 if rows == batch else np.arange(rows)
         host_narrow.numpy()[:batch] = tokens
         g = _Graph(batch, tokens, rows, host_wide.to(self._dev), host_narrow.to(self._dev), host_wide,
                    host_narrow, torch.cuda.Event())  # fmt: skip
         g.uploaded.record()
+        if tokens == 1 and rows == batch:  # a decode step: its replays can follow each other (`run_decodes`)
+            g.toks = torch.zeros((RUN_TOKENS, batch), dtype=torch.int64, device=self._dev)
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             ps = self._graph_step(g)
             with torch.cuda.stream(stream):  # compile and settle the allocator (and the step's work lists)
-                self._graph_forward(g, ps)
+                self._graph_body(g, ps)
             torch.cuda.current_stream().wait_stream(stream)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             pool = self._pool if disable_on_failure else torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                g.out = self._graph_forward(g, ps)
+                g.out = self._graph_body(g, ps)
             g.graph, g.step = graph, ps
             if rows == batch:
                 self._graphs[(batch, tokens)] = g

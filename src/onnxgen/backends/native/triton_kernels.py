@@ -198,3 +198,25 @@ def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sk_h, sk_s, sv_h, sv_s
     tl.store(KB + kh * sk_h + slot * sk_s + j, o, mask=mj & (hh >= N) & (hh < N + HKV))
     vh = tl.minimum(tl.maximum(hh - N - HKV, 0), HKV - 1).to(tl.int64)
     tl.store(VB + vh * sv_h + slot * sv_s + j, o, mask=mj & (hh >= N + HKV))
+
+
+@triton.jit
+def decode_advance_kernel(TOP, WIDE, NARROW, TOKS, B, MP, KMAX, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):  # fmt: skip
+    """`kernels.decode_advance`: one program over the rows of a captured decode step."""
+    pdl_begin(PDL)
+    r = tl.arange(0, BLOCK)
+    ctl = WIDE + 4 * B  # [count of steps run, live rows]
+    cnt = tl.load(ctl)
+    live = tl.load(ctl + 1)
+    m = r < live
+    tok = tl.load(TOP + r, mask=m, other=0)
+    tl.store(TOKS + (cnt % KMAX) * B + r, tok, mask=m)
+    tl.store(WIDE + r, tok, mask=m)
+    pos = tl.load(WIDE + B + r, mask=m, other=0) + 1
+    tl.store(WIDE + B + r, pos, mask=m)
+    pidx = tl.minimum(pos // PAGE, MP - 1)
+    page = tl.load(NARROW + B + r * MP + pidx, mask=m, other=0).to(tl.int64)
+    tl.store(WIDE + 2 * B + r, page * PAGE + pos % PAGE, mask=m)
+    tl.store(NARROW + r, (pos + 1).to(tl.int32), mask=m)
+    tl.store(ctl + r, cnt + 1, mask=r == 0)
