@@ -197,18 +197,36 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch
 def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
                silu_halves: bool = False) -> tuple[torch.Tensor, Any]:  # fmt: skip
     """`linear(rms_norm(x, skip, nw, eps)[0], w, silu_halves)` and the residual sum `x + skip` (None without
-    skip): a one-row product where `linear` would run the GEMV normalises inside it (no norm launch)."""
+    skip). A one-row product on a Triton device normalises inside the GEMV (no norm launch) where that
+    measured faster, for this shape, than the norm kernel followed by `linear`: every GEMV program reduces
+    the row itself, which costs more than the saved launch when programs are many (one row each)."""
     rows = x.numel() // x.shape[-1]
     if (rows == 1 and use_triton(x) and x.dtype == w.dtype and w.is_contiguous() and x.is_contiguous()
             and (skip is None or (skip.is_contiguous() and skip.shape == x.shape))):  # fmt: skip
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        cfg = _gemv_choice(x, w, silu_halves)
+        cfg = _rms_gemv_choice(x, skip, nw, eps, w, silu_halves)
         if cfg is not None:
             s = torch.empty_like(x) if skip is not None else None
             return _gemv(x, w, silu_halves, cfg, (skip, nw, eps, s)), s
         # pragma: cuda-end
     h, s = rms_norm(x, skip, nw, eps)
     return linear(h, w, silu_halves), s
+
+
+def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
+                     silu: bool) -> tuple[int, int, int] | None:  # fmt: skip  # pragma: cuda
+    """The GEMV configuration that normalises inside for this shape, or None for the norm kernel followed
+    by `linear` (`fastest`, the norm's cost included); the first configuration under the interpreter."""
+    key = ("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, x.device)
+    if key in CHOICES:
+        return CHOICES[key]
+    if not x.is_cuda:
+        return GEMV_CONFIGS[0]
+    copies = cold_copies(w)
+    s = torch.empty_like(x) if skip is not None else None
+    cands: list[tuple[Any, Any]] = [(None, lambda i: linear(rms_norm(x, skip, nw, eps)[0], copies[i], silu))]
+    cands += [(cfg, lambda i, cfg=cfg: _gemv(x, copies[i], silu, cfg, (skip, nw, eps, s))) for cfg in GEMV_CONFIGS]
+    return fastest(key, cands, len(copies))
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
