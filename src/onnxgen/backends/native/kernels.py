@@ -70,7 +70,9 @@ def launch_options(t: torch.Tensor) -> dict[str, Any]:
     # pragma: cuda-begin
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_DEVICES:
-        _PDL_DEVICES[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
+        from onnxgen.backends.native import triton_kernels
+
+        _PDL_DEVICES[idx] = triton_kernels.HAS_PDL and torch.cuda.get_device_capability(idx) >= (9, 0)
     return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[idx] else {"PDL": False}
     # pragma: cuda-end
 

@@ -13,9 +13,8 @@ end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs t
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from onnxgen.backends.native.triton_kernels import pdl_begin
+from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait, pdl_begin
 
 
 @triton.jit

@@ -7,7 +7,14 @@ base 2 (`qk_scale` includes log2(e)) so the softmax uses `exp2`.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # programmatic dependent launch (Triton >= 3.3); without it `kernels.launch_options` keeps PDL off
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except ImportError:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
+    HAS_PDL = False
 
 
 @triton.jit
