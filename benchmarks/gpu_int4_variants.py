@@ -1,0 +1,244 @@
+"""Micro-benchmark (issue 13): packed int4 GEMV designs on the 8B shapes (block 32, symmetric), 8 layers of
+distinct weights per shape in one CUDA graph: v1 is `triton_int4` (per-block dot products, scaled once per
+block), v2 dequantizes with the exponent trick (nibble | 0x4B000000 as float) and gathers the scale per
+element, v3 the same trick on a [rows, blocks, bytes] tile with one scale product per block. Each prints
+its error against the dequantized product, the best tile per shape, and the whole chain's bandwidth.
+
+    PYTHONPATH=src python3 benchmarks/gpu_int4_variants.py
+"""
+
+# ruff: noqa: B023  (each lambda is timed within the iteration that made it)
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from onnxgen.backends.native.ops.quant import dequant_matmul_nbits
+from onnxgen.backends.native.triton_int4 import int4_linear
+
+
+@triton.jit
+def v3(
+    X, B, S, Y, K, N, NB, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NBLK: tl.constexpr, PDL: tl.constexpr
+):
+    """3D tile [BLOCK_N, NBLK, HB]: per-block sums then one scale multiply per block; magic-number nibbles."""
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    HB: tl.constexpr = BLOCK // 2
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    jb = tl.arange(0, NBLK)
+    hb = tl.arange(0, HB)
+    row_bytes = NB * HB
+    bp = B + rn[:, None, None].to(tl.int64) * row_bytes + jb[None, :, None] * HB + hb[None, None, :]
+    sp = S + rn[:, None].to(tl.int64) * NB + jb[None, :]
+    m3 = nmask[:, None, None] & (jb < NB)[None, :, None]
+    byte = tl.load(bp, mask=m3, other=0, eviction_policy="evict_first")
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros([BLOCK_N, NBLK], tl.float32)
+    for b0 in range(0, NB, NBLK):
+        if b0 > 0:
+            m3 = nmask[:, None, None] & ((b0 + jb) < NB)[None, :, None]
+            byte = tl.load(bp + b0 * HB, mask=m3, other=0, eviction_policy="evict_first")
+        kk = (b0 + jb)[:, None] * BLOCK + 2 * hb[None, :]
+        xe = tl.load(X + kk, mask=kk < K, other=0.0).to(tl.float32)
+        xo = tl.load(X + kk + 1, mask=kk + 1 < K, other=0.0).to(tl.float32)
+        b32 = byte.to(tl.int32)
+        lo = ((b32 & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        hi = (((b32 >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        t = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], 2)
+        s = tl.load(sp + b0, mask=nmask[:, None] & ((b0 + jb) < NB)[None, :], other=0.0).to(tl.float32)
+        acc += s * t
+    tl.store(Y + rn, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def v2(
+    X, B, S, Y, K, N, NB, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BYTES: tl.constexpr, PDL: tl.constexpr
+):
+    """2D tile [BLOCK_N, BYTES] with the scale gathered per element; magic-number nibbles."""
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    HB: tl.constexpr = BLOCK // 2
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rb = tl.arange(0, BYTES)
+    row_bytes = NB * HB
+    bp = B + rn[:, None].to(tl.int64) * row_bytes + rb[None, :]
+    byte = tl.load(
+        bp, mask=nmask[:, None] & (rb < row_bytes)[None, :], other=0, eviction_policy="evict_first"
+    )
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros([BLOCK_N, BYTES], tl.float32)
+    for i0 in range(0, row_bytes, BYTES):
+        bi = i0 + rb
+        bm = bi < row_bytes
+        if i0 > 0:
+            byte = tl.load(bp + i0, mask=nmask[:, None] & bm[None, :], other=0, eviction_policy="evict_first")
+        xe = tl.load(X + 2 * bi, mask=2 * bi < K, other=0.0).to(tl.float32)
+        xo = tl.load(X + 2 * bi + 1, mask=2 * bi + 1 < K, other=0.0).to(tl.float32)
+        b32 = byte.to(tl.int32)
+        lo = ((b32 & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        hi = (((b32 >> 4) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        s = tl.load(
+            S + rn[:, None].to(tl.int64) * NB + (bi // HB)[None, :],
+            mask=nmask[:, None] & bm[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += s * (lo * xe[None, :] + hi * xo[None, :])
+    tl.store(Y + rn, tl.sum(acc, 1).to(Y.dtype.element_ty), mask=nmask)
+
+
+def make(n, k, block=32):
+    nb = k // block
+    b = torch.randint(0, 256, (n, nb, block // 2), dtype=torch.uint8, device="cuda")
+    s = (torch.rand(n * nb, device="cuda") * 0.02).to(torch.bfloat16)
+    return b, s
+
+
+def graph_ms(fns, reps=10):
+    for f in fns[:3]:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    a, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    ts = []
+    for _ in range(reps):
+        a.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        ts.append(a.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def main():
+    torch.manual_seed(0)
+    shapes = [(6144, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+    layers = 8
+    ws = [[make(n, k) for n, k in shapes] for _ in range(layers)]
+    nbytes = sum(b.numel() + s.numel() * 2 for li in ws for b, s in li)
+    x = {k: torch.randn(1, k, device="cuda", dtype=torch.bfloat16) for k in (4096, 14336)}
+    ys = {n: torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for n in (4096, 6144, 14336)}
+    # correctness on one shape
+    b, s = ws[0][4]
+    ref = x[14336].float() @ dequant_matmul_nbits(b, s, None, 14336, 4096, 4, 32, torch.float32).T
+
+    def run_v3(cfg, pdl, b, s, n, k):
+        bn, nblk, nw = cfg
+        v3[(triton.cdiv(n, bn),)](
+            x[k],
+            b,
+            s,
+            ys[n],
+            k,
+            n,
+            k // 32,
+            BLOCK=32,
+            BLOCK_N=bn,
+            NBLK=nblk,
+            PDL=pdl,
+            num_warps=nw,
+            **({"launch_pdl": True} if pdl else {}),
+        )
+
+    def run_v2(cfg, pdl, b, s, n, k):
+        bn, by, nw = cfg
+        v2[(triton.cdiv(n, bn),)](
+            x[k],
+            b,
+            s,
+            ys[n],
+            k,
+            n,
+            k // 32,
+            BLOCK=32,
+            BLOCK_N=bn,
+            BYTES=by,
+            PDL=pdl,
+            num_warps=nw,
+            **({"launch_pdl": True} if pdl else {}),
+        )
+
+    def run_v1(cfg, pdl, b, s, n, k):
+        bn, blocks, nw = cfg
+        ys[n].copy_(int4_linear(x[k], b, s, None, k, n, 32, bn, blocks, nw))
+
+    variants = {
+        "v1": (run_v1, [(8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4)]),
+        "v2": (
+            run_v2,
+            [(4, 256, 4), (8, 256, 4), (2, 512, 4), (4, 512, 4), (8, 128, 4), (1, 1024, 4), (2, 1024, 8)],
+        ),
+        "v3": (
+            run_v3,
+            [(4, 16, 4), (8, 16, 4), (2, 32, 4), (4, 32, 4), (8, 8, 4), (1, 64, 4), (2, 64, 8), (16, 8, 4)],
+        ),
+    }
+    for name, (fn, cfgs) in variants.items():
+        fn(cfgs[0], False, b, s, 4096, 14336)
+        err = float((ys[4096].float() - ref).norm() / ref.norm())
+        print(name, "rel err", f"{err:.2e}", flush=True)
+    for name, (fn, cfgs) in variants.items():
+        for pdl in (False, True) if name != "v1" else (False,):
+            best = {}
+            for _si, (n, k) in enumerate(shapes[:3] + shapes[4:]):
+                res = []
+                for cfg in cfgs:
+                    try:
+                        ms = graph_ms(
+                            [
+                                lambda li=li, cfg=cfg: fn(
+                                    cfg, pdl, *[w for w in ws[li][shapes.index((n, k))]], n, k
+                                )
+                                for li in range(layers)
+                            ]
+                        )
+                    except Exception as e:
+                        print(name, cfg, "failed", str(e)[:100])
+                        continue
+                    res.append((ms, cfg))
+                best[(n, k)] = min(res)
+                bytes_ = ws[0][shapes.index((n, k))][0].numel() * layers
+                print(
+                    name,
+                    pdl,
+                    (n, k),
+                    "best",
+                    best[(n, k)][1],
+                    f"{best[(n, k)][0]:.4f} ms  {bytes_ / best[(n, k)][0] / 1e9:.2f} TB/s",
+                    flush=True,
+                )
+            chain = [
+                lambda li=li, i=i: fn(best[shapes[i]][1], pdl, *ws[li][i], *shapes[i])
+                for li in range(layers)
+                for i in range(5)
+            ]
+            ms = graph_ms(chain)
+            print(
+                f"CHAIN {name} pdl={pdl}: {ms:.4f} ms for {layers} layers, {nbytes / ms / 1e9:.2f} TB/s",
+                flush=True,
+            )
+    # bf16 reference for the same chain (cuBLAS)
+    wd = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n, k in shapes] for _ in range(layers)]
+    chain = [
+        lambda li=li, i=i: torch.nn.functional.linear(x[shapes[i][1]], wd[li][i])
+        for li in range(layers)
+        for i in range(5)
+    ]
+    print(f"CHAIN bf16 cublas: {graph_ms(chain):.4f} ms")
+
+
+if __name__ == "__main__":
+    main()
