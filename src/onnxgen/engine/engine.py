@@ -138,9 +138,9 @@ class Engine:
         self.paged = self.executor.paged
         self.decode_steps = decode_steps or (8 if cuda and self.paged else 1)
         # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
-        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA until measured there (one sequence's
-        # verify steps replay graphs captured on first use; batched ones run eagerly, and plain decoding
-        # there runs `decode_steps` steps per host round trip)
+        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA, where it was measured slower or
+        # equal except on highly repetitive output and, in bf16, not token-identical to plain greedy (the
+        # verify rows round differently from the one-row decode kernels: docs/benchmarks/speculative-gpu.md)
         self.speculative: str | bool = "prompt_lookup" if self.device == "cpu" else False
         if self.paged:
             running = paged_running
