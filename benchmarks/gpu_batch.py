@@ -223,7 +223,22 @@ def growing(name: str, model: Any, start: int, end: int, step: int) -> None:
                "prefill_graph_ms": _last_prefill_graph_ms(model, step + 1)}  # fmt: skip
     RESULTS.setdefault("growing", []).append(summary)
     log(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
+    if DEV == "cuda" and len(ctx) + step + 2 <= model.spec.context_length:
+        _profile_turn(s, ctx + prompts(1, step, len(ctx))[0])
     s.close()
+
+
+def _profile_turn(session: Any, ctx: list[int]) -> None:
+    """One more turn (1 token) under torch.profiler: the host's ops by self time and the GPU's kernels, and
+    a Chrome trace in $OUT (where a turn's TTFT goes between the host and the prefill graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        r = session.generate(ctx, max_new_tokens=1, temperature=0)
+    prof.export_chrome_trace(str(OUT / "growing_turn_trace.json"))
+    log(f"profiled turn: TTFT {r.stats.ttft_s * 1e3:.2f} ms (profiler on)")
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    log(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
 
 
 def main() -> int:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The standard run on the offline GPU host, one section after another, each under a time limit, tables last.
+#
+#   bash benchmarks/gpu_session.sh tests decode batch int4     (any subset, in that order of arguments)
+#
+# Expects (carried beside the tree, git-ignored): .whl/ with onnxruntime-genai's cp312 wheel (the builder
+# makes the packages) and .carry/tok/ with SmolLM2's tokenizer files. Sections:
+#   tests   the GPU tests (kernels, runner, decode runs, paged attention, backend, concurrency, bf16 parity)
+#   decode  batch-1 decode of the 0.5B, 1B and 8B shapes against the floor and transformers (gpu_decode.py)
+#   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
+#           beside the serial engine (gpu_batch.py)
+#   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
+# Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
+set -u
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:src ONNXGEN_TEST_TOKENIZER=$PWD/.carry/tok PYTHONUNBUFFERED=1
+quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|_warn_once"; }
+for section in "$@"; do
+  echo "== $section (t=$(( $(date +%s) - T0 )) s)"
+  case "$section" in
+    tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gemv_kernel.py tests/test_int4_kernel.py \
+             tests/test_native_runner.py tests/test_decode_runs.py tests/test_paged_attention.py \
+             tests/test_native_backend.py tests/test_concurrency.py tests/test_parity_bf16.py 2>&1 | tail -8 ;;
+    decode) timeout 300 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k \
+              --decode-steps 8 2>&1 | quiet | tail -40 ;;
+    batch) timeout 400 python3 benchmarks/gpu_batch.py --tokenizer .carry/tok --shapes 8b16k --batches 1,64 \
+             --sections throughput,growing,agents,serial 2>&1 | quiet | tail -60 ;;
+    int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
+    *) echo "unknown section $section" ;;
+  esac
+done
+echo "== done (t=$(( $(date +%s) - T0 )) s)"
