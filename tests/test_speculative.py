@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,17 +35,34 @@ def test_prompt_lookup_proposes_what_followed_the_most_recent_match() -> None:
 def test_ngram_index_answers_what_prompt_lookup_answers(tokens: list[int], cuts: list[int], k: int) -> None:
     """Fed in pieces of any size (as a request's prompt and then its samples arrive), the incremental index
     proposes exactly what a full scan of the same tokens proposes, after every piece."""
-    index, at = NgramIndex(), 0
-    for c in [*cuts, len(tokens)]:
-        piece = tokens[at : at + c]
-        at += len(piece)
-        index.extend(piece)
-        assert index.lookup(k) == prompt_lookup(tokens[:at], k)
+    for bulk_min in (1, 10**9):  # the first piece indexed in bulk (numpy), or token by token
+        index, at = NgramIndex(bulk_min=bulk_min), 0
+        for c in [*cuts, len(tokens)]:
+            piece = tokens[at : at + c]
+            at += len(piece)
+            index.extend(piece)
+            assert index.lookup(k) == prompt_lookup(tokens[:at], k)
     control, out = DraftControl(), []
     for t in tokens:  # DraftControl.propose over a prompt that grows by output
         out.append(t)
         assert control.propose(tokens[:3], out[3:] if len(out) > 3 else [], k) == prompt_lookup(
             tokens[:3] + (out[3:] if len(out) > 3 else []), k)
+
+
+def test_ngram_index_bulk_prompt_matches_a_full_scan_and_takes_large_ids() -> None:
+    """A long first piece is indexed in bulk; ids too large for its integer keys fall back to the dict."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 50, 3000).tolist()
+    index = NgramIndex()
+    index.extend(prompt)
+    for extra in ([7], [3, 3, 9], prompt[100:110]):
+        index.extend(extra)
+        prompt = prompt + extra
+        assert index.lookup(6) == prompt_lookup(prompt, 6)
+    big = [1 << 22, 5, 6, 1 << 22, 5] * 60
+    index = NgramIndex()
+    index.extend(big)
+    assert not index._bulk and index.lookup(3) == prompt_lookup(big, 3) != []
 
 
 def test_draft_control_grows_on_acceptance_and_backs_off_on_rejection() -> None:

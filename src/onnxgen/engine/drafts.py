@@ -44,15 +44,26 @@ def prompt_lookup(tokens: Sequence[int], k: int, ngram_max: int = 3, ngram_min: 
 
 class NgramIndex:
     """`prompt_lookup` over a growing token sequence, incrementally: for every n-gram (n in [ngram_min,
-    ngram_max]) that has a token after it, the position of that token at its most recent occurrence."""
+    ngram_max]) that has a token after it, the position of that token at its most recent occurrence.
 
-    def __init__(self, ngram_max: int = 3, ngram_min: int = 1) -> None:
+    The first piece (a request's prompt, possibly thousands of tokens) is indexed in bulk with numpy when it
+    has at least `bulk_min` tokens: per n, the n-grams encoded as integers, sorted, with the position after
+    each one's last occurrence (searched by bisection). Later pieces (the samples, a few at a time) go into
+    a dict; its entries are more recent than any bulk entry, so a lookup asks the dict first."""
+
+    _BITS = 21  # bits per token in a bulk key: n-grams of up to 3 tokens below 2**21 fit in an int64
+
+    def __init__(self, ngram_max: int = 3, ngram_min: int = 1, bulk_min: int = 256) -> None:
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.bulk_min = bulk_min
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}
+        self._bulk: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> (sorted keys, position after)
 
     def extend(self, new: Sequence[int]) -> None:
         """Append `new`: the n-grams ending just before each appended token now have a follower."""
+        if not self.tokens and len(new) >= max(1, self.bulk_min) and self._index_bulk(new):
+            return
         toks, nxt = self.tokens, self._next
         for t in new:
             pos = len(toks)
@@ -60,13 +71,47 @@ class NgramIndex:
                 nxt[tuple(toks[pos - n : pos])] = pos
             toks.append(t)
 
+    def _index_bulk(self, new: Sequence[int]) -> bool:
+        """Index the first piece with numpy; False (nothing done) when its n-grams do not fit the keys."""
+        arr = np.asarray(new, dtype=np.int64)
+        if self.ngram_max > 3 or int(arr.min()) < 0 or int(arr.max()) >= 1 << self._BITS:
+            return False
+        size = len(arr)
+        for n in range(self.ngram_min, self.ngram_max + 1):
+            m = size - n  # windows arr[i : i + n] with a follower at i + n < size
+            if m <= 0:
+                continue
+            keys = np.zeros(m, dtype=np.int64)
+            for j in range(n):
+                keys |= arr[j : j + m] << (self._BITS * j)
+            order = np.argsort(keys)
+            ks = keys[order]
+            starts = np.flatnonzero(np.concatenate(([True], ks[1:] != ks[:-1])))
+            self._bulk[n] = (ks[starts], np.maximum.reduceat(order, starts) + n)  # each key's latest window
+        self.tokens = arr.tolist()
+        return True
+
+    def _bulk_get(self, tail: Sequence[int]) -> int | None:
+        found = self._bulk.get(len(tail))
+        if found is None or min(tail) < 0 or max(tail) >= 1 << self._BITS:
+            return None
+        keys, after = found
+        key = 0
+        for j, t in enumerate(tail):
+            key |= t << (self._BITS * j)
+        i = int(np.searchsorted(keys, key))
+        return int(after[i]) if i < len(keys) and int(keys[i]) == key else None
+
     def lookup(self, k: int) -> list[int]:
         """What `prompt_lookup(self.tokens, k, ngram_max, ngram_min)` returns."""
         toks = self.tokens
         if k <= 0 or len(toks) < self.ngram_min + 1:
             return []
         for n in range(min(self.ngram_max, len(toks) - 1), self.ngram_min - 1, -1):
-            pos = self._next.get(tuple(toks[len(toks) - n :]))
+            tail = toks[len(toks) - n :]
+            pos = self._next.get(tuple(tail))
+            if pos is None and self._bulk:
+                pos = self._bulk_get(tail)
             if pos is not None:
                 return toks[pos : pos + k]
         return []
