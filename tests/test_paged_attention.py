@@ -4,6 +4,7 @@ kernel against the torch path on the GPU."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -97,15 +98,30 @@ def test_write_kv_lands_at_each_tokens_slot() -> None:
     assert ps.positions.tolist() == [14, 15, 16, 17, 0, 1] and ps.last.tolist() == [3, 5]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("nsplit", [None, 1, 3])
-def test_cuda_triton_kernel_equals_the_torch_path(dtype: str, nsplit: int | None) -> None:
-    dt = getattr(torch, dtype)
-    st, step, q = _batch("cuda", dt, [*SHAPES, (700, 1), (64, 64), (1000, 1)], seed=3)
-    ps = paged.build_step(step, st, P, torch.device("cuda"))
+def _triton_equals_torch(device: str, dt: torch.dtype, nsplit: int | None) -> None:
+    """Decodes, chunks over cached pages and a 64-token prefill in one ragged step (unmasked key blocks,
+    masked tails, windows, soft-capping), split and unsplit."""
+    st, step, q = _batch(device, dt, [*SHAPES, (700, 1), (64, 64), (1000, 1), (40, 60)], seed=3)
+    ps = paged.build_step(step, st, P, torch.device(device))
     for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):
         got = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=nsplit).double()
         want = paged.attention_ref(ps, 1, q, 0.2, softcap, window).double()
         tol = 1e-5 if dt == torch.float32 else 2e-2
         assert float((got - want).norm() / want.norm()) < tol, (window, softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("nsplit", [None, 1, 3])
+def test_cuda_triton_kernel_equals_the_torch_path(dtype: str, nsplit: int | None) -> None:
+    _triton_equals_torch("cuda", getattr(torch, dtype), nsplit)
+
+
+@pytest.mark.parametrize("nsplit", [None, 1, 3])
+def test_interpreted_triton_kernel_equals_the_torch_path(nsplit: int | None) -> None:
+    """The same on the CPU under `TRITON_INTERPRET=1` (float32: the interpreter multiplies bf16 operands of
+    `tl.dot` as integers); skipped where Triton is not installed or not interpreted."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    _triton_equals_torch("cpu", torch.float32, nsplit)

@@ -14,7 +14,8 @@ in tests) and, when the tensors live on a CUDA device and Triton imports, a Trit
 - `rope_qkv_write(qkv, cos, sin, positions, kv, layer, ...)`: split packed QKV rows, rotate q and k,
   write k and v into the KV buffers at `positions` and return q.
 - `linear(x, w, silu_halves)`: `x @ w.T` over a constant `[N, K]` weight; one-row products (batch-1
-  decode) run a Triton GEMV where it measured faster than cuBLAS on that shape (chosen once per shape,
+  decode) run a Triton GEMV, and products of up to `SKINNY_ROWS` rows (batched decode, short prefill
+  chunks) a Triton few-row GEMM, where it measured faster than cuBLAS on that shape (chosen once per shape,
   outside CUDA-graph capture); `silu_halves` fuses `silu(g) * u` over a merged `[gate; up]` weight.
 
 `FORCE_TRITON` (tests) runs the Triton kernels on CPU tensors under `TRITON_INTERPRET=1`.
@@ -183,8 +184,9 @@ GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (2, 512, 4)
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype.
 
-    A one-row product on a Triton device runs `triton_gemv` when, the first time its shape is seen
-    (outside graph capture), it measured faster than cuBLAS; everything else is `F.linear` (+
+    A one-row product on a Triton device runs `triton_gemv`, and a product of 2..`SKINNY_ROWS` half-precision
+    rows `triton_skinny`, when, the first time its shape (and row count, rounded up to a power of two) is
+    seen outside graph capture, it measured faster than cuBLAS; everything else is `F.linear` (+
     `silu_mul_halves`)."""
     rows = x.numel() // x.shape[-1]
     if rows == 1 and use_triton(x) and x.dtype == w.dtype and w.is_contiguous():
@@ -193,7 +195,54 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch
         if cfg is not None:
             return _gemv(x, w, silu_halves, cfg)
         # pragma: cuda-end
+    if (1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
+            and w.is_contiguous() and use_triton(x)):  # fmt: skip
+        # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
+        cfg = _skinny_choice(x, w, silu_halves)
+        if cfg is not None:
+            return _skinny(x, w, silu_halves, cfg)
+        # pragma: cuda-end
     return linear_unfused(x, w, silu_halves)
+
+
+SKINNY_ROWS = 128  # products of 2..SKINNY_ROWS half-precision rows may run `triton_skinny`
+SKINNY_CONFIGS = ((64, 128, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4), (128, 128, 8, 3))
+"""(BLOCK_N, BLOCK_K, warps, stages) tried for each few-row product shape; the fastest, or cuBLAS, is kept
+(BLOCK_M: the rows rounded up to a power of two, 16 to 128). Few on purpose: each is compiled for 4 row
+blocks and with and without SiLU the first time a shape is timed (Triton caches compiles on disk)."""
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int, int]) -> torch.Tensor:  # pragma: cuda
+    """The few-row GEMM launch (`triton_skinny`): x `[..., K]` of M rows."""
+    k = w.shape[1]
+    n = w.shape[0] // 2 if silu else w.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = cfg
+    bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    _TRITON["skinny"][(triton_cdiv(n, bn), triton_cdiv(m, bm))](
+        x2, w, y, m, n, k, x2.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
+        IEEE=not x.is_cuda, num_warps=warps, num_stages=stages, **launch_options(x),
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _skinny_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int, int] | None:  # pragma: cuda
+    """The few-row GEMM configuration for this shape and row count (rounded up to a power of two), or None
+    for cuBLAS (`fastest`, weights from HBM); the first configuration under the interpreter."""
+    m = x.numel() // x.shape[-1]
+    key = ("skinny", 1 << (m - 1).bit_length(), tuple(w.shape), w.dtype, silu, x.device)
+    if key in CHOICES:
+        return CHOICES[key]
+    if not x.is_cuda:
+        return SKINNY_CONFIGS[0]
+    copies = cold_copies(w)
+    cands: list[tuple[Any, Any]] = [(None, lambda i: linear_unfused(x, copies[i], silu))]
+    cands += [(cfg, lambda i, cfg=cfg: _skinny(x, copies[i], silu, cfg)) for cfg in SKINNY_CONFIGS]
+    return fastest(key, cands, len(copies))
 
 
 def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
@@ -488,7 +537,8 @@ def _build() -> None:  # pragma: cuda (Triton only)
         return
     from onnxgen.backends.native import triton_gemv as tg
     from onnxgen.backends.native import triton_kernels as tk
+    from onnxgen.backends.native import triton_skinny as ts
 
     _TRITON = {"rms": tk.rms_kernel, "silu_mul": tk.silu_mul_kernel, "attn_split": tk.attn_split_kernel,
                "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel, "gemv": tg.gemv_kernel,
-               "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel}  # fmt: skip
+               "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel, "skinny": ts.skinny_kernel}  # fmt: skip

@@ -14,6 +14,61 @@ import triton.language as tl
 from onnxgen.backends.native.triton_kernels import pdl_begin
 
 
+@triton.jit
+def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row, sv_page, sv_row,
+                 qk_scale, softcap, dmask, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """One block of BLOCK_N keys from `start`, read through the page table, into the online softmax (base 2).
+    Unmasked blocks lie wholly below `hi` and every row's limit."""
+    offs = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        nm = offs < hi
+        page = tl.load(pt + offs // PAGE, mask=nm, other=0).to(tl.int64)
+    else:
+        page = tl.load(pt + offs // PAGE).to(tl.int64)
+    slot_k = page * sk_page + (offs % PAGE).to(tl.int64) * sk_row
+    slot_v = page * sv_page + (offs % PAGE).to(tl.int64) * sv_row
+    if MASKED:
+        k = tl.load(K + slot_k[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+    elif D == DP:
+        k = tl.load(K + slot_k[:, None] + koff[None, :])
+    else:
+        k = tl.load(K + slot_k[:, None] + koff[None, :], mask=dmask[None, :], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-scale score x
+        x = s * (qk_scale / 1.4426950408889634)
+        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * x / softcap)) - 1.0) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASKED:
+        keep = nm[None, :] & (offs[None, :] < limit[:, None])
+        if window > 0:
+            keep = keep & (offs[None, :] >= limit[:, None] - window)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(V + slot_v[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
+    elif D == DP:
+        v = tl.load(V + slot_v[:, None] + koff[None, :])
+    else:
+        v = tl.load(V + slot_v[:, None] + koff[None, :], mask=dmask[None, :], other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
 def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, SPLITP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
@@ -47,37 +102,19 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     pt = PT + b.to(tl.int64) * MAXP
     koff = h * D + dcol
-    for start in range(lo, hi, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        nm = offs < hi
-        page = tl.load(pt + offs // PAGE, mask=nm, other=0).to(tl.int64)
-        slot_k = page * sk_page + (offs % PAGE).to(tl.int64) * sk_row
-        slot_v = page * sv_page + (offs % PAGE).to(tl.int64) * sv_row
-        k = tl.load(K + slot_k[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-scale score x
-            x = s * (qk_scale / 1.4426950408889634)
-            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * x / softcap)) - 1.0) * 1.4426950408889634
-        else:
-            s = s * qk_scale
-        keep = nm[None, :] & (offs[None, :] < limit[:, None])
-        if window > 0:
-            keep = keep & (offs[None, :] >= limit[:, None] - window)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot_v[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # blocks wholly below every row's limit (and below hi) need no masks: the keys every row sees
+    low_limit = tl.min(tl.where(rmask, limit, 1 << 30), 0)
+    full_end = lo
+    if window <= 0:
+        full_end = lo + tl.maximum(tl.minimum(hi, low_limit) - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row,
+                                     sv_page, sv_row, qk_scale, softcap, dmask, D, DP, PAGE, BLOCK_N, False,
+                                     SOFTCAP, IEEE)  # fmt: skip
+    for start in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row,
+                                     sv_page, sv_row, qk_scale, softcap, dmask, D, DP, PAGE, BLOCK_N, True,
+                                     SOFTCAP, IEEE)  # fmt: skip
     if DIRECT:  # one split: normalise and write the output here
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
