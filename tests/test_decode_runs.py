@@ -26,16 +26,18 @@ def model(tiny_dir: Path) -> Any:
 
 
 class Spy:
-    """Counts the runs of several decode steps the engine makes."""
+    """Counts the runs of several decode steps the engine launches (and how many follow a launched run)."""
 
     def __init__(self, model: Any) -> None:
         self.runs: list[int] = []
-        self._inner = model.executor.run_decodes
-        model.executor.run_decodes = self
+        self.continued = 0
+        self._inner = model.executor.launch_decodes
+        model.executor.launch_decodes = self
 
-    def __call__(self, chunks: Any, k: int) -> Any:
+    def __call__(self, chunks: Any, k: int, offset: int = 0, after: Any = None) -> Any:
         self.runs.append(k)
-        return self._inner(chunks, k)
+        self.continued += after is not None
+        return self._inner(chunks, k, offset, after)
 
 
 def batch(model: Any, steps: int, prompts: list[list[int]], **kw: Any) -> list[Any]:
@@ -63,9 +65,10 @@ def test_runs_equal_single_steps(model: Any, sampling: dict) -> None:
     try:
         got = batch(model, 4, PROMPTS, per=per, **sampling)
     finally:
-        model.executor.run_decodes = spy._inner
+        model.executor.launch_decodes = spy._inner
     same(got, ref)
-    assert spy.runs and max(spy.runs) == 4 and all(1 < k <= 4 for k in spy.runs)
+    # runs continue one another (launched before the previous is read) down to the last token a request may take
+    assert spy.runs and max(spy.runs) == 4 and all(1 <= k <= 4 for k in spy.runs) and spy.continued
     assert [len(r.tokens) for r in got if r.finish_reason == "length"] == [
         n for r, n in zip(got, (13, 30, 7, 22), strict=True) if r.finish_reason == "length"]
 
@@ -114,6 +117,36 @@ def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path) -> No
     assert float(d.max()) <= 1e-5
 
 
+def test_cancel_during_continued_runs(model: Any) -> None:
+    """A request cancelled while runs continue one another stops within a run: it raises `Cancelled`, the
+    other request of the batch equals its single-step output, and no page stays held."""
+    import threading
+
+    ref = batch(model, 1, PROMPTS[1:2], max_new_tokens=60, temperature=0)
+    ev, seen = threading.Event(), []
+
+    def count(_: Any) -> None:
+        seen.append(1)
+        if len(seen) == 10:
+            ev.set()
+
+    model.decode_steps = 4
+    spy = Spy(model)
+    try:
+        doomed = model.submit(PROMPTS[0], max_new_tokens=60, reuse=False, speculative=False, cancel=ev,
+                              on_token=count)  # fmt: skip
+        other = model.submit(PROMPTS[1], max_new_tokens=60, reuse=False, speculative=False, temperature=0)
+        with pytest.raises(onnxgen.errors.Cancelled):
+            doomed.result()
+        got = other.result()
+    finally:
+        model.executor.launch_decodes = spy._inner
+        model.decode_steps = 1
+    assert got.tokens == ref[0].tokens and spy.continued
+    assert 10 <= len(seen) <= 10 + 2 * 4  # the run being read and the one launched after it
+    assert model.kv_stats()["pages_used"] == 0
+
+
 def test_host_side_sampling_runs_one_step_at_a_time(model: Any) -> None:
     """Penalties (or kept logits) need the host between steps: no runs, same result as before."""
     spy = Spy(model)
@@ -121,7 +154,7 @@ def test_host_side_sampling_runs_one_step_at_a_time(model: Any) -> None:
         got = batch(model, 8, PROMPTS[:2], max_new_tokens=10, temperature=0, repetition_penalty=1.3)
         kept = batch(model, 8, PROMPTS[:2], max_new_tokens=10, temperature=0, output_logits=True)
     finally:
-        model.executor.run_decodes = spy._inner
+        model.executor.launch_decodes = spy._inner
     assert spy.runs == []
     same(got, batch(model, 1, PROMPTS[:2], max_new_tokens=10, temperature=0, repetition_penalty=1.3))
     assert all(r.logits.shape[0] == 10 for r in kept)
@@ -149,7 +182,7 @@ def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path) -> None:
             ref = batch(m, 1, PROMPTS, per=per, **sampling)
             spy = Spy(m)
             got = batch(m, steps, PROMPTS, per=per, **sampling)
-            m.executor.run_decodes = spy._inner
+            m.executor.launch_decodes = spy._inner
             same(got, ref)
             assert spy.runs and max(spy.runs) == longest  # the first run: all 4 decode, 37 to go for one
     m.close()

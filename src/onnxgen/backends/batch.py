@@ -62,9 +62,14 @@ class BatchRunner(Protocol):
 
     def run(self, step: BatchStep) -> Any: ...
 
-    def run_decodes(self, step: BatchStep, k: int, choose: Any) -> Any:
-        """`k` decode steps of `step`'s sequences (one token each) back to back, each step's tokens chosen
-        on the device by `choose(logits [B, vocab] float32, j) -> [B] int64` and fed to the next without
-        a host round trip; `pages` cover `start + k` positions. Returns the `[k, B]` chosen tokens (on
-        the device: reading them is the caller's one synchronisation). Raises as `run`."""
+    def launch_decodes(self, step: BatchStep, k: int, choose: Any, offset: int = 0, after: Any = None) -> Any:
+        """Enqueue `k` decode steps of `step`'s sequences (one token each) back to back, each step's tokens
+        chosen on the device by `choose(logits [B, vocab], offset + j) -> [B] int64` and fed to the next
+        without a host round trip; `pages` cover `start + k` positions. `after`: a run launched before whose
+        last tokens are this run's first ids (`step`'s tokens are then placeholders), so a run can be
+        enqueued before the previous one is read. Returns a handle for `collect_decodes`. Raises as `run`."""
+        ...
+
+    def collect_decodes(self, run: Any) -> list[list[int]]:
+        """The `[k][B]` tokens of a launched run (waits for it: the caller's one synchronisation)."""
         ...

@@ -15,6 +15,7 @@ batch) or one decoder per request (`engine/slots.py`; ort, and native packages i
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -493,30 +494,97 @@ class Engine:
         return 1
 
     def _run_decodes(self, chunks: Sequence[Any], k: int) -> None:
-        """`k` decode steps of `chunks` in one run (`PagedKV.run_decodes`), then each request takes its
-        tokens in order exactly as `k` ordinary steps would have (EOS, stop strings and lengths checked
-        per token); the positions fed after a request finished are taken back out of its cache."""
+        """Runs of decode steps of `chunks` (`PagedKV.launch_decodes`), each request taking its tokens in
+        order exactly as single steps would (EOS, stop strings and lengths checked per token). While the
+        batch may continue (`_continue_run`), the next run is launched before the current one is read, so
+        the device never waits for the host between runs; once a request finishes or fails, the run
+        already launched is read too, the others take its tokens, and control returns to `step`.
+        Positions fed after a request finished are taken back out of its cache."""
         try:
-            rows = self.executor.run_decodes(chunks, k)
+            run = self.executor.launch_decodes(chunks, k)
         except Exception as exc:  # the run failed: every request in it fails
             for c in chunks:
                 self._fail(c.req, exc)
             return
+        offset = 0
+        while True:
+            k_next = self._continue_run(chunks, offset + k)
+            nxt = None
+            if k_next:
+                try:
+                    nxt = self.executor.launch_decodes(chunks, k_next, offset + k, run)
+                except Exception:  # not launched: this run ends the sequence (a real fault recurs in `step`)
+                    nxt = None
+            try:
+                rows = self.executor.collect_decodes(run)
+            except Exception as exc:
+                self._drain(nxt)
+                for c in chunks:
+                    self._fail(c.req, exc)
+                return
+            done = self._take_run(chunks, rows, offset, set())
+            if nxt is None:
+                return
+            if done:  # the others take the launched run's tokens too, then `step` schedules anew
+                try:
+                    rows = self.executor.collect_decodes(nxt)
+                except Exception as exc:
+                    for i, c in enumerate(chunks):
+                        if i not in done:
+                            self._fail(c.req, exc)
+                    return
+                self._take_run(chunks, rows, offset + k, done)
+                return
+            run, offset, k = nxt, offset + k, k_next
+
+    def _continue_run(self, chunks: Sequence[Any], fed: int) -> int:
+        """How many decode steps to launch after the `fed` steps already launched for `chunks` (0: none):
+        as `_decode_run`, counting the launched steps as generated, and none once a request is cancelled
+        or a waiting request could be admitted. Reserves the pages."""
+        k = self.decode_steps
+        sch = self.scheduler
+        if sch.num_waiting() and len(sch.running) < sch.max_running:
+            return 0
+        for c in chunks:
+            r = c.req
+            if r.cancelled:
+                return 0
+            unread = c.start + fed - r.num_tokens + 1  # launched steps whose tokens the request has not taken
+            k = min(k, r.max_new_tokens - len(r.output) - unread, r.context_length - (c.start + fed) - 1)
+        if k >= 1 and all(self.executor.reserve(c.req, c.start + fed + k) for c in chunks):
+            return k
+        return 0
+
+    def _take_run(self, chunks: Sequence[Any], rows: list[list[int]], offset: int, done: set[int]) -> set[int]:
+        """Each request of `chunks` not in `done` takes the run's tokens (`rows[j][i]`, fed at positions
+        `start + offset + j`) until it finishes; finished and failed requests join `done` (returned)."""
+        k = len(rows)
         for i, c in enumerate(chunks):
+            if i in done:
+                continue
             req = c.req
             taken, finished = 0, False
             try:
                 while taken < k and not finished:
                     finished = req.accept(None, rows[taken][i])
                     taken += 1
-                req.computed = c.start + taken
+                req.computed = c.start + offset + taken
                 if taken < k:
                     self.executor.discard(req, req.computed)
             except Exception as exc:  # a processor, the on_token callback, or the rewind
                 self._fail(req, exc)
+                done.add(i)
                 continue
             if finished:
                 self._finish(req)
+                done.add(i)
+        return done
+
+    def _drain(self, run: Any) -> None:
+        """Wait for a launched run whose tokens nobody takes (its positions lie past every context)."""
+        if run is not None:
+            with contextlib.suppress(Exception):  # already failing: the caller reports the first error
+                self.executor.collect_decodes(run)
 
     def _verify(self, c: Any, rows: Any) -> None:
         """A decode step that fed drafts: sample its rows as plain decoding would, keep the drafts up to

@@ -37,6 +37,14 @@ class Pinned:
     identity: Identity
 
 
+@dataclass
+class _Run:
+    """A launched run of decode steps: the runner's handle and the choice it continues with."""
+
+    inner: Any
+    choose: Any
+
+
 class PagedKV:
     """The scheduler's KV adapter and the step's executor over a paged pool and a batched runner."""
 
@@ -95,15 +103,25 @@ class PagedKV:
                 out.append(None)
         return out
 
-    def run_decodes(self, chunks: Sequence[Chunk], k: int) -> list[list[int]]:
-        """`k` decode steps of `chunks` (each a plain decode with pages for `k` positions) back to back on
-        the runner, the tokens chosen on the device by each request's sampling settings exactly as
-        `sampling.choose_rows` would at its next `k` steps. Returns the `[k][B]` tokens (one host read)."""
-        step = BatchStep(tuple(SeqChunk(c.req.token_slice(c.start, 1), c.start, c.req.kv.pages, 1) for c in chunks))
-        samplers = [c.req.sampler for c in chunks]
-        choose = RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
-                            self.runner.device)  # fmt: skip
-        return self.runner.run_decodes(step, k, choose).tolist()
+    def launch_decodes(self, chunks: Sequence[Chunk], k: int, offset: int = 0, after: Any = None) -> Any:
+        """Enqueue `k` decode steps of `chunks` (each a plain decode with pages for `offset + k` positions past
+        its start) back to back on the runner, the tokens chosen on the device by each request's sampling
+        settings exactly as `sampling.choose_rows` would at those steps. `after` (with `offset` = the steps
+        it and the runs before it fed): a launched run of the same chunks whose tokens are not read yet;
+        this run continues from its last tokens. Returns a handle for `collect_decodes`."""
+        if after is None:
+            step = BatchStep(tuple(SeqChunk(c.req.token_slice(c.start, 1), c.start, c.req.kv.pages, 1) for c in chunks))
+            samplers = [c.req.sampler for c in chunks]
+            choose = RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
+                                self.runner.device)  # fmt: skip
+        else:  # the ids come from `after`'s last tokens on the device; the choice continues its offsets
+            step = BatchStep(tuple(SeqChunk([0], c.start + offset, c.req.kv.pages, 1) for c in chunks))
+            choose = after.choose
+        return _Run(self.runner.launch_decodes(step, k, choose, offset, after.inner if after else None), choose)
+
+    def collect_decodes(self, run: Any) -> list[list[int]]:
+        """The `[k][B]` tokens of a launched run (the one host synchronisation)."""
+        return self.runner.collect_decodes(run.inner)
 
     def discard(self, req: Request, keep: int) -> None:
         """Rejected drafts: nothing to undo. Their keys sit in the request's own pages past position

@@ -96,6 +96,16 @@ class _Graph:
     toks: Any = None  # decode graphs: [RUN_TOKENS, batch] int64, each replay's greedy tokens (`decode_advance`)
 
 
+@dataclass
+class DecodeRun:
+    """A launched run of decode steps (`NativeRunner.launch_decodes`): its `[k, B]` tokens on the device and,
+    on CUDA, their pinned host copy and the event after which it is complete."""
+
+    toks: torch.Tensor
+    host: torch.Tensor | None = None
+    done: Any = None
+
+
 class NativeRunner:
     """`BatchRunner` over a lowered ONNX graph (backend "native")."""
 
@@ -209,44 +219,61 @@ class NativeRunner:
             raise DeviceOutOfMemory(f"the device ran out of memory running a batch of {step.num_tokens} "
                                     "token(s)") from exc  # fmt: skip
 
-    def run_decodes(self, step: BatchStep, k: int, choose: Any) -> torch.Tensor:
-        """`BatchRunner.run_decodes`: on CUDA with graphs, `_graph_decodes`; elsewhere `k` eager steps, each
-        fed the previous step's choice on the device."""
+    def launch_decodes(self, step: BatchStep, k: int, choose: Any, offset: int = 0,
+                       after: DecodeRun | None = None) -> DecodeRun:  # fmt: skip
+        """`BatchRunner.launch_decodes`: on CUDA with graphs, `_graph_decodes`, and the tokens copied to pinned
+        memory behind an event (nothing waits here); elsewhere `k` eager steps, each fed the previous step's
+        choice on the device."""
         b = len(step.seqs)
+        first = after.toks[-1] if after is not None else None  # the previous run's last tokens: our first ids
         try:
             with self.device_lock:
                 bucket = next((x for x in self._graph_batches if x >= b), 0)
                 g = self._graphs.get((bucket, 1))
                 if g is not None:  # pragma: cuda
-                    return self._graph_decodes(g, step, k, choose)
+                    toks = self._graph_decodes(g, step, k, choose, first, offset)
+                    host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+                    host.copy_(toks, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record()
+                    return DecodeRun(toks, host, done)
                 toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
                 for j in range(k):
                     seqs = tuple(SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs)
-                    logits = self._run_eager(BatchStep(seqs), toks[j - 1] if j else None)
-                    toks[j] = choose(logits, j)
+                    logits = self._run_eager(BatchStep(seqs), toks[j - 1] if j else first)
+                    toks[j] = choose(logits, offset + j)
+                return DecodeRun(toks)
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(f"the device ran out of memory running {k} decode steps of {b} "
                                     "sequence(s)") from exc  # fmt: skip
-        return toks
 
-    def _graph_decodes(self, g: _Graph, step: BatchStep, k: int, choose: Any) -> torch.Tensor:  # pragma: cuda
+    def collect_decodes(self, run: DecodeRun) -> list[list[int]]:
+        """`BatchRunner.collect_decodes`."""
+        if run.done is not None:  # pragma: cuda
+            run.done.synchronize()
+            return run.host.tolist()
+        return run.toks.tolist()
+
+    def _graph_decodes(self, g: _Graph, step: BatchStep, k: int, choose: Any, first: torch.Tensor | None,
+                       offset: int) -> torch.Tensor:  # fmt: skip  # pragma: cuda
         """`k` decode steps as `k` replays of the decode graph: the first uploads the inputs (page tables for
-        the whole run); each replay then chooses its greedy tokens and advances the inputs to the next step
-        on the device (`_graph_body`), so the host only enqueues replays. Greedy rows take the tokens the
-        graph recorded (read every `RUN_TOKENS` steps); otherwise `choose` picks each step's tokens from
-        the logits rows, which replace the greedy ids before the next replay."""
+        the whole run; `first`: its token ids on the device); each replay then chooses its greedy tokens and
+        advances the inputs to the next step on the device (`_graph_body`), so the host only enqueues
+        replays. Greedy rows take the tokens the graph recorded (copied out every `RUN_TOKENS` steps);
+        otherwise `choose` picks each step's tokens from the logits rows, which replace the greedy ids before
+        the next replay."""
         b = len(step.seqs)
         toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
         greedy = bool(getattr(choose, "greedy", False))
         rows = g.out.reshape(g.batch, -1)[:b]
         for j in range(k):
             if j == 0:
-                self._run_graph(g, step, raw=True, run=k)
+                self._run_graph(g, step, first, raw=True, run=k)
             else:
                 g.graph.replay()
                 self.steps["graph"] += 1
             if not greedy:
-                toks[j] = choose(rows, j)
+                toks[j] = choose(rows, offset + j)
                 if j < k - 1:
                     g.wide[:b].copy_(toks[j])
             elif (j + 1) % RUN_TOKENS == 0 or j == k - 1:
