@@ -123,6 +123,7 @@ def test_cancel_during_continued_runs(model: Any) -> None:
     import threading
 
     ref = batch(model, 1, PROMPTS[1:2], max_new_tokens=60, temperature=0)
+    held = model.kv_stats()["pages_used"]  # earlier tests' sessions may still pin pages
     ev, seen = threading.Event(), []
 
     def count(_: Any) -> None:
@@ -144,7 +145,7 @@ def test_cancel_during_continued_runs(model: Any) -> None:
         model.decode_steps = 1
     assert got.tokens == ref[0].tokens and spy.continued
     assert 10 <= len(seen) <= 10 + 2 * 4  # the run being read and the one launched after it
-    assert model.kv_stats()["pages_used"] == 0
+    assert model.kv_stats()["pages_used"] == held
 
 
 def test_host_side_sampling_runs_one_step_at_a_time(model: Any) -> None:

@@ -448,7 +448,7 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
         qc, kbuf, vbuf, past, acc, ml, out, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
         float(scale) * _LOG2E, float(softcap), int(window), m, rows, rp, hkv * nsplit * rp, split,
         nsplit, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages, **launch_options(q),
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages, **launch_options(q),
     )  # fmt: skip
     if not direct:
         k_["attn_combine"][(n * m,)](

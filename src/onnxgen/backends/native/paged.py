@@ -172,7 +172,8 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], split_arg, nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2 if rows <= g else 3, **kernels.launch_options(q),
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=4, num_stages=2 if rows <= g else 3,
+        **kernels.launch_options(q),
     )  # fmt: skip
     if not direct:
         tp.paged_combine_kernel[(w, hkv, block_m)](

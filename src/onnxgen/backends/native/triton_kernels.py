@@ -77,7 +77,7 @@ def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, s
     nm = offs < hi
     k = load_rows(kptr, nm, dmask, D, DP, MASKED)
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-scale score x

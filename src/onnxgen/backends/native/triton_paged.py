@@ -35,7 +35,7 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
     else:
         k = tl.load(K + slot_k[:, None] + koff[None, :], mask=dmask[None, :], other=0.0)
     if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-scale score x
