@@ -232,17 +232,11 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, i
 
 def _skinny_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int, int] | None:  # pragma: cuda
     """The few-row GEMM configuration for this shape and row count (rounded up to a power of two), or None
-    for cuBLAS (`fastest`, weights from HBM); the first configuration under the interpreter."""
+    for cuBLAS."""
     m = x.numel() // x.shape[-1]
     key = ("skinny", 1 << (m - 1).bit_length(), tuple(w.shape), w.dtype, silu, x.device)
-    if key in CHOICES:
-        return CHOICES[key]
-    if not x.is_cuda:
-        return SKINNY_CONFIGS[0]
-    copies = cold_copies(w)
-    cands: list[tuple[Any, Any]] = [(None, lambda i: linear_unfused(x, copies[i], silu))]
-    cands += [(cfg, lambda i, cfg=cfg: _skinny(x, copies[i], silu, cfg)) for cfg in SKINNY_CONFIGS]
-    return fastest(key, cands, len(copies))
+    return choose_config(key, x, w, SKINNY_CONFIGS, lambda wc: linear_unfused(x, wc, silu),
+                         lambda wc, cfg: _skinny(x, wc, silu, cfg))  # fmt: skip
 
 
 def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
@@ -267,17 +261,11 @@ def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps
 def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
                      silu: bool) -> tuple[int, int, int] | None:  # fmt: skip  # pragma: cuda
     """The GEMV configuration that normalises inside for this shape, or None for the norm kernel followed
-    by `linear` (`fastest`, the norm's cost included); the first configuration under the interpreter."""
-    key = ("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, x.device)
-    if key in CHOICES:
-        return CHOICES[key]
-    if not x.is_cuda:
-        return GEMV_CONFIGS[0]
-    copies = cold_copies(w)
+    by `linear` (the norm's cost included in both)."""
     s = torch.empty_like(x) if skip is not None else None
-    cands: list[tuple[Any, Any]] = [(None, lambda i: linear(rms_norm(x, skip, nw, eps)[0], copies[i], silu))]
-    cands += [(cfg, lambda i, cfg=cfg: _gemv(x, copies[i], silu, cfg, (skip, nw, eps, s))) for cfg in GEMV_CONFIGS]
-    return fastest(key, cands, len(copies))
+    return choose_config(("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, x.device), x, w,
+                         GEMV_CONFIGS, lambda wc: linear(rms_norm(x, skip, nw, eps)[0], wc, silu),
+                         lambda wc, cfg: _gemv(x, wc, silu, cfg, (skip, nw, eps, s)))  # fmt: skip
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
@@ -297,16 +285,24 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
 
 
 def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int] | None:  # pragma: cuda
-    """The GEMV configuration for this shape, or None for cuBLAS (`fastest`); the first configuration under
-    the interpreter."""
-    key = ("gemv", tuple(w.shape), w.dtype, silu, x.device)
+    """The GEMV configuration for this shape, or None for cuBLAS."""
+    return choose_config(("gemv", tuple(w.shape), w.dtype, silu, x.device), x, w, GEMV_CONFIGS,
+                         lambda wc: linear_unfused(x, wc, silu), lambda wc, cfg: _gemv(x, wc, silu, cfg))  # fmt: skip
+
+
+def choose_config(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, configs: Any, reference: Any,
+                  candidate: Any) -> Any:  # fmt: skip  # pragma: cuda
+    """The per-shape decision of a kernel with several configurations against its reference: the cached
+    choice under `key`; under the interpreter the first configuration; on CUDA `fastest` over
+    `reference(weight)` (None: use the reference) and `candidate(weight, config)` for each of `configs`,
+    timed over copies of the weight `w` cycled out of the L2."""
     if key in CHOICES:
         return CHOICES[key]
     if not x.is_cuda:
-        return GEMV_CONFIGS[0]
+        return configs[0]
     copies = cold_copies(w)
-    cands: list[tuple[Any, Any]] = [(None, lambda i: linear_unfused(x, copies[i], silu))]
-    cands += [(cfg, lambda i, cfg=cfg: _gemv(x, copies[i], silu, cfg)) for cfg in GEMV_CONFIGS]
+    cands: list[tuple[Any, Any]] = [(None, lambda i: reference(copies[i]))]
+    cands += [(cfg, lambda i, cfg=cfg: candidate(copies[i], cfg)) for cfg in configs]
     return fastest(key, cands, len(copies))
 
 

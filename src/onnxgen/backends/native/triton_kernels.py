@@ -66,14 +66,12 @@ def load_rows(ptr, nm, dmask, D: tl.constexpr, DP: tl.constexpr, MASKED: tl.cons
 
 
 @triton.jit
-def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s, qk_scale, softcap,
-                dcol, dmask, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """One block of BLOCK_N keys from `start` into the online softmax (scores in base 2). Unmasked
-    blocks lie wholly below every row's limit and `hi`."""
-    offs = start + tl.arange(0, BLOCK_N)
-    kptr = kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :]
-    vptr = vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :]
+def softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scale, softcap, dmask,
+                  D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+                  IEEE: tl.constexpr):  # fmt: skip
+    """The keys and values of positions `offs` (pointer tiles `kptr`, `vptr`: `[BLOCK_N, DP]`) into the online
+    softmax (scores in base 2): the one block step of every attention kernel here and in `triton_paged`.
+    Unmasked blocks lie wholly below every row's limit and `hi`."""
     nm = offs < hi
     k = load_rows(kptr, nm, dmask, D, DP, MASKED)
     if IEEE:
@@ -104,6 +102,18 @@ def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, s
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
+
+
+@triton.jit
+def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s, qk_scale, softcap,
+                dcol, dmask, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """One block of BLOCK_N contiguous keys from `start` (`softmax_block`)."""
+    offs = start + tl.arange(0, BLOCK_N)
+    kptr = kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :]
+    vptr = vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :]
+    return softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scale, softcap, dmask, D, DP,
+                         MASKED, SOFTCAP, IEEE)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])  # the split count varies with the KV capacity: one compile

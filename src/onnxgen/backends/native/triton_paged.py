@@ -11,62 +11,24 @@ sequence's keys, reading them page by page through the page table. Scores are ke
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.triton_kernels import pdl_begin
+from onnxgen.backends.native.triton_kernels import pdl_begin, softmax_block
 
 
 @triton.jit
 def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row, sv_page, sv_row,
                  qk_scale, softcap, dmask, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-    """One block of BLOCK_N keys from `start`, read through the page table, into the online softmax (base 2).
-    Unmasked blocks lie wholly below `hi` and every row's limit."""
+    """One block of BLOCK_N keys from `start`, read through the page table (`softmax_block`)."""
     offs = start + tl.arange(0, BLOCK_N)
     if MASKED:
-        nm = offs < hi
-        page = tl.load(pt + offs // PAGE, mask=nm, other=0).to(tl.int64)
+        page = tl.load(pt + offs // PAGE, mask=offs < hi, other=0).to(tl.int64)
     else:
         page = tl.load(pt + offs // PAGE).to(tl.int64)
-    slot_k = page * sk_page + (offs % PAGE).to(tl.int64) * sk_row
-    slot_v = page * sv_page + (offs % PAGE).to(tl.int64) * sv_row
-    if MASKED:
-        k = tl.load(K + slot_k[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
-    elif D == DP:
-        k = tl.load(K + slot_k[:, None] + koff[None, :])
-    else:
-        k = tl.load(K + slot_k[:, None] + koff[None, :], mask=dmask[None, :], other=0.0)
-    if IEEE:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-scale score x
-        x = s * (qk_scale / 1.4426950408889634)
-        s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * x / softcap)) - 1.0) * 1.4426950408889634
-    else:
-        s = s * qk_scale
-    if MASKED:
-        keep = nm[None, :] & (offs[None, :] < limit[:, None])
-        if window > 0:
-            keep = keep & (offs[None, :] >= limit[:, None] - window)
-        s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MASKED:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_safe = m_new
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(V + slot_v[:, None] + koff[None, :], mask=nm[:, None] & dmask[None, :], other=0.0)
-    elif D == DP:
-        v = tl.load(V + slot_v[:, None] + koff[None, :])
-    else:
-        v = tl.load(V + slot_v[:, None] + koff[None, :], mask=dmask[None, :], other=0.0)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    row = (offs % PAGE).to(tl.int64)
+    kptr = K + (page * sk_page + row * sk_row)[:, None] + koff[None, :]
+    vptr = V + (page * sv_page + row * sv_row)[:, None] + koff[None, :]
+    return softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scale, softcap, dmask, D, DP,
+                         MASKED, SOFTCAP, IEEE)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
