@@ -10,6 +10,10 @@
 #   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
 #           beside the serial engine (gpu_batch.py)
 #   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
+#   spec    speculative decoding on SmolLM2-135M (real weights): needs /tmp/gg/m.gguf on the host, i.e. the
+#           GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 47 MB each, one per call within the
+#           warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and `accelerate`
+#           packages (with their dist-info) in /tmp/gg/py (speculative-gpu.md)
 # Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
 set -u
 T0=$(date +%s)
@@ -29,6 +33,11 @@ for section in "$@"; do
     batch) timeout 400 python3 benchmarks/gpu_batch.py --tokenizer .carry/tok --shapes 8b16k --batches 1,64 \
              --sections throughput,growing,agents,serial 2>&1 | quiet | tail -60 ;;
     int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
+    spec) [ -d /tmp/spkg ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -c \
+            "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/m.gguf /tmp/spkg \
+            --precision bf16 -e cuda -q
+          timeout 300 python3 benchmarks/speculative.py /tmp/spkg --backend native-paged --device cuda --runs 5 \
+            --tokens 128 2>&1 | quiet | tail -12 ;;
     *) echo "unknown section $section" ;;
   esac
 done
