@@ -30,6 +30,29 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / statistics.median(ts[2:])
 
 
+def graph_replay_ms(fn: Callable[[], Any], reps: int = 20) -> tuple[float, Any]:
+    """GPU milliseconds of `fn`'s launches captured in one CUDA graph (median of `reps` replays, each timed
+    with CUDA events after a warm-up run and replay), and what the captured `fn` returned."""
+    import torch
+
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), out
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

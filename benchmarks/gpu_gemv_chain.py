@@ -9,10 +9,16 @@ The tile of each weight shape is chosen per mode by coordinate descent over CFGS
 
 # ruff: noqa: B023  (each lambda is timed within the iteration that made it)
 
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _util import graph_replay_ms
 
 
 @triton.jit
@@ -128,26 +134,6 @@ def run_chain(ws, x0, cfgof, mode):
     return x
 
 
-def graph_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2], out
-
-
 def main():
     torch.manual_seed(0)
     for name, shape, nl in (
@@ -161,7 +147,7 @@ def main():
         # per-shape best config per mode, chosen on the whole chain with a uniform config per weight shape
         shapes = {(tuple(w.shape), s) for w, s in ws[0]}
         res = {}
-        ref_ms, _ref = graph_ms(lambda: run_chain(ws, x0, None, "cublas"))
+        ref_ms, _ref = graph_replay_ms(lambda: run_chain(ws, x0, None, "cublas"))
         res["cublas"] = ref_ms
         for mode in ((False, False, False), (True, False, False), (True, False, True)):
             best = {}
@@ -173,14 +159,14 @@ def main():
                     trial = dict(best)
                     trial[sh] = c
                     try:
-                        ms, _ = graph_ms(
+                        ms, _ = graph_replay_ms(
                             lambda: run_chain(ws, x0, lambda s, si: trial[(s, si)], mode), reps=7
                         )
                     except Exception:
                         continue
                     times.append((ms, c))
                 best[sh] = min(times)[1]
-            ms, _out = graph_ms(lambda: run_chain(ws, x0, lambda s, si: best[(s, si)], mode), reps=30)
+            ms, _out = graph_replay_ms(lambda: run_chain(ws, x0, lambda s, si: best[(s, si)], mode), reps=30)
             res[str(mode)] = ms
             print(
                 name,

@@ -9,6 +9,9 @@ its error against the dequantized product, the best tile per shape, and the whol
 
 # ruff: noqa: B023  (each lambda is timed within the iteration that made it)
 
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -16,6 +19,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from onnxgen.backends.native.ops.quant import dequant_matmul_nbits
 from onnxgen.backends.native.triton_int4 import int4_linear
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _util import graph_replay_ms
 
 
 @triton.jit
@@ -102,25 +108,7 @@ def make(n, k, block=32):
 
 
 def graph_ms(fns, reps=10):
-    for f in fns[:3]:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(reps):
-        a.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(a.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
+    return graph_replay_ms(lambda: [f() for f in fns], reps)[0]
 
 
 def main():

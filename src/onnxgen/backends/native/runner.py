@@ -409,7 +409,7 @@ class NativeRunner:
         g = _Graph(batch, tokens, rows, host_wide.to(self._dev), host_narrow.to(self._dev), host_wide,
                    host_narrow, torch.cuda.Event())  # fmt: skip
         g.uploaded.record()
-        if tokens == 1 and rows == batch:  # a decode step: its replays can follow each other (`run_decodes`)
+        if tokens == 1 and rows == batch:  # a decode step: its replays can follow each other (`launch_decodes`)
             g.toks = torch.zeros((RUN_TOKENS, batch), dtype=torch.int64, device=self._dev)
         try:
             stream = torch.cuda.Stream()
