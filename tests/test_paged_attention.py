@@ -99,15 +99,17 @@ def test_write_kv_lands_at_each_tokens_slot() -> None:
 
 
 def _triton_equals_torch(device: str, dt: torch.dtype, nsplit: int | None) -> None:
-    """Decodes, chunks over cached pages and a 64-token prefill in one ragged step (unmasked key blocks,
-    masked tails, windows, soft-capping), split and unsplit."""
-    st, step, q = _batch(device, dt, [*SHAPES, (700, 1), (64, 64), (1000, 1), (40, 60)], seed=3)
-    ps = paged.build_step(step, st, P, torch.device(device))
-    for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):
-        got = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=nsplit).double()
-        want = paged.attention_ref(ps, 1, q, 0.2, softcap, window).double()
-        tol = 1e-5 if dt == torch.float32 else 2e-2
-        assert float((got - want).norm() / want.norm()) < tol, (window, softcap)
+    """Decodes, chunks over cached pages and a 64-token prefill in one ragged step (the decode-size tile), and
+    prefill chunks only (the large tile): unmasked key blocks, masked tails, windows, soft-capping, split and
+    unsplit."""
+    for shapes in ([*SHAPES, (700, 1), (64, 64), (1000, 1), (40, 60)], [(64, 64), (500, 17), (40, 60), (0, 130)]):
+        st, step, q = _batch(device, dt, shapes, seed=3)
+        ps = paged.build_step(step, st, P, torch.device(device))
+        for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):
+            got = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=nsplit).double()
+            want = paged.attention_ref(ps, 1, q, 0.2, softcap, window).double()
+            tol = 1e-5 if dt == torch.float32 else 2e-2
+            assert float((got - want).norm() / want.norm()) < tol, (shapes[0], window, softcap)
 
 
 @pytest.mark.gpu
@@ -125,3 +127,44 @@ def test_interpreted_triton_kernel_equals_the_torch_path(nsplit: int | None) -> 
         pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
     pytest.importorskip("triton")
     _triton_equals_torch("cpu", torch.float32, nsplit)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rotary_write_gives_q_in_the_token_major_layout_paged_attention_reads(device: str) -> None:
+    """`rope_qkv_write(..., token_major=True)` returns the same rotated q as the head-major layout, as a view
+    whose per-token rows are contiguous (what `attention` reads without a copy), and writes the same k/v."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU host)")
+    from onnxgen.backends.native import kernels
+
+    st, step, _ = _batch(device, torch.float32, [(37, 1), (16, 20), (0, 3)])
+    twin = PageStorage(2, st.data.shape[2], P, HKV, D, torch.float32, device)
+    twin.data.copy_(st.data)
+    ps = paged.build_step(step, st, P, torch.device(device))
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(1, step.num_tokens, (N + 2 * HKV) * D, generator=g).to(device)
+    ang = torch.arange(100.0)[:, None] * (0.5 ** torch.arange(D // 2))[None, :]
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    args = (cos, sin, ps.positions)
+    head = kernels.rope_qkv_write(qkv, *args, paged.PoolRows(twin), 1, N, HKV, D, False, slots=ps.slots)
+    tok = kernels.rope_qkv_write(qkv, *args, paged.PoolRows(st), 1, N, HKV, D, False, slots=ps.slots,
+                                 token_major=True)  # fmt: skip
+    assert head.is_contiguous() and tok[0].transpose(0, 1).is_contiguous()
+    assert torch.equal(head, tok) and torch.equal(st.data, twin.data)
+    page, row = divmod(int(ps.slots[0]), P)  # v is written unrotated at each token's slot
+    assert torch.equal(st.values(1)[page, row], qkv[0, 0, (N + HKV) * D :].view(HKV, D))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_copy_page_prefix_copies_the_prefix_in_every_layer_and_nothing_else(device: str) -> None:
+    """`kernels.copy_page_prefix` (copy on write of a shared partial page; one launch on a Triton device)
+    against slice assignment on a copy of the pool."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU host)")
+    from onnxgen.backends.native import kernels
+
+    st, _, _ = _batch(device, torch.float32, [(0, 1)])
+    want = st.data.clone()
+    want[:, :, 9, :11] = want[:, :, 4, :11]
+    kernels.copy_page_prefix(st.data, 4, 9, 11)
+    assert torch.equal(st.data, want)

@@ -24,9 +24,12 @@ class PageStorage:
     """The pool's tensor and the few operations on whole pages the manager and the runner need."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: Any, device: Any) -> None:  # fmt: skip
+                 dtype: Any, device: Any, copy_prefix: Any = None) -> None:  # fmt: skip
+        """`copy_prefix(data, src, dst, n)`: how the owner's device copies a page prefix in every layer
+        (default: a torch slice copy)."""
         import torch
 
+        self._copy_prefix = copy_prefix
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.data = torch.empty((num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype=dtype,
@@ -73,4 +76,7 @@ class PageStorage:
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Copy positions [0, n) of page `src` into page `dst`, in every layer (copy on write)."""
-        self.data[:, :, dst, :n].copy_(self.data[:, :, src, :n])
+        if self._copy_prefix is not None:
+            self._copy_prefix(self.data, src, dst, n)
+        else:
+            self.data[:, :, dst, :n].copy_(self.data[:, :, src, :n])

@@ -457,11 +457,12 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
 
 def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, positions: torch.Tensor,
                    kv: Any, layer: int, n: int, hkv: int, d: int, interleaved: bool,
-                   slots: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                   slots: torch.Tensor | None = None, token_major: bool = False) -> torch.Tensor:  # fmt: skip
     """Packed QKV of S tokens `[1, S, (n + 2*hkv) * d]` -> rotated q `[1, n, S, d]` (rotated at `positions`,
     `[S]` int64 on the device); rotated k and v are written into `kv.keys[layer]` / `kv.values[layer]`
     (`[1, hkv, rows, d]`, any strides) at rows `slots` (default: `positions`). One kernel launch on CUDA
-    (decode and prefill alike)."""
+    (decode and prefill alike). `token_major`: q is a view of `[1, S, n, d]` storage (what the paged
+    attention reads without a copy); otherwise contiguous."""
     if slots is None:
         slots = positions
     kb, vb = kv.keys[layer], kv.values[layer]
@@ -474,17 +475,19 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
         sin = sin_c.index_select(0, positions).unsqueeze(1)
         q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
         kv.write_at(layer, slots, k.transpose(1, 2), v.transpose(1, 2))
-        return q.transpose(1, 2).contiguous()
+        return q.contiguous().transpose(1, 2) if token_major else q.transpose(1, 2).contiguous()
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     qkv = qkv.contiguous()
-    qout = torch.empty((1, n, s, d), dtype=qkv.dtype, device=qkv.device)
+    shape = (1, s, n, d) if token_major else (1, n, s, d)
+    qout = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+    q = qout.transpose(1, 2) if token_major else qout  # [1, n, S, d] either way
     half = cos_c.shape[1]
     _TRITON["rope_qkv"][(n + 2 * hkv, s)](
-        qkv, cos_c, sin_c, positions, slots, qout, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
-        cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, s, D=d, HALF=half, DP=max(16, 1 << (d - 1).bit_length()),
-        INTERLEAVED=interleaved, num_warps=1, **launch_options(qkv),
+        qkv, cos_c, sin_c, positions, slots, q, kb, vb, q.stride(1), q.stride(2), kb.stride(1), kb.stride(2),
+        vb.stride(1), vb.stride(2), cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, D=d, HALF=half,
+        DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved, num_warps=1, **launch_options(qkv),
     )  # fmt: skip
-    return qout
+    return q
     # pragma: cuda-end
 
 
@@ -524,6 +527,24 @@ def decode_advance(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, 
     # pragma: cuda-end
 
 
+def copy_page_prefix(data: torch.Tensor, src: int, dst: int, n: int) -> None:
+    """Copy positions [0, n) of page `src` into page `dst` in every layer of a pool tensor `data`
+    (`[layers, 2, pages, page_size, kv_heads, head_dim]`, `PageStorage.data`): one launch on a Triton device
+    (a strided torch copy of a pool past 2^31 elements is split into a launch per layer), a slice copy
+    elsewhere."""
+    if not use_triton(data):
+        data[:, :, dst, :n].copy_(data[:, :, src, :n])
+        return
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
+    assert data.is_contiguous()
+    elems = n * data.stride(3)
+    block = 1024
+    _TRITON["copy_prefix"][(data.shape[0] * 2, triton_cdiv(elems, block))](
+        data, src, dst, data.stride(1), data.stride(2), elems, BLOCK=block, num_warps=4, **launch_options(data),
+    )  # fmt: skip
+    # pragma: cuda-end
+
+
 # --- Triton kernels (built on first use) -------------------------------------------------------------
 
 
@@ -537,4 +558,5 @@ def _build() -> None:  # pragma: cuda (Triton only)
 
     _TRITON = {"rms": tk.rms_kernel, "silu_mul": tk.silu_mul_kernel, "attn_split": tk.attn_split_kernel,
                "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel, "gemv": tg.gemv_kernel,
-               "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel, "skinny": ts.skinny_kernel}  # fmt: skip
+               "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel, "skinny": ts.skinny_kernel,
+               "copy_prefix": tk.copy_prefix_kernel}  # fmt: skip

@@ -130,14 +130,41 @@ def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap:
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
+Tile = tuple[int, int, int, int]  # rows per program (BLOCK_M), keys per block (BLOCK_N), warps, pipeline stages
+
+
+LARGE_ROWS = 64  # work items of more query rows (prefill chunks) may take the large tile
+
+
+def tile_for(rows: int, fewest: int, group: int, d: int) -> Tile:
+    """The attention kernel's tile for a step whose sequences feed `fewest`..`rows` query rows (`group` query
+    heads per KV head x tokens) of head size `d`: decode-size items take 16..64 rows of 64 keys (4 warps);
+    a step of prefill chunks only (more than `LARGE_ROWS` rows each) takes 128 x 128 with 8 warps, 3 stages
+    deep (on the H200, 80 tokens after 8,000 cached, 8B shape: 53 us per layer against 64 for 64 x 64 and
+    64 for PyTorch's flash attention, `benchmarks/gpu_paged_attention.py`). A step that mixes decodes with
+    chunks keeps the decode tile: a 128-row tile would compute 4-row decodes 32 times over."""
+    if fewest > LARGE_ROWS and d <= 128:
+        return 128, 128, 8, 3
+    return min(64, max(16, 1 << (rows - 1).bit_length())), 64 if d <= 128 else 32, 4, 2 if rows <= group else 3
+
+
+def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> int:
+    """Key splits for `items` (work items x KV heads) over `longest` keys: about two waves of decode-size
+    programs (two fit on a multiprocessor), one wave of prefill-size ones (one fits), at least 256 keys each."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if block_m <= 64:  # two programs per multiprocessor: about two waves
+        n = -(-2 * sms // items)
+    else:  # one per multiprocessor: one wave, never a ragged second one
+        n = sms // items
+    return max(1, min(n, longest // 256, _MAX_SPLITS))
 
 
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
-                     window: int = -1, nsplit: int | None = None) -> torch.Tensor:  # fmt: skip
-    """The Triton path of `attention`. `nsplit` (tests): the number of key splits; by default enough
-    splits for about two waves of programs over the longest sequence (host shapes: a captured step sizes
-    them for the whole context), each a whole number of key blocks. A captured step reads the keys per
-    split from `ps.split_t`, which the runner sets from the step's actual longest sequence."""
+                     window: int = -1, nsplit: int | None = None, tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
+    """The Triton path of `attention`. `nsplit` (tests): the number of key splits; by default `splits_for`'s
+    (host shapes: a captured step sizes them for the whole context), each a whole number of key blocks. A
+    captured step reads the keys per split from `ps.split_t`, which the runner sets from the step's actual
+    longest sequence. `tile` (benchmarks): the kernel's tile instead of `tile_for`'s."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
@@ -145,15 +172,14 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     _, n, d = q.shape
     hkv = kpool.shape[2]
     g = n // hkv
-    rows = g * max(b - a for a, b in zip(ps.q_starts, ps.q_starts[1:], strict=False))
-    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    block_n = 64 if d <= 128 else 32
+    rows = [g * (b - a) for a, b in zip(ps.q_starts, ps.q_starts[1:], strict=False)]
+    block_m, block_n, warps, stages = tile or tile_for(max(rows), min(rows), g, d)
     dp = max(16, 1 << (d - 1).bit_length())
     work = ps.work(g, block_m)
     w = work.shape[0]
     longest = max(ps.seq_lens)
     if nsplit is None:
-        nsplit = max(1, min(-(-264 // (w * hkv)), longest // 256, _MAX_SPLITS))
+        nsplit = splits_for(w * hkv, longest, block_m, q.device)
     per = -(-longest // nsplit)
     split = -(-per // block_n) * block_n
     nsplit = -(-longest // split)
@@ -172,7 +198,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], split_arg, nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=4, num_stages=2 if rows <= g else 3,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages,
         **kernels.launch_options(q),
     )  # fmt: skip
     if not direct:

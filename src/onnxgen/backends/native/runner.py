@@ -46,7 +46,7 @@ from onnxgen.backends.native.device import (
     shared_program,
     torch_device,
 )
-from onnxgen.backends.native.kernels import decode_advance, repair_after_failed_capture
+from onnxgen.backends.native.kernels import copy_page_prefix, decode_advance, repair_after_failed_capture
 from onnxgen.backends.native.lowering import Program
 from onnxgen.backends.native.ops import RunCtx
 from onnxgen.errors import BackendUnavailable, DeviceOutOfMemory, NotCapturable
@@ -140,7 +140,7 @@ class NativeRunner:
                         spec.context_length)  # fmt: skip
         try:  # one page more than the pool: the scratch page padding rows of graph steps write into
             self.storage = PageStorage(spec.num_layers, num_pages + 1, page_size, spec.num_kv_heads,
-                                       spec.head_size, dtype, self._dev)  # fmt: skip
+                                       spec.head_size, dtype, self._dev, copy_page_prefix)  # fmt: skip
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(f"cannot allocate a KV pool of {kv_bytes / 2**30:.1f} GiB") from exc
         self.page_size = page_size

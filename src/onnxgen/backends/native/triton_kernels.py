@@ -186,8 +186,8 @@ def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr,
 
 
 @triton.jit
-def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV, ROW, S,
-              D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sq_h, sq_s, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
+                    ROW, D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_begin(PDL)
     hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
     t = tl.program_id(1)  # token
@@ -209,7 +209,7 @@ def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sk_h, sk_s, sv_h, sv_s
     c = tl.load(COS + pos * cos_stride + fi, mask=mj & rot, other=1.0).to(tl.float32)
     s = tl.load(SIN + pos * cos_stride + fi, mask=mj & rot, other=0.0).to(tl.float32)
     o = tl.where(rot, x * c + sign * xp * s, x).to(QO.dtype.element_ty)
-    tl.store(QO + (hh * S + t).to(tl.int64) * D + j, o, mask=mj & (hh < N))
+    tl.store(QO + hh.to(tl.int64) * sq_h + t.to(tl.int64) * sq_s + j, o, mask=mj & (hh < N))
     slot = tl.load(SLOT + t).to(tl.int64)  # the cache row this token's k and v go to
     kh = tl.minimum(tl.maximum(hh - N, 0), HKV - 1).to(tl.int64)
     tl.store(KB + kh * sk_h + slot * sk_s + j, o, mask=mj & (hh >= N) & (hh < N + HKV))
@@ -237,3 +237,14 @@ def decode_advance_kernel(TOP, WIDE, NARROW, TOKS, B, MP, KMAX, PAGE: tl.constex
     tl.store(WIDE + 2 * B + r, page * PAGE + pos % PAGE, mask=m)
     tl.store(NARROW + r, (pos + 1).to(tl.int32), mask=m)
     tl.store(ctl + r, cnt + 1, mask=r == 0)
+
+
+@triton.jit(do_not_specialize=["src", "dst"])
+def copy_prefix_kernel(DATA, src, dst, kv_stride, page_stride, ELEMS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """`kernels.copy_page_prefix`: program (layer x {K, V}, block) copies BLOCK elements of the page prefix."""
+    pdl_begin(PDL)
+    base = DATA + tl.program_id(0).to(tl.int64) * kv_stride
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < ELEMS
+    x = tl.load(base + src.to(tl.int64) * page_stride + offs, mask=m)
+    tl.store(base + dst.to(tl.int64) * page_stride + offs, x, mask=m)

@@ -176,7 +176,7 @@ def _gqa(node: Node) -> Fn:
             assert ctx.static or ctx.paged is not None or ctx.pos0 + s <= ctx.kv.capacity
             slots = ctx.paged.slots if ctx.paged is not None else None
             q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved,
-                                       slots=slots)  # fmt: skip
+                                       slots=slots, token_major=ctx.paged is not None)  # fmt: skip
             o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:
