@@ -107,20 +107,21 @@ class PrefixIndex:
         if root is None or end == 0:
             return Match((), None, 0, None, P)
         stamp = next(self._clock)
-        node, pages, i = root, [], 0
+        node, pages = root, []
         deepest: Node | None = None
         partial_page, partial_len = None, 0
-        while True:
-            chunk = tuple(tokens[i * P : min((i + 1) * P, end)])
-            if not chunk:
+        full = end // P
+        it = iter(tokens[: full * P])
+        for chunk in zip(*[it] * P, strict=False):  # the full pages' token tuples, built in one pass
+            child = node.children.get(chunk)
+            if child is None:
                 break
-            child = node.children.get(chunk) if len(chunk) == P else None
-            if child is not None:
-                child.stamp = stamp
-                pages.append(child.page)
-                node = deepest = child
-                i += 1
-                continue
+            child.stamp = stamp
+            pages.append(child.page)
+            node = deepest = child
+        i = len(pages)
+        chunk = tuple(tokens[i * P : min((i + 1) * P, end)])
+        if chunk:  # the first page that is not wholly indexed: the longest partial match among the children
             best = None, 0
             for cand in node.children.values():
                 k = _lcp(cand.tokens, chunk)
@@ -129,7 +130,6 @@ class PrefixIndex:
             if best[0] is not None:
                 best[0].stamp = stamp
                 partial_page, partial_len = best[0].page, best[1]
-            break
         self._touch_ancestors(node, stamp)
         return Match(tuple(pages), partial_page, partial_len, deepest, P)
 
@@ -148,8 +148,10 @@ class PrefixIndex:
         node = self._roots.get(digest)
         if node is None:
             node = self._roots[digest] = Node(digest, -1, (), None)
-        for i in range(need):
-            chunk = tuple(tokens[i * P : (i + 1) * P])
+        full = len(tokens) // P
+        chunks = itertools.chain(zip(*[iter(tokens[: full * P])] * P, strict=False),
+                                 [tuple(tokens[full * P :])] if need > full else [])  # fmt: skip
+        for i, chunk in enumerate(chunks):
             child = node.children.get(chunk)
             if child is None and len(chunk) < P:
                 child = next((c for c in node.children.values() if c.tokens[: len(chunk)] == chunk), None)
