@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The standard run on the offline GPU host, one section after another, each under a time limit, tables last.
 #
-#   bash benchmarks/gpu_session.sh tests decode batch int4     (any subset, in that order of arguments)
+#   bash benchmarks/gpu_session.sh tests decode batch paged int4     (any subset, in that order of arguments)
 #
 # Expects (carried beside the tree, git-ignored): .whl/ with onnxruntime-genai's cp312 wheel (the builder
 # makes the packages) and .carry/tok/ with SmolLM2's tokenizer files. Sections:
@@ -10,6 +10,8 @@
 #   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
 #           beside the serial engine (gpu_batch.py)
 #   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
+#   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
+#           (gpu_paged_attention.py)
 #   spec    speculative decoding on SmolLM2-135M (real weights): needs /tmp/gg/m.gguf on the host, i.e. the
 #           GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 47 MB each, one per call within the
 #           warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and `accelerate`
@@ -32,6 +34,7 @@ for section in "$@"; do
               --decode-steps 8 2>&1 | quiet | tail -40 ;;
     batch) timeout 400 python3 benchmarks/gpu_batch.py --tokenizer .carry/tok --shapes 8b16k --batches 1,64 \
              --sections throughput,growing,agents,serial 2>&1 | quiet | tail -60 ;;
+    paged) timeout 150 python3 benchmarks/gpu_paged_attention.py 2>&1 | grep -v Warning | tail -22 ;;
     int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
     spec) [ -d /tmp/spkg ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -c \
             "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/m.gguf /tmp/spkg \
