@@ -2,16 +2,21 @@
 head 128, pages of 16, bf16) over 8 layers of distinct KV (the L2 cannot hold them), GPU time per layer
 from CUDA-graph replays:
 
-a prefill chunk (80 tokens after 8,000 cached: the growing conversation's turn) for tiles (rows per
-program, keys per block, warps, stages) and key splits ("rule": `paged.splits_for`), against PyTorch's
-flash attention on the same keys laid out contiguously (the yardstick). The default tile
-(`paged.tile_for`) is the first row's "default".
+- a prefill chunk (80 tokens after 8,000 cached: the growing conversation's turn) for tiles (rows per
+  program, keys per block, warps, stages) and key splits ("rule": `paged.splits_for`), against PyTorch's
+  flash attention on the same keys laid out contiguously (the yardstick). The default tile
+  (`paged.tile_for`) is the first row's "default";
+- a batch-1 decode step of the 0.5B, 1B and 8B shapes at 640 and 4,096 keys: attention + combine for a
+  given number of key splits, and as a captured decode graph runs it (its grid sized at capture for a 16k
+  context, the keys per split set each step: the runner's rule, and with a floor of 256 / 512 / 1,024 keys
+  per split), to choose the decode split rule.
 
     PYTHONPATH=src python3 benchmarks/gpu_paged_attention.py
 """
 
 # ruff: noqa: B023  (each lambda is timed within the iteration that made it)
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -36,10 +41,12 @@ TILES = [
 ]
 
 
-def setup(shapes: list[tuple[int, int]], seed: int = 0) -> tuple[PageStorage, paged.PagedStep]:
+def setup(
+    shapes: list[tuple[int, int]], seed: int = 0, hkv: int = HKV, d: int = D
+) -> tuple[PageStorage, paged.PagedStep]:
     rnd = random.Random(seed)
     need = sum(-(-(a + m) // P) for a, m in shapes)
-    st = PageStorage(LAYERS, need + 1, P, HKV, D, DT, torch.device("cuda"))
+    st = PageStorage(LAYERS, need + 1, P, hkv, d, DT, torch.device("cuda"))
     st.data.normal_()
     free = list(range(1, need + 1))
     rnd.shuffle(free)
@@ -94,6 +101,43 @@ def prefill() -> None:
         )
 
 
+def decode() -> None:
+    floors = (64, 256, 512, 1024)
+    print("\n| decode, batch 1 | keys | " + " | ".join(f"{k} splits" for k in (1, 2, 4, 8, 16, 32))
+          + " | " + " | ".join(f"graph, >= {f} keys/split" for f in floors) + " | worst rel err |")  # fmt: skip
+    print("|---|---|" + "---|" * 11)
+    for name, n, hkv, d in (("0.5b", 14, 2, 64), ("1b", 32, 8, 64), ("8b", 32, 8, 128)):
+        for length in (640, 4096):
+            _st, ps = setup([(length - 1, 1)], hkv=hkv, d=d)
+            q = torch.randn(1, n, d, device="cuda", dtype=DT)
+            cells, worst = [], 0.0
+            want = paged.attention_ref(ps, LAYERS - 1, q, d**-0.5).float()
+
+            def check(out: torch.Tensor) -> None:
+                nonlocal worst
+                worst = max(worst, float((out.float() - want).norm() / want.norm()))
+
+            for ns in (1, 2, 4, 8, 16, 32):
+                ms, out = per_layer(lambda layer: paged.attention_triton(ps, layer, q, d**-0.5, nsplit=ns))
+                cells.append(f"{ms * 1e3:.1f}")
+                check(out)
+            for (
+                floor
+            ) in floors:  # a captured step: host shapes for the whole context, keys per split from memory
+                ctx = 16384
+                g = dataclasses.replace(ps, seq_lens=[ctx], split_t=torch.zeros(1, dtype=torch.int32, device="cuda"),
+                                        _work={}, _splits={})  # fmt: skip
+                paged.attention_triton(g, 0, q, d**-0.5)  # sets g.split_plan
+                splits, block = g.split_plan
+                per = -(-length // splits)
+                g.split_t.fill_(max(floor, -(-per // block) * block))
+                ms, out = per_layer(lambda layer: paged.attention_triton(g, layer, q, d**-0.5))
+                cells.append(f"{ms * 1e3:.1f}")
+                check(out)
+            print(f"| {name} | {length} | " + " | ".join(cells) + f" | {worst:.1e} |")
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    decode()
     prefill()
