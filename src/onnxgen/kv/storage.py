@@ -12,6 +12,7 @@ imported lazily (kv/ imports no backend).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -24,7 +25,8 @@ class PageStorage:
     """The pool's tensor and the few operations on whole pages the manager and the runner need."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: Any, device: Any, copy_prefix: Any = None) -> None:  # fmt: skip
+                 dtype: Any, device: Any, copy_prefix: Callable[[Any, int, int, int], None] | None = None,
+                 ) -> None:  # fmt: skip
         """`copy_prefix(data, src, dst, n)`: how the owner's device copies a page prefix in every layer
         (default: a torch slice copy)."""
         import torch

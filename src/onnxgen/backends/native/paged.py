@@ -17,6 +17,7 @@ pages into contiguous keys and values and compute in float32, rounding the outpu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,10 +149,16 @@ def tile_for(rows: int, fewest: int, group: int, d: int) -> Tile:
     return min(64, max(16, 1 << (rows - 1).bit_length())), 64 if d <= 128 else 32, 4, 2 if rows <= group else 3
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (an H200's 132 off CUDA, so the interpreter plans as the GPU does)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> int:
     """Key splits for `items` (work items x KV heads) over `longest` keys: about two waves of decode-size
     programs (two fit on a multiprocessor), one wave of prefill-size ones (one fits), at least 256 keys each."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = _multiprocessors(device)
     if block_m <= 64:  # two programs per multiprocessor: about two waves
         n = -(-2 * sms // items)
     else:  # one per multiprocessor: one wave, never a ragged second one
