@@ -135,6 +135,30 @@ def test_eight_sessions_under_one_system_prompt_hold_one_copy(tiny_dir: Path) ->
     check_pool(model)
 
 
+def test_requests_arriving_together_under_one_system_prompt_compute_it_once(tiny_dir: Path,
+                                                                            alone_model: Any) -> None:  # fmt: skip
+    """Eight requests under one 500-token system prompt submitted at once: the first computes it, the others
+    wait for that step (`PagedKV.defer`) and then share its 31 full pages while it still runs (in-flight, not
+    yet indexed); each gets what it gets alone. Under another salt nothing is shared."""
+    model = onnxgen.load(str(tiny_dir), backend="native")
+    rng = np.random.default_rng(11)
+    system = rng.integers(3, 380, size=500).tolist()  # 31 full pages + 4 positions of page 31
+    prompts = [system + rng.integers(3, 380, size=5 + i).tolist() for i in range(8)]
+    handles = [model.submit(p, max_new_tokens=6, output_logits=True, salt="team") for p in prompts]
+    other = model.submit(prompts[3], max_new_tokens=6, output_logits=True, salt="another-tenant")
+    results = [h.result() for h in handles]
+    assert results[0].stats.reused_tokens == 0
+    assert [r.stats.reused_tokens for r in results[1:]] == [31 * PAGE] * 7
+    assert [r.stats.prefilled_tokens for r in results[1:]] == [len(p) - 31 * PAGE for p in prompts[1:]]
+    assert model.kv_stats()["prefix_inflight_hits"] == 7
+    for p, r in zip(prompts, results, strict=True):
+        same(r, alone(alone_model, p, 6))
+    r = other.result()
+    assert r.stats.reused_tokens == 0, "another salt shares nothing"
+    same(r, alone(alone_model, prompts[3], 6))
+    check_pool(model)
+
+
 def test_stateless_requests_share_prefixes_and_a_pin_survives_eviction(tiny_dir: Path) -> None:
     spec = onnxgen.load(str(tiny_dir), backend="native", paged=False).spec
     model = onnxgen.load(str(tiny_dir), backend="native", kv_bytes=8 * PAGE * per_token_bytes(spec))

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from onnxgen.errors import OutOfPages
-from onnxgen.kv.manager import KVManager, PageTable
+from onnxgen.kv.manager import InFlight, KVManager, PageTable
 from onnxgen.kv.pages import PageAllocator
 from onnxgen.kv.prefix import PrefixIndex
 
@@ -195,6 +195,33 @@ def test_open_shares_full_pages_and_copies_a_partly_matched_one() -> None:
     assert [alloc.refs(p) for p in (0, 1, 2)] == [2, 2, 1], "shared pages are never written: page 2 kept"
     kv.commit(t2, prompt)
     assert index.match(D1, [*prompt, 5]).length == 13
+    check(alloc, index)
+
+
+def test_open_shares_a_running_requests_computed_full_pages_when_they_beat_the_index() -> None:
+    """`inflight`: a running request's full pages below its computed count, for the tokens both hold, capped
+    at len - 1; the index's match when longer; nothing from a request whose tokens differ."""
+    alloc, index, kv, store = make()
+    leader_tokens = list(range(11))
+    leader, _ = run_request(kv, store, D1, leader_tokens)  # pages [0, 1, 2]; running, nothing indexed
+    running = [InFlight(leader_tokens, 11, leader.pages)]
+    t, cached = kv.open(D1, [*range(10), 50, 51], running)
+    assert cached == 8 and t.pages == [0, 1], "two full pages shared; page 2 is the leader's to write"
+    assert [alloc.refs(p) for p in (0, 1, 2)] == [2, 2, 1] and kv.counters.inflight_hits == 1
+    assert kv.grow(t, 12) and t.pages == [0, 1, 3]
+    store.write(t, cached, [8, 9, 50, 51])
+    assert store.read(t, 12) == [*range(10), 50, 51] and store.read(leader, 11) == leader_tokens
+    t2, cached2 = kv.open(D1, list(range(8)), running)
+    assert cached2 == 4 and t2.pages == [0], "capped at len - 1: one token is always computed"
+    t3, cached3 = kv.open(D1, [0, 1, 2, 3, 99, 5, 6, 7, 8], [InFlight(leader_tokens, 5, leader.pages)])
+    assert cached3 == 4 and t3.pages == [0], "only pages below the computed count whose tokens agree"
+    t4, cached4 = kv.open(D1, [7, *range(1, 11)], running)
+    assert cached4 == 0 and t4.pages == []
+    kv.commit(leader, leader_tokens)
+    t5, cached5 = kv.open(D1, [*range(11), 60], running)
+    assert cached5 == 11 and kv.counters.inflight_hits == 3, "the index's longer match (with the copy) wins"
+    for table in (t, t2, t3, t4, t5):
+        kv.release(table)
     check(alloc, index)
 
 

@@ -37,6 +37,11 @@ class PagesKV:
         req.kv = 0
         self.released.append(req.id)
 
+    deferred: frozenset[int] = frozenset()  # ids of requests `defer` holds back
+
+    def defer(self, req: Request) -> bool:
+        return req.id in self.deferred
+
 
 def request(n: int, chunk: int | None = None) -> Request:
     return Request(prompt=list(range(1, n + 1)), digest=b"d", sampler=None, detokenizer=None, max_new_tokens=8,
@@ -138,3 +143,19 @@ def test_cancelled_requests_are_taken_out() -> None:
     a.cancel.set()
     chunks, cancelled = s.schedule()
     assert cancelled == [a] and plan(chunks) == [(b.id, 3, 1, True)] and a not in s.running
+
+
+def test_a_deferred_request_keeps_its_place_while_later_ones_are_admitted() -> None:
+    kv = PagesKV(100)
+    s = Scheduler(kv, max_running=8, token_budget=64, preempt=True)
+    a, b, c = request(5), request(6), request(7)
+    for r in (a, b, c):
+        s.add(r)
+    kv.deferred = frozenset({b.id})
+    chunks, _ = s.schedule()
+    assert [c_.req.id for c_ in chunks] == [a.id, c.id] and list(s.waiting) == [b]
+    feed(chunks)
+    kv.deferred = frozenset()
+    chunks, _ = s.schedule()
+    assert [c_.req.id for c_ in chunks] == [a.id, c.id, b.id] and not s.waiting
+    assert plan(chunks)[-1] == (b.id, 0, 6, True)

@@ -23,7 +23,7 @@ from onnxgen.backends.batch import BatchRunner, BatchStep, SeqChunk
 from onnxgen.engine.identity import Identity
 from onnxgen.engine.request import Request
 from onnxgen.engine.scheduler import Chunk
-from onnxgen.kv.manager import KVManager, PageTable
+from onnxgen.kv.manager import InFlight, KVManager, PageTable, common_pages
 from onnxgen.kv.pages import PageAllocator
 from onnxgen.kv.prefix import Node, PrefixIndex
 from onnxgen.sampling.choice import RowChooser
@@ -58,6 +58,7 @@ class PagedKV:
         self.kv = KVManager(allocator, self.index, runner.storage)
         self.bytes_per_page = runner.storage.nbytes() // runner.num_pages
         self.pinned_sessions = 0
+        self._running: dict[bytes, list[Request]] = {}  # admitted requests that may share, by identity digest
 
     @property
     def capacity_tokens(self) -> int:
@@ -66,10 +67,38 @@ class PagedKV:
     # --- the scheduler's calls ---------------------------------------------------------------------
 
     def admit(self, req: Request) -> bool:
-        table, cached = self.kv.open(req.digest if req.reuse else None, req.tokens)
+        digest = req.digest if req.reuse else None
+        peers = self._running.get(digest, ()) if digest is not None else ()
+        inflight = [InFlight(r.tokens, r.computed, r.kv.pages) for r in peers]
+        table, cached = self.kv.open(digest, req.tokens, inflight)
         req.kv = table
         req.computed = cached
+        if digest is not None:
+            self._running.setdefault(digest, []).append(req)
         return True
+
+    def defer(self, req: Request) -> bool:
+        """Whether `req` should wait rather than be admitted now: a running request of its identity is still
+        prefilling, and has yet to compute at least a page of the prefix the two share beyond what it has
+        computed (32 agents arriving under one system prompt: the first computes it, the others then share
+        its pages, `admit`). The running request moves on every step, so the wait ends."""
+        if not req.reuse or req.digest is None:
+            return False
+        tokens, P = req.tokens, self.page_size
+        most = (len(tokens) - 1) // P
+        for r in self._running.get(req.digest, ()):
+            if r.pending <= 1 or r.computed // P >= most:  # decoding, or already past what req can share
+                continue
+            if common_pages(tokens, r.prompt, most, P) > r.computed // P:
+                return True
+        return False
+
+    def _forget(self, req: Request) -> None:
+        peers = self._running.get(req.digest) if req.digest is not None else None
+        if peers is not None and req in peers:
+            peers.remove(req)
+            if not peers:
+                del self._running[req.digest]
 
     def reserve(self, req: Request, total: int) -> bool:
         if total <= len(req.kv.pages) * self.page_size:  # NOTE: most decode steps need no new page
@@ -77,6 +106,7 @@ class PagedKV:
         return self.kv.grow(req.kv, total)
 
     def release(self, req: Request) -> None:
+        self._forget(req)
         if req.kv is not None:
             self.kv.release(req.kv)
             req.kv = None
@@ -131,6 +161,7 @@ class PagedKV:
     def finish(self, req: Request) -> Pinned | None:
         """After success: index the request's pages (its fed tokens) and drop its hold; return the pin a
         session keeps, or None."""
+        self._forget(req)
         table: PageTable = req.kv
         req.kv = None
         if not req.reuse or req.digest is None:
@@ -165,6 +196,7 @@ class PagedKV:
                 "pages_indexed": self.index.num_nodes, "pages_shared": alloc.num_shared, "page_size": self.page_size,
                 "pinned_sessions": self.pinned_sessions, "prefix_lookups": c.lookups,
                 "prefix_lookup_tokens": c.looked_up_tokens, "prefix_hit_tokens": c.hit_tokens,
+                "prefix_inflight_hits": c.inflight_hits,
                 "cuda_graphs": bool(getattr(self.runner, "cuda_graphs", False))}  # fmt: skip
 
     def close(self) -> None:

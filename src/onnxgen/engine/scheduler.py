@@ -39,6 +39,10 @@ class KVAdapter(Protocol):
     def release(self, req: Request) -> None:
         """Drop the request's KV (preemption or failure): nothing of it stays visible."""
 
+    def defer(self, req: Request) -> bool:
+        """Whether a waiting request should stay waiting this step although it could be admitted (a
+        running request is computing KV it will share); later requests may be admitted meanwhile."""
+
 
 class Chunk(NamedTuple):
     """`req` feeds `tokens[start : start + n]` this step; `sample`: the chunk reaches the end of the
@@ -124,16 +128,22 @@ class Scheduler:
             if n:
                 chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens, draft))
                 budget -= n + len(draft)
-        # waiting requests, first come first served (none in a step that had to preempt)
-        while self.preemptions == preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
+        # waiting requests, first come first served (none in a step that had to preempt); a deferred one
+        # keeps its place
+        i = 0
+        while (self.preemptions == preempted and i < len(self.waiting) and budget > 0
+               and len(self.running) < self.max_running):  # fmt: skip
+            req = self.waiting[i]
+            if self.kv.defer(req):
+                i += 1
+                continue
             if not self.kv.admit(req):
                 break
             n = self._chunk(req, budget)
             if not self.kv.reserve(req, req.computed + n):
                 self.kv.release(req)
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = Status.RUNNING
             if req.admissions == 0:
                 req.cached = req.computed  # what the cache supplied of the prompt (the request's stats)

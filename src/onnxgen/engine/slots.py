@@ -110,6 +110,10 @@ class SlotKV:
             req.drafts = None  # rejected drafts could not be taken back out of the cache
         return True
 
+    def defer(self, req: Request) -> bool:
+        """Never: a decoder per request shares nothing with running requests."""
+        return False
+
     def reserve(self, req: Request, total: int) -> bool:
         return True  # a decoder grows its own cache
 

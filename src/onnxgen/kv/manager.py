@@ -4,7 +4,9 @@ It puts the page allocator (`kv/pages.py`), the prefix index (`kv/prefix.py`) an
 (`kv/storage.py`) together behind four calls a scheduler makes for each request:
 
     table, cached = kv.open(digest, tokens)   # share the longest indexed prefix (capped at len - 1),
-                                              # copy a partly matched page (copy on write)
+                                              # copy a partly matched page (copy on write); or, when
+                                              # longer, the full pages a running request of the same
+                                              # identity has computed for the same tokens (`InFlight`)
     kv.grow(table, total)                     # pages for positions [0, total); evicts LRU leaves when
                                               # short; False (nothing changed) when even that is not enough
     node = kv.commit(table, tokens)           # on success only: index the request's pages, drop its hold
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from onnxgen.errors import OutOfPages
 from onnxgen.kv.pages import PageAllocator
@@ -48,12 +50,35 @@ class PageTable:
 
 @dataclass
 class KVCounters:
-    """Running totals: prompt tokens looked up, tokens found in the index, copy-on-write page copies."""
+    """Running totals: prompt tokens looked up, tokens found cached (in the index or, `inflight_hits` of the
+    lookups, in a running request's pages), copy-on-write page copies."""
 
     lookups: int = 0
     looked_up_tokens: int = 0
     hit_tokens: int = 0
     cow_copies: int = 0
+    inflight_hits: int = 0
+
+
+class InFlight(NamedTuple):
+    """A running request of the caller's identity: its tokens, how many leading positions its KV holds
+    (written by steps that completed; never written again), and its pages."""
+
+    tokens: Sequence[int]
+    computed: int
+    pages: Sequence[int]
+
+
+def common_pages(a: Sequence[int], b: Sequence[int], most: int, page_size: int) -> int:
+    """The largest k <= `most` with `a[:k * page_size] == b[:k * page_size]` (binary search over slices)."""
+    lo, hi = 0, min(most, len(a) // page_size, len(b) // page_size)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * page_size] == b[: mid * page_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class KVManager:
@@ -70,12 +95,25 @@ class KVManager:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def open(self, digest: bytes | None, tokens: Sequence[int]) -> tuple[PageTable, int]:
+    def open(self, digest: bytes | None, tokens: Sequence[int],
+             inflight: Sequence[InFlight] = ()) -> tuple[PageTable, int]:  # fmt: skip
         """A page table for a request over `tokens`, sharing the longest indexed prefix of at most
         `len(tokens) - 1` tokens (at least one token is always computed). Returns the table and how many
         leading positions it already holds. A partly matched page is copied into a new page when one can
-        be had; otherwise the match stops at the last full page."""
+        be had; otherwise the match stops at the last full page. `inflight`: running requests of the same
+        identity; when one has computed more full pages of the same tokens than the index holds, those
+        pages are shared instead (they are never written again: their holder writes past its computed
+        positions, in pages of its own)."""
         m = self.index.match(digest, tokens, len(tokens) - 1)
+        shared = self._inflight_share(tokens, inflight, m.length) if digest is not None else None
+        if shared is not None:
+            self.allocator.incref(shared)
+            cached = len(shared) * self.page_size
+            self.counters.lookups += 1
+            self.counters.looked_up_tokens += len(tokens)
+            self.counters.hit_tokens += cached
+            self.counters.inflight_hits += 1
+            return PageTable(digest, list(shared)), cached
         table = PageTable(digest, list(m.pages))
         self.allocator.incref(m.pages)
         cached = len(m.pages) * self.page_size
@@ -93,6 +131,20 @@ class KVManager:
         self.counters.looked_up_tokens += len(tokens)
         self.counters.hit_tokens += cached
         return table, cached
+
+    def _inflight_share(self, tokens: Sequence[int], inflight: Sequence[InFlight], have: int) -> Sequence[int] | None:
+        """The leading full pages of the running request that computed the most of `tokens` (at most
+        `len(tokens) - 1` positions), when that beats the `have` positions the index supplies; else None."""
+        most = (len(tokens) - 1) // self.page_size
+        best: Sequence[int] | None = None
+        for other, computed, pages in inflight:
+            k = min(most, computed // self.page_size, len(pages))
+            if k * self.page_size <= max(have, len(best or ()) * self.page_size):
+                continue
+            k = common_pages(tokens, other, k, self.page_size)
+            if k * self.page_size > max(have, len(best or ()) * self.page_size):
+                best = pages[:k]
+        return best
 
     def grow(self, table: PageTable, total: int) -> bool:
         """Make `table` cover positions [0, total), evicting unpinned LRU prefixes when pages are short.
