@@ -69,7 +69,8 @@ class PagedKV:
     def admit(self, req: Request) -> bool:
         digest = req.digest if req.reuse else None
         peers = self._running.get(digest, ()) if digest is not None else ()
-        inflight = [InFlight(r.tokens, r.computed, r.kv.pages) for r in peers]
+        inflight = [InFlight(r.prompt if r.computed <= len(r.prompt) else r.tokens, r.computed, r.kv.pages)
+                    for r in peers]  # fmt: skip
         table, cached = self.kv.open(digest, req.tokens, inflight)
         req.kv = table
         req.computed = cached
