@@ -159,6 +159,34 @@ def test_requests_arriving_together_under_one_system_prompt_compute_it_once(tiny
     check_pool(model)
 
 
+def test_followers_keep_the_pages_they_share_when_the_request_that_computed_them_is_cancelled(
+        tiny_dir: Path, alone_model: Any) -> None:  # fmt: skip
+    """The first request computes the shared prefix and is cancelled right after the followers took its
+    pages: they finish with what they get alone, nothing of the cancelled request is indexed, no page leaks."""
+    model = onnxgen.load(str(tiny_dir), backend="native")
+    rng = np.random.default_rng(12)
+    system = rng.integers(3, 380, size=200).tolist()
+    prompts = [system + rng.integers(3, 380, size=7).tolist() for _ in range(3)]
+    stop = threading.Event()
+    leader = model.submit(prompts[0], max_new_tokens=20, cancel=stop)
+    followers = [model.submit(p, max_new_tokens=5, output_logits=True) for p in prompts[1:]]
+    model.step()  # the leader prefills; the followers wait for it
+    assert model.kv_stats()["waiting"] == 2
+    model.step()  # the followers are admitted on its pages
+    assert model.kv_stats()["prefix_inflight_hits"] == 2
+    stop.set()
+    with pytest.raises(Cancelled):
+        leader.result()
+    for p, h in zip(prompts[1:], followers, strict=True):
+        r = h.result()
+        assert r.stats.reused_tokens == 192
+        same(r, alone(alone_model, p, 5))
+    digest = leader.request.digest
+    assert model.executor.kv.index.match(digest, [*prompts[0], 1]).length <= len(system), \
+        "the cancelled request's own positions are never indexed"  # fmt: skip
+    check_pool(model)
+
+
 def test_stateless_requests_share_prefixes_and_a_pin_survives_eviction(tiny_dir: Path) -> None:
     spec = onnxgen.load(str(tiny_dir), backend="native", paged=False).spec
     model = onnxgen.load(str(tiny_dir), backend="native", kv_bytes=8 * PAGE * per_token_bytes(spec))
