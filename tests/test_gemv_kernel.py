@@ -91,3 +91,50 @@ def test_gemv_with_rms_norm_equals_norm_then_product(skip: bool, silu: bool) -> 
             assert torch.allclose(got_s.cpu().float(), s_ref.float(), rtol=2**-7, atol=0)
     y, s = kernels.rms_linear(x, res, nw, 1e-5, w, silu)  # the dispatching entry point
     assert y.shape == (1, 1, n) and (s is None) == (not skip)
+
+
+class _KV:
+    """KV buffers as `rope_qkv_write` and `linear_rope` take them: `keys[layer]` `[1, kv_heads, rows, d]`."""
+
+    def __init__(self, hkv: int, rows: int, d: int, dtype: torch.dtype) -> None:
+        self.keys = [torch.zeros(1, hkv, rows, d, dtype=dtype, device=DEVICE)]
+        self.values = [torch.zeros(1, hkv, rows, d, dtype=dtype, device=DEVICE)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("half", [8, 4])  # full and partial rotary of 16-wide heads
+@pytest.mark.parametrize("norm", [False, True])
+def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(dtype: torch.dtype, half: int,
+                                                                      norm: bool) -> None:  # fmt: skip
+    """`kernels.linear_rope` (QKV rows with adjacent rotation pairs): the product (normalised first with
+    `norm`), q and k rotated by interleaved pairs at the token's position, k and v written at its slot —
+    against torch: the float64 product rounded, `rotary.rope(interleaved=True)`, plain slot writes."""
+    from onnxgen.backends.native.rotary import rope
+
+    n, hkv, d, k = 4, 2, 16, 64
+    g = torch.Generator().manual_seed(half + 2 * norm)
+    x = torch.randn(1, 1, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn((n + 2 * hkv) * d, k, generator=g) / 8).to(DEVICE, dtype)
+    ang = torch.arange(50.0)[:, None] * (0.7 ** torch.arange(half))[None, :]
+    cos, sin = ang.cos().to(DEVICE, dtype), ang.sin().to(DEVICE, dtype)
+    pos, slot = torch.tensor([37], device=DEVICE), torch.tensor([5], device=DEVICE)
+    skip = torch.randn(1, 1, k, generator=g).to(DEVICE, dtype)
+    nw = (1 + torch.randn(k, generator=g) / 4).to(DEVICE, dtype)
+    kv = _KV(hkv, 8, d, dtype)
+    out = kernels.linear_rope(x, w, kernels.Rope(cos, sin, pos, slot, kv, 0, n, hkv, d),
+                              (skip, nw, 1e-6) if norm else None)  # fmt: skip
+    assert out is not None
+    y, s = out
+    h = kernels.rms_norm_ref(x, skip, nw, 1e-6)[0] if norm else x
+    want = (h.double() @ w.double().T).to(dtype).float().view(n + 2 * hkv, d)
+    c, sn = cos[37].float().view(1, 1, half), sin[37].float().view(1, 1, half)
+    qk = rope(want[: n + hkv].view(1, n + hkv, d), c, sn, True).view(n + hkv, d)
+    tol = 1e-5 if dtype == torch.float32 else ROUNDED_TOL
+    got = y.float().view(n + 2 * hkv, d)
+    assert float((got[: n + hkv] - qk).norm() / qk.norm()) < tol
+    assert torch.allclose(got[n + hkv :], want[n + hkv :], atol=tol)
+    assert torch.equal(kv.keys[0][0, :, 5], y.view(n + 2 * hkv, d)[n : n + hkv])
+    assert torch.equal(kv.values[0][0, :, 5], y.view(n + 2 * hkv, d)[n + hkv :])
+    assert not kv.keys[0][0, :, :5].any() and not kv.keys[0][0, :, 6:].any(), "only the token's slot"
+    if norm:
+        assert torch.allclose(s.float(), (x.float() + skip.float()), atol=tol)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -179,6 +180,7 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
 GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (2, 512, 4), (4, 512, 4), (1, 1024, 4),
                 (2, 1024, 4), (4, 1024, 4), (1, 2048, 8), (8, 512, 8))
 """(BLOCK_N, BLOCK_K, warps) tried for each one-row product shape; the fastest, or cuBLAS, is kept."""
+ROPE_GEMV_CONFIGS = tuple(c for c in GEMV_CONFIGS if c[0] % 2 == 0)  # rotation pairs in one program
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:
@@ -269,19 +271,79 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
-          norm: tuple[Any, Any, float, Any] | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
-    """The GEMV launch; `norm` = (skip or None, norm weight, eps, sum output or None)."""
+          norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+    """The GEMV launch; `norm` = (skip or None, norm weight, eps, sum output or None); `rope`: the product is
+    a layer's packed QKV whose k and v go to the KV cache (`linear_rope`)."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     bn, bk, warps = cfg
     skip, nw, eps, s = norm if norm is not None else (None, x, 0.0, None)
+    if rope is not None:
+        kb, vb = rope.kv.keys[rope.layer], rope.kv.values[rope.layer]
+        r = (rope.cos, rope.sin, rope.pos, rope.slot, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
+             rope.cos.stride(0), rope.heads * rope.head_dim, rope.kv_heads * rope.head_dim)  # fmt: skip
+    else:
+        r = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
     _TRITON["gemv"][(triton_cdiv(n, bn),)](
-        x.contiguous(), w, y, k, n, skip if skip is not None else x, nw, s if s is not None else y, eps,
-        BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, num_warps=warps,
-        **launch_options(x),
+        x.contiguous(), w, y, k, n, skip if skip is not None else x, nw, s if s is not None else y, eps, *r,
+        BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
+        HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0,
+        num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
+
+
+@dataclass(frozen=True)
+class Rope:
+    """What a QKV product needs to finish a layer's rotary and KV write itself (`linear_rope`): the rotary
+    tables `[positions, half]`, the token's position and slot (`[1]` int64 on the device), the KV buffers
+    (`kv.keys[layer]` / `kv.values[layer]`: `[1, kv_heads, rows, head_dim]`), and the heads."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
+    slot: torch.Tensor
+    kv: Any
+    layer: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
+                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+    """A one-row packed-QKV product whose rotation pairs are adjacent rows (the lowering interleaves them):
+    `linear(x, w)` (`norm` = (skip, weight, eps): of `rms_norm(x, skip, ...)`, as `rms_linear`), then q and k
+    rotated at `rope.pos` (interleaved pairs) and k, v written at `rope.slot` — `rope_qkv_write`'s values —
+    in one GEMV launch, when that measured faster for this shape than the product followed by the rotary
+    kernel. Returns (the rotated `[.., N]` rows, the residual sum or None), or None: not fused here (the
+    caller runs the separate ops)."""
+    if not (use_triton(x) and x.numel() == x.shape[-1] and x.dtype == w.dtype and w.is_contiguous()
+            and x.is_contiguous() and (norm is None or norm[0] is None or norm[0].is_contiguous())):  # fmt: skip
+        return None
+    # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
+    skip = norm[0] if norm is not None else None
+    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, x.device)
+
+    def fused(wc: torch.Tensor, cfg: tuple[int, int, int]) -> tuple[torch.Tensor, Any]:
+        s = torch.empty_like(x) if skip is not None else None
+        args = (skip, norm[1], norm[2], s) if norm is not None else None
+        return _gemv(x, wc, False, cfg, args, rope), s
+
+    def separate(wc: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        y, s = rms_linear(x, skip, norm[1], norm[2], wc) if norm is not None else (linear(x, wc), None)
+        n, hkv, d = rope.heads, rope.kv_heads, rope.head_dim
+        rope_qkv_write(y.view(1, 1, -1), rope.cos, rope.sin, rope.pos, rope.kv, rope.layer, n, hkv, d, True,
+                       slots=rope.slot)  # fmt: skip
+        return y, s
+
+    cfg = choose_config(key, x, w, ROPE_GEMV_CONFIGS, separate, fused)
+    if cfg is None:
+        return None
+    return fused(w, cfg)
+    # pragma: cuda-end
 
 
 def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int] | None:  # pragma: cuda

@@ -148,6 +148,7 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     if fuse:
         nodes = _merge_gate_up(nodes, consts, device)
         nodes = _fuse_norm_linear(nodes, consts)
+        _rope_into_qkv(nodes, consts, device)
     nodes = _dce(nodes, [spec.logits_name])
 
     # Placement: every constant a step reads.
@@ -557,6 +558,52 @@ def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> l
                            "_transposed": int(lin.attrs.get("_transposed", 0))}))  # fmt: skip
         drop.add(id(lin))
     return out
+
+
+def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device) -> None:
+    """GroupQueryAttention with rotate-half rotary on packed QKV (no separate k/v, bias or q/k norms) whose
+    query only a constant-weight Linear / RmsLinear (no bias) produces: the q and k rows (output features)
+    of that weight are reordered so that each rotation pair (i, i + half) becomes two adjacent rows, and
+    the attention rotates interleaved pairs. Attention scores are unchanged (q and k carry the same
+    reordering; v is untouched) and so is every output; the product is told its layer and heads (`_rope`,
+    the rotary tables as inputs 4 and 5), so a one-row product can rotate q and k and write k and v itself
+    (`ops.linear._qkv_rope`), keeping a whole per-layer launch out of decode steps."""
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    readers = _readers(nodes)
+    for g in nodes:
+        if not (g.op == "GroupQueryAttention" and g.domain == "com.microsoft" and g.layer is not None
+                and int(g.attr("do_rotary", 0)) and not int(g.attr("rotary_interleaved", 0))):  # fmt: skip
+            continue
+        ins = g.inputs + [""] * 17
+        p = producer.get(ins[0])
+        if (ins[1] or ins[2] or ins[10] or ins[14] or ins[15] or p is None or p.domain != "onnxgen"
+                or len(readers.get(ins[0], ())) != 1 or ins[7] not in consts or ins[8] not in consts):  # fmt: skip
+            continue
+        if p.op == "Linear" and len(p.inputs) == 2:
+            wi = 1
+        elif p.op == "RmsLinear" and not p.attrs.get("silu"):
+            wi = 3
+        else:
+            continue
+        w = consts.get(p.inputs[wi])
+        axis = 0 if p.attrs.get("_transposed") else 1  # `[N, K]`, or `[K, N]` (the CPU's float32 layout)
+        n, hkv = int(g.attr("num_heads")), int(g.attr("kv_num_heads"))
+        half = int(consts[ins[7]].shape[-1])
+        if w is None or w.dim() != 2 or w.shape[axis] % (n + 2 * hkv):
+            continue
+        d = w.shape[axis] // (n + 2 * hkv)
+        if d % 2 or not 0 < 2 * half <= d:
+            continue
+        lane = torch.arange(d)
+        pair = torch.where(lane < 2 * half, lane // 2 + (lane % 2) * half, lane)  # new lane j holds old lane pair[j]
+        rows = torch.cat([(h * d + pair) for h in range(n + hkv)] + [torch.arange((n + hkv) * d, w.shape[axis])])
+        name = p.inputs[wi] + "::rope"
+        src = w.to(device) if device.type == "cuda" else w
+        consts[name] = src.index_select(axis, rows.to(src.device)).contiguous()
+        bias_slot = [""] if p.op == "Linear" else []  # Linear's third input is its (absent) bias
+        p.inputs = [*p.inputs[:wi], name, *bias_slot, ins[7], ins[8]]
+        p.attrs["_rope"] = (g.layer, n, hkv, d)
+        g.attrs["rotary_interleaved"] = 1
 
 
 # --- folding & DCE ------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ accumulation, rounded once to x's dtype. With `SILU`, W holds `[gate; up]` (`2 *
 writes `silu(g) * u` for the `N` output columns, each of g and u first rounded to the output dtype (the
 same values as the unfused product followed by `silu_mul`). With `NORM`, x is first RMS-normalised
 (`x (+ skip)`, weight `NW`, float32, rounded to the output dtype as `kernels.rms_norm` would write it; with
-`HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own. One
+`HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own. With
+`ROPE` the product is a layer's packed QKV with each rotation pair in adjacent rows: the epilogue rotates q
+and k and writes k and v into the KV cache, so rotary costs no launch either. One
 program owns `BLOCK_N` output rows and
 walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
 end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
@@ -32,11 +34,40 @@ def _x_tile(X, SKIP, NW, k0, rk, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constex
 
 
 @triton.jit
-def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, NQ, NK,
+                BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+    """The QKV product's epilogue (`ROPE`): y (its BLOCK_N rows, pairs adjacent: interleaved rotary) rounded
+    as the product's output, q and k rows rotated at the token's position, all rows written to Y, k and v
+    rows also into the KV buffers at the token's slot (`kernels.rope_qkv_write`'s values)."""
+    y = y.to(Y.dtype.element_ty).to(tl.float32)
+    e, o = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+    pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    lane = (2 * pair) % HEAD
+    rot = (2 * pair < NQ + NK) & (lane < 2 * HALF)
+    pos = tl.load(POS).to(tl.int64)
+    c = tl.load(COS + pos * cos_stride + lane // 2, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(SIN + pos * cos_stride + lane // 2, mask=rot, other=0.0).to(tl.float32)
+    e2 = tl.where(rot, e * c - o * s, e)
+    o2 = tl.where(rot, o * c + e * s, o)
+    y = tl.reshape(tl.join(e2, o2), (BLOCK_N,)).to(Y.dtype.element_ty)
+    tl.store(Y + rn, y, mask=nmask)
+    slot = tl.load(SLOT).to(tl.int64)
+    kv = rn - NQ
+    is_k = (kv >= 0) & (kv < NK)
+    tl.store(KB + (kv // HEAD).to(tl.int64) * sk_h + slot * sk_s + kv % HEAD, y, mask=nmask & is_k)
+    vv = kv - NK
+    tl.store(VB + (vv // HEAD).to(tl.int64) * sv_h + slot * sv_s + vv % HEAD, y, mask=nmask & (vv >= 0))
+
+
+@triton.jit
+def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
+                NQ, NK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
+                HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
     """With PDL (programmatic dependent launch) the first `[BLOCK_N, BLOCK_K]` tile of the weights, which
     no kernel writes, is requested before waiting for the previous kernel: the HBM latency of the first
-    loads overlaps the previous kernel's tail."""
+    loads overlaps the previous kernel's tail. With `ROPE` (a QKV product whose rotation pairs are adjacent
+    rows, even BLOCK_N) `_rope_store` finishes the rows."""
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
@@ -79,7 +110,11 @@ def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, BLOCK_N: tl.constexpr, BLOCK_
         g = y.to(Y.dtype.element_ty).to(tl.float32)
         u = tl.sum(acc_u, 1).to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nmask)
+    if ROPE:
+        _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, NQ, NK,
+                    BLOCK_N, HEAD, HALF)  # fmt: skip
+    else:
+        tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 
 @triton.jit

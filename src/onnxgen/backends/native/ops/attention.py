@@ -171,6 +171,10 @@ def _gqa(node: Node) -> Fn:
         scale = scale_attr or 1.0 / math.sqrt(d)
         if bias is not None:
             bias, = same_device(ctx, bias)  # fmt: skip
+        if key is None and layer in ctx.prepared:  # the QKV product rotated q and k and wrote k and v
+            q = query[..., : n * d].reshape(b, s, n, d).transpose(1, 2)
+            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
+            return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if key is None and do_rotary and qnw is None:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
             assert ctx.static or ctx.paged is not None or ctx.pos0 + s <= ctx.kv.capacity

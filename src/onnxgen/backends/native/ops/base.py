@@ -57,6 +57,7 @@ class RunCtx:
         self.last = last  # int64 on the device: the tokens whose logits are wanted (None: the last)
         self.paged = paged  # a ragged batch over the paged pool (`native.paged.PagedStep`), or None
         self.static = past is not None if static is None else static  # static shapes: a graph can capture it
+        self.prepared: set[int] = set()  # layers whose QKV product rotated q, k and wrote k, v (`_qkv_rope`)
 
 
 def forbid_static(ctx: RunCtx | None, why: str) -> None:

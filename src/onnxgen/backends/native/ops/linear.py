@@ -25,13 +25,35 @@ def _matmul(node: Node) -> Fn:
 def _linear(node: Node) -> Fn:
     """MatMul / MatMulNBits / Gemm with a constant weight, rewritten by the lowering.
 
-    The weight input is either `[K, N]` (CPU: `x @ w`) or `[N, K]` (`transposed`, CUDA: `F.linear`)."""
+    The weight input is either `[K, N]` (CPU: `x @ w`) or `[N, K]` (`transposed`, CUDA: `F.linear`). With
+    `_rope` (the lowering's `_rope_into_qkv`: a layer's packed QKV, rotation pairs in adjacent rows; inputs
+    4 and 5 the rotary tables) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`)."""
     transposed = bool(node.attr("_transposed", 0))
+    qkv = node.attr("_rope", None)
 
-    def f(ctx: Any, x: Any, w: Any, bias: Any = None) -> tuple[Any, ...]:
+    def f(ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
+        if qkv is not None and transposed and bias is None:
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
+            if done is not None:
+                return (done[0],)
         return (_product(x, w, bias, transposed),)
 
     return f
+
+
+def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any, sin: Any,
+              norm: tuple[Any, Any, float] | None) -> tuple[Any, Any] | None:  # fmt: skip
+    """A one-token step's QKV product with rotary and the KV write (`kernels.linear_rope`), recorded in
+    `ctx.prepared` so the layer's attention takes q as it is and writes nothing; None when not fused."""
+    layer, n, hkv, d = qkv
+    if ctx is None or ctx.kv is None or ctx.n != 1 or ctx.positions is None:
+        return None
+    slot = ctx.paged.slots if ctx.paged is not None else ctx.positions
+    rope = kernels.Rope(cos, sin, ctx.positions, slot, ctx.kv, layer, n, hkv, d)
+    out = kernels.linear_rope(x, w, rope, norm)
+    if out is not None:
+        ctx.prepared.add(layer)
+    return out
 
 
 def _product(x: Any, w: Any, bias: Any, transposed: bool) -> Any:
@@ -61,12 +83,18 @@ def _linear_silu_mul(node: Node) -> Fn:
 
 def _rms_linear(node: Node) -> Fn:
     """`(Skip)SimplifiedLayerNormalization` followed by the Linear / LinearSiluMul that alone reads its
-    output: outputs (the product, the residual sum `x + skip` or None). The same values as the two ops."""
+    output: outputs (the product, the residual sum `x + skip` or None). The same values as the two ops.
+    `_rope`: as `_linear`'s."""
     transposed = bool(node.attr("_transposed", 0))
     silu = bool(node.attr("silu", 0))
     eps = float(node.attr("epsilon", 1e-5))
+    qkv = node.attr("_rope", None)
 
-    def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any) -> tuple[Any, ...]:
+    def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
+        if qkv is not None and transposed:
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, (skip, nw, eps))
+            if done is not None:
+                return done
         if transposed and not _upcast_cpu_matmul(x):
             return kernels.rms_linear(x, skip, nw, eps, w, silu)
         h, s = kernels.rms_norm(x, skip, nw, eps)
