@@ -40,7 +40,7 @@ def main() -> int:
     import torch
 
     import onnxgen
-    from _util import machine, table
+    from _util import interleave, machine, table
 
     torch.set_num_threads(args.threads)
     native = onnxgen.load(backend="native", max_running=args.clients)
@@ -64,11 +64,7 @@ def main() -> int:
     contenders = {"native, concurrent": concurrent, "native, serial": serial(native), "ort, serial": serial(ort)}
     for go in contenders.values():  # warm-up
         go()
-    runs: dict[str, list[float]] = {k: [] for k in contenders}
-    names = list(contenders)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            runs[name].append(contenders[name]())
+    runs = interleave(args.rounds, contenders)
     base = statistics.median(runs["native, serial"])
     rows = [[k, f"{statistics.median(v):.1f}", f"{min(v):.1f}-{max(v):.1f}", f"{statistics.median(v) / base:.2f}x"]
             for k, v in runs.items()]  # fmt: skip

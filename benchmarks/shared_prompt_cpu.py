@@ -43,7 +43,7 @@ def main() -> int:
     import torch
 
     import onnxgen
-    from _util import machine, table
+    from _util import interleave, machine, table
 
     torch.set_num_threads(args.threads)
     models = {"sharing": onnxgen.load(backend="native", max_running=args.clients),
@@ -72,11 +72,7 @@ def main() -> int:
     contenders = {name: round_of(m) for name, m in models.items()}
     for go in contenders.values():  # warm-up
         go()
-    runs: dict[str, list[tuple]] = {k: [] for k in contenders}
-    names = list(contenders)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            runs[name].append(contenders[name]())
+    runs = interleave(args.rounds, contenders)
     same = all(a[4] == b[4] for a, b in zip(runs["sharing"], runs["no sharing"], strict=True))
     base = statistics.median(x[0] for x in runs["no sharing"])
     rows = []
