@@ -106,18 +106,12 @@ class KVManager:
         positions, in pages of its own)."""
         m = self.index.match(digest, tokens, len(tokens) - 1)
         shared = self._inflight_share(tokens, inflight, m.length) if digest is not None else None
+        table = PageTable(digest, list(shared if shared is not None else m.pages))
+        self.allocator.incref(table.pages)
+        cached = len(table.pages) * self.page_size
         if shared is not None:
-            self.allocator.incref(shared)
-            cached = len(shared) * self.page_size
-            self.counters.lookups += 1
-            self.counters.looked_up_tokens += len(tokens)
-            self.counters.hit_tokens += cached
             self.counters.inflight_hits += 1
-            return PageTable(digest, list(shared)), cached
-        table = PageTable(digest, list(m.pages))
-        self.allocator.incref(m.pages)
-        cached = len(m.pages) * self.page_size
-        if m.partial_page is not None and m.partial_len > 0:
+        elif m.partial_page is not None and m.partial_len > 0:
             try:
                 (page,) = self._alloc(1)
             except OutOfPages:
@@ -135,15 +129,17 @@ class KVManager:
     def _inflight_share(self, tokens: Sequence[int], inflight: Sequence[InFlight], have: int) -> Sequence[int] | None:
         """The leading full pages of the running request that computed the most of `tokens` (at most
         `len(tokens) - 1` positions), when that beats the `have` positions the index supplies; else None."""
-        most = (len(tokens) - 1) // self.page_size
+        P = self.page_size
+        most = (len(tokens) - 1) // P
         best: Sequence[int] | None = None
+        floor = have  # positions the best source so far supplies
         for other, computed, pages in inflight:
-            k = min(most, computed // self.page_size, len(pages))
-            if k * self.page_size <= max(have, len(best or ()) * self.page_size):
+            k = min(most, computed // P, len(pages))
+            if k * P <= floor:
                 continue
-            k = common_pages(tokens, other, k, self.page_size)
-            if k * self.page_size > max(have, len(best or ()) * self.page_size):
-                best = pages[:k]
+            k = common_pages(tokens, other, k, P)
+            if k * P > floor:
+                best, floor = pages[:k], k * P
         return best
 
     def grow(self, table: PageTable, total: int) -> bool:
