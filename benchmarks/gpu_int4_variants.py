@@ -123,41 +123,30 @@ def main():
     b, s = ws[0][4]
     ref = x[14336].float() @ dequant_matmul_nbits(b, s, None, 14336, 4096, 4, 32, torch.float32).T
 
-    def run_v3(cfg, pdl, b, s, n, k):
-        bn, nblk, nw = cfg
-        v3[(triton.cdiv(n, bn),)](
-            x[k],
-            b,
-            s,
-            ys[n],
-            k,
-            n,
-            k // 32,
-            BLOCK=32,
-            BLOCK_N=bn,
-            NBLK=nblk,
-            PDL=pdl,
-            num_warps=nw,
-            **({"launch_pdl": True} if pdl else {}),
-        )
+    def launcher(kernel, knob):
+        """v2 and v3 take the same arguments; the second number of their configs is `knob`."""
 
-    def run_v2(cfg, pdl, b, s, n, k):
-        bn, by, nw = cfg
-        v2[(triton.cdiv(n, bn),)](
-            x[k],
-            b,
-            s,
-            ys[n],
-            k,
-            n,
-            k // 32,
-            BLOCK=32,
-            BLOCK_N=bn,
-            BYTES=by,
-            PDL=pdl,
-            num_warps=nw,
-            **({"launch_pdl": True} if pdl else {}),
-        )
+        def run(cfg, pdl, b, s, n, k):
+            bn, extra, nw = cfg
+            kernel[(triton.cdiv(n, bn),)](
+                x[k],
+                b,
+                s,
+                ys[n],
+                k,
+                n,
+                k // 32,
+                BLOCK=32,
+                BLOCK_N=bn,
+                PDL=pdl,
+                num_warps=nw,
+                **{knob: extra},
+                **({"launch_pdl": True} if pdl else {}),
+            )
+
+        return run
+
+    run_v3, run_v2 = launcher(v3, "NBLK"), launcher(v2, "BYTES")
 
     def run_v1(cfg, pdl, b, s, n, k):
         bn, blocks, nw = cfg
