@@ -70,7 +70,7 @@ def prefill() -> None:
     base_ms, want = per_layer(lambda layer: paged.attention_triton(ps, layer, q, scale))
     rows = []
     for tile in TILES:
-        for ns in (None, 3, 4, 5, 6, 8):
+        for ns in (None, 3, 4, 6, 8, 11, 16, 22):
             ms, got = per_layer(
                 lambda layer: paged.attention_triton(ps, layer, q, scale, nsplit=ns, tile=tile)
             )

@@ -110,7 +110,7 @@ def test_at_run_time_only_the_kv_manager_changes_pages(tiny_dir, monkeypatch):
 
     allowed = {
         PageAllocator: ({"alloc", "incref", "decref"}, ("onnxgen/kv/manager.py", "onnxgen/kv/prefix.py")),
-        PrefixIndex: ({"insert", "evict", "pin", "unpin", "clear"},
+        PrefixIndex: ({"insert", "insert_path", "evict", "pin", "unpin", "clear"},
                       ("onnxgen/kv/prefix.py", "onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
         KVManager: ({"open", "grow", "commit", "release"}, ("onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
     }  # fmt: skip
@@ -148,7 +148,7 @@ def test_at_run_time_only_the_kv_manager_changes_pages(tiny_dir, monkeypatch):
     m.generate(base, max_new_tokens=2, reuse=False)
     b.clear()
     m.close()
-    assert {"PageAllocator.alloc", "PrefixIndex.insert", "PrefixIndex.pin", "PrefixIndex.unpin",
+    assert {"PageAllocator.alloc", "PrefixIndex.insert_path", "PrefixIndex.pin", "PrefixIndex.unpin",
             "KVManager.open", "KVManager.commit", "KVManager.release"} <= seen  # fmt: skip
     assert bad == []
 

@@ -94,6 +94,22 @@ def test_token_id_prompts_are_checked_against_the_vocabulary(tiny):
             tiny.generate(prompt, max_new_tokens=1)
 
 
+@pytest.mark.parametrize("backend", ["ort", "native"])
+def test_a_session_turn_checks_the_ids_past_its_history(tiny_dir, backend):
+    """A turn whose ids start with the session's last context checks only the ids past it (those were
+    checked before), and still names a bad new id, a float or a bool among them."""
+    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1)
+    v, s = m.spec.vocab_size, m.session()
+    r = s.generate([3, 4, 5, 6], max_new_tokens=2)
+    ctx = [3, 4, 5, 6, *r.tokens]
+    with pytest.raises(onnxgen.errors.InvalidRequest, match=rf"token id {v} is outside the vocabulary"):
+        s.generate([*ctx, 7, v], max_new_tokens=1)
+    for bad in (1.5, True, "x"):
+        with pytest.raises(onnxgen.errors.InvalidRequest, match="prompt must be a string"):
+            s.generate([*ctx, bad], max_new_tokens=1)
+    assert s.generate([*ctx, 7, 8], max_new_tokens=1).stats.prompt_tokens == len(ctx) + 2
+
+
 def test_ids_beyond_int64_are_named_and_long_ones_abbreviated(tiny):
     cases = [
         ([5, 2**63], str(2**63)),

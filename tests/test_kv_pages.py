@@ -126,7 +126,8 @@ def test_a_partial_page_is_not_indexed_when_an_indexed_page_starts_with_it() -> 
 
 def test_a_full_page_supersedes_the_partial_leaf_it_extends() -> None:
     """A session's next turn copies its partial last page and fills it: once that full page is indexed the
-    old partial leaf (the same positions, fewer of them) is dropped, unless something still holds it."""
+    old partial leaf (the same positions, fewer of them) is dropped, unless something still holds it; a pin
+    that held it drops it as it goes."""
     alloc, index, kv, store = make()
     t1, _ = run_request(kv, store, D1, list(range(10)))  # pages 0, 1 and a partial page 2 (tokens 8, 9)
     end1 = kv.commit(t1, list(range(10)))
@@ -136,9 +137,14 @@ def test_a_full_page_supersedes_the_partial_leaf_it_extends() -> None:
     kv.commit(t2, list(range(14)))
     assert end1.page in index.pages(), "a pinned partial leaf stays"
     index.unpin(end1)
-    t3, _ = run_request(kv, store, D1, list(range(20)))  # another full page 2' extends the partial leaf
-    kv.commit(t3, list(range(20)))
-    assert end1.page not in index.pages() and alloc.refs(end1.page) == 0
+    assert end1.page not in index.pages() and alloc.refs(end1.page) == 0, "unpinned: superseded, dropped"
+    check(alloc, index)
+    t3, _ = run_request(kv, store, D1, list(range(9)))  # a partial leaf (8) under the full page (8..11)
+    end3 = kv.commit(t3, list(range(9)))
+    assert end3.tokens == (8, 9, 10, 11), "an indexed full page that starts with the tokens is the end"
+    t4, _ = run_request(kv, store, D1, list(range(6)))  # a partial leaf (4, 5) that no full page supersedes...
+    end4 = kv.commit(t4, list(range(6)))
+    assert end4.tokens == (4, 5, 6, 7)  # ...is none: page 1 (4..7) already starts with it
     check(alloc, index)
 
 
@@ -305,3 +311,56 @@ def _lcp(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+# --- property: a lookup or an insertion that starts at an anchor answers as one from the root ------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 3), min_size=0, max_size=9), st.booleans()),
+                min_size=1, max_size=20))  # fmt: skip
+def test_anchored_turns_index_exactly_what_walks_from_the_root_index(ops) -> None:
+    """Conversations (three of them, by `who`) grow turn by turn; the anchored twin opens and commits each
+    turn from its conversation's last anchor (a session's), the plain twin from the root: every table,
+    cached count, reference count and indexed page is the same, and the anchor spells the committed tokens."""
+    twins = [make(200) for _ in range(2)]
+    contexts: dict[int, list[int]] = {}
+    anchors: dict[int, object] = {}
+    for who, new, pinned in ops:
+        tokens = contexts.get(who, []) + [who, *new]
+        seen = []
+        for anchored, (alloc, index, kv, store) in enumerate(twins):
+            start = anchors.get(who) if anchored else None
+            table, cached = kv.open(D1, tokens, start=start)
+            assert kv.grow(table, len(tokens))
+            store.write(table, cached, tokens[cached:])
+            seen.append((list(table.pages), cached))
+            end = kv.commit(table, tokens)
+            a = table.anchor
+            assert a is not None and store.read(PageTable(D1, list(a.pages)), len(a.pages) * P) == tokens[: len(a.pages) * P]
+            assert len(a.pages) == len(tokens) // P, "the anchor is the last full page"
+            if pinned:  # a session that lets go at once: a superseded partial leaf goes
+                index.pin(end)
+                index.unpin(end)
+            if anchored:
+                anchors[who] = a
+            check(alloc, index)
+        assert seen[0] == seen[1], "the same pages and cached positions"
+        contexts[who] = tokens
+    (a0, i0, _, _), (a1, i1, _, _) = twins
+    assert i0.pages() == i1.pages() and [a0.refs(p) for p in range(200)] == [a1.refs(p) for p in range(200)]
+
+
+def test_bulk_reference_counts_agree_with_single_steps() -> None:
+    """Tables of more than 32 pages are counted in one vectorised pass: the same counts, frees and errors."""
+    alloc = PageAllocator(100)
+    pages = alloc.alloc(40)
+    alloc.incref(pages)
+    assert alloc.num_shared == 40 and all(alloc.refs(p) == 2 for p in pages)
+    assert alloc.decref(pages) == [] and alloc.num_shared == 0
+    assert alloc.decref(pages) == pages and alloc.num_free == 100
+    with pytest.raises(AssertionError, match="free page"):
+        alloc.decref(pages)
+    with pytest.raises(AssertionError, match="free page"):
+        alloc.incref(pages)
+    alloc.check_integrity()  # the failed calls changed nothing

@@ -53,6 +53,13 @@ def _all_ints(seq: Sequence[Any]) -> bool:
     """True when every element is a plain int (bool excluded); fast for long lists of ids."""
     return set(map(type, seq)) <= {int}
 
+
+def _held_prefix(ids: Sequence[Any], held: Sequence[int]) -> int:
+    """len(held) when `ids` starts with `held` (a session's last context: ids that were checked when they were
+    given or generated, so a growing conversation's prompt is checked for its new ids only), else 0."""
+    n = len(held)
+    return n if 0 < n <= len(ids) and tuple(ids[:n]) == tuple(held) else 0
+
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
 
@@ -212,7 +219,8 @@ class Engine:
         text of a prefix of `held` (an earlier turn and the reply the model generated), that prefix is kept
         as it is and only the rest is encoded, when that keeps more of `held` than plain encoding does: a
         reply's text does not always re-tokenize into the ids that were sampled, and the model has seen
-        its own ids (`Tokenizer.encode_after`). `tools`: OpenAI-style tool definitions the chat template
+        its own ids (`Tokenizer.encode_after`). Token ids that start with exactly `held` are checked past it
+        only (`held`'s were checked when they were given or generated). `tools`: OpenAI-style tool definitions the chat template
         sees (messages with `tool_calls` and `role: "tool"` are prepared by `onnxgen.text.tools`)."""
         if isinstance(prompt, str):
             if tools:
@@ -235,19 +243,19 @@ class Engine:
                 kept = self.tokenizer.encode_after(text, held)
                 if reuse_policy.common_prefix(kept, held) > reuse_policy.common_prefix(ids, held):
                     ids = kept
-        elif isinstance(prompt, Sequence) and _all_ints(prompt):
+        elif isinstance(prompt, Sequence) and _all_ints(prompt[(known := _held_prefix(prompt, held)) :]):
             if tools:
                 raise InvalidRequest("tools need a chat prompt (a list of messages), not token ids", field="tools")
             ids = list(prompt)
-            try:
-                arr = np.asarray(ids, dtype=np.int64)  # NOTE: vectorised: prompts may hold many thousand ids
+            try:  # NOTE: vectorised: prompts may hold many thousand ids (those equal to `held`'s were checked)
+                arr = np.asarray(ids[known:], dtype=np.int64)
             except OverflowError:  # an id beyond int64
                 big = str(next(i for i in ids if not -(2**63) <= i < 2**63))
                 big = big if len(big) <= 24 else f"{big[:12]}...({len(big)} digits)"
                 raise InvalidRequest(
                     f"token id {big} is outside the vocabulary [0, {self.spec.vocab_size})", field="prompt"
                 ) from None
-            if ids and (arr.min() < 0 or arr.max() >= self.spec.vocab_size):
+            if arr.size and (arr.min() < 0 or arr.max() >= self.spec.vocab_size):
                 bad = int(arr[(arr < 0) | (arr >= self.spec.vocab_size)][0])
                 raise InvalidRequest(
                     f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})", field="prompt"

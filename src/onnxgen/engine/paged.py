@@ -8,9 +8,10 @@ join the index (`finish`), so any later request with the same identity and prefi
 turn of the same session, or another session under the same system prompt. A failed, cancelled or
 preempted request only releases its pages: nothing of it is ever indexed (docs/reuse.md, invariant 3).
 
-A session keeps `Pinned(node, identity)`: a pin on the end of its last context's path in the index, so
-the pages of that context stay while the session does; the next turn matches them exactly as a retained
-decoder would.
+A session keeps `Pinned(node, identity, anchor)`: a pin on the end of its last context's path in the
+index, so the pages of that context stay while the session does; the next turn matches them exactly as a
+retained decoder would, and when its tokens start with that context (a conversation growing), the lookup
+and the indexing start at the context's last full page: a turn costs its new tokens, not its context.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ from onnxgen.engine.request import Request
 from onnxgen.engine.scheduler import Chunk
 from onnxgen.kv.manager import InFlight, KVManager, PageTable, common_pages
 from onnxgen.kv.pages import PageAllocator
-from onnxgen.kv.prefix import Node, PrefixIndex
+from onnxgen.kv.prefix import Anchor, Node, PrefixIndex
 from onnxgen.sampling.choice import RowChooser
 
 
 @dataclass(frozen=True)
 class Pinned:
-    """A session's hold on the pages of its last context: the pinned end of its path, and what it holds."""
+    """A session's hold on the pages of its last context: the pinned end of its path, what it holds, and the
+    anchor of the path's last full page (`kv.prefix.Anchor`)."""
 
     node: Node
     identity: Identity
+    anchor: Anchor | None = None
 
 
 @dataclass
@@ -71,12 +74,24 @@ class PagedKV:
         peers = self._running.get(digest, ()) if digest is not None else ()
         inflight = [InFlight(r.prompt if r.computed <= len(r.prompt) else r.tokens, r.computed, r.kv.pages)
                     for r in peers]  # fmt: skip
-        table, cached = self.kv.open(digest, req.tokens, inflight)
+        table, cached = self.kv.open(digest, req.tokens, inflight, self._anchor(req, digest))
         req.kv = table
         req.computed = cached
         if digest is not None:
             self._running.setdefault(digest, []).append(req)
         return True
+
+    def _anchor(self, req: Request, digest: bytes | None) -> Anchor | None:
+        """The anchor of the context the request's session holds, when the request's tokens start with that
+        context's full pages (compared here: the index walks on from the anchor without looking back)."""
+        held = req.held
+        if not isinstance(held, Pinned) or held.anchor is None or digest != held.identity.digest:
+            return None
+        n = len(held.anchor.pages) * self.page_size
+        tokens = req.prompt
+        if n == 0 or len(tokens) <= n or tuple(tokens[:n]) != held.identity.tokens[:n]:
+            return None
+        return held.anchor
 
     def defer(self, req: Request) -> bool:
         """Whether `req` should wait rather than be admitted now: a running request of its identity is still
@@ -174,7 +189,7 @@ class PagedKV:
             return None
         self.index.pin(node)
         self.pinned_sessions += 1
-        return Pinned(node, Identity(tuple(fed), req.digest))
+        return Pinned(node, Identity(tuple(fed), req.digest), table.anchor)
 
     def drop(self, state: Pinned | None) -> None:
         """A session lets go of its context: unpin it (its pages stay indexed until evicted)."""

@@ -4,12 +4,14 @@ It puts the page allocator (`kv/pages.py`), the prefix index (`kv/prefix.py`) an
 (`kv/storage.py`) together behind four calls a scheduler makes for each request:
 
     table, cached = kv.open(digest, tokens)   # share the longest indexed prefix (capped at len - 1),
+                                              # (from an `Anchor` the tokens start with, if given),
                                               # copy a partly matched page (copy on write); or, when
                                               # longer, the full pages a running request of the same
                                               # identity has computed for the same tokens (`InFlight`)
     kv.grow(table, total)                     # pages for positions [0, total); evicts LRU leaves when
                                               # short; False (nothing changed) when even that is not enough
-    node = kv.commit(table, tokens)           # on success only: index the request's pages, drop its hold
+    node = kv.commit(table, tokens)           # on success only: index the request's pages, drop its hold;
+                                              # `table.anchor`: the committed path's, for the next turn
     kv.release(table)                         # on failure, cancellation or preemption: drop its hold;
                                               # nothing of the request becomes visible
 
@@ -26,7 +28,7 @@ from typing import NamedTuple, Protocol
 
 from onnxgen.errors import OutOfPages
 from onnxgen.kv.pages import PageAllocator
-from onnxgen.kv.prefix import Node, PrefixIndex
+from onnxgen.kv.prefix import Anchor, Node, PrefixIndex
 
 
 class PageCopier(Protocol):
@@ -37,10 +39,12 @@ class PageCopier(Protocol):
 @dataclass
 class PageTable:
     """The pages one request holds, in position order, under its identity digest (None: undigestable,
-    never matched or indexed)."""
+    never matched or indexed). `anchor`: the deepest full indexed page its leading pages are (set by `open`
+    when they came from the index, so `commit` walks only the rest; after `commit`, the committed path's)."""
 
     digest: bytes | None
     pages: list[int] = field(default_factory=list)
+    anchor: Anchor | None = None
 
     def slots(self, start: int, n: int, page_size: int) -> list[int]:
         """Slot ids (page * page_size + offset) of positions [start, start + n)."""
@@ -95,18 +99,21 @@ class KVManager:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def open(self, digest: bytes | None, tokens: Sequence[int],
-             inflight: Sequence[InFlight] = ()) -> tuple[PageTable, int]:  # fmt: skip
+    def open(self, digest: bytes | None, tokens: Sequence[int], inflight: Sequence[InFlight] = (),
+             start: Anchor | None = None) -> tuple[PageTable, int]:  # fmt: skip
         """A page table for a request over `tokens`, sharing the longest indexed prefix of at most
         `len(tokens) - 1` tokens (at least one token is always computed). Returns the table and how many
         leading positions it already holds. A partly matched page is copied into a new page when one can
         be had; otherwise the match stops at the last full page. `inflight`: running requests of the same
         identity; when one has computed more full pages of the same tokens than the index holds, those
         pages are shared instead (they are never written again: their holder writes past its computed
-        positions, in pages of its own)."""
-        m = self.index.match(digest, tokens, len(tokens) - 1)
+        positions, in pages of its own). `start`: an anchor of the index whose path `tokens` begin with (the
+        caller checked; a session's last context): the lookup begins there."""
+        m = self.index.match(digest, tokens, len(tokens) - 1, start)
         shared = self._inflight_share(tokens, inflight, m.length) if digest is not None else None
         table = PageTable(digest, list(shared if shared is not None else m.pages))
+        if shared is None and m.node is not None:
+            table.anchor = Anchor(m.node, m.pages)
         self.allocator.incref(table.pages)
         cached = len(table.pages) * self.page_size
         if shared is not None:
@@ -160,7 +167,7 @@ class KVManager:
         pin), or None when nothing was indexed (undigestable identity or no tokens)."""
         node = None
         if table.digest is not None and tokens:
-            node = self.index.insert(table.digest, tokens, table.pages)
+            node, table.anchor = self.index.insert_path(table.digest, tokens, table.pages, table.anchor)
         self.release(table)
         return node
 

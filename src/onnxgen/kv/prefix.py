@@ -17,6 +17,15 @@ done by `kv/manager.py`) and never writes into the indexed one.
 request's pages (the index takes one reference on each page it keeps), `pin`/`unpin` protect a node and
 so its whole path (a session pins the end of its last context), and `evict` frees least recently used
 leaves that nothing else holds. The index never allocates: pages come from the caller.
+
+Recency: a lookup or an insertion stamps the deepest node it reaches (and a partly matched leaf); a node
+whose last child is removed inherits the child's stamp if it is newer. Only leaves are evicted, so a node's
+recency matters only once it is a leaf, and by then it carries the newest stamp of its former subtree:
+eviction order is least recently used, without walking a long path on every lookup.
+
+An `Anchor` (a full-page node and its path's pages) lets a caller whose tokens are known to start with that
+path (a session's next turn starts with its last context) look up and insert from there: a turn of a long
+conversation then costs its new pages, not its whole context.
 """
 
 from __future__ import annotations
@@ -54,6 +63,15 @@ class Node:
             n += len(node.tokens)
             node = node.parent
         return n
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A node whose tokens fill its page (or a root), and the pages of its path from the root in order (its
+    own page last): where `match` and `insert` may start for tokens that begin with the path's tokens."""
+
+    node: Node
+    pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -98,29 +116,36 @@ class PrefixIndex:
 
     # --- lookup ------------------------------------------------------------------------------------
 
-    def match(self, digest: bytes | None, tokens: Sequence[int], limit: int | None = None) -> Match:
+    def match(self, digest: bytes | None, tokens: Sequence[int], limit: int | None = None,
+              start: Anchor | None = None) -> Match:  # fmt: skip
         """The longest indexed prefix of `tokens[:limit]` under `digest` (None: undigestable, matches
-        nothing). Marks the matched path as recently used. Changes no reference counts."""
+        nothing). Marks the matched end as recently used. Changes no reference counts. `start`: an anchor
+        under `digest` whose path `tokens` are known to begin with (the caller checked); the walk begins
+        there (ignored when the limit ends before it)."""
         P = self.page_size
         end = len(tokens) if limit is None else max(0, min(limit, len(tokens)))
         root = self._roots.get(digest) if digest is not None else None
         if root is None or end == 0:
             return Match((), None, 0, None, P)
         stamp = next(self._clock)
-        node, pages = root, []
-        deepest: Node | None = None
-        partial_page, partial_len = None, 0
         full = end // P
-        it = iter(tokens[: full * P])
+        node, pages, deepest = root, [], None
+        if start is not None and 0 < len(start.pages) <= full:
+            assert start.node.digest == digest and len(start.node.tokens) == P, "an anchor of another path"
+            node = deepest = start.node
+            pages = list(start.pages)
+        i = len(pages)
+        it = iter(tokens[i * P : full * P])
         for chunk in zip(*[it] * P, strict=False):  # the full pages' token tuples, built in one pass
             child = node.children.get(chunk)
             if child is None:
                 break
-            child.stamp = stamp
             pages.append(child.page)
             node = deepest = child
+        node.stamp = stamp
         i = len(pages)
         chunk = tuple(tokens[i * P : min((i + 1) * P, end)])
+        partial_page, partial_len = None, 0
         if chunk:  # the first page that is not wholly indexed: the longest partial match among the children
             best = None, 0
             for cand in node.children.values():
@@ -130,7 +155,6 @@ class PrefixIndex:
             if best[0] is not None:
                 best[0].stamp = stamp
                 partial_page, partial_len = best[0].page, best[1]
-        self._touch_ancestors(node, stamp)
         return Match(tuple(pages), partial_page, partial_len, deepest, P)
 
     # --- insertion ---------------------------------------------------------------------------------
@@ -141,22 +165,37 @@ class PrefixIndex:
         index does take gets one reference. A partial last page is indexed as a leaf unless an indexed
         page already starts with its tokens. Returns the node at the end of the path (to pin), or the
         digest's root when `tokens` is empty."""
+        return self.insert_path(digest, tokens, pages)[0]
+
+    def insert_path(self, digest: bytes, tokens: Sequence[int], pages: Sequence[int],
+                    start: Anchor | None = None) -> tuple[Node, Anchor]:  # fmt: skip
+        """`insert`, beginning at `start` (an anchor under `digest` whose path `tokens` begin with, and
+        whose pages `pages` begin with: the request matched them), and also returning the anchor of the
+        path's last full page covered by `tokens` (where the next lookup of a longer context may start)."""
         P = self.page_size
         need = -(-len(tokens) // P)
         assert len(pages) >= need, f"{len(tokens)} tokens need {need} pages, got {len(pages)}"
         stamp = next(self._clock)
-        node = self._roots.get(digest)
-        if node is None:
-            node = self._roots[digest] = Node(digest, -1, (), None)
         full = len(tokens) // P
-        chunks = itertools.chain(zip(*[iter(tokens[: full * P])] * P, strict=False),
+        if start is not None and len(start.pages) <= full and start.node.parent is not None:
+            assert start.node.digest == digest, "an anchor of another identity"
+            node, path = start.node, list(start.pages)
+        else:
+            node = self._roots.get(digest)
+            if node is None:
+                node = self._roots[digest] = Node(digest, -1, (), None)
+            path = []
+        i0 = len(path)
+        last_full = node  # the last node walked whose page is full (or the start)
+        chunks = itertools.chain(zip(*[iter(tokens[i0 * P : full * P])] * P, strict=False),
                                  [tuple(tokens[full * P :])] if need > full else [])  # fmt: skip
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(chunks, i0):
             child = node.children.get(chunk)
             if child is None and len(chunk) < P:
                 child = next((c for c in node.children.values() if c.tokens[: len(chunk)] == chunk), None)
             if child is None:
                 child = Node(digest, pages[i], chunk, node)
+                child.stamp = stamp
                 self.allocator.incref([pages[i]])
                 node.children[chunk] = child
                 self._leaves.discard(node)
@@ -164,10 +203,12 @@ class PrefixIndex:
                 self.num_nodes += 1
             if len(chunk) == P and len(node.children) > 1:
                 self._drop_superseded(node, chunk)
-            child.stamp = stamp
             node = child
-        self._touch_ancestors(node, stamp)
-        return node
+            if len(chunk) == P:
+                path.append(child.page)
+                last_full = child
+        node.stamp = stamp
+        return node, Anchor(last_full, tuple(path))
 
     # --- pins and eviction -------------------------------------------------------------------------
 
@@ -176,8 +217,15 @@ class PrefixIndex:
         node.pins += 1
 
     def unpin(self, node: Node) -> None:
+        """Drop one pin. A partial leaf that a full page of the same tokens has superseded meanwhile (a
+        session's last page, completed by its next turn) goes at once when nothing else holds it."""
         assert node.pins > 0, "unpin of a node that is not pinned"
         node.pins -= 1
+        parent = node.parent
+        if (node.pins == 0 and parent is not None and len(node.tokens) < self.page_size and self._evictable(node)
+                and any(len(k) > len(node.tokens) and k[: len(node.tokens)] == node.tokens for k in parent.children)):  # fmt: skip
+            self._remove_leaf(node)
+            self.allocator.decref([node.page])
 
     def _evictable(self, node: Node) -> bool:
         return (not node.children and not node.is_root and node.pins == 0
@@ -218,6 +266,7 @@ class PrefixIndex:
         parent = leaf.parent
         assert parent is not None and not leaf.children
         del parent.children[leaf.tokens]
+        parent.stamp = max(parent.stamp, leaf.stamp)  # a node's recency: the newest of its former subtree
         self._leaves.discard(leaf)
         self.num_nodes -= 1
         leaf.parent = None
@@ -228,12 +277,6 @@ class PrefixIndex:
         if not parent.children:
             self._leaves.add(parent)
         return parent
-
-    @staticmethod
-    def _touch_ancestors(node: Node, stamp: int) -> None:
-        while node is not None and node.stamp != stamp:
-            node.stamp = stamp
-            node = node.parent  # type: ignore[assignment]
 
     # --- inspection --------------------------------------------------------------------------------
 

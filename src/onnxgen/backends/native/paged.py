@@ -137,13 +137,18 @@ Tile = tuple[int, int, int, int]  # rows per program (BLOCK_M), keys per block (
 LARGE_ROWS = 64  # work items of more query rows (prefill chunks) may take the large tile
 
 
-def tile_for(rows: int, fewest: int, group: int, d: int) -> Tile:
+def tile_for(rows: int, fewest: int, group: int, d: int, fp32: bool = False) -> Tile:
     """The attention kernel's tile for a step whose sequences feed `fewest`..`rows` query rows (`group` query
     heads per KV head x tokens) of head size `d`: decode-size items take 16..64 rows of 64 keys (4 warps);
     a step of prefill chunks only (more than `LARGE_ROWS` rows each) takes 128 x 128 with 8 warps, 3 stages
     deep (on the H200, 80 tokens after 8,000 cached, 8B shape: 53 us per layer against 64 for 64 x 64 and
     64 for PyTorch's flash attention, `benchmarks/gpu_paged_attention.py`). A step that mixes decodes with
-    chunks keeps the decode tile: a 128-row tile would compute 4-row decodes 32 times over."""
+    chunks keeps the decode tile: a 128-row tile would compute 4-row decodes 32 times over. float32 (`fp32`,
+    IEEE products) always takes 64 x 64, 2 stages: on the H200 (Triton 3.6) a 32-row fp32 tile with a
+    sliding window computed wrong scores (`tests/test_paged_attention.py`, 37/100/300 keys, window 8), and
+    128 x 128 x 3 stages of fp32 overflows shared memory at d = 128."""
+    if fp32:
+        return 64, 64 if d <= 128 else 32, 4, 2
     if fewest > LARGE_ROWS and d <= 128:
         return 128, 128, 8, 3
     return min(64, max(16, 1 << (rows - 1).bit_length())), 64 if d <= 128 else 32, 4, 2 if rows <= group else 3
@@ -180,7 +185,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     hkv = kpool.shape[2]
     g = n // hkv
     rows = [g * (b - a) for a, b in zip(ps.q_starts, ps.q_starts[1:], strict=False)]
-    block_m, block_n, warps, stages = tile or tile_for(max(rows), min(rows), g, d)
+    block_m, block_n, warps, stages = tile or tile_for(max(rows), min(rows), g, d, q.dtype == torch.float32)
     dp = max(16, 1 << (d - 1).bit_length())
     work = ps.work(g, block_m)
     w = work.shape[0]
