@@ -217,15 +217,17 @@ class PrefixIndex:
         node.pins += 1
 
     def unpin(self, node: Node) -> None:
-        """Drop one pin. A partial leaf that a full page of the same tokens has superseded meanwhile (a
-        session's last page, completed by its next turn) goes at once when nothing else holds it."""
+        """Drop one pin. A partial leaf that a longer page of the same tokens has superseded meanwhile (a
+        session's last page, completed by its next turn) goes at once when nothing else holds it
+        (`_drop_superseded`)."""
         assert node.pins > 0, "unpin of a node that is not pinned"
         node.pins -= 1
         parent = node.parent
-        if (node.pins == 0 and parent is not None and len(node.tokens) < self.page_size and self._evictable(node)
-                and any(len(k) > len(node.tokens) and k[: len(node.tokens)] == node.tokens for k in parent.children)):  # fmt: skip
-            self._remove_leaf(node)
-            self.allocator.decref([node.page])
+        if node.pins == 0 and parent is not None and len(node.tokens) < self.page_size:
+            longer = next((k for k in parent.children if len(k) > len(node.tokens) and k[: len(node.tokens)] == node.tokens),
+                          None)  # fmt: skip
+            if longer is not None:  # indexed positions that hold the same tokens and more
+                self._drop_superseded(parent, longer)
 
     def _evictable(self, node: Node) -> bool:
         return (not node.children and not node.is_root and node.pins == 0
