@@ -12,10 +12,10 @@
 #   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
-#   spec    speculative decoding on SmolLM2-135M (real weights): needs /tmp/gg/m.gguf on the host, i.e. the
-#           GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 47 MB each, one per call within the
-#           warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and `accelerate`
-#           packages (with their dist-info) in /tmp/gg/py (speculative-gpu.md)
+#   spec    speculative decoding on SmolLM2-135M (real weights; fp32 and bf16 packages): needs /tmp/gg/m.gguf
+#           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
+#           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
+#           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md)
 # Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
 set -u
 T0=$(date +%s)
@@ -36,11 +36,13 @@ for section in "$@"; do
              --sections throughput,growing,agents,serial 2>&1 | quiet | tail -60 ;;
     paged) timeout 150 python3 benchmarks/gpu_paged_attention.py 2>&1 | grep -v Warning | tail -22 ;;
     int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
-    spec) [ -d /tmp/spkg ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -c \
-            "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/m.gguf /tmp/spkg \
-            --precision bf16 -e cuda -q
-          timeout 300 python3 benchmarks/speculative.py /tmp/spkg --backend native-paged --device cuda --runs 5 \
-            --tokens 128 2>&1 | quiet | tail -12 ;;
+    spec) for prec in fp32 bf16; do  # the default model's precision, and the GPU's usual one
+            [ -d /tmp/spkg_$prec ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -c \
+              "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/m.gguf /tmp/spkg_$prec \
+              --precision $prec -e cuda -q
+            timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
+              --runs 5 --tokens 128 2>&1 | quiet | tail -10
+          done ;;
     *) echo "unknown section $section" ;;
   esac
 done

@@ -138,3 +138,63 @@ def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(dtype: tor
     assert not kv.keys[0][0, :, :5].any() and not kv.keys[0][0, :, 6:].any(), "only the token's slot"
     if norm:
         assert torch.allclose(s.float(), (x.float() + skip.float()), atol=tol)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("norm", [None, "plain", "skip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_rows_are_the_bits_of_one_row_launches(dtype: torch.dtype, norm: str | None, silu: bool) -> None:
+    """A GEMV launch over several rows (a verify step's, `linear(..., rowwise=True)`) gives each row the
+    same bits as a launch of that row alone, for every configuration, with the norm folded in (and its
+    residual sum) or not; the dispatching entry points agree with one-row calls too."""
+    kernels._build()
+    g = torch.Generator().manual_seed(11)
+    n, k, rows = 72, 328, 5
+    w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    x = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE) if norm == "skip" else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    for cfg in CONFIGS:
+        sums = torch.empty_like(x) if res is not None else None
+        got = kernels._gemv(x, w, silu, cfg, None if norm is None else (res, nw, 1e-5, sums))
+        for i in range(rows):
+            s1 = torch.empty_like(x[:, i : i + 1]) if res is not None else None
+            r1 = None if res is None else res[:, i : i + 1]
+            one = kernels._gemv(x[:, i : i + 1], w, silu, cfg, None if norm is None else (r1, nw, 1e-5, s1))
+            assert torch.equal(got[:, i], one[:, 0]), (cfg, i)
+            if res is not None:
+                assert torch.equal(sums[:, i], s1[:, 0])
+    if norm is None:
+        both = kernels.linear(x, w, silu, rowwise=True), [kernels.linear(x[:, i : i + 1], w, silu) for i in range(rows)]
+    else:
+        y, _ = kernels.rms_linear(x, res, nw, 1e-5, w, silu, rowwise=True)
+        both = y, [kernels.rms_linear(x[:, i : i + 1], None if res is None else res[:, i : i + 1], nw, 1e-5, w,
+                                      silu)[0] for i in range(rows)]  # fmt: skip
+    for i in range(rows):
+        assert torch.equal(both[0][:, i], both[1][i][:, 0]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_qkv_rotary_rows_are_the_bits_of_one_row_launches(dtype: torch.dtype) -> None:
+    """`linear_rope(..., rowwise=True)` over a verify step's rows (each its own position and slot) gives the
+    rows, and writes the keys and values, that one-row calls at those positions give."""
+    n, hkv, d, k, rows = 4, 2, 16, 64, 4
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, rows, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn((n + 2 * hkv) * d, k, generator=g) / 8).to(DEVICE, dtype)
+    ang = torch.arange(50.0)[:, None] * (0.7 ** torch.arange(8))[None, :]
+    cos, sin = ang.cos().to(DEVICE, dtype), ang.sin().to(DEVICE, dtype)
+    pos, slot = torch.tensor([20, 21, 22, 23], device=DEVICE), torch.tensor([3, 4, 1, 6], device=DEVICE)
+    skip = torch.randn(1, rows, k, generator=g).to(DEVICE, dtype)
+    nw = (1 + torch.randn(k, generator=g) / 4).to(DEVICE, dtype)
+    kv_all, kv_one = _KV(hkv, 8, d, dtype), _KV(hkv, 8, d, dtype)
+    out = kernels.linear_rope(x, w, kernels.Rope(cos, sin, pos, slot, kv_all, 0, n, hkv, d), (skip, nw, 1e-6),
+                              rowwise=True)  # fmt: skip
+    assert out is not None
+    y, s = out
+    for i in range(rows):
+        one = kernels.linear_rope(x[:, i : i + 1], w, kernels.Rope(cos, sin, pos[i : i + 1], slot[i : i + 1],
+                                  kv_one, 0, n, hkv, d), (skip[:, i : i + 1], nw, 1e-6))  # fmt: skip
+        assert one is not None
+        assert torch.equal(y[:, i], one[0][:, 0]) and torch.equal(s[:, i], one[1][:, 0])
+    assert torch.equal(kv_all.keys[0], kv_one.keys[0]) and torch.equal(kv_all.values[0], kv_one.values[0])

@@ -3,6 +3,7 @@ alone (batch-1 `NativeDecoder` on its own contiguous KV), prefill chunks and dec
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,44 @@ def test_logits_only_for_chunks_that_ask(tiny_dir: Path) -> None:
     got = runner.run(step)
     ref = NativeDecoder(spec).forward([8, 9], 0)
     assert got.shape[0] == 1 and _rel(got[0], ref) <= 1e-5
+
+
+def _verify_rows_are_decode_bits(device: str, dtype: str, tmp_path: Path, graphs: bool) -> None:
+    """Speculative decoding's exactness: a verify step (one sequence, a logits row per fed token) gives each
+    row the bits a one-token decode step at that position gives, so accepting drafts returns plain greedy
+    decoding's tokens. Decode 12 tokens one by one after a 300-token prompt (several key splits), then
+    verify the same tokens at the same positions in chunks of 3, 4 and 5 (graph sizes 4 and 8, padded or not),
+    with another request's decode in the step for the last one."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    cfg = SyntheticConfig(num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,
+                          vocab_size=384, dtype=dtype, context_length=4096)  # fmt: skip
+    spec = load_spec(write_package(tmp_path / "pkg", cfg))
+    runner = NativeRunner(spec, device, kv_bytes=32 << 20, max_batch=2, cuda_graphs=graphs)
+    assert runner.cuda_graphs == graphs
+    toks = _tokens(312, 5, spec.vocab_size)
+    pages, other = list(range(10, 40)), list(range(50, 60))
+    runner.run(BatchStep((SeqChunk(toks[:300], 0, pages), SeqChunk(toks[:20], 0, other))))
+    dec = [runner.run(BatchStep((SeqChunk([toks[p]], p, pages),)))[0].clone() for p in range(300, 312)]
+    start = 300
+    for n in (3, 4, 5):
+        chunks = [SeqChunk(toks[start : start + n], start, pages, n)]
+        if n == 5:
+            chunks.append(SeqChunk([toks[20]], 20, other))
+        got = runner.run(BatchStep(tuple(chunks)))
+        for i in range(n):
+            assert torch.equal(got[i], dec[start - 300 + i]), (n, i)
+        start += n
+
+
+def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) -> None:
+    """The same on the CPU through the Triton kernels (`ONNXGEN_FORCE_TRITON=1` under `TRITON_INTERPRET=1`;
+    skipped elsewhere: the CPU's torch path makes no such promise in low precision)."""
+    from onnxgen.backends.native import kernels
+
+    if not kernels.FORCE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels on the CPU only under TRITON_INTERPRET=1 and ONNXGEN_FORCE_TRITON=1")
+    _verify_rows_are_decode_bits("cpu", "bfloat16", tmp_path, graphs=False)  # (float32 on the CPU: [K, N] torch products)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------
@@ -167,3 +206,10 @@ def test_cuda_verify_steps_replay_graphs_equal_the_cpu_path(tiny_dir: Path) -> N
         start += n
     assert gpu.steps["graph"] - graphs_before == 4, "every verify step replayed a graph"
     assert sorted(k for k, g in gpu._verify.items() if g is not None) == [4, 8, 16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path, dtype: str, graphs: bool) -> None:
+    _verify_rows_are_decode_bits("cuda", dtype, tmp_path, graphs)

@@ -130,6 +130,40 @@ def test_interpreted_triton_kernel_equals_the_torch_path(nsplit: int | None) -> 
     _triton_equals_torch("cpu", torch.float32, nsplit)
 
 
+def _per_token_rows_are_decode_bits(device: str, dt: torch.dtype) -> None:
+    """A verify step's tokens attended per token (`PagedStep.per_token`) give, bit for bit, what one-token
+    steps at the same positions give (splits planned for the same context, each item splitting its own
+    keys): across several key splits, a window and soft-capping, and with other sequences in the step."""
+    context = 4096
+    for start, m in ((5, 4), (250, 7), (1100, 16)):
+        st, step, q = _batch(device, dt, [(start, m), (77, 1), (31, 3)], seed=start)
+        ver = paged.build_step(step, st, P, torch.device(device))
+        ver.plan_len, ver.per_token = context, True
+        s = step.seqs[0]
+        for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):
+            got = paged.attention_triton(ver, 1, q, 0.2, softcap, window)
+            for i in range(m):
+                one = BatchStep((SeqChunk([0], start + i, s.pages),))
+                dec = paged.build_step(one, st, P, torch.device(device))
+                dec.plan_len = context
+                want = paged.attention_triton(dec, 1, q[i : i + 1], 0.2, softcap, window)
+                assert torch.equal(got[i], want[0]), (start, m, i, window, softcap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_per_token_rows_are_the_bits_of_decode_steps(dtype: str) -> None:
+    _per_token_rows_are_decode_bits("cuda", getattr(torch, dtype))
+
+
+def test_interpreted_per_token_rows_are_the_bits_of_decode_steps() -> None:
+    """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    _per_token_rows_are_decode_bits("cpu", torch.float32)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_rotary_write_gives_q_in_the_token_major_layout_paged_attention_reads(device: str) -> None:
     """`rope_qkv_write(..., token_major=True)` returns the same rotated q as the head-major layout, as a view

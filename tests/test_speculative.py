@@ -184,3 +184,33 @@ def test_cli_generate_reports_drafts_and_can_turn_them_off(smollm2_dir, capsys) 
         outs.append(capsys.readouterr())
     assert outs[0].out == outs[1].out
     assert re.search(r"· \d+/\d+ drafts kept ·", outs[0].err) and "drafts" not in outs[1].err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_greedy_output_and_logits_are_plain_decodings_bits(tmp_path, dtype) -> None:
+    """On the GPU (captured decode runs, verify graphs): speculative greedy decoding returns plain greedy
+    decoding's tokens and the same logits bit for bit, in bf16 too — the verify rows are computed as one-token
+    steps (`RunCtx.rowwise`), so no near-tie can flip a token. A random-weight model falls into loops, which
+    prompt lookup drafts; a 2,000-token prompt spreads the keys over several splits."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU host)")
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    cfg = SyntheticConfig(num_layers=3, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,
+                          vocab_size=384, dtype=dtype, context_length=4096)  # fmt: skip
+    model = onnxgen.load(str(write_package(tmp_path / "pkg", cfg)), backend="native", device="cuda")
+    rng = np.random.default_rng(3)
+    for prompt in ([int(t) for t in rng.integers(3, 300, 40)] * 3, [int(t) for t in rng.integers(3, 300, 2000)]):
+        plain = model.generate(prompt, max_new_tokens=96, temperature=0, speculative=False, output_logits=True,
+                               reuse=False)  # fmt: skip
+        spec = model.generate(prompt, max_new_tokens=96, temperature=0, speculative="prompt_lookup",
+                              output_logits=True, reuse=False)  # fmt: skip
+        assert spec.tokens == plain.tokens
+        assert np.array_equal(spec.logits, plain.logits)
+        assert spec.stats.accepted_tokens > 0, spec.stats.line()
+        # without logits asked, plain decoding runs captured decode steps back to back (`decode_steps`)
+        fast = model.generate(prompt, max_new_tokens=96, temperature=0, speculative=False, reuse=False)
+        fast_spec = model.generate(prompt, max_new_tokens=96, temperature=0, speculative="prompt_lookup", reuse=False)
+        assert fast.tokens == fast_spec.tokens == plain.tokens

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -183,19 +183,28 @@ GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (2, 512, 4)
 ROPE_GEMV_CONFIGS = tuple(c for c in GEMV_CONFIGS if c[0] % 2 == 0)  # rotation pairs in one program
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:
+ROWWISE_ROWS = 64  # `rowwise` products of up to this many rows compute each row as a one-row product
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False) -> torch.Tensor:
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype.
 
     A one-row product on a Triton device runs `triton_gemv`, and a product of 2..`SKINNY_ROWS` half-precision
     rows `triton_skinny`, when, the first time its shape (and row count, rounded up to a power of two) is
     seen outside graph capture, it measured faster than cuBLAS; everything else is `F.linear` (+
-    `silu_mul_halves`)."""
+    `silu_mul_halves`). `rowwise` (a verify step's rows, up to `ROWWISE_ROWS`, on a Triton device): every row
+    is computed exactly as a one-row product of this shape is (the same GEMV configuration in one launch,
+    or cuBLAS one row at a time), so each row's bits do not depend on the other rows."""
     rows = x.numel() // x.shape[-1]
-    if rows == 1 and use_triton(x) and x.dtype == w.dtype and w.is_contiguous():
+    if (rows == 1 or (rowwise and rows <= ROWWISE_ROWS)) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        cfg = _gemv_choice(x, w, silu_halves)
+        cfg = _gemv_choice(_first_row(x), w, silu_halves)
         if cfg is not None:
             return _gemv(x, w, silu_halves, cfg)
+        if rows > 1:  # cuBLAS won the one-row product: run it one row at a time
+            x2 = x.reshape(rows, x.shape[-1])
+            ys = [linear_unfused(x2[i : i + 1], w, silu_halves) for i in range(rows)]
+            return torch.cat(ys).reshape(*x.shape[:-1], -1)
         # pragma: cuda-end
     if (1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
             and w.is_contiguous() and use_triton(x)):  # fmt: skip
@@ -205,6 +214,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch
             return _skinny(x, w, silu_halves, cfg)
         # pragma: cuda-end
     return linear_unfused(x, w, silu_halves)
+
+
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a product of x's rows may run the Triton GEMV."""
+    return use_triton(x) and x.dtype == w.dtype and w.is_contiguous()
+
+
+def _first_row(x: torch.Tensor) -> torch.Tensor:
+    """x's first row as a one-row `[1, K]` view (what per-shape choices are timed on)."""
+    return x.reshape(-1, x.shape[-1])[:1]
 
 
 SKINNY_ROWS = 128  # products of 2..SKINNY_ROWS half-precision rows may run `triton_skinny`
@@ -242,22 +261,23 @@ def _skinny_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, i
 
 
 def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
-               silu_halves: bool = False) -> tuple[torch.Tensor, Any]:  # fmt: skip
+               silu_halves: bool = False, rowwise: bool = False) -> tuple[torch.Tensor, Any]:  # fmt: skip
     """`linear(rms_norm(x, skip, nw, eps)[0], w, silu_halves)` and the residual sum `x + skip` (None without
     skip). A one-row product on a Triton device normalises inside the GEMV (no norm launch) where that
     measured faster, for this shape, than the norm kernel followed by `linear`: every GEMV program reduces
-    the row itself, which costs more than the saved launch when programs are many (one row each)."""
+    the row itself, which costs more than the saved launch when programs are many (one row each).
+    `rowwise`: as `linear`'s (the one-row decision, each row computed as alone)."""
     rows = x.numel() // x.shape[-1]
-    if (rows == 1 and use_triton(x) and x.dtype == w.dtype and w.is_contiguous() and x.is_contiguous()
+    if ((rows == 1 or (rowwise and rows <= ROWWISE_ROWS)) and _gemv_ok(x, w) and x.is_contiguous()
             and (skip is None or (skip.is_contiguous() and skip.shape == x.shape))):  # fmt: skip
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        cfg = _rms_gemv_choice(x, skip, nw, eps, w, silu_halves)
+        cfg = _rms_gemv_choice(_first_row(x), None if skip is None else _first_row(skip), nw, eps, w, silu_halves)
         if cfg is not None:
             s = torch.empty_like(x) if skip is not None else None
             return _gemv(x, w, silu_halves, cfg, (skip, nw, eps, s)), s
         # pragma: cuda-end
     h, s = rms_norm(x, skip, nw, eps)
-    return linear(h, w, silu_halves), s
+    return linear(h, w, silu_halves, rowwise), s
 
 
 def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
@@ -272,21 +292,24 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
           norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
-    """The GEMV launch; `norm` = (skip or None, norm weight, eps, sum output or None); `rope`: the product is
-    a layer's packed QKV whose k and v go to the KV cache (`linear_rope`)."""
+    """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
+    (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
+    and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row)."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
+    r = x.numel() // k
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     bn, bk, warps = cfg
     skip, nw, eps, s = norm if norm is not None else (None, x, 0.0, None)
     if rope is not None:
         kb, vb = rope.kv.keys[rope.layer], rope.kv.values[rope.layer]
-        r = (rope.cos, rope.sin, rope.pos, rope.slot, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1), vb.stride(2),
-             rope.cos.stride(0), rope.heads * rope.head_dim, rope.kv_heads * rope.head_dim)  # fmt: skip
+        ra = (rope.cos, rope.sin, rope.pos, rope.slot, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1),
+              vb.stride(2), rope.cos.stride(0), rope.heads * rope.head_dim, rope.kv_heads * rope.head_dim)  # fmt: skip
     else:
-        r = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
-    _TRITON["gemv"][(triton_cdiv(n, bn),)](
-        x.contiguous(), w, y, k, n, skip if skip is not None else x, nw, s if s is not None else y, eps, *r,
+        ra = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
+    _TRITON["gemv"][(triton_cdiv(n, bn) * r,)](
+        x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
+        s if s is not None else y, eps, *ra,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0,
         num_warps=warps, **launch_options(x),
@@ -312,37 +335,42 @@ class Rope:
 
 
 def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
-                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, rowwise: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
     """A one-row packed-QKV product whose rotation pairs are adjacent rows (the lowering interleaves them):
     `linear(x, w)` (`norm` = (skip, weight, eps): of `rms_norm(x, skip, ...)`, as `rms_linear`), then q and k
     rotated at `rope.pos` (interleaved pairs) and k, v written at `rope.slot` — `rope_qkv_write`'s values —
     in one GEMV launch, when that measured faster for this shape than the product followed by the rotary
     kernel. Returns (the rotated `[.., N]` rows, the residual sum or None), or None: not fused here (the
-    caller runs the separate ops)."""
-    if not (use_triton(x) and x.numel() == x.shape[-1] and x.dtype == w.dtype and w.is_contiguous()
-            and x.is_contiguous() and (norm is None or norm[0] is None or norm[0].is_contiguous())):  # fmt: skip
+    caller runs the separate ops). `rowwise`: x may hold up to `ROWWISE_ROWS` rows (positions and slots one
+    per row), each computed as a one-row step would (the one-row decision and configuration)."""
+    rows = x.numel() // x.shape[-1]
+    if not (use_triton(x) and (rows == 1 or (rowwise and rows <= ROWWISE_ROWS)) and x.dtype == w.dtype
+            and w.is_contiguous() and x.is_contiguous() and (norm is None or norm[0] is None or norm[0].is_contiguous())):  # fmt: skip
         return None
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
     key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, x.device)
+    x1 = _first_row(x)  # the decision is taken on one row (a decode step's shape)
+    rope1 = replace(rope, pos=rope.pos[:1], slot=rope.slot[:1])
+    n1 = None if norm is None else (None if skip is None else _first_row(skip), norm[1], norm[2])
 
-    def fused(wc: torch.Tensor, cfg: tuple[int, int, int]) -> tuple[torch.Tensor, Any]:
-        s = torch.empty_like(x) if skip is not None else None
-        args = (skip, norm[1], norm[2], s) if norm is not None else None
-        return _gemv(x, wc, False, cfg, args, rope), s
+    def fused1(wc: torch.Tensor, cfg: tuple[int, int, int]) -> tuple[torch.Tensor, Any]:
+        s = torch.empty_like(x1) if skip is not None else None
+        return _gemv(x1, wc, False, cfg, None if n1 is None else (n1[0], n1[1], n1[2], s), rope1), s
 
     def separate(wc: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        y, s = rms_linear(x, skip, norm[1], norm[2], wc) if norm is not None else (linear(x, wc), None)
+        y, s = rms_linear(x1, n1[0], n1[1], n1[2], wc) if n1 is not None else (linear(x1, wc), None)
         n, hkv, d = rope.heads, rope.kv_heads, rope.head_dim
-        rope_qkv_write(y.view(1, 1, -1), rope.cos, rope.sin, rope.pos, rope.kv, rope.layer, n, hkv, d, True,
-                       slots=rope.slot)  # fmt: skip
+        rope_qkv_write(y.view(1, 1, -1), rope.cos, rope.sin, rope1.pos, rope.kv, rope.layer, n, hkv, d, True,
+                       slots=rope1.slot)  # fmt: skip
         return y, s
 
-    cfg = choose_config(key, x, w, ROPE_GEMV_CONFIGS, separate, fused)
+    cfg = choose_config(key, x1, w, ROPE_GEMV_CONFIGS, separate, fused1)
     if cfg is None:
         return None
-    return fused(w, cfg)
+    s = torch.empty_like(x) if skip is not None else None
+    return _gemv(x, w, False, cfg, (skip, norm[1], norm[2], s) if norm is not None else None, rope), s
     # pragma: cuda-end
 
 

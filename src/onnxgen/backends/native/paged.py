@@ -38,29 +38,30 @@ class PagedStep:
     q_starts_t: torch.Tensor  # [B + 1] int32
     seq_lens_t: torch.Tensor  # [B] int32
     q_starts: list[int]  # the same on the host
-    seq_lens: list[int]
-    split_t: torch.Tensor | None = None  # captured steps: [1] int32, keys per split, written each step
-    split_plan: tuple[int, int] | None = None  # captured steps: (key splits, keys per block) the kernel uses
+    seq_lens: list[int]  # (captured steps: the context, so the key splits are planned for any length)
+    # the KV length the key splits are planned for (0: the longest of `seq_lens`); steps of one token per
+    # sequence plan for the whole context, so a sequence's attention is the same eager or captured
+    plan_len: int = 0
+    # every token its own work item, attended exactly as a one-token step of its sequence would (the decode
+    # tile, a batch-1 decode's key splits): a verify step whose rows must equal plain decoding's bits
+    per_token: bool = False
     _work: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _splits: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def split_scalar(self, split: int) -> torch.Tensor:
-        """A `[1]` int32 device tensor holding `split` (one upload per value per step)."""
-        if split not in self._splits:
-            self._splits[split] = torch.tensor([split], dtype=torch.int32).to(self.positions.device)
-        return self._splits[split]
 
     @property
     def num_tokens(self) -> int:
         return self.q_starts[-1]
 
     def work(self, group: int, block_m: int) -> torch.Tensor:
-        """`[W, 2]` int32 work items (sequence, first row) for a kernel that takes `block_m` rows of
-        `group` query heads x tokens at a time."""
+        """`[W, 3]` int32 work items (sequence, first row, end row) for a kernel that takes up to `block_m`
+        rows of `group` query heads x tokens at a time (`per_token`: one token's `group` rows each)."""
         key = (group, block_m)
         if key not in self._work:
-            items = [(b, r) for b in range(len(self.seq_lens))
-                     for r in range(0, group * (self.q_starts[b + 1] - self.q_starts[b]), block_m)]  # fmt: skip
+            step = group if self.per_token else block_m
+            assert step <= block_m
+            items = []
+            for b in range(len(self.seq_lens)):
+                rows = group * (self.q_starts[b + 1] - self.q_starts[b])
+                items += [(b, r, min(r + step, rows)) for r in range(0, rows, step)]
             self._work[key] = torch.tensor(items, dtype=torch.int32).to(self.positions.device)
         return self._work[key]
 
@@ -173,10 +174,11 @@ def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> 
 
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
                      window: int = -1, nsplit: int | None = None, tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
-    """The Triton path of `attention`. `nsplit` (tests): the number of key splits; by default `splits_for`'s
-    (host shapes: a captured step sizes them for the whole context), each a whole number of key blocks. A
-    captured step reads the keys per split from `ps.split_t`, which the runner sets from the step's actual
-    longest sequence. `tile` (benchmarks): the kernel's tile instead of `tile_for`'s."""
+    """The Triton path of `attention`. `nsplit` (tests, benchmarks): the number of key splits; by default
+    `splits_for`'s over `ps.plan_len` (a captured step's host shapes: the whole context). Each work item
+    splits its own keys (the longest of its rows) into `nsplit` parts of whole key blocks, on the device:
+    a sequence's split depends on its own length only. `tile` (benchmarks): the kernel's tile instead of
+    `tile_for`'s."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
@@ -184,22 +186,17 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     _, n, d = q.shape
     hkv = kpool.shape[2]
     g = n // hkv
-    rows = [g * (b - a) for a, b in zip(ps.q_starts, ps.q_starts[1:], strict=False)]
+    rows = [g if ps.per_token else g * (b - a) for a, b in zip(ps.q_starts, ps.q_starts[1:], strict=False)]
     block_m, block_n, warps, stages = tile or tile_for(max(rows), min(rows), g, d, q.dtype == torch.float32)
     dp = max(16, 1 << (d - 1).bit_length())
     work = ps.work(g, block_m)
     w = work.shape[0]
-    longest = max(ps.seq_lens)
-    if nsplit is None:
-        nsplit = splits_for(w * hkv, longest, block_m, q.device)
-    per = -(-longest // nsplit)
-    split = -(-per // block_n) * block_n
-    nsplit = -(-longest // split)
-    if ps.split_t is not None:  # a captured step: the runner writes the split of each step's longest sequence
-        ps.split_plan = (nsplit, block_n)
-        split_arg = ps.split_t
-    else:
-        split_arg = ps.split_scalar(split)
+    plan = ps.plan_len or max(ps.seq_lens)
+    if nsplit is None:  # per token: planned as one decode (one item per KV head)
+        nsplit = splits_for((1 if ps.per_token else w) * hkv, plan, block_m, q.device)
+    per = -(-plan // nsplit)
+    split = -(-per // block_n) * block_n  # whole key blocks
+    nsplit = -(-plan // split)  # none empty at the plan's length
     qc = q.contiguous()
     out = torch.empty_like(qc)
     direct = nsplit == 1
@@ -207,7 +204,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
     tp.paged_attn_kernel[(w, hkv, nsplit)](
         qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
-        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], split_arg, nsplit,
+        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages,

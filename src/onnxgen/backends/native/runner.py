@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from onnxgen.backends.batch import BatchStep, SeqChunk
-from onnxgen.backends.native import paged
+from onnxgen.backends.native import kernels, paged
 from onnxgen.backends.native.device import (
     device_lock,
     input_dtype,
@@ -64,6 +64,15 @@ VERIFY_GRAPH_TOKENS = (4, 8, 16)  # one sequence's last sample + drafts, a logit
 RUN_TOKENS = 32  # a decode graph records the chosen tokens of this many consecutive replays
 
 
+def _rowwise(step: BatchStep) -> bool:
+    """Whether `step` verifies drafts and so computes every token exactly as a one-token step would
+    (`RunCtx.rowwise`): each chunk wants the logits of all its tokens, some chunk has several, and the rows
+    are few enough for rowwise products (`kernels.ROWWISE_ROWS`). Such rows are the same bits as plain
+    decoding's, so speculative decoding returns plain greedy decoding's tokens on any device."""
+    n = step.num_tokens
+    return (n > len(step.seqs) and n <= kernels.ROWWISE_ROWS and all(s.logits == len(s.tokens) for s in step.seqs))
+
+
 def batchable(program: Program, spec: Any) -> str | None:
     """None when the package can run ragged batches over a paged pool, else the reason it cannot."""
     if not program.static_ok:
@@ -86,7 +95,7 @@ class _Graph:
     rows: int
     wide: torch.Tensor  # int64 [3 * T + rows + 2]: token ids, positions, slots (T = batch * tokens), logits
     #                      rows, then (decode graphs) replays since the run began and live rows
-    narrow: torch.Tensor  # int32 [batch * (2 + max pages) + 2]: KV lengths, page table rows, first rows, keys per split
+    narrow: torch.Tensor  # int32 [batch * (2 + max pages) + 1]: KV lengths, page table rows, first rows
     host_wide: torch.Tensor  # pinned host mirrors of `wide` and `narrow`, filled each step
     host_narrow: torch.Tensor
     uploaded: Any  # a CUDA event recorded after the last upload from the host mirrors
@@ -287,13 +296,17 @@ class NativeRunner:
         """`ids_t`: the step's token ids as a device tensor (they replace the chunks' `tokens`)."""
         t = step.num_tokens
         ps = paged.build_step(step, self.storage, self.page_size, self._dev)
+        rowwise = _rowwise(step)
+        if rowwise or t == len(step.seqs):  # verify rows or decodes: key splits planned as a captured decode's
+            ps.plan_len, ps.per_token = self.spec.context_length, rowwise
         env = self.program.new_env()
         if ids_t is None:
             ids_t = torch.tensor([tok for s in step.seqs for tok in s.tokens], dtype=torch.int64)
         env[self._in_ids] = ids_t.to(self._dev, non_blocking=True).view(1, t).to(self._ids_dtype)
         if self._in_pos >= 0:
             env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
-        out = self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps))
+        out = self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
+                                               rowwise=rowwise))  # fmt: skip
         self.steps["eager"] += 1
         return out.reshape(-1, out.shape[-1]).float()
 
@@ -305,7 +318,7 @@ class NativeRunner:
         logits as the graph's output rows in the model's dtype (a view, valid until the next replay; the
         device choice reads them exactly), not a float32 copy. `run`: the first of `run` decode steps whose
         later replays advance their inputs on the device (`_graph_decodes`): the page tables and the split
-        of the keys are uploaded for the run's last step, the sequences are marked live."""
+        and the sequences are marked live."""
         b, m, P = len(step.seqs), g.tokens, self.page_size
         t = g.batch * m
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
@@ -313,7 +326,7 @@ class NativeRunner:
         ids, pos, slots, last = wide[:t], wide[t : 2 * t], wide[2 * t : 3 * t], wide[3 * t : 3 * t + g.rows]
         mp = self._max_pages
         lens, table = nar[: g.batch], nar[g.batch : g.batch * (1 + mp)].reshape(g.batch, mp)
-        qs = nar[g.batch * (1 + mp) : -1]  # each sequence's first row (and the end of the last)
+        qs = nar[g.batch * (1 + mp) :]  # each sequence's first row (and the end of the last)
         scratch = self._scratch
         if m == 1:  # decodes: one token per sequence
             starts = [s.start for s in step.seqs]
@@ -343,9 +356,6 @@ class NativeRunner:
                 last[:] = np.minimum(np.arange(g.rows), n - 1)
             qs[0], qs[1] = 0, n  # the attention kernels take the n real rows only
             table[0, :need] = s.pages[:need]  # entries past the KV length are never read
-        splits, block = g.step.split_plan  # keys per split for this step's (or run's) longest sequence
-        per = -(-(int(lens[:b].max()) + max(run, 1) - 1) // splits)
-        nar[-1] = -(-per // block) * block
         wide[-2:] = 0, (b if run else 0)  # replays since the run began; live rows (`decode_advance`)
         g.wide.copy_(g.host_wide, non_blocking=True)
         g.narrow.copy_(g.host_narrow, non_blocking=True)
@@ -361,13 +371,14 @@ class NativeRunner:
 
     def _graph_step(self, g: _Graph) -> paged.PagedStep:  # pragma: cuda
         """The attention metadata of a graph's step: views of its device buffers, and host shapes sized for
-        any KV length up to the context (so the kernels' split of the keys is fixed at capture)."""
+        any KV length up to the context (so the kernels' split of the keys is fixed at capture); a verify
+        step's tokens are attended one by one, as decode steps (`_rowwise`)."""
         bm, m, t, mp = g.batch, g.tokens, g.batch * g.tokens, self._max_pages
         return paged.PagedStep(
             self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
             last=g.wide[3 * t : 3 * t + g.rows], page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
-            q_starts_t=g.narrow[bm * (1 + mp) : -1], seq_lens_t=g.narrow[:bm],
-            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm, split_t=g.narrow[-1:],
+            q_starts_t=g.narrow[bm * (1 + mp) :], seq_lens_t=g.narrow[:bm],
+            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm, per_token=g.rows > bm,
         )  # fmt: skip
 
     def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
@@ -377,7 +388,7 @@ class NativeRunner:
         if self._in_pos >= 0:
             env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
         return self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
-                                                static=True))  # fmt: skip
+                                                static=True, rowwise=ps.per_token))  # fmt: skip
 
     def _graph_body(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
         """What a graph runs: the forward step; a decode step then chooses each row's greedy token and
@@ -398,9 +409,8 @@ class NativeRunner:
         t, mp, P = batch * tokens, self._max_pages, self.page_size
         rows = batch if rows is None else rows
         host_wide = torch.zeros(3 * t + rows + 2, dtype=torch.int64).pin_memory()
-        host_narrow = torch.full((batch * (2 + mp) + 2,), self._scratch, dtype=torch.int32).pin_memory()
-        host_narrow[-1] = self.spec.context_length  # keys per split until the first step sets it
-        host_narrow[batch * (1 + mp) : -1] = torch.arange(0, t + 1, tokens, dtype=torch.int32)  # first rows
+        host_narrow = torch.full((batch * (2 + mp) + 1,), self._scratch, dtype=torch.int32).pin_memory()
+        host_narrow[batch * (1 + mp) :] = torch.arange(0, t + 1, tokens, dtype=torch.int32)  # first rows
         w = host_wide.numpy()
         w[t : 2 * t] = np.tile(np.arange(tokens), batch)
         w[2 * t : 3 * t] = self._scratch * P + w[t : 2 * t] % P

@@ -8,9 +8,16 @@ same values as the unfused product followed by `silu_mul`). With `NORM`, x is fi
 `HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own. With
 `ROPE` the product is a layer's packed QKV with each rotation pair in adjacent rows: the epilogue rotates q
 and k and writes k and v into the KV cache, so rotary costs no launch either. One
-program owns `BLOCK_N` output rows and
+program owns `BLOCK_N` output rows of one row of x and
 walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
 end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
+
+Rows (`R`, not specialised: one compiled kernel for any row count). x may hold `R` rows (a verify step's
+tokens, `kernels.linear(..., rowwise=True)`): program `i` computes row `i % R` of output tile `i // R`, so
+the programs that read one weight tile run side by side (one HBM read, the other rows from L2), and each
+row is computed by exactly the code, tile and reduction order of a one-row launch: a row's result is the
+same bits whatever else is in the launch (batch invariance: what lets speculative decoding verify drafts
+and still return plain greedy decoding's tokens).
 """
 
 import triton
@@ -44,7 +51,7 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
     pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     lane = (2 * pair) % HEAD
     rot = (2 * pair < NQ + NK) & (lane < 2 * HALF)
-    pos = tl.load(POS).to(tl.int64)
+    pos = tl.load(POS).to(tl.int64)  # POS, SLOT, Y: this row's
     c = tl.load(COS + pos * cos_stride + lane // 2, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(SIN + pos * cos_stride + lane // 2, mask=rot, other=0.0).to(tl.float32)
     e2 = tl.where(rot, e * c - o * s, e)
@@ -59,16 +66,23 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
     tl.store(VB + (vv // HEAD).to(tl.int64) * sv_h + slot * sv_s + vv % HEAD, y, mask=nmask & (vv >= 0))
 
 
-@triton.jit
-def gemv_kernel(X, W, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
-                NQ, NK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
-                HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr,
-                PDL: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["R"])
+def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
+                cos_stride, NQ, NK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
+                HALF: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """With PDL (programmatic dependent launch) the first `[BLOCK_N, BLOCK_K]` tile of the weights, which
     no kernel writes, is requested before waiting for the previous kernel: the HBM latency of the first
     loads overlaps the previous kernel's tail. With `ROPE` (a QKV product whose rotation pairs are adjacent
     rows, even BLOCK_N) `_rope_store` finishes the rows."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) // R  # output tile
+    row = (tl.program_id(0) % R).to(tl.int64)  # row of x: X, SKIP, SUM have rows of K, Y rows of N
+    X += row * K
+    Y += row * N
+    SKIP += row * K
+    SUM += row * K
+    POS += row
+    SLOT += row
     if PDL:
         gdc_launch_dependents()
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -32,7 +32,7 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, SPLITP, NSPLIT,
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
@@ -40,23 +40,26 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
     sp = tl.program_id(2)  # split of the keys
-    b = tl.load(WORK + 2 * w)
-    r0 = tl.load(WORK + 2 * w + 1)
+    b = tl.load(WORK + 3 * w)
+    r0 = tl.load(WORK + 3 * w + 1)
+    r1 = tl.load(WORK + 3 * w + 2)  # the item's end row (one token's rows when items are per token)
     qs = tl.load(QS + b)
     m = tl.load(QS + b + 1) - qs
     seq_len = tl.load(SL + b)
     rows = r0 + tl.arange(0, BLOCK_M)
     tok = rows // G
     grp = rows % G
-    rmask = rows < G * m
+    rmask = (rows < G * m) & (rows < r1)
     limit = seq_len - m + tok + 1  # exclusive end of the keys each row's token sees
     dcol = tl.arange(0, DP)
     dmask = dcol < D
     qrow = ((qs + tok) * N + h * G + grp).to(tl.int64)
     q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    split = tl.load(SPLITP)  # keys per split: from device memory, so a captured step sizes it per step
+    item_hi = tl.max(tl.where(rmask, limit, 0), 0)  # the keys this item's rows see
+    # keys per split, whole blocks, from this item's own length: a sequence splits the same in any step
+    split = ((item_hi + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = sp * split
-    hi = tl.minimum(lo + split, tl.max(tl.where(rmask, limit, 0), 0))
+    hi = tl.minimum(lo + split, item_hi)
     if window > 0:
         lo = tl.maximum(lo, tl.min(tl.where(rmask, limit, 1 << 30), 0) - window)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -96,11 +99,11 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
     w = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2)  # row within the work item's block
-    b = tl.load(WORK + 2 * w)
-    row = tl.load(WORK + 2 * w + 1) + r
+    b = tl.load(WORK + 3 * w)
+    row = tl.load(WORK + 3 * w + 1) + r
     qs = tl.load(QS + b)
     m = tl.load(QS + b + 1) - qs
-    if row < G * m:
+    if (row < G * m) & (row < tl.load(WORK + 3 * w + 2)):
         sp = tl.arange(0, NSP)
         smask = sp < NSPLIT
         dcol = tl.arange(0, DP)

@@ -48,7 +48,7 @@ class RunCtx:
 
     def __init__(self, kv: Any, pos0: int, n: int, positions: torch.Tensor | None, *,
                  past: torch.Tensor | None = None, last: torch.Tensor | None = None,
-                 paged: Any = None, static: bool | None = None) -> None:  # fmt: skip
+                 paged: Any = None, static: bool | None = None, rowwise: bool = False) -> None:  # fmt: skip
         self.kv = kv
         self.pos0 = pos0  # KV length before this forward (host int; -1 when static or paged)
         self.n = n  # tokens in this forward (static: the bucket size, padding included)
@@ -57,6 +57,9 @@ class RunCtx:
         self.last = last  # int64 on the device: the tokens whose logits are wanted (None: the last)
         self.paged = paged  # a ragged batch over the paged pool (`native.paged.PagedStep`), or None
         self.static = past is not None if static is None else static  # static shapes: a graph can capture it
+        # every token computed exactly as a one-token step computes it (a verify step: `kernels.linear`'s
+        # rowwise products and `paged.attention`'s per-token work), so its rows equal plain decoding's bits
+        self.rowwise = rowwise
         self.prepared: set[int] = set()  # layers whose QKV product rotated q, k and wrote k, v (`_qkv_rope`)
 
 

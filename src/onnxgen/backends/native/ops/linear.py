@@ -36,31 +36,36 @@ def _linear(node: Node) -> Fn:
             done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
             if done is not None:
                 return (done[0],)
-        return (_product(x, w, bias, transposed),)
+        return (_product(x, w, bias, transposed, _rowwise(ctx)),)
 
     return f
 
 
+def _rowwise(ctx: Any) -> bool:
+    return bool(ctx is not None and ctx.rowwise)
+
+
 def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any, sin: Any,
               norm: tuple[Any, Any, float] | None) -> tuple[Any, Any] | None:  # fmt: skip
-    """A one-token step's QKV product with rotary and the KV write (`kernels.linear_rope`), recorded in
-    `ctx.prepared` so the layer's attention takes q as it is and writes nothing; None when not fused."""
+    """A one-token step's QKV product with rotary and the KV write (`kernels.linear_rope`; a rowwise step's
+    tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
+    nothing; None when not fused."""
     layer, n, hkv, d = qkv
-    if ctx is None or ctx.kv is None or ctx.n != 1 or ctx.positions is None:
+    if ctx is None or ctx.kv is None or (ctx.n != 1 and not ctx.rowwise) or ctx.positions is None:
         return None
     slot = ctx.paged.slots if ctx.paged is not None else ctx.positions
     rope = kernels.Rope(cos, sin, ctx.positions, slot, ctx.kv, layer, n, hkv, d)
-    out = kernels.linear_rope(x, w, rope, norm)
+    out = kernels.linear_rope(x, w, rope, norm, rowwise=ctx.rowwise)
     if out is not None:
         ctx.prepared.add(layer)
     return out
 
 
-def _product(x: Any, w: Any, bias: Any, transposed: bool) -> Any:
+def _product(x: Any, w: Any, bias: Any, transposed: bool, rowwise: bool = False) -> Any:
     if transposed and _upcast_cpu_matmul(x):
         return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
     if transposed and bias is None:
-        return kernels.linear(x, w)
+        return kernels.linear(x, w, rowwise=rowwise)
     y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
     if bias is not None and not transposed:
         y = y + bias
@@ -75,8 +80,8 @@ def _linear_silu_mul(node: Node) -> Fn:
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         if transposed and not _upcast_cpu_matmul(x):
-            return (kernels.linear(x, w, silu_halves=True),)
-        return (kernels.silu_mul_halves(_product(x, w, None, transposed)),)
+            return (kernels.linear(x, w, silu_halves=True, rowwise=_rowwise(ctx)),)
+        return (kernels.silu_mul_halves(_product(x, w, None, transposed, _rowwise(ctx))),)
 
     return f
 
@@ -96,9 +101,9 @@ def _rms_linear(node: Node) -> Fn:
             if done is not None:
                 return done
         if transposed and not _upcast_cpu_matmul(x):
-            return kernels.rms_linear(x, skip, nw, eps, w, silu)
+            return kernels.rms_linear(x, skip, nw, eps, w, silu, _rowwise(ctx))
         h, s = kernels.rms_norm(x, skip, nw, eps)
-        y = _product(h, w, None, transposed)
+        y = _product(h, w, None, transposed, _rowwise(ctx))
         return (kernels.silu_mul_halves(y) if silu else y), s
 
     return f
