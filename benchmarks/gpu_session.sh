@@ -29,7 +29,7 @@ for section in "$@"; do
              tests/test_int4_kernel.py 2>&1 | tail -4
            timeout 300 python3 -m pytest -q -m gpu tests/test_native_runner.py tests/test_decode_runs.py \
              tests/test_paged_attention.py tests/test_native_backend.py tests/test_concurrency.py \
-             tests/test_parity_bf16.py tests/test_choice.py 2>&1 | tail -8 ;;
+             tests/test_parity_bf16.py tests/test_choice.py tests/test_speculative.py 2>&1 | tail -8 ;;
     decode) timeout 300 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k \
               --decode-steps 8 2>&1 | quiet | tail -40 ;;
     batch) timeout 400 python3 benchmarks/gpu_batch.py --tokenizer .carry/tok --shapes 8b16k --batches 1,64 \

@@ -66,15 +66,38 @@ def test_ngram_index_bulk_prompt_matches_a_full_scan_and_takes_large_ids() -> No
 
 
 def test_draft_control_grows_on_acceptance_and_backs_off_on_rejection() -> None:
-    c = DraftControl(k=4, k_max=6, cooldown=3)
-    c.update(4, 4)
-    assert c.budget() == 5
-    c.update(5, 0)
-    c.update(2, 0)
-    c.update(1, 0)
+    """Doubling on full acceptance (to k_max), halving on rejection; at 0 a one-token retry once `cooldown`
+    tokens of output have passed (a run of decode steps makes many at once), the wait doubling after each
+    rejected retry (to cooldown_max) and reset by an accepted draft."""
+    c = DraftControl(k=4, k_max=6, cooldown=3, cooldown_max=8)
+    c.update(4, 4, 10)
+    assert c.budget(10) == 6
+    c.update(6, 2, 12)
+    assert c.k == 6  # partly accepted: unchanged
+    c.update(6, 0, 13)
+    c.update(3, 0, 14)
+    c.update(1, 0, 15)
     assert c.k == 0
-    assert [c.budget() for _ in range(6)] == [0, 0, 1, 0, 0, 1]  # a retry every `cooldown` steps
-    assert (c.drafted, c.accepted) == (12, 4)
+    assert [c.budget(g) for g in (15, 17, 18, 30)] == [0, 0, 1, 1]  # from output 15 + 3
+    c.update(1, 0, 18)
+    assert [c.budget(g) for g in (18, 23, 24)] == [0, 0, 1]  # the wait doubled: 18 + 6
+    c.update(1, 0, 24)
+    c.update(1, 0, 40)
+    assert c.budget(47) == 0 and c.budget(48) == 1  # capped at cooldown_max
+    c.update(1, 1, 48)
+    assert c.k == 2
+    c.update(2, 0, 50)
+    c.update(1, 0, 51)
+    assert c.budget(53) == 0 and c.budget(54) == 1  # an accepted draft reset the wait
+    assert (c.drafted, c.accepted) == (27, 7)
+
+
+def test_draft_control_is_ready_only_with_a_budget_and_a_match() -> None:
+    c = DraftControl(k=1, cooldown=4)
+    prompt = [5, 6, 7, 8]
+    assert not c.ready(prompt, []) and c.ready(prompt, [5])  # ...5 -> 6 seen before
+    c.update(1, 0, 1)  # rejected: k is 0 until 4 more tokens of output
+    assert not c.ready(prompt, [5, 9, 6]) and not c.ready(prompt, [5, 9, 6, 7]) and c.ready(prompt, [5, 9, 6, 7, 5])
 
 
 @pytest.fixture(scope="module")

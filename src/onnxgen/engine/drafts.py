@@ -117,15 +117,23 @@ class NgramIndex:
         return []
 
 
-class DraftControl:
-    """A request's draft length: starts at `k`, +1 after a fully accepted draft (up to `k_max`), halved
-    after a draft with nothing accepted. At 0 it waits `cooldown` steps, then tries 1 again."""
+CUDA_MAX_DRAFTS = 15  # on CUDA: drafts + the last sample fill the native runner's largest verify graph (16)
 
-    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16) -> None:
+
+class DraftControl:
+    """A request's draft length: starts at `k`, doubles after a fully accepted draft (up to `k_max`), halves
+    after a draft with nothing accepted. At 0 it lets `cooldown` tokens of output pass (counted in tokens,
+    not steps: a run of decode steps makes many at once), then tries 1 again; each retry rejected doubles
+    the wait (up to `cooldown_max`), an accepted draft resets it. So text with nothing to copy pays about one
+    rejected one-token draft per `cooldown_max` tokens, and a copy ramps up to `k_max` drafts in a few steps."""
+
+    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int = 256) -> None:
         self.k = k
         self.k_max = k_max
         self.cooldown = cooldown
-        self._wait = 0
+        self.cooldown_max = cooldown_max
+        self._wait = cooldown  # the next wait once k falls to 0
+        self._resume = 0  # with k at 0: the output length from which a draft is tried again
         self.drafted = 0
         self.accepted = 0
         self._index = NgramIndex()
@@ -143,23 +151,30 @@ class DraftControl:
             self._seen = lp + len(output)
         return self._index.lookup(k)
 
-    def budget(self) -> int:
-        """How many drafts to propose this step (0: a plain decode step)."""
+    def budget(self, generated: int) -> int:
+        """How many drafts to propose at this point of the output (`generated` tokens; 0: a plain step)."""
         if self.k > 0:
             return self.k
-        self._wait += 1
-        if self._wait >= self.cooldown:
-            self._wait = 0
-            return 1
-        return 0
+        return 1 if generated >= self._resume else 0
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """After verifying `proposed` drafts of which the first `accepted` were kept."""
+    def ready(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
+        """Whether the request would draft now (a budget and a match in its context): what stops a run of
+        plain decode steps, so the next step can verify drafts."""
+        return self.budget(len(output)) > 0 and bool(self.propose(prompt, output, 1))
+
+    def update(self, proposed: int, accepted: int, generated: int = 0) -> None:
+        """After verifying `proposed` drafts of which the first `accepted` were kept, with `generated`
+        tokens of output (the accepted ones included)."""
         self.drafted += proposed
         self.accepted += accepted
         if proposed == 0:
             return
+        if accepted:
+            self._wait = self.cooldown
         if accepted == proposed:
-            self.k = min(self.k_max, max(self.k, proposed) + 1)
+            self.k = min(self.k_max, 2 * max(self.k, proposed))
         elif accepted == 0:
             self.k //= 2
+            if self.k == 0:
+                self._resume = generated + self._wait
+                self._wait = min(self.cooldown_max, 2 * self._wait)

@@ -27,8 +27,8 @@ import numpy as np
 from onnxgen.backends import backend_options, create_decoder, create_runner, resolve_backend
 from onnxgen.backends.base import Decoder
 from onnxgen.engine import reuse as reuse_policy
+from onnxgen.engine.drafts import CUDA_MAX_DRAFTS, DraftControl
 from onnxgen.engine.drafts import MODES as DRAFT_MODES
-from onnxgen.engine.drafts import DraftControl
 from onnxgen.engine.identity import make_identity
 from onnxgen.engine.request import Request, Status
 from onnxgen.engine.result import Result, Stats
@@ -373,7 +373,8 @@ class Engine:
         if mode not in (True, *DRAFT_MODES):
             raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
                                  field="speculative")  # fmt: skip
-        return DraftControl()
+        # on CUDA a verify step of up to 16 positions replays one graph costing about a decode step
+        return DraftControl(k_max=CUDA_MAX_DRAFTS if str(self.device).startswith("cuda") else 8)
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""
@@ -533,7 +534,8 @@ class Engine:
             done = self._take_run(chunks, rows, offset, set())
             if nxt is None:
                 return
-            if done:  # the others take the launched run's tokens too, then `step` schedules anew
+            if done or self._drafts_ready(chunks, done):  # the others take the launched run's tokens too, then
+                # `step` schedules anew (a request that found drafts verifies them there)
                 try:
                     rows = self.executor.collect_decodes(nxt)
                 except Exception as exc:
@@ -588,6 +590,12 @@ class Engine:
                 done.add(i)
         return done
 
+    @staticmethod
+    def _drafts_ready(chunks: Sequence[Any], done: set[int]) -> bool:
+        """Whether a speculating request of the run would draft now (`DraftControl.ready`)."""
+        return any(c.req.drafts is not None and c.req.drafts.ready(c.req.prompt, c.req.output)
+                   for i, c in enumerate(chunks) if i not in done)  # fmt: skip
+
     def _drain(self, run: Any) -> None:
         """Wait for a launched run whose tokens nobody takes (its positions lie past every context)."""
         if run is not None:
@@ -603,7 +611,7 @@ class Engine:
         except Exception as exc:  # a processor or the on_token callback
             self._fail(req, exc)
             return
-        req.drafts.update(len(c.draft), taken - 1)
+        req.drafts.update(len(c.draft), taken - 1, len(req.output))
         req.computed = c.start + taken  # the fed tokens the samples confirmed
         if taken < len(c.draft) + 1:
             try:

@@ -160,7 +160,7 @@ class Scheduler:
         if req.drafts is None:
             return ()
         room = min(budget - 1, req.max_new_tokens - len(req.output) - 1, req.context_length - req.num_tokens - 1)
-        k = min(req.drafts.budget(), room)
+        k = min(req.drafts.budget(len(req.output)), room)
         return tuple(req.drafts.propose(req.prompt, req.output, k)) if k > 0 else ()
 
     def _chunk(self, req: Request, budget: int) -> int:
