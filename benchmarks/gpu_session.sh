@@ -39,7 +39,7 @@ for section in "$@"; do
     spec) for prec in fp32 bf16; do  # the default model's precision, and the GPU's usual one
             [ -d /tmp/spkg_$prec ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -c \
               "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/m.gguf /tmp/spkg_$prec \
-              --precision $prec -e cuda -q
+              --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
             timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
               --runs 5 --tokens 128 2>&1 | quiet | tail -10
           done ;;

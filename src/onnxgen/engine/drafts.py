@@ -118,6 +118,9 @@ class NgramIndex:
 
 
 CUDA_MAX_DRAFTS = 15  # on CUDA: drafts + the last sample fill the native runner's largest verify graph (16)
+# on CUDA a draft is proposed after a match of 2 tokens or more: a verify step breaks a run of decode steps
+# (the device waits for the host), so a one-token match's poor odds cost more than on the CPU
+CUDA_NGRAM_MIN = 2
 
 
 class DraftControl:
@@ -127,7 +130,8 @@ class DraftControl:
     the wait (up to `cooldown_max`), an accepted draft resets it. So text with nothing to copy pays about one
     rejected one-token draft per `cooldown_max` tokens, and a copy ramps up to `k_max` drafts in a few steps."""
 
-    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int = 256) -> None:
+    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int = 256,
+                 ngram_min: int = 1) -> None:  # fmt: skip
         self.k = k
         self.k_max = k_max
         self.cooldown = cooldown
@@ -136,7 +140,7 @@ class DraftControl:
         self._resume = 0  # with k at 0: the output length from which a draft is tried again
         self.drafted = 0
         self.accepted = 0
-        self._index = NgramIndex()
+        self._index = NgramIndex(ngram_min=ngram_min)  # (a longer shortest match: fewer, surer drafts)
         self._seen = 0  # of the request's prompt + output, the tokens already in the index
 
     def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:

@@ -27,7 +27,7 @@ import numpy as np
 from onnxgen.backends import backend_options, create_decoder, create_runner, resolve_backend
 from onnxgen.backends.base import Decoder
 from onnxgen.engine import reuse as reuse_policy
-from onnxgen.engine.drafts import CUDA_MAX_DRAFTS, DraftControl
+from onnxgen.engine.drafts import CUDA_MAX_DRAFTS, CUDA_NGRAM_MIN, DraftControl
 from onnxgen.engine.drafts import MODES as DRAFT_MODES
 from onnxgen.engine.identity import make_identity
 from onnxgen.engine.request import Request, Status
@@ -373,8 +373,9 @@ class Engine:
         if mode not in (True, *DRAFT_MODES):
             raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
                                  field="speculative")  # fmt: skip
-        # on CUDA a verify step of up to 16 positions replays one graph costing about a decode step
-        return DraftControl(k_max=CUDA_MAX_DRAFTS if str(self.device).startswith("cuda") else 8)
+        if str(self.device).startswith("cuda"):  # a verify step of up to 16 positions replays one graph
+            return DraftControl(k_max=CUDA_MAX_DRAFTS, ngram_min=CUDA_NGRAM_MIN)
+        return DraftControl()
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""

@@ -198,12 +198,17 @@ class Request:
         `len(draft) + 1` positions: sample each row in order exactly as plain decoding would, and stop
         after the first sample that differs from its draft (or that finishes the request). Returns
         (finished, samples taken); the samples are in `output`, and the cache's valid positions end
-        after the fed tokens that match them (the caller rewinds past the rest)."""
-        for i, want in enumerate(draft):
-            finished = self.accept(rows[i])
-            if finished or self.output[-1] != want:
-                return finished, i + 1
-        return self.accept(rows[len(draft)]), len(draft) + 1  # every draft kept: the next token too
+        after the fed tokens that match them (the caller rewinds past the rest). Raw choices are made for
+        every row at once (`Sampler.choose_ahead`: one device round trip, not one per row)."""
+        n = len(draft) + 1
+        chosen = None if self.sampler.needs_processing else self.sampler.choose_ahead(rows[:n])
+        taken, finished = 0, False
+        while not finished and taken < n:  # every draft kept: the row after the last gives the next token too
+            finished = self.accept(rows[taken], None if chosen is None else chosen[taken])
+            taken += 1
+            if taken < n and self.output[-1] != draft[taken - 1]:
+                break
+        return finished, taken
 
     def _finish(self, reason: str, flushed: bool = False) -> bool:
         self.finish_reason = reason

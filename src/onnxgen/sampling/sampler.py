@@ -116,6 +116,14 @@ class Sampler:
             return choose_rows([self.params], [self.seed], [self.step], logits.reshape(1, -1))[0]
         return choose_numpy(self.params, self.seed, self.step, logits)
 
+    def choose_ahead(self, rows: Any) -> list[int]:
+        """The choices of `rows` (`[R, V]` raw logits) at this step and the R - 1 after it, in one call (one
+        device round trip): what R `sample` calls in order would pick when none needs processing. Does not
+        `accept`."""
+        assert not self.needs_processing, "processed choices depend on the tokens accepted before them"
+        r = len(rows)
+        return choose_rows([self.params] * r, [self.seed] * r, [self.step + i for i in range(r)], rows)
+
     def sample(self, logits: Any) -> int:
         """process + choose + accept: the whole step. Returns the token id."""
         token = self.choose(self.process(logits) if self.needs_processing else logits)
