@@ -189,22 +189,17 @@ ROWWISE_ROWS = 64  # `rowwise` products of up to this many rows compute each row
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False) -> torch.Tensor:
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype.
 
-    A one-row product on a Triton device runs `triton_gemv`, and a product of 2..`SKINNY_ROWS` half-precision
-    rows `triton_skinny`, when, the first time its shape (and row count, rounded up to a power of two) is
-    seen outside graph capture, it measured faster than cuBLAS; everything else is `F.linear` (+
+    A one-row product on a Triton device runs `triton_gemv` (the configuration measured fastest for its
+    shape), and a product of 2..`SKINNY_ROWS` half-precision rows `triton_skinny` when, the first time its
+    shape (and row count, rounded up to a power of two) is seen outside graph capture, it measured faster
+    than cuBLAS; everything else is `F.linear` (+
     `silu_mul_halves`). `rowwise` (a verify step's rows, up to `ROWWISE_ROWS`, on a Triton device): every row
-    is computed exactly as a one-row product of this shape is (the same GEMV configuration in one launch,
-    or cuBLAS one row at a time), so each row's bits do not depend on the other rows."""
+    is computed exactly as a one-row product of this shape is (the same GEMV configuration, one launch), so
+    each row's bits do not depend on the other rows."""
     rows = x.numel() // x.shape[-1]
     if (rows == 1 or (rowwise and rows <= ROWWISE_ROWS)) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        cfg = _gemv_choice(_first_row(x), w, silu_halves)
-        if cfg is not None:
-            return _gemv(x, w, silu_halves, cfg)
-        if rows > 1:  # cuBLAS won the one-row product: run it one row at a time
-            x2 = x.reshape(rows, x.shape[-1])
-            ys = [linear_unfused(x2[i : i + 1], w, silu_halves) for i in range(rows)]
-            return torch.cat(ys).reshape(*x.shape[:-1], -1)
+        return _gemv(x, w, silu_halves, _gemv_choice(_first_row(x), w, silu_halves))
         # pragma: cuda-end
     if (1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
             and w.is_contiguous() and use_triton(x)):  # fmt: skip
@@ -374,24 +369,29 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
     # pragma: cuda-end
 
 
-def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int] | None:  # pragma: cuda
-    """The GEMV configuration for this shape, or None for cuBLAS."""
-    return choose_config(("gemv", tuple(w.shape), w.dtype, silu, x.device), x, w, GEMV_CONFIGS,
-                         lambda wc: linear_unfused(x, wc, silu), lambda wc, cfg: _gemv(x, wc, silu, cfg))  # fmt: skip
+def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int]:  # pragma: cuda
+    """The fastest GEMV configuration for this shape. cuBLAS is not a candidate: (1) a verify step's rows
+    must be computed as one-row products are (`rowwise`), which one GEMV launch does for every row and
+    cuBLAS could only do row by row; (2) timed alone, a product cannot show what programmatic dependent
+    launch gains it inside a decode graph (the chains of run 5 in docs/benchmarks/decode-gpu.md: the GEMV
+    chain beat cuBLAS at every shape), and a close call that picked cuBLAS cost the 8B shape 6 %."""
+    return choose_config(("gemv", tuple(w.shape), w.dtype, silu, x.device), x, w, GEMV_CONFIGS, None,
+                         lambda wc, cfg: _gemv(x, wc, silu, cfg))  # fmt: skip
 
 
 def choose_config(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, configs: Any, reference: Any,
                   candidate: Any) -> Any:  # fmt: skip  # pragma: cuda
     """The per-shape decision of a kernel with several configurations against its reference: the cached
     choice under `key`; under the interpreter the first configuration; on CUDA `fastest` over
-    `reference(weight)` (None: use the reference) and `candidate(weight, config)` for each of `configs`,
-    timed over copies of the weight `w` cycled out of the L2."""
+    `reference(weight)` (None: use the reference; no `reference`: a configuration is always chosen) and
+    `candidate(weight, config)` for each of `configs`, timed over copies of the weight `w` cycled out of
+    the L2."""
     if key in CHOICES:
         return CHOICES[key]
     if not x.is_cuda:
         return configs[0]
     copies = cold_copies(w)
-    cands: list[tuple[Any, Any]] = [(None, lambda i: reference(copies[i]))]
+    cands: list[tuple[Any, Any]] = [] if reference is None else [(None, lambda i: reference(copies[i]))]
     cands += [(cfg, lambda i, cfg=cfg: candidate(copies[i], cfg)) for cfg in configs]
     return fastest(key, cands, len(copies))
 
