@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The standard run on the offline GPU host, one section after another, each under a time limit, tables last.
 #
-#   bash benchmarks/gpu_session.sh tests decode batch paged int4     (any subset, in that order of arguments)
+#   bash benchmarks/gpu_session.sh tests decode batch verify paged int4 spec   (any subset, in the order given)
 #
 # Expects (carried beside the tree, git-ignored): .whl/ with onnxruntime-genai's cp312 wheel (the builder
 # makes the packages) and .carry/tok/ with SmolLM2's tokenizer files. Sections:
@@ -10,6 +10,7 @@
 #   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
 #           beside the serial engine (gpu_batch.py)
 #   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
+#   verify  a speculative verify step's cost next to a decode step, rowwise and not (gpu_verify_cost.py)
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
 #   spec    speculative decoding on SmolLM2-135M (real weights; fp32 and bf16 packages): needs /tmp/gg/m.gguf
@@ -43,6 +44,8 @@ for section in "$@"; do
             timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
               --runs 5 --tokens 128 2>&1 | quiet | tail -10
           done ;;
+    verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
+              | quiet | tail -8 ;;
     *) echo "unknown section $section" ;;
   esac
 done

@@ -146,9 +146,10 @@ class Engine:
         self.paged = self.executor.paged
         self.decode_steps = decode_steps or (8 if cuda and self.paged else 1)
         # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
-        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA, where it was measured slower or
-        # equal except on highly repetitive output and, in bf16, not token-identical to plain greedy (the
-        # verify rows round differently from the one-row decode kernels: docs/benchmarks/speculative-gpu.md)
+        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA until it is measured beyond one small
+        # model at batch 1 (there: identical output, 2.14x / 1.51x on an edit in fp32 / bf16, nothing more
+        # than 2 % slower; a verify step beside other requests' decodes runs eagerly, outside the captured
+        # decode runs: docs/benchmarks/speculative-gpu.md)
         self.speculative: str | bool = "prompt_lookup" if self.device == "cpu" else False
         if self.paged:
             running = paged_running

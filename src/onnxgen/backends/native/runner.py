@@ -30,6 +30,7 @@ spec)`. Other packages run one request per `NativeDecoder` (the engine decides).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -64,13 +65,18 @@ VERIFY_GRAPH_TOKENS = (4, 8, 16)  # one sequence's last sample + drafts, a logit
 RUN_TOKENS = 32  # a decode graph records the chosen tokens of this many consecutive replays
 
 
+# verify steps computed rowwise (the default); ONNXGEN_ROWWISE=0 lets benchmarks time what exactness costs
+ROWWISE = os.environ.get("ONNXGEN_ROWWISE", "1") != "0"
+
+
 def _rowwise(step: BatchStep) -> bool:
     """Whether `step` verifies drafts and so computes every token exactly as a one-token step would
     (`RunCtx.rowwise`): each chunk wants the logits of all its tokens, some chunk has several, and the rows
     are few enough for rowwise products (`kernels.ROWWISE_ROWS`). Such rows are the same bits as plain
     decoding's, so speculative decoding returns plain greedy decoding's tokens on any device."""
     n = step.num_tokens
-    return (n > len(step.seqs) and n <= kernels.ROWWISE_ROWS and all(s.logits == len(s.tokens) for s in step.seqs))
+    return (ROWWISE and len(step.seqs) < n <= kernels.ROWWISE_ROWS
+            and all(s.logits == len(s.tokens) for s in step.seqs))  # fmt: skip
 
 
 def batchable(program: Program, spec: Any) -> str | None:
@@ -378,7 +384,8 @@ class NativeRunner:
             self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
             last=g.wide[3 * t : 3 * t + g.rows], page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
             q_starts_t=g.narrow[bm * (1 + mp) :], seq_lens_t=g.narrow[:bm],
-            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm, per_token=g.rows > bm,
+            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm,
+            per_token=ROWWISE and g.rows > bm,
         )  # fmt: skip
 
     def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda

@@ -1,0 +1,114 @@
+"""What a speculative verify step costs on CUDA next to a decode step, and what its exactness costs.
+
+    python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k
+
+For each shape (builder-made bf16 package, as gpu_decode.py makes them; synthetic without --tokenizer), one
+sequence with a 512-token prompt on the paged runner, then, interleaved, median of 20 each:
+- decode: one replay of the batch-1 decode graph (GPU time, CUDA events);
+- verify n: `NativeRunner.run` of one chunk of n tokens wanting every row's logits (n = 2, 4, 8, 16: the
+  last sample and n - 1 drafts), wall time with the host's part (inputs, replay, logits copy), computed
+  rowwise (each row the bits of a decode step: what speculative decoding uses) and, in a second runner
+  sharing the weights, as an ordinary chunk (`runner.ROWWISE = False`: the few-row GEMM and block attention).
+The ratio verify / decode is what a draft must save: a verify of n positions pays when more than
+(ratio - 1) of its drafts are accepted on average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SIZES = (2, 4, 8, 16)
+
+
+def _runner(spec: Any, rowwise: bool) -> Any:
+    from onnxgen.backends.native import runner as rmod
+
+    rmod.ROWWISE = rowwise  # read when a step (or a verify graph's capture) asks
+    return rmod.NativeRunner(spec, "cuda", kv_bytes=2 << 30, max_batch=1)
+
+
+def _decode_ms(runner: Any) -> float:
+    g = runner._graphs[(1, 1)]
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def _verify_ms(runner: Any, toks: list[int], start: int, pages: list[int], n: int, rowwise: bool) -> float:
+    from onnxgen.backends.batch import BatchStep, SeqChunk
+    from onnxgen.backends.native import runner as rmod
+
+    rmod.ROWWISE = rowwise
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner.run(BatchStep((SeqChunk(toks[start : start + n], start, pages, n),)))
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run_shape(name: str, tokenizer: Path | None) -> list[str]:
+    from onnxgen.backends.batch import BatchStep, SeqChunk
+    from onnxgen.package.spec import load_spec
+
+    if tokenizer is not None:
+        from gpu_parity import package
+
+        _hf, pkg = package(name, tokenizer)
+    else:
+        from gpu_decode import synthetic
+
+        pkg = synthetic(name)
+    spec = load_spec(pkg)
+    toks = np.random.default_rng(1).integers(100, 32000, 600).tolist()
+    pages = list(range(0, 40))
+    runners = {True: _runner(spec, True), False: _runner(spec, False)}
+    for rowwise, r in runners.items():
+        r.run(BatchStep((SeqChunk(toks[:512], 0, pages),)))  # the prompt's KV, then every graph once
+        for n in SIZES:
+            _verify_ms(r, toks, 512, pages, n, rowwise)
+    samples: dict[str, list[float]] = {}
+    for _ in range(20):  # interleaved
+        for rowwise, r in runners.items():
+            samples.setdefault(f"decode {rowwise}", []).append(_decode_ms(r))
+            for n in SIZES:
+                samples.setdefault(f"{n} {rowwise}", []).append(_verify_ms(r, toks, 512, pages, n, rowwise))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    dec = med["decode True"]
+    cells = [f"{med[f'{n} True']:.3f} ({med[f'{n} True'] / dec:.1f}x) / {med[f'{n} False']:.3f}" for n in SIZES]
+    del runners
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [name, f"{dec:.3f}", *cells]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", type=Path, default=None)
+    ap.add_argument("--shapes", default="0.5b,1b,8b16k")
+    args = ap.parse_args()
+    rows = [run_shape(s, args.tokenizer) for s in args.shapes.split(",")]
+    print(f"\n{torch.cuda.get_device_name()}; median of 20 interleaved; ms: verify rowwise (x decode) / ordinary\n")
+    print("| shape | decode graph ms | " + " | ".join(f"verify {n}" for n in SIZES) + " |")
+    print("|---|---|" + "---|" * len(SIZES))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+if __name__ == "__main__":
+    main()
