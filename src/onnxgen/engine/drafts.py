@@ -117,25 +117,20 @@ class NgramIndex:
         return []
 
 
-CUDA_MAX_DRAFTS = 15  # on CUDA: drafts + the last sample fill the native runner's largest verify graph (16)
-# on CUDA a draft is proposed after a match of 2 tokens or more: a verify step breaks a run of decode steps
-# (the device waits for the host), so a one-token match's poor odds cost more than on the CPU
-CUDA_NGRAM_MIN = 2
-
-
 class DraftControl:
     """A request's draft length: starts at `k`, doubles after a fully accepted draft (up to `k_max`), halves
     after a draft with nothing accepted. At 0 it lets `cooldown` tokens of output pass (counted in tokens,
     not steps: a run of decode steps makes many at once), then tries 1 again; each retry rejected doubles
-    the wait (up to `cooldown_max`), an accepted draft resets it. So text with nothing to copy pays about one
-    rejected one-token draft per `cooldown_max` tokens, and a copy ramps up to `k_max` drafts in a few steps."""
+    the wait up to `cooldown_max` (default: no growth), an accepted draft resets it. So a copy ramps up to
+    `k_max` drafts in a few steps, and text with nothing to copy pays about one rejected one-token draft per
+    `cooldown_max` tokens (what CUDA sets: there a verify step breaks a run of decode steps)."""
 
-    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int = 256,
+    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
                  ngram_min: int = 1) -> None:  # fmt: skip
         self.k = k
         self.k_max = k_max
         self.cooldown = cooldown
-        self.cooldown_max = cooldown_max
+        self.cooldown_max = cooldown if cooldown_max is None else cooldown_max
         self._wait = cooldown  # the next wait once k falls to 0
         self._resume = 0  # with k at 0: the output length from which a draft is tried again
         self.drafted = 0
@@ -182,3 +177,14 @@ class DraftControl:
             if self.k == 0:
                 self._resume = generated + self._wait
                 self._wait = min(self.cooldown_max, 2 * self._wait)
+
+
+def draft_control(cuda: bool) -> DraftControl:
+    """A new request's control. On CUDA a verify step of up to 16 positions replays one graph (so up to 15
+    drafts), but it breaks a run of decode steps (the device waits for the host): drafts need a match of 2
+    tokens or more (a one-token match's odds cost more there than on the CPU), and the wait after rejected
+    retries doubles up to 256 tokens. On the CPU the plain settings measured best
+    (docs/benchmarks/speculative-cpu.md)."""
+    if cuda:
+        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256)
+    return DraftControl()

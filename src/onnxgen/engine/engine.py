@@ -27,8 +27,8 @@ import numpy as np
 from onnxgen.backends import backend_options, create_decoder, create_runner, resolve_backend
 from onnxgen.backends.base import Decoder
 from onnxgen.engine import reuse as reuse_policy
-from onnxgen.engine.drafts import CUDA_MAX_DRAFTS, CUDA_NGRAM_MIN, DraftControl
 from onnxgen.engine.drafts import MODES as DRAFT_MODES
+from onnxgen.engine.drafts import DraftControl, draft_control
 from onnxgen.engine.identity import make_identity
 from onnxgen.engine.request import Request, Status
 from onnxgen.engine.result import Result, Stats
@@ -374,9 +374,7 @@ class Engine:
         if mode not in (True, *DRAFT_MODES):
             raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
                                  field="speculative")  # fmt: skip
-        if str(self.device).startswith("cuda"):  # a verify step of up to 16 positions replays one graph
-            return DraftControl(k_max=CUDA_MAX_DRAFTS, ngram_min=CUDA_NGRAM_MIN)
-        return DraftControl()
+        return draft_control(str(self.device).startswith("cuda"))
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""

@@ -192,17 +192,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     A one-row product on a Triton device runs `triton_gemv` (the configuration measured fastest for its
     shape), and a product of 2..`SKINNY_ROWS` half-precision rows `triton_skinny` when, the first time its
     shape (and row count, rounded up to a power of two) is seen outside graph capture, it measured faster
-    than cuBLAS; everything else is `F.linear` (+
-    `silu_mul_halves`). `rowwise` (a verify step's rows, up to `ROWWISE_ROWS`, on a Triton device): every row
-    is computed exactly as a one-row product of this shape is (the same GEMV configuration, one launch), so
-    each row's bits do not depend on the other rows."""
+    than cuBLAS; everything else is `F.linear` (+ `silu_mul_halves`). `rowwise` (a verify step's rows, up to
+    `ROWWISE_ROWS`, on a Triton device): every row is computed exactly as a one-row product of this shape is
+    (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows."""
     rows = x.numel() // x.shape[-1]
-    if (rows == 1 or (rowwise and rows <= ROWWISE_ROWS)) and _gemv_ok(x, w):
+    if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         return _gemv(x, w, silu_halves, _gemv_choice(_first_row(x), w, silu_halves))
         # pragma: cuda-end
-    if (1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
-            and w.is_contiguous() and use_triton(x)):  # fmt: skip
+    if 1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         cfg = _skinny_choice(x, w, silu_halves)
         if cfg is not None:
@@ -211,8 +209,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     return linear_unfused(x, w, silu_halves)
 
 
+def _as_one_rows(x: torch.Tensor, rowwise: bool) -> bool:
+    """Whether x's rows are computed as one-row products: one row, or a `rowwise` step's few."""
+    rows = x.numel() // x.shape[-1]
+    return rows == 1 or (rowwise and rows <= ROWWISE_ROWS)
+
+
 def _gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a product of x's rows may run the Triton GEMV."""
+    """Whether a product of x's rows may run a Triton kernel (the GEMV, the few-row GEMM)."""
     return use_triton(x) and x.dtype == w.dtype and w.is_contiguous()
 
 
@@ -262,8 +266,7 @@ def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps
     measured faster, for this shape, than the norm kernel followed by `linear`: every GEMV program reduces
     the row itself, which costs more than the saved launch when programs are many (one row each).
     `rowwise`: as `linear`'s (the one-row decision, each row computed as alone)."""
-    rows = x.numel() // x.shape[-1]
-    if ((rows == 1 or (rowwise and rows <= ROWWISE_ROWS)) and _gemv_ok(x, w) and x.is_contiguous()
+    if (_as_one_rows(x, rowwise) and _gemv_ok(x, w) and x.is_contiguous()
             and (skip is None or (skip.is_contiguous() and skip.shape == x.shape))):  # fmt: skip
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         cfg = _rms_gemv_choice(_first_row(x), None if skip is None else _first_row(skip), nw, eps, w, silu_halves)
@@ -339,9 +342,8 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
     kernel. Returns (the rotated `[.., N]` rows, the residual sum or None), or None: not fused here (the
     caller runs the separate ops). `rowwise`: x may hold up to `ROWWISE_ROWS` rows (positions and slots one
     per row), each computed as a one-row step would (the one-row decision and configuration)."""
-    rows = x.numel() // x.shape[-1]
-    if not (use_triton(x) and (rows == 1 or (rowwise and rows <= ROWWISE_ROWS)) and x.dtype == w.dtype
-            and w.is_contiguous() and x.is_contiguous() and (norm is None or norm[0] is None or norm[0].is_contiguous())):  # fmt: skip
+    if not (_as_one_rows(x, rowwise) and _gemv_ok(x, w) and x.is_contiguous()
+            and (norm is None or norm[0] is None or norm[0].is_contiguous())):  # fmt: skip
         return None
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
