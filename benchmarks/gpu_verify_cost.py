@@ -5,6 +5,8 @@
 For each shape (builder-made bf16 package, as gpu_decode.py makes them; synthetic without --tokenizer), one
 sequence with a 512-token prompt on the paged runner, then, interleaved, median of 20 each:
 - decode: one replay of the batch-1 decode graph (GPU time, CUDA events);
+- verify n's graph alone: one replay of the verify graph it used (GPU time; the rest of the wall time is
+  the host's);
 - verify n: `NativeRunner.run` of one chunk of n tokens wanting every row's logits (n = 2, 4, 8, 16: the
   last sample and n - 1 drafts), wall time with the host's part (inputs, replay, logits copy), computed
   rowwise (each row the bits of a decode step: what speculative decoding uses) and, in a second runner
@@ -40,8 +42,8 @@ def _runner(spec: Any, rowwise: bool) -> Any:
     return rmod.NativeRunner(spec, "cuda", kv_bytes=2 << 30, max_batch=1)
 
 
-def _decode_ms(runner: Any) -> float:
-    g = runner._graphs[(1, 1)]
+def _replay_ms(g: Any) -> float:
+    """GPU time of one replay of a captured step (CUDA events)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     g.graph.replay()
@@ -85,12 +87,20 @@ def run_shape(name: str, tokenizer: Path | None) -> list[str]:
     samples: dict[str, list[float]] = {}
     for _ in range(20):  # interleaved
         for rowwise, r in runners.items():
-            samples.setdefault(f"decode {rowwise}", []).append(_decode_ms(r))
+            samples.setdefault(f"decode {rowwise}", []).append(_replay_ms(r._graphs[(1, 1)]))
             for n in SIZES:
                 samples.setdefault(f"{n} {rowwise}", []).append(_verify_ms(r, toks, 512, pages, n, rowwise))
+                g = r._verify.get(max(n, 4))  # the verify graph the step replayed (GPU time alone)
+                if g is not None:
+                    samples.setdefault(f"{n} {rowwise} gpu", []).append(_replay_ms(g))
     med = {k: statistics.median(v) for k, v in samples.items()}
     dec = med["decode True"]
-    cells = [f"{med[f'{n} True']:.3f} ({med[f'{n} True'] / dec:.1f}x) / {med[f'{n} False']:.3f}" for n in SIZES]
+
+    def cell(n: int) -> str:
+        gpu = med.get(f"{n} True gpu", float("nan"))
+        return f"{med[f'{n} True']:.3f} [{gpu:.3f}] ({med[f'{n} True'] / dec:.1f}x) / {med[f'{n} False']:.3f}"
+
+    cells = [cell(n) for n in SIZES]
     del runners
     gc.collect()
     torch.cuda.empty_cache()
@@ -103,7 +113,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="0.5b,1b,8b16k")
     args = ap.parse_args()
     rows = [run_shape(s, args.tokenizer) for s in args.shapes.split(",")]
-    print(f"\n{torch.cuda.get_device_name()}; median of 20 interleaved; ms: verify rowwise (x decode) / ordinary\n")
+    print(f"\n{torch.cuda.get_device_name()}; median of 20 interleaved; ms: verify rowwise [its graph's GPU time] "
+          "(x decode) / ordinary\n")  # fmt: skip
     print("| shape | decode graph ms | " + " | ".join(f"verify {n}" for n in SIZES) + " |")
     print("|---|---|" + "---|" * len(SIZES))
     for r in rows:
