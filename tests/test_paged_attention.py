@@ -18,12 +18,13 @@ from onnxgen.kv.storage import PageStorage  # noqa: E402
 P, HKV, N, D = 16, 2, 8, 32
 
 
-def _batch(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], seed: int = 0):
+def _batch(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], seed: int = 0, heads: int = N,
+           kv_heads: int = HKV):  # fmt: skip
     """Random pool contents, a shuffled page assignment and a step of (start, new tokens) chunks."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     num_pages = 160
-    st = PageStorage(2, num_pages, P, HKV, D, dtype, device)
+    st = PageStorage(2, num_pages, P, kv_heads, D, dtype, device)
     st.data.copy_(torch.randn(st.data.shape, generator=g).to(dtype))
     free = list(range(num_pages))
     rnd.shuffle(free)
@@ -33,7 +34,7 @@ def _batch(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], seed:
         pages = [free.pop() for _ in range(-(-end // P))]
         seqs.append(SeqChunk(tokens=[0] * m, start=start, pages=pages))
     step = BatchStep(tuple(seqs))
-    q = torch.randn(step.num_tokens, N, D, generator=g).to(device=device, dtype=dtype)
+    q = torch.randn(step.num_tokens, heads, D, generator=g).to(device=device, dtype=dtype)
     return st, step, q
 
 
@@ -133,10 +134,11 @@ def test_interpreted_triton_kernel_equals_the_torch_path(nsplit: int | None) -> 
 def _per_token_rows_are_decode_bits(device: str, dt: torch.dtype) -> None:
     """A verify step's tokens attended per token (`PagedStep.per_token`) give, bit for bit, what one-token
     steps at the same positions give (splits planned for the same context, each item splitting its own
-    keys): across several key splits, a window and soft-capping, and with other sequences in the step."""
+    keys): across several key splits, a window and soft-capping, with other sequences in the step, and with
+    more query heads per KV head than a tile has rows (72: a token's rows in two work items)."""
     context = 4096
-    for start, m in ((5, 4), (250, 7), (1100, 16)):
-        st, step, q = _batch(device, dt, [(start, m), (77, 1), (31, 3)], seed=start)
+    for start, m, heads, kv_heads in ((5, 4, N, HKV), (250, 7, N, HKV), (1100, 16, N, HKV), (300, 3, 72, 1)):
+        st, step, q = _batch(device, dt, [(start, m), (77, 1), (31, 3)], seed=start, heads=heads, kv_heads=kv_heads)
         ver = paged.build_step(step, st, P, torch.device(device))
         ver.plan_len, ver.per_token = context, True
         s = step.seqs[0]

@@ -53,15 +53,18 @@ class PagedStep:
 
     def work(self, group: int, block_m: int) -> torch.Tensor:
         """`[W, 3]` int32 work items (sequence, first row, end row) for a kernel that takes up to `block_m`
-        rows of `group` query heads x tokens at a time (`per_token`: one token's `group` rows each)."""
+        rows of `group` query heads x tokens at a time (`per_token`: each token's `group` rows on their own,
+        cut as a one-token step cuts them)."""
         key = (group, block_m)
         if key not in self._work:
-            step = group if self.per_token else block_m
-            assert step <= block_m
             items = []
             for b in range(len(self.seq_lens)):
                 rows = group * (self.q_starts[b + 1] - self.q_starts[b])
-                items += [(b, r, min(r + step, rows)) for r in range(0, rows, step)]
+                if self.per_token:
+                    items += [(b, t + j, t + min(j + block_m, group)) for t in range(0, rows, group)
+                              for j in range(0, group, block_m)]  # fmt: skip
+                else:
+                    items += [(b, r, min(r + block_m, rows)) for r in range(0, rows, block_m)]
             self._work[key] = torch.tensor(items, dtype=torch.int32).to(self.positions.device)
         return self._work[key]
 
