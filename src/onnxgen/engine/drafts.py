@@ -161,7 +161,7 @@ class DraftControl:
         plain decode steps, so the next step can verify drafts."""
         return self.budget(len(output)) > 0 and bool(self.propose(prompt, output, 1))
 
-    def update(self, proposed: int, accepted: int, generated: int = 0) -> None:
+    def update(self, proposed: int, accepted: int, generated: int) -> None:
         """After verifying `proposed` drafts of which the first `accepted` were kept, with `generated`
         tokens of output (the accepted ones included)."""
         self.drafted += proposed

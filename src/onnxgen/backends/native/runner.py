@@ -73,7 +73,7 @@ def _rowwise(step: BatchStep) -> bool:
     """Whether `step` verifies drafts and so computes every token exactly as a one-token step would
     (`RunCtx.rowwise`): each chunk wants the logits of all its tokens, some chunk has several, and the rows
     are few enough for rowwise products (`kernels.ROWWISE_ROWS`). Such rows are the same bits as plain
-    decoding's, so speculative decoding returns plain greedy decoding's tokens on any device."""
+    decoding's on a Triton device, so speculative decoding returns plain greedy decoding's tokens there."""
     n = step.num_tokens
     return (ROWWISE and len(step.seqs) < n <= kernels.ROWWISE_ROWS
             and all(s.logits == len(s.tokens) for s in step.seqs))  # fmt: skip
@@ -323,8 +323,8 @@ class NativeRunner:
         """`ids_t`: a decode step's token ids as a device tensor `[B]` (copied in after the upload). `raw`: the
         logits as the graph's output rows in the model's dtype (a view, valid until the next replay; the
         device choice reads them exactly), not a float32 copy. `run`: the first of `run` decode steps whose
-        later replays advance their inputs on the device (`_graph_decodes`): the page tables and the split
-        and the sequences are marked live."""
+        later replays advance their inputs on the device (`_graph_decodes`): the page tables are uploaded for
+        the run's last step and the sequences are marked live."""
         b, m, P = len(step.seqs), g.tokens, self.page_size
         t = g.batch * m
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
