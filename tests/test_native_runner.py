@@ -111,6 +111,26 @@ def _verify_rows_are_decode_bits(device: str, dtype: str, tmp_path: Path, graphs
         start += n
 
 
+def test_verify_steps_and_only_they_are_computed_rowwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step is rowwise when each chunk wants every fed position's logits and some chunk has several
+    (draft verification, alone or beside decodes), within `kernels.ROWWISE_ROWS` rows; never for decodes or
+    prefill chunks, nor with ONNXGEN_ROWWISE=0."""
+    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native import runner as rmod
+
+    verify = SeqChunk([1, 2, 3], 10, [0], 3)
+    decode = SeqChunk([4], 20, [1], 1)
+    assert rmod._rowwise(BatchStep((verify,))) and rmod._rowwise(BatchStep((verify, decode)))
+    assert not rmod._rowwise(BatchStep((decode,))) and not rmod._rowwise(BatchStep((decode, SeqChunk([5], 3, [2]))))
+    assert not rmod._rowwise(BatchStep((SeqChunk([1, 2, 3], 0, [0], 1),)))  # a prefill chunk
+    assert not rmod._rowwise(BatchStep((verify, SeqChunk([1, 2], 0, [3], 1))))  # beside a prefill chunk
+    n = kernels.ROWWISE_ROWS
+    assert rmod._rowwise(BatchStep((SeqChunk(list(range(n)), 0, [0, 1, 2, 3], n),)))
+    assert not rmod._rowwise(BatchStep((SeqChunk(list(range(n + 1)), 0, [0, 1, 2, 3, 4], n + 1),)))
+    monkeypatch.setattr(rmod, "ROWWISE", False)
+    assert not rmod._rowwise(BatchStep((verify,)))
+
+
 def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) -> None:
     """The same on the CPU through the Triton kernels (`ONNXGEN_FORCE_TRITON=1` under `TRITON_INTERPRET=1`;
     skipped elsewhere: the CPU's torch path makes no such promise in low precision)."""

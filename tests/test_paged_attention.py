@@ -205,3 +205,18 @@ def test_copy_page_prefix_copies_the_prefix_in_every_layer_and_nothing_else(devi
     want[:, :, 9, :11] = want[:, :, 4, :11]
     kernels.copy_page_prefix(st.data, 4, 9, 11)
     assert torch.equal(st.data, want)
+
+
+def test_per_token_work_items_cut_each_token_as_a_decode_step() -> None:
+    """Work items of a verify step (`per_token`) are each token's rows on their own, cut into tiles exactly
+    as a one-token step's rows are; ordinary items take up to a tile of rows across tokens."""
+    st, step, _ = _batch("cpu", torch.float32, [(10, 3), (40, 1)])
+    ps = paged.build_step(step, st, P, torch.device("cpu"))
+    assert ps.work(4, 16).tolist() == [[0, 0, 12], [1, 0, 4]]
+    ps = paged.build_step(step, st, P, torch.device("cpu"))
+    ps.per_token = True
+    assert ps.work(4, 16).tolist() == [[0, 0, 4], [0, 4, 8], [0, 8, 12], [1, 0, 4]]
+    assert ps.work(72, 64).tolist() == [[0, 0, 64], [0, 64, 72], [0, 72, 136], [0, 136, 144], [0, 144, 208],
+                                        [0, 208, 216], [1, 0, 64], [1, 64, 72]]  # fmt: skip
+    one = paged.build_step(BatchStep((SeqChunk([0], 11, step.seqs[0].pages),)), st, P, torch.device("cpu"))
+    assert one.work(72, 64).tolist() == [[0, 0, 64], [0, 64, 72]]  # token 1's cut, as a decode step's
