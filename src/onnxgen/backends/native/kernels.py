@@ -348,12 +348,24 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
     key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, x.device)
-    x1 = _first_row(x)  # the decision is taken on one row (a decode step's shape)
+    cfg = CHOICES[key] if key in CHOICES else _rope_gemv_choice(key, x, w, rope, norm)
+    if cfg is None:
+        return None
+    s = torch.empty_like(x) if skip is not None else None
+    return _gemv(x, w, False, cfg, (skip, norm[1], norm[2], s) if norm is not None else None, rope), s
+    # pragma: cuda-end
+
+
+def _rope_gemv_choice(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, rope: Rope,
+                      norm: tuple[torch.Tensor | None, torch.Tensor, float] | None) -> tuple[int, int, int] | None:  # fmt: skip  # pragma: cuda
+    """`linear_rope`'s decision for this shape, taken on x's first row (a decode step's shape): the fused
+    GEMV configuration, or None for the product followed by the rotary kernel."""
+    x1 = _first_row(x)
     rope1 = replace(rope, pos=rope.pos[:1], slot=rope.slot[:1])
-    n1 = None if norm is None else (None if skip is None else _first_row(skip), norm[1], norm[2])
+    n1 = None if norm is None else (None if norm[0] is None else _first_row(norm[0]), norm[1], norm[2])
 
     def fused1(wc: torch.Tensor, cfg: tuple[int, int, int]) -> tuple[torch.Tensor, Any]:
-        s = torch.empty_like(x1) if skip is not None else None
+        s = torch.empty_like(x1) if n1 is not None and n1[0] is not None else None
         return _gemv(x1, wc, False, cfg, None if n1 is None else (n1[0], n1[1], n1[2], s), rope1), s
 
     def separate(wc: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -363,12 +375,7 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
                        slots=rope1.slot)  # fmt: skip
         return y, s
 
-    cfg = choose_config(key, x1, w, ROPE_GEMV_CONFIGS, separate, fused1)
-    if cfg is None:
-        return None
-    s = torch.empty_like(x) if skip is not None else None
-    return _gemv(x, w, False, cfg, (skip, norm[1], norm[2], s) if norm is not None else None, rope), s
-    # pragma: cuda-end
+    return choose_config(key, x1, w, ROPE_GEMV_CONFIGS, separate, fused1)
 
 
 def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int]:  # pragma: cuda
