@@ -1,10 +1,12 @@
 """Micro-benchmark (issue 13): packed int4 GEMV designs on the 8B shapes (block 32, symmetric), 8 layers of
-distinct weights per shape in one CUDA graph: v1 is `triton_int4` (per-block dot products, scaled once per
+distinct weights per shape in one CUDA graph: v4 is `int4_words_linear` here (word-interleaved weights:
+nibble t of a run of words meets a contiguous run of x; nibbles made floats `1 + q / 16` with two integer
+instructions; 2026-12-05: slower than v1, see decode-gpu.md), v1 is `triton_int4.int4_linear` (per-block dot products, scaled once per
 block), v2 dequantizes with the exponent trick (nibble | 0x4B000000 as float) and gathers the scale per
 element, v3 the same trick on a [rows, blocks, bytes] tile with one scale product per block. Each prints
 its error against the dequantized product, the best tile per shape, and the whole chain's bandwidth.
 
-    PYTHONPATH=src python3 benchmarks/gpu_int4_variants.py
+    PYTHONPATH=src python3 benchmarks/gpu_int4_variants.py [--variants v4,v1]
 """
 
 # ruff: noqa: B023  (each lambda is timed within the iteration that made it)
@@ -19,9 +21,103 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from onnxgen.backends.native.ops.quant import dequant_matmul_nbits
 from onnxgen.backends.native.triton_int4 import int4_linear
+from onnxgen.package.int4 import unpack_nibbles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _util import graph_replay_ms
+
+
+def interleave_words(b: torch.Tensor, k: int, n: int, block: int) -> torch.Tensor:
+    """MatMulNBits' B (uint8 `[N, n_blocks, block / 2]`) -> int32 `[N, K / 8]` in the layout of the packed
+    word GEMV (`int4_words_linear` below): K is cut into groups of 8 quantization blocks and word `j`
+    of group `g` holds element `j` of each of the group's blocks, block `8g + t` in bits `4t .. 4t + 3`.
+    The same bytes, reordered (the weight stays its packed size); `deinterleave_words` undoes it. Requires
+    `words_ok(k, block)`."""
+    assert k % (8 * block) == 0, (k, block)
+    q = unpack_nibbles(b.reshape(n, k // 2).to(torch.uint8))  # [N, K] values 0..15
+    g = q.reshape(n, k // (8 * block), 8, block).transpose(-1, -2)  # [N, groups, j, t]
+    by = (g[..., 0::2] | (g[..., 1::2] << 4)).contiguous()  # byte i: t = 2i low, 2i + 1 high (little-endian)
+    return by.view(torch.int32).reshape(n, k // 8)
+
+
+@triton.jit
+def v4_kernel(X, W, S, Z, Y, KW, N, NB, NG, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                      G: tl.constexpr, ZP: tl.constexpr, SUM_BLOCKS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One program: `BLOCK_N` output rows of one row of x, `G` groups (of 8 blocks) per loop step, a
+    `[BLOCK_N, G, BLOCK]` tile of words. For nibble `t` of the words (block `8g + t`): `f = 1 + q / 16` exactly
+    (the nibble moved to mantissa bits 19..22 of 1.0), so `s (q - z) x = 16 s f x - s (16 + z) x`; the first
+    term accumulates per element (with `SUM_BLOCKS`: per block, summed over the block before its scale), the
+    second once per block from the block's sum of x. With PDL the first
+    tile of words (which no kernel writes) is requested before waiting for the previous kernel."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rg = tl.arange(0, G)
+    rj = tl.arange(0, BLOCK)
+    wp = W + rn[:, None, None].to(tl.int64) * KW + rg[None, :, None] * BLOCK + rj[None, None, :]
+    w = tl.load(wp, mask=nmask[:, None, None] & (rg < NG)[None, :, None], other=0, eviction_policy="evict_first")
+    if PDL:
+        gdc_wait()
+    xrow = X + m * sxm
+    acc = tl.zeros([BLOCK_N, G, BLOCK], tl.float32)
+    corr = tl.zeros([BLOCK_N, G], tl.float32)
+    for g0 in range(0, NG, G):
+        gm = (g0 + rg) < NG
+        if g0 > 0:
+            w = tl.load(wp + g0 * BLOCK, mask=nmask[:, None, None] & gm[None, :, None], other=0,
+                        eviction_policy="evict_first")  # fmt: skip
+        km = nmask[:, None] & gm[None, :]
+        for t in tl.static_range(8):
+            blk = (g0 + rg) * 8 + t  # [G] the quantization block nibble t holds
+            xt = tl.load(xrow + blk[:, None] * BLOCK + rj[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+            if 4 * t <= 19:
+                f = ((w << (19 - 4 * t)) & 0x780000) | 0x3F800000
+            else:
+                f = ((w >> (4 * t - 19)) & 0x780000) | 0x3F800000
+            f = f.to(tl.float32, bitcast=True)
+            s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
+            if ZP == 1:
+                zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=km, other=0).to(tl.int32)
+                z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
+            elif ZP == 2:
+                z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
+            else:
+                z = 8.0
+            if SUM_BLOCKS:
+                corr += s * (16.0 * tl.sum(f * xt[None, :, :], 2) - (16.0 + z) * tl.sum(xt, 1)[None, :])
+            else:
+                acc += (16.0 * s)[:, :, None] * (f * xt[None, :, :])
+                corr -= s * (16.0 + z) * tl.sum(xt, 1)[None, :]
+    y = tl.sum(tl.sum(acc, 2), 1) + tl.sum(corr, 1)
+    tl.store(Y + m * sym + rn, y.to(Y.dtype.element_ty), mask=nmask)
+
+
+def int4_words_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                      k: int, n: int, block: int, block_n: int = 2, groups: int = 8, warps: int = 4,
+                      sum_blocks: bool = False) -> torch.Tensor:  # fmt: skip
+    """`x` `[..., K]` times the word-interleaved weights (`interleave_words`; K a multiple of
+    `8 * block`) -> `[..., N]` in x's dtype (float32 accumulation). `groups`: groups of 8 blocks per loop
+    step; `sum_blocks`: scale each block's sum instead of each element. Launched with `kernels.launch_options` (programmatic dependent launch on Hopper)."""
+    from onnxgen.backends.native.kernels import launch_options
+
+    assert words.dtype == torch.int32 and k % (8 * block) == 0
+    nb = k // block
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if zero_points is None:
+        zmode, z = 0, scales
+    elif zero_points.dtype == torch.uint8:
+        zmode, z = 1, zero_points.contiguous()
+    else:
+        zmode, z = 2, zero_points.contiguous()
+    grid = (triton.cdiv(n, block_n), x2.shape[0])
+    v4_kernel[grid](x2, words, scales.contiguous(), z, y, k // 8, n, nb, nb // 8, x2.stride(0), y.stride(0),
+                            BLOCK=block, BLOCK_N=block_n, G=groups, ZP=zmode, SUM_BLOCKS=sum_blocks, num_warps=warps,
+                            **launch_options(x2))  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
 
 
 @triton.jit
@@ -112,6 +208,11 @@ def graph_ms(fns, reps=10):
 
 
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="v4,v1,v2,v3", help="which designs to time (comma-separated)")
+    only = ap.parse_args().variants.split(",")
     torch.manual_seed(0)
     shapes = [(6144, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
     layers = 8
@@ -152,7 +253,18 @@ def main():
         bn, blocks, nw = cfg
         ys[n].copy_(int4_linear(x[k], b, s, None, k, n, 32, bn, blocks, nw))
 
+    words = {}  # the word-interleaved copy of each weight (v4), made once
+
+    def run_v4(cfg, pdl, b, s, n, k):
+        bn, groups, nw, sb = cfg
+        if b.data_ptr() not in words:
+            words[b.data_ptr()] = interleave_words(b, k, n, 32)
+        ys[n].copy_(int4_words_linear(x[k], words[b.data_ptr()], s, None, k, n, 32, bn, groups, nw, sb))
+
+    v4cfgs = [(bn, g, nw, sb) for sb in (False, True) for bn, g, nw in
+              ((1, 8, 4), (2, 8, 4), (4, 4, 4), (4, 8, 8), (2, 16, 4), (1, 16, 4), (8, 4, 8), (8, 2, 4))]  # fmt: skip
     variants = {
+        "v4": (run_v4, v4cfgs),
         "v1": (run_v1, [(8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4)]),
         "v2": (
             run_v2,
@@ -163,12 +275,13 @@ def main():
             [(4, 16, 4), (8, 16, 4), (2, 32, 4), (4, 32, 4), (8, 8, 4), (1, 64, 4), (2, 64, 8), (16, 8, 4)],
         ),
     }
+    variants = {k: v for k, v in variants.items() if k in only}
     for name, (fn, cfgs) in variants.items():
         fn(cfgs[0], False, b, s, 4096, 14336)
         err = float((ys[4096].float() - ref).norm() / ref.norm())
         print(name, "rel err", f"{err:.2e}", flush=True)
     for name, (fn, cfgs) in variants.items():
-        for pdl in (False, True) if name != "v1" else (False,):
+        for pdl in (False, True) if name not in ("v1", "v4") else (name == "v4",):  # v4: PDL from launch_options
             best = {}
             for _si, (n, k) in enumerate(shapes[:3] + shapes[4:]):
                 res = []

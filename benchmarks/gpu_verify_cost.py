@@ -1,6 +1,7 @@
 """What a speculative verify step costs on CUDA next to a decode step, and what its exactness costs.
 
     python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k
+    python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16        (any package folder)
 
 For each shape (builder-made bf16 package, as gpu_decode.py makes them; synthetic without --tokenizer), one
 sequence with a 512-token prompt on the paged runner, then, interleaved, median of 20 each:
@@ -68,7 +69,9 @@ def run_shape(name: str, tokenizer: Path | None) -> list[str]:
     from onnxgen.backends.batch import BatchStep, SeqChunk
     from onnxgen.package.spec import load_spec
 
-    if tokenizer is not None:
+    if Path(name).is_dir():  # a package (e.g. the spec section's /tmp/spkg_bf16)
+        pkg = Path(name)
+    elif tokenizer is not None:
         from gpu_parity import package
 
         _hf, pkg = package(name, tokenizer)
@@ -110,7 +113,7 @@ def run_shape(name: str, tokenizer: Path | None) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=None)
-    ap.add_argument("--shapes", default="0.5b,1b,8b16k")
+    ap.add_argument("--shapes", default="0.5b,1b,8b16k", help="shape names or package folders, comma-separated")
     args = ap.parse_args()
     rows = [run_shape(s, args.tokenizer) for s in args.shapes.split(",")]
     print(f"\n{torch.cuda.get_device_name()}; median of 20 interleaved; ms: verify rowwise [its graph's GPU time] "
