@@ -92,6 +92,25 @@ def test_draft_control_grows_on_acceptance_and_backs_off_on_rejection() -> None:
     assert (c.drafted, c.accepted) == (27, 7)
 
 
+def test_draft_lengths_fill_the_verify_size_they_fall_in() -> None:
+    """With verify sizes (a CUDA runner's graphs of 4/8/16 positions: a step costs its padded size), a
+    budget of k drafts becomes the most that fit the same size, capped at k_max; the state it grows and
+    shrinks from is unchanged, and with no sizes (the CPU) nothing is raised."""
+    assert DraftControl(k=4, k_max=15).budget(0) == 4
+    c = DraftControl(k=4, k_max=15, cooldown=2, sizes=(16, 4, 8))
+    assert c.budget(0) == 7  # 5 positions cost the 8-position graph
+    c.update(7, 7, 8)
+    assert c.k == 14 and c.budget(8) == 15
+    c.update(15, 0, 9)
+    c.update(7, 0, 10)
+    assert c.k == 3 and c.budget(10) == 3
+    c.update(3, 0, 11)
+    c.update(3, 0, 12)
+    assert c.k == 0 and c.budget(12) == 0 and c.budget(14) == 3  # the retry fills the 4-position graph
+    assert DraftControl(k=4, k_max=6, sizes=(4, 8, 16)).budget(0) == 6
+    assert DraftControl(k=20, k_max=32, sizes=(4, 8, 16)).budget(0) == 20  # beyond the sizes: as asked
+
+
 def test_draft_control_is_ready_only_with_a_budget_and_a_match() -> None:
     c = DraftControl(k=1, cooldown=4)
     prompt = [5, 6, 7, 8]

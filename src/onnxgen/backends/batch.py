@@ -59,6 +59,9 @@ class BatchRunner(Protocol):
     page_size: int
     num_pages: int
     storage: Any
+    verify_sizes: tuple[int, ...]
+    """The sizes a verify step of n positions costs as: the smallest one >= n (a step padded to it);
+    () where a step costs what its positions do."""
 
     def run(self, step: BatchStep) -> Any: ...
 

@@ -126,9 +126,10 @@ class DraftControl:
     `cooldown_max` tokens (what CUDA sets: there a verify step breaks a run of decode steps)."""
 
     def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
-                 ngram_min: int = 1) -> None:  # fmt: skip
+                 ngram_min: int = 1, sizes: tuple[int, ...] = ()) -> None:  # fmt: skip
         self.k = k
         self.k_max = k_max
+        self.sizes = tuple(sorted(sizes))
         self.cooldown = cooldown
         self.cooldown_max = cooldown if cooldown_max is None else cooldown_max
         self._wait = cooldown  # the next wait once k falls to 0
@@ -151,10 +152,14 @@ class DraftControl:
         return self._index.lookup(k)
 
     def budget(self, generated: int) -> int:
-        """How many drafts to propose at this point of the output (`generated` tokens; 0: a plain step)."""
-        if self.k > 0:
-            return self.k
-        return 1 if generated >= self._resume else 0
+        """How many drafts to propose at this point of the output (`generated` tokens; 0: a plain step):
+        the draft length, raised to fill the verify size it falls in (`sizes`: a verify of n positions
+        costs as the smallest size >= n, so k drafts, k + 1 positions, may as well be size - 1), at most
+        `k_max`."""
+        k = self.k if self.k > 0 else (1 if generated >= self._resume else 0)
+        if k > 0:
+            k = min(self.k_max, next((s - 1 for s in self.sizes if s >= k + 1), k))
+        return k
 
     def ready(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
         """Whether the request would draft now (a budget and a match in its context): what stops a run of
@@ -179,12 +184,13 @@ class DraftControl:
                 self._wait = min(self.cooldown_max, 2 * self._wait)
 
 
-def draft_control(cuda: bool) -> DraftControl:
-    """A new request's control. On CUDA a verify step of up to 16 positions replays one graph (so up to 15
-    drafts), but it breaks a run of decode steps (the device waits for the host): drafts need a match of 2
-    tokens or more (a one-token match's odds cost more there than on the CPU), and the wait after rejected
-    retries doubles up to 256 tokens. On the CPU the plain settings measured best
+def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
+    """A new request's control; `sizes`: the runner's verify sizes (`BatchRunner.verify_sizes`: draft
+    lengths are raised to fill them). On CUDA a verify step of up to 16 positions replays one graph (so up
+    to 15 drafts), but it breaks a run of decode steps (the device waits for the host): drafts need a match
+    of 2 tokens or more (a one-token match's odds cost more there than on the CPU), and the wait after
+    rejected retries doubles up to 256 tokens. On the CPU the plain settings measured best
     (docs/benchmarks/speculative-cpu.md)."""
     if cuda:
-        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256)
-    return DraftControl()
+        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes)
+    return DraftControl(sizes=sizes)

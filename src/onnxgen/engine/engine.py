@@ -374,7 +374,7 @@ class Engine:
         if mode not in (True, *DRAFT_MODES):
             raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
                                  field="speculative")  # fmt: skip
-        return draft_control(str(self.device).startswith("cuda"))
+        return draft_control(str(self.device).startswith("cuda"), self.executor.verify_sizes)
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""

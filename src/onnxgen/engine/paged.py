@@ -55,6 +55,7 @@ class PagedKV:
 
     def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
+        self.verify_sizes = tuple(runner.verify_sizes)  # what draft lengths are rounded up to fill
         self.page_size = runner.page_size
         allocator = PageAllocator(runner.num_pages)
         self.index = PrefixIndex(allocator, runner.page_size)

@@ -93,6 +93,7 @@ class SlotKV:
     """The scheduler's KV adapter and the step's executor for per-request decoders."""
 
     paged = False
+    verify_sizes: tuple[int, ...] = ()  # a decoder's verify step costs what its positions do
 
     def __init__(self, pool: DecoderPool) -> None:
         self.pool = pool

@@ -190,6 +190,12 @@ class NativeRunner:
         """Whether steps replay CUDA graphs (False after a failed capture, and on the CPU)."""
         return bool(self._graph_batches)
 
+    @property
+    def verify_sizes(self) -> tuple[int, ...]:
+        """`BatchRunner.verify_sizes`: with CUDA graphs a verify step replays the graph of the next
+        `VERIFY_GRAPH_TOKENS` size (its padding rows computed too)."""
+        return VERIFY_GRAPH_TOKENS if self._graph_batches else ()
+
     def _graph_for(self, step: BatchStep) -> _Graph | None:
         """The captured graph that runs `step`: decodes only (batch padded up to a bucket), one sequence's
         prefill chunk (padded up to a captured size, whose padding positions stay inside the context), or
