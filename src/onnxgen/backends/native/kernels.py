@@ -184,6 +184,9 @@ ROPE_GEMV_CONFIGS = tuple(c for c in GEMV_CONFIGS if c[0] % 2 == 0)  # rotation 
 
 
 ROWWISE_ROWS = 64  # `rowwise` products of up to this many rows compute each row as a one-row product
+ROWS_PER_PROGRAM = int(os.environ.get("ONNXGEN_GEMV_ROWS", "4"))
+"""A GEMV program's rows of x at most (`triton_gemv`: one after another over one weight tile; a verify
+step's products). `ONNXGEN_GEMV_ROWS` overrides it (benchmarks/gpu_verify_cost.py)."""
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False) -> torch.Tensor:
@@ -305,11 +308,13 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
               vb.stride(2), rope.cos.stride(0), rope.heads * rope.head_dim, rope.kv_heads * rope.head_dim)  # fmt: skip
     else:
         ra = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
-    _TRITON["gemv"][(triton_cdiv(n, bn) * r,)](
+    rb = min(r, ROWS_PER_PROGRAM)
+    _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
         s if s is not None else y, eps, *ra,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
-        HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0,
+        HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
+        ONE=r == 1,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y

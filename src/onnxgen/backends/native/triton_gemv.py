@@ -13,11 +13,12 @@ walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum t
 end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
 
 Rows (`R`, not specialised: one compiled kernel for any row count). x may hold `R` rows (a verify step's
-tokens, `kernels.linear(..., rowwise=True)`): program `i` computes row `i % R` of output tile `i // R`, so
-the programs that read one weight tile run side by side (one HBM read, the other rows from L2), and each
-row is computed by exactly the code, tile and reduction order of a one-row launch: a row's result is the
-same bits whatever else is in the launch (batch invariance: what lets speculative decoding verify drafts
-and still return plain greedy decoding's tokens).
+tokens, `kernels.linear(..., rowwise=True)`): a program computes up to `RB` rows of its output tile one
+after another (the first weight tile stays in registers, the rest comes from L1/L2), and the programs that
+share a tile run side by side (one HBM read). Each row is computed by exactly the code, tile and reduction
+order of a one-row launch (`_gemv_row`): a row's result is the same bits whatever else is in the launch
+(batch invariance: what lets speculative decoding verify drafts and still return plain greedy decoding's
+tokens).
 """
 
 import triton
@@ -70,19 +71,20 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
 def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
                 cos_stride, NQ, NK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                 NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
-                HALF: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """With PDL (programmatic dependent launch) the first `[BLOCK_N, BLOCK_K]` tile of the weights, which
-    no kernel writes, is requested before waiting for the previous kernel: the HBM latency of the first
-    loads overlaps the previous kernel's tail. With `ROPE` (a QKV product whose rotation pairs are adjacent
-    rows, even BLOCK_N) `_rope_store` finishes the rows."""
-    pid = tl.program_id(0) // R  # output tile
-    row = (tl.program_id(0) % R).to(tl.int64)  # row of x: X, SKIP, SUM have rows of K, Y rows of N
-    X += row * K
-    Y += row * N
-    SKIP += row * K
-    SUM += row * K
-    POS += row
-    SLOT += row
+                HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
+    at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
+    (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
+    (programmatic dependent launch) the first `[BLOCK_N, BLOCK_K]` tile of the weights, which no kernel
+    writes, is requested before waiting for the previous kernel: the HBM latency of the first loads overlaps
+    the previous kernel's tail; the rows after the first find the rest of the weights in the caches."""
+    if ONE:
+        pid = tl.program_id(0)
+        r0 = 0
+    else:
+        chunks = (R + RB - 1) // RB
+        pid = tl.program_id(0) // chunks  # output tile
+        r0 = (tl.program_id(0) % chunks) * RB
     if PDL:
         gdc_launch_dependents()
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,10 +94,32 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
     up = N.to(tl.int64) * K  # SILU: the up rows start N rows below the gate rows
     m0 = nmask[:, None] & (rk < K)[None, :]
     w0 = tl.load(wp, mask=m0, other=0.0, eviction_policy="evict_first")
+    u0 = w0
     if SILU:
         u0 = tl.load(wp + up, mask=m0, other=0.0, eviction_policy="evict_first")
     if PDL:
         gdc_wait()
+    for i in tl.static_range(RB):
+        if r0 + i < R:
+            _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
+                      sv_h, sv_s, cos_stride, NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K, SILU, NORM,
+                      HAS_SKIP, ROPE, HEAD, HALF)  # fmt: skip
+
+
+@triton.jit
+def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
+              NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
+              HALF: tl.constexpr):  # fmt: skip
+    """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
+    weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
+    pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row."""
+    X += row * K
+    Y += row * N
+    SKIP += row * K
+    SUM += row * K
+    POS += row
+    SLOT += row
     rstd = 1.0
     if NORM:  # RMSNorm of x (+ skip) first: every program reduces the (small) row itself
         ss = tl.zeros([BLOCK_K], tl.float32)
