@@ -10,7 +10,8 @@
 #   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
 #           beside the serial engine (gpu_batch.py)
 #   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
-#   verify  a speculative verify step's cost next to a decode step, rowwise and not (gpu_verify_cost.py)
+#   verify  a speculative verify step's cost next to a decode step, rowwise and not (gpu_verify_cost.py); after
+#           `spec`, also on the real SmolLM2 bf16 package with 1 and 4 rows per GEMV program (ONNXGEN_GEMV_ROWS)
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
 #   spec    speculative decoding on SmolLM2-135M (real weights; fp32 and bf16 packages): needs /tmp/gg/m.gguf
@@ -26,7 +27,7 @@ quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|_warn_once"; }
 for section in "$@"; do
   echo "== $section (t=$(( $(date +%s) - T0 )) s)"
   case "$section" in
-    tests) timeout 120 python3 -m pytest -q tests/test_gemv_kernel.py tests/test_skinny_kernel.py \
+    tests) timeout 300 python3 -m pytest -q tests/test_gemv_kernel.py tests/test_skinny_kernel.py \
              tests/test_int4_kernel.py 2>&1 | tail -4
            timeout 300 python3 -m pytest -q -m gpu tests/test_native_runner.py tests/test_decode_runs.py \
              tests/test_paged_attention.py tests/test_native_backend.py tests/test_concurrency.py \
@@ -45,7 +46,11 @@ for section in "$@"; do
               --runs 5 --tokens 128 2>&1 | quiet | tail -10
           done ;;
     verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
-              | quiet | tail -8 ;;
+              | quiet | tail -8
+            if [ -d /tmp/spkg_bf16 ]; then  # after `spec`: the real SmolLM2 package, rows per GEMV program 1 vs 4
+              for rb in 1 4; do ONNXGEN_GEMV_ROWS=$rb timeout 100 python3 benchmarks/gpu_verify_cost.py \
+                --shapes /tmp/spkg_bf16 2>&1 | tail -1; done
+            fi ;;
     *) echo "unknown section $section" ;;
   esac
 done
