@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from onnxgen.backends.native.ops.quant import dequant_matmul_nbits
-from onnxgen.backends.native.triton_int4 import int4_linear
+from onnxgen.backends.native.triton_int4 import block_scale_zero, int4_linear, zero_point_mode
 from onnxgen.package.int4 import unpack_nibbles
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -78,14 +78,7 @@ def v4_kernel(X, W, S, Z, Y, KW, N, NB, NG, sxm, sym, BLOCK: tl.constexpr, BLOCK
             else:
                 f = ((w >> (4 * t - 19)) & 0x780000) | 0x3F800000
             f = f.to(tl.float32, bitcast=True)
-            s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
-            if ZP == 1:
-                zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=km, other=0).to(tl.int32)
-                z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
-            elif ZP == 2:
-                z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
-            else:
-                z = 8.0
+            s, z = block_scale_zero(S, Z, rn, blk, km, NB, ZP)
             if SUM_BLOCKS:
                 corr += s * (16.0 * tl.sum(f * xt[None, :, :], 2) - (16.0 + z) * tl.sum(xt, 1)[None, :])
             else:
@@ -100,19 +93,15 @@ def int4_words_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
                       sum_blocks: bool = False) -> torch.Tensor:  # fmt: skip
     """`x` `[..., K]` times the word-interleaved weights (`interleave_words`; K a multiple of
     `8 * block`) -> `[..., N]` in x's dtype (float32 accumulation). `groups`: groups of 8 blocks per loop
-    step; `sum_blocks`: scale each block's sum instead of each element. Launched with `kernels.launch_options` (programmatic dependent launch on Hopper)."""
+    step; `sum_blocks`: scale each block's sum instead of each element. Launched with
+    `kernels.launch_options` (programmatic dependent launch on Hopper)."""
     from onnxgen.backends.native.kernels import launch_options
 
     assert words.dtype == torch.int32 and k % (8 * block) == 0
     nb = k // block
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    if zero_points is None:
-        zmode, z = 0, scales
-    elif zero_points.dtype == torch.uint8:
-        zmode, z = 1, zero_points.contiguous()
-    else:
-        zmode, z = 2, zero_points.contiguous()
+    zmode, z = zero_point_mode(zero_points, scales)
     grid = (triton.cdiv(n, block_n), x2.shape[0])
     v4_kernel[grid](x2, words, scales.contiguous(), z, y, k // 8, n, nb, nb // 8, x2.stride(0), y.stride(0),
                             BLOCK=block, BLOCK_N=block_n, G=groups, ZP=zmode, SUM_BLOCKS=sum_blocks, num_warps=warps,

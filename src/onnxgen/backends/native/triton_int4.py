@@ -20,6 +20,21 @@ import triton.language as tl
 
 
 @triton.jit
+def block_scale_zero(S, Z, rn, blk, km, NB, ZP: tl.constexpr):
+    """Scales and zero points (float32) of output rows `rn` `[R]` at quantization blocks `blk` `[B]` ->
+    `[R, B]` each (`km` masks both); `ZP` as `zero_point_mode`'s (0: the zero point is 8)."""
+    s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
+    if ZP == 1:
+        zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=km, other=0).to(tl.int32)
+        z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
+    elif ZP == 2:
+        z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + 8.0
+    return s, z
+
+
+@triton.jit
 def int4_gemv_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCKS: tl.constexpr, ZP: tl.constexpr):  # fmt: skip
     """ZP: 0 none (8), 1 packed uint8 nibbles, 2 one float per block. Each step of the loop takes `BLOCKS`
@@ -48,16 +63,17 @@ def int4_gemv_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLO
         xsum = tl.sum(tl.reshape(xe + xo, (BLOCKS, HB)), axis=1)  # [BLOCKS]
         blk = b0 + rblk
         km = nmask[:, None] & (blk < NB)[None, :]
-        s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
-        if ZP == 1:
-            zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=km, other=0).to(tl.int32)
-            z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
-        elif ZP == 2:
-            z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
-        else:
-            z = 8.0
+        s, z = block_scale_zero(S, Z, rn, blk, km, NB, ZP)
         acc += s * (dot - z * xsum[None, :])
     tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
+
+
+def zero_point_mode(zero_points: torch.Tensor | None, scales: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The kernels' `ZP` and the tensor passed for `Z`: 0 none (8; `scales` stands in), 1 packed uint8
+    nibbles, 2 one float per block."""
+    if zero_points is None:
+        return 0, scales
+    return (1 if zero_points.dtype == torch.uint8 else 2), zero_points.contiguous()
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -71,12 +87,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         blocks = max(1, 256 // block)
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    if zero_points is None:
-        zmode, z = 0, scales
-    elif zero_points.dtype == torch.uint8:
-        zmode, z = 1, zero_points.contiguous()
-    else:
-        zmode, z = 2, zero_points.contiguous()
+    zmode, z = zero_point_mode(zero_points, scales)
     grid = (triton.cdiv(n, block_n), x2.shape[0])
     int4_gemv_kernel[grid](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb, x2.stride(0), y.stride(0),
                            BLOCK=block, BLOCK_N=block_n, BLOCKS=blocks, ZP=zmode, num_warps=warps)  # fmt: skip
