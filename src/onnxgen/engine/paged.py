@@ -55,7 +55,6 @@ class PagedKV:
 
     def __init__(self, runner: BatchRunner) -> None:
         self.runner = runner
-        self.verify_sizes = tuple(runner.verify_sizes)  # what draft lengths are rounded up to fill
         self.page_size = runner.page_size
         allocator = PageAllocator(runner.num_pages)
         self.index = PrefixIndex(allocator, runner.page_size)
@@ -63,6 +62,12 @@ class PagedKV:
         self.bytes_per_page = runner.storage.nbytes() // runner.num_pages
         self.pinned_sessions = 0
         self._running: dict[bytes, list[Request]] = {}  # admitted requests that may share, by identity digest
+
+    @property
+    def verify_sizes(self) -> tuple[int, ...]:
+        """The runner's (`BatchRunner.verify_sizes`, asked each time: a failed capture turns graphs off),
+        what a new request's draft lengths are raised to fill."""
+        return tuple(self.runner.verify_sizes)
 
     @property
     def capacity_tokens(self) -> int:
