@@ -178,6 +178,7 @@ def test_paged_requests_speculate_alone_and_in_a_batch(smollm2_dir) -> None:
     pytest.importorskip("torch")
     paged = onnxgen.load(str(smollm2_dir), backend="native", max_running=4)
     assert paged.paged
+    assert paged.executor.verify_sizes == () and paged._draft_control(True).sizes == ()  # no graphs: no padding
     prompts = [EDIT, [{"role": "user", "content": "Count from one to twenty in words."}],
                [{"role": "user", "content": "Write a haiku about rain."}]]  # fmt: skip
     plain = [paged.generate(p, max_new_tokens=32, temperature=0, speculative="off", output_logits=True) for p in prompts]
@@ -243,6 +244,7 @@ def test_cuda_greedy_output_and_logits_are_plain_decodings_bits(tmp_path, dtype)
     cfg = SyntheticConfig(num_layers=3, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,
                           vocab_size=384, dtype=dtype, context_length=4096)  # fmt: skip
     model = onnxgen.load(str(write_package(tmp_path / "pkg", cfg)), backend="native", device="cuda")
+    assert model.executor.verify_sizes == (4, 8, 16)  # the verify graphs: draft lengths fill them
     rng = np.random.default_rng(3)
     for prompt in ([int(t) for t in rng.integers(3, 300, 40)] * 3, [int(t) for t in rng.integers(3, 300, 2000)]):
         plain = model.generate(prompt, max_new_tokens=96, temperature=0, speculative=False, output_logits=True,
