@@ -184,7 +184,7 @@ ROPE_GEMV_CONFIGS = tuple(c for c in GEMV_CONFIGS if c[0] % 2 == 0)  # rotation 
 
 
 ROWWISE_ROWS = 64  # `rowwise` products of up to this many rows compute each row as a one-row product
-ROWS_PER_PROGRAM = int(os.environ.get("ONNXGEN_GEMV_ROWS", "4"))
+ROWS_PER_PROGRAM = max(1, int(os.environ.get("ONNXGEN_GEMV_ROWS", "4")))
 """A GEMV program's rows of x at most (`triton_gemv`: one after another over one weight tile; a verify
 step's products). `ONNXGEN_GEMV_ROWS` overrides it (benchmarks/gpu_verify_cost.py)."""
 

@@ -12,10 +12,11 @@ program owns `BLOCK_N` output rows of one row of x and
 walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
 end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
 
-Rows (`R`, not specialised: one compiled kernel for any row count). x may hold `R` rows (a verify step's
-tokens, `kernels.linear(..., rowwise=True)`): a program computes up to `RB` rows of its output tile one
-after another (the first weight tile stays in registers, the rest comes from L1/L2), and the programs that
-share a tile run side by side (one HBM read). Each row is computed by exactly the code, tile and reduction
+Rows (`R`, not specialised; the constexprs `ONE` and `RB` give a decode step's one-row launch and a verify
+step's launches compiled kernels of their own, whose per-row code is the same). x may hold `R` rows (a
+verify step's tokens, `kernels.linear(..., rowwise=True)`): a program computes up to `RB` rows of its
+output tile one after another (the first weight tile stays in registers, the rest comes from L1/L2), and
+the programs that share a tile run side by side (one HBM read). Each row is computed by exactly the code, tile and reduction
 order of a one-row launch (`_gemv_row`): a row's result is the same bits whatever else is in the launch
 (batch invariance: what lets speculative decoding verify drafts and still return plain greedy decoding's
 tokens).
