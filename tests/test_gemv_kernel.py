@@ -66,11 +66,21 @@ def test_linear_dispatch_equals_float64_product(silu: bool) -> None:
             assert err <= ROUNDED_TOL * max(1.0, want.abs().max().item()), (rows, err)
 
 
+def _late_ref(x: torch.Tensor, res: torch.Tensor | None, nw: torch.Tensor, eps: float) -> torch.Tensor:
+    """The normalised row in float64, unrounded (what a `NORM_LATE` GEMV multiplies by, in effect)."""
+    h = x.double() + (res.double() if res is not None else 0.0)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["early", "late"])
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("skip", [False, True])
-def test_gemv_with_rms_norm_equals_norm_then_product(skip: bool, silu: bool) -> None:
+def test_gemv_with_rms_norm_equals_norm_then_product(skip: bool, silu: bool, late: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """`rms_linear`: the GEMV normalising its input (and writing the residual sum) equals `rms_norm_ref`
-    followed by the float64 product of its rounded output."""
+    followed by the float64 product of its rounded output; with `NORM_LATE` (the scale after the product)
+    the float64 product of the unrounded normalised row, within one rounding of the output."""
+    monkeypatch.setattr(kernels, "NORM_LATE", late)
     kernels._build()
     g = torch.Generator().manual_seed(3)
     n, k, dtype = 72, 328, torch.bfloat16
@@ -83,7 +93,14 @@ def test_gemv_with_rms_norm_equals_norm_then_product(skip: bool, silu: bool) -> 
         got_s = torch.empty_like(x) if skip else None
         got = kernels._gemv(x, w, silu, cfg, (res, nw, 1e-5, got_s))
         h, s_ref = kernels.rms_norm_ref(x.cpu(), None if res is None else res.cpu(), nw.cpu(), 1e-5)
-        want = _ref(h, w.cpu(), silu)
+        if late:
+            want = _ref(_late_ref(x.cpu(), None if res is None else res.cpu(), nw.cpu(), 1e-5), w.cpu().double(),
+                        False)  # fmt: skip
+            if silu:
+                gg, uu = want[..., :n].to(dtype).double(), want[..., n:].to(dtype).double()
+                want = gg * torch.sigmoid(gg) * uu
+        else:
+            want = _ref(h, w.cpu(), silu)
         assert (got.cpu().double() - want).abs().max().item() <= ROUNDED_TOL * max(1.0, want.abs().max().item())
         if skip and DEVICE == "cuda":  # the sum, rounded once: exactly the norm's
             assert torch.equal(got_s.cpu(), s_ref)
@@ -103,16 +120,17 @@ class _KV:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("half", [8, 4])  # full and partial rotary of 16-wide heads
-@pytest.mark.parametrize("norm", [False, True])
-def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(dtype: torch.dtype, half: int,
-                                                                      norm: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize("norm", [False, True, "late"])
+def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(dtype: torch.dtype, half: int, norm: bool | str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """`kernels.linear_rope` (QKV rows with adjacent rotation pairs): the product (normalised first with
     `norm`), q and k rotated by interleaved pairs at the token's position, k and v written at its slot —
     against torch: the float64 product rounded, `rotary.rope(interleaved=True)`, plain slot writes."""
     from onnxgen.backends.native.rotary import rope
 
+    monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
     n, hkv, d, k = 4, 2, 16, 64
-    g = torch.Generator().manual_seed(half + 2 * norm)
+    g = torch.Generator().manual_seed(half + 2 * bool(norm))
     x = torch.randn(1, 1, k, generator=g).to(DEVICE, dtype)
     w = (torch.randn((n + 2 * hkv) * d, k, generator=g) / 8).to(DEVICE, dtype)
     ang = torch.arange(50.0)[:, None] * (0.7 ** torch.arange(half))[None, :]
@@ -125,7 +143,7 @@ def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(dtype: tor
                               (skip, nw, 1e-6) if norm else None)  # fmt: skip
     assert out is not None
     y, s = out
-    h = kernels.rms_norm_ref(x, skip, nw, 1e-6)[0] if norm else x
+    h = (_late_ref(x, skip, nw, 1e-6) if norm == "late" else kernels.rms_norm_ref(x, skip, nw, 1e-6)[0]) if norm else x
     want = (h.double() @ w.double().T).to(dtype).float().view(n + 2 * hkv, d)
     c, sn = cos[37].float().view(1, 1, half), sin[37].float().view(1, 1, half)
     qk = rope(want[: n + hkv].view(1, n + hkv, d), c, sn, True).view(n + hkv, d)
@@ -141,18 +159,21 @@ def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(dtype: tor
 
 
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("norm", [None, "plain", "skip"])
+@pytest.mark.parametrize("norm", [None, "plain", "skip", "late"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rowwise_rows_are_the_bits_of_one_row_launches(dtype: torch.dtype, norm: str | None, silu: bool) -> None:
+def test_rowwise_rows_are_the_bits_of_one_row_launches(dtype: torch.dtype, norm: str | None, silu: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A GEMV launch over several rows (a verify step's, `linear(..., rowwise=True)`) gives each row the
     same bits as a launch of that row alone, for every configuration, with the norm folded in (and its
-    residual sum) or not; the dispatching entry points agree with one-row calls too."""
+    residual sum; `late`: scaled after the product) or not; the dispatching entry points agree with one-row
+    calls too."""
+    monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
     kernels._build()
     g = torch.Generator().manual_seed(11)
     n, k, rows = 72, 328, 5
     w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
     x = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
-    res = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE) if norm == "skip" else None
+    res = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE) if norm in ("skip", "late") else None
     nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
     for cfg in CONFIGS:
         sums = torch.empty_like(x) if res is not None else None

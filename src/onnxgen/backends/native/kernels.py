@@ -187,6 +187,11 @@ ROWWISE_ROWS = 64  # `rowwise` products of up to this many rows compute each row
 ROWS_PER_PROGRAM = max(1, int(os.environ.get("ONNXGEN_GEMV_ROWS", "4")))
 """A GEMV program's rows of x at most (`triton_gemv`: one after another over one weight tile; a verify
 step's products). `ONNXGEN_GEMV_ROWS` overrides it (benchmarks/gpu_verify_cost.py)."""
+NORM_LATE = os.environ.get("ONNXGEN_NORM_LATE", "0") == "1"
+"""Whether a GEMV with its RMSNorm folded in scales its dot product at the end (`triton_gemv`'s `LATE`: no
+reduction before the first multiply-add, the normalised row not rounded) instead of normalising x first.
+Off until measured on the GPU (benchmarks/gpu_decode_ablation.py `late`); read at each launch and part of
+the per-shape choice's key."""
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False) -> torch.Tensor:
@@ -286,7 +291,7 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
     """The GEMV configuration that normalises inside for this shape, or None for the norm kernel followed
     by `linear` (the norm's cost included in both)."""
     s = torch.empty_like(x) if skip is not None else None
-    return choose_config(("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, x.device), x, w,
+    return choose_config(("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, NORM_LATE, x.device), x, w,
                          GEMV_CONFIGS, lambda wc: linear(rms_norm(x, skip, nw, eps)[0], wc, silu),
                          lambda wc, cfg: _gemv(x, wc, silu, cfg, (skip, nw, eps, s)))  # fmt: skip
 
@@ -314,7 +319,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
         s if s is not None else y, eps, *ra,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1,
+        ONE=r == 1, LATE=NORM_LATE,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
@@ -352,7 +357,7 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
         return None
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
-    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, x.device)
+    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, x.device)
     cfg = CHOICES[key] if key in CHOICES else _rope_gemv_choice(key, x, w, rope, norm)
     if cfg is None:
         return None

@@ -5,7 +5,8 @@ accumulation, rounded once to x's dtype. With `SILU`, W holds `[gate; up]` (`2 *
 writes `silu(g) * u` for the `N` output columns, each of g and u first rounded to the output dtype (the
 same values as the unfused product followed by `silu_mul`). With `NORM`, x is first RMS-normalised
 (`x (+ skip)`, weight `NW`, float32, rounded to the output dtype as `kernels.rms_norm` would write it; with
-`HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own. With
+`HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own (with
+`LATE` its scale is applied after the dot product instead: `_gemv_row`). With
 `ROPE` the product is a layer's packed QKV with each rotation pair in adjacent rows: the epilogue rotates q
 and k and writes k and v into the KV cache, so rotary costs no launch either. One
 program owns `BLOCK_N` output rows of one row of x and
@@ -29,17 +30,24 @@ from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wa
 
 
 @triton.jit
-def _x_tile(X, SKIP, NW, k0, rk, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr):
-    """x[k0 : k0 + BLOCK_K] in float32; with NORM the normalised row, rounded as the separate RMSNorm would
-    write it."""
+def _x_tile(X, SKIP, NW, k0, rk, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
+            LATE: tl.constexpr):  # fmt: skip
+    """x[k0 : k0 + BLOCK_K] in float32, and the row before any norm (`x (+ skip)`). With NORM the normalised
+    row, rounded as the separate RMSNorm would write it; with LATE (the norm's scale applied after the dot
+    product) `x (+ skip)` times the norm weight, unrounded."""
     kmask = (k0 + rk) < K
     x = tl.load(X + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+    raw = x
     if NORM:
         if HAS_SKIP:
             x += tl.load(SKIP + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        raw = x
         nw = tl.load(NW + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
-        x = (x * rstd * nw).to(OUT_TY).to(tl.float32)
-    return x
+        if LATE:
+            x = x * nw
+        else:
+            x = (x * rstd * nw).to(OUT_TY).to(tl.float32)
+    return x, raw
 
 
 @triton.jit
@@ -72,7 +80,8 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
 def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
                 cos_stride, NQ, NK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                 NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
-                HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -104,17 +113,21 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
                       sv_h, sv_s, cos_stride, NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K, SILU, NORM,
-                      HAS_SKIP, ROPE, HEAD, HALF)  # fmt: skip
+                      HAS_SKIP, ROPE, HEAD, HALF, LATE)  # fmt: skip
 
 
 @triton.jit
 def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
               NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
-              HALF: tl.constexpr):  # fmt: skip
+              HALF: tl.constexpr, LATE: tl.constexpr):  # fmt: skip
     """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
     weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
-    pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row."""
+    pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row. With `NORM` and `LATE` nothing
+    is reduced before the first multiply-add: the sum of squares accumulates beside the dot product (from the
+    same loads) and `rstd` scales the dot product at the end, `rstd * sum(w * (x (+ skip)) * nw)` — the
+    normalised row is not rounded to the output dtype first (closer to a float32 reference than the
+    separate norm, not the same bits)."""
     X += row * K
     Y += row * N
     SKIP += row * K
@@ -122,7 +135,7 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     POS += row
     SLOT += row
     rstd = 1.0
-    if NORM:  # RMSNorm of x (+ skip) first: every program reduces the (small) row itself
+    if NORM and not LATE:  # RMSNorm of x (+ skip) first: every program reduces the (small) row itself
         ss = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kmask = (k0 + rk) < K
@@ -132,12 +145,20 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
                 tl.store(SUM + k0 + rk, xs.to(SUM.dtype.element_ty), mask=kmask & (pid == 0))
             ss += xs * xs
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
-    x = _x_tile(X, SKIP, NW, 0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP)
+    x, raw = _x_tile(X, SKIP, NW, 0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
+    if NORM and LATE:
+        ss = raw * raw
+        if HAS_SKIP:
+            tl.store(SUM + rk, raw.to(SUM.dtype.element_ty), mask=(rk < K) & (pid == 0))
     acc = w0.to(tl.float32) * x[None, :]
     if SILU:
         acc_u = u0.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        x = _x_tile(X, SKIP, NW, k0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP)
+        x, raw = _x_tile(X, SKIP, NW, k0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
+        if NORM and LATE:
+            ss += raw * raw
+            if HAS_SKIP:
+                tl.store(SUM + k0 + rk, raw.to(SUM.dtype.element_ty), mask=((k0 + rk) < K) & (pid == 0))
         m2 = nmask[:, None] & ((k0 + rk) < K)[None, :]
         w = tl.load(wp + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
         acc += w * x[None, :]
@@ -146,8 +167,15 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
             acc_u += u * x[None, :]
     y = tl.sum(acc, 1)
     if SILU:
+        u = tl.sum(acc_u, 1)
+    if NORM and LATE:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+        y = y * rstd
+        if SILU:
+            u = u * rstd
+    if SILU:
         g = y.to(Y.dtype.element_ty).to(tl.float32)
-        u = tl.sum(acc_u, 1).to(Y.dtype.element_ty).to(tl.float32)
+        u = u.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
     if ROPE:
         _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, NQ, NK,
