@@ -8,9 +8,12 @@ For each shape (builder-made bf16 package, `gpu_parity.package`) and each ablati
 loaded with the named Triton launches replaced by no-ops (`rms`: the RMSNorm kernel, and the folded
 norm+GEMV is then never chosen since the separate pair times faster; `combine`: the merge of the key
 splits' partial attention results; `attention`: the paged attention and its combine; `rope`: the rotary
-kernel), a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
+kernel; `late` is a variant, not a removal: folded norms scale the product at the end, `kernels.NORM_LATE`),
+a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
 usual), then the batch-1 decode graph is replayed 200 times (CUDA events) and its kernels counted
-(torch.profiler). The outputs are garbage in every ablation but `none`: only the times mean something.
+(torch.profiler). The outputs are garbage in every ablation but `none` and `late`: only the times mean
+something. An ablation may be named more than once (`none,late,none,late`: interleaved); `saved` is
+against the latest `none`.
 A table prints last.
 """
 
@@ -58,6 +61,9 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
         swap(kernels._TRITON, "rms")
     if "rope" in parts:
         swap(kernels._TRITON, "rope_qkv")
+    if "late" in parts:
+        saved.append((kernels, "NORM_LATE", kernels.NORM_LATE))
+        kernels.NORM_LATE = True
     if "combine" in parts or "attention" in parts:
         swap(tp, "paged_combine_kernel")
     if "attention" in parts:
@@ -88,6 +94,7 @@ def main() -> int:
     for name in args.shapes.split(","):
         _, pkg = package(name, args.tokenizer)
         base = None
+        first: list[int] | None = None  # the tokens of the first `none`
         for ablation in args.ablations.split(","):
             from onnxgen.backends.native import kernels
 
@@ -95,7 +102,7 @@ def main() -> int:
             saved = _patch(ablation)
             try:
                 m = onnxgen.load(str(pkg), backend="native", device="cuda")
-                m.generate(prompt, max_new_tokens=16, reuse=False, temperature=0)
+                toks = m.generate(prompt, max_new_tokens=16, reuse=False, temperature=0).tokens
                 runner = m.executor.runner
                 ms = gpu_decode.replay_ms(runner)
                 k = gpu_decode.kernels(runner)
@@ -106,8 +113,11 @@ def main() -> int:
                 gc.collect()
                 torch.cuda.empty_cache()
             base = ms if ablation == "none" else base
+            first = toks if first is None and ablation == "none" else first
             rows.append((name, ablation, ms, k["kernels_per_step"], base))
-            print(f"{name} {ablation}: replay {ms:.4f} ms, {k['kernels_per_step']:.0f} kernels/step", flush=True)
+            same = sum(a == b for a, b in zip(toks, first or [], strict=False)) if first else "-"
+            print(f"{name} {ablation}: replay {ms:.4f} ms, {k['kernels_per_step']:.0f} kernels/step, "
+                  f"greedy tokens equal to the first none's: {same}/{len(toks)}", flush=True)
     print("\n| shape | removed | decode graph ms | kernels/step | saved ms | saved per launch us | tok/s bound |")
     print("|---|---|---|---|---|---|---|")
     for name, ablation, ms, kn, base in rows:

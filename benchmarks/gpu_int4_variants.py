@@ -1,12 +1,13 @@
 """Micro-benchmark (issue 13): packed int4 GEMV designs on the 8B shapes (block 32, symmetric), 8 layers of
-distinct weights per shape in one CUDA graph: v4 is `int4_words_linear` here (word-interleaved weights:
+distinct weights per shape in one CUDA graph: v5 is v1 with x read as one contiguous run and split into
+even and odd elements in registers (optionally with v4's `1 + q / 16` floats instead of conversions), v4 is `int4_words_linear` here (word-interleaved weights:
 nibble t of a run of words meets a contiguous run of x; nibbles made floats `1 + q / 16` with two integer
 instructions; 2026-12-05: slower than v1, see decode-gpu.md), v1 is `triton_int4.int4_linear` (per-block dot products, scaled once per
 block), v2 dequantizes with the exponent trick (nibble | 0x4B000000 as float) and gathers the scale per
 element, v3 the same trick on a [rows, blocks, bytes] tile with one scale product per block. Each prints
 its error against the dequantized product, the best tile per shape, and the whole chain's bandwidth.
 
-    PYTHONPATH=src python3 benchmarks/gpu_int4_variants.py [--variants v4,v1]
+    PYTHONPATH=src python3 benchmarks/gpu_int4_variants.py [--variants v5,v1] [--once]
 """
 
 # ruff: noqa: B023  (each lambda is timed within the iteration that made it)
@@ -110,6 +111,67 @@ def int4_words_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
 
 
 @triton.jit
+def v5_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+              ZP: tl.constexpr, CONV: tl.constexpr):  # fmt: skip
+    """v1's tiles (`[BLOCK_N, BLOCKS * BLOCK / 2]` packed bytes per loop step, sums per block, one scale per
+    block) with x read as one contiguous run (vector loads; v1 reads even and odd elements with two strided
+    loads, one instruction per element) and split into its even and odd elements in registers. CONV picks
+    how a nibble becomes a float: 0 `int -> float` conversion (v1's), 1 `1 + q / 16` from a shift and a mask
+    (no conversion unit: `s (q - z) x = s (16 f x - (16 + z) x)`)."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    HB: tl.constexpr = BLOCK // 2
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    row_bytes = NB * HB
+    rblk = tl.arange(0, BLOCKS)
+    rb = tl.arange(0, BLOCKS * HB)
+    re = tl.arange(0, BLOCKS * BLOCK)
+    acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
+    xrow = X + m * sxm
+    for b0 in range(0, NB, BLOCKS):
+        byte_i = b0 * HB + rb
+        bmask = (b0 + rb // HB) < NB
+        byte = tl.load(B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
+                       mask=nmask[:, None] & bmask[None, :], other=0, eviction_policy="evict_first")  # fmt: skip
+        byte = byte.to(tl.int32)
+        ke = b0 * BLOCK + re
+        xs = tl.load(xrow + ke, mask=ke < K, other=0.0).to(tl.float32)
+        xe, xo = tl.split(tl.reshape(xs, (BLOCKS * HB, 2)))
+        if CONV == 1:
+            lo = ((byte << 19) & 0x780000 | 0x3F800000).to(tl.float32, bitcast=True)
+            hi = ((byte << 15) & 0x780000 | 0x3F800000).to(tl.float32, bitcast=True)
+        else:
+            lo = (byte & 0xF).to(tl.float32)
+            hi = (byte >> 4).to(tl.float32)
+        q = lo * xe[None, :] + hi * xo[None, :]
+        dot = tl.sum(tl.reshape(q, (BLOCK_N, BLOCKS, HB)), axis=2)
+        xsum = tl.sum(tl.reshape(xs, (BLOCKS, BLOCK)), axis=1)
+        blk = b0 + rblk
+        km = nmask[:, None] & (blk < NB)[None, :]
+        s, z = block_scale_zero(S, Z, rn, blk, km, NB, ZP)
+        if CONV == 1:
+            acc += s * (16.0 * dot - (16.0 + z) * xsum[None, :])
+        else:
+            acc += s * (dot - z * xsum[None, :])
+    tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
+
+
+def int4_v5_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                   k: int, n: int, block: int, block_n: int = 8, blocks: int = 8, warps: int = 4,
+                   conv: int = 1) -> torch.Tensor:  # fmt: skip
+    """`triton_int4.int4_linear`'s contract, by `v5_kernel`."""
+    nb = (k + block - 1) // block
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    zmode, z = zero_point_mode(zero_points, scales)
+    v5_kernel[(triton.cdiv(n, block_n), x2.shape[0])](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb,
+                                                      x2.stride(0), y.stride(0), BLOCK=block, BLOCK_N=block_n,
+                                                      BLOCKS=blocks, ZP=zmode, CONV=conv, num_warps=warps)  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
 def v3(
     X, B, S, Y, K, N, NB, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NBLK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -200,8 +262,11 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="v4,v1,v2,v3", help="which designs to time (comma-separated)")
-    only = ap.parse_args().variants.split(",")
+    ap.add_argument("--variants", default="v5,v1,v4,v2,v3", help="which designs to time (comma-separated)")
+    ap.add_argument("--once", action="store_true", help="run each design's first tile once on the gate shape "
+                    "(14336 x 4096) after two warm-ups, and stop: for Nsight Compute (`ncu -k regex:...`)")
+    args = ap.parse_args()
+    only = args.variants.split(",")
     torch.manual_seed(0)
     shapes = [(6144, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
     layers = 8
@@ -242,6 +307,10 @@ def main():
         bn, blocks, nw = cfg
         ys[n].copy_(int4_linear(x[k], b, s, None, k, n, 32, bn, blocks, nw))
 
+    def run_v5(cfg, pdl, b, s, n, k):
+        bn, blocks, nw, conv = cfg
+        ys[n].copy_(int4_v5_linear(x[k], b, s, None, k, n, 32, bn, blocks, nw, conv))
+
     words = {}  # the word-interleaved copy of each weight (v4), made once
 
     def run_v4(cfg, pdl, b, s, n, k):
@@ -252,7 +321,10 @@ def main():
 
     v4cfgs = [(bn, g, nw, sb) for sb in (False, True) for bn, g, nw in
               ((1, 8, 4), (2, 8, 4), (4, 4, 4), (4, 8, 8), (2, 16, 4), (1, 16, 4), (8, 4, 8), (8, 2, 4))]  # fmt: skip
+    v5cfgs = [(bn, bl, nw, conv) for conv in (1, 0) for bn, bl, nw in
+              ((8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8))]  # fmt: skip
     variants = {
+        "v5": (run_v5, v5cfgs),
         "v4": (run_v4, v4cfgs),
         "v1": (run_v1, [(8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4)]),
         "v2": (
@@ -265,12 +337,20 @@ def main():
         ),
     }
     variants = {k: v for k, v in variants.items() if k in only}
+    if args.once:
+        for name, (fn, cfgs) in variants.items():
+            for _ in range(3):
+                fn(cfgs[0], False, *ws[0][2], 14336, 4096)
+            torch.cuda.synchronize()
+            print(name, cfgs[0], "ran", flush=True)
+        return
     for name, (fn, cfgs) in variants.items():
-        fn(cfgs[0], False, b, s, 4096, 14336)
-        err = float((ys[4096].float() - ref).norm() / ref.norm())
-        print(name, "rel err", f"{err:.2e}", flush=True)
+        for cfg in cfgs if name == "v5" else cfgs[:1]:
+            fn(cfg, False, b, s, 4096, 14336)
+            err = float((ys[4096].float() - ref).norm() / ref.norm())
+            print(name, cfg, "rel err", f"{err:.2e}", flush=True)
     for name, (fn, cfgs) in variants.items():
-        for pdl in (False, True) if name not in ("v1", "v4") else (name == "v4",):  # v4: PDL from launch_options
+        for pdl in (False, True) if name not in ("v1", "v4", "v5") else (name == "v4",):  # v4: PDL from launch_options
             best = {}
             for _si, (n, k) in enumerate(shapes[:3] + shapes[4:]):
                 res = []

@@ -14,6 +14,12 @@
 #           `spec`, also on the real SmolLM2 bf16 package with 1 and 4 rows per GEMV program (ONNXGEN_GEMV_ROWS)
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
+#   quick   the int4 kernel's tests and the GEMV's late-norm tests, in 8 processes (pytest-xdist)
+#   late    the 0.5B decode graph with folded norms scaled before vs after the product (kernels.NORM_LATE),
+#           interleaved (gpu_decode_ablation.py none,late,none,late)
+#   int4v   packed int4 GEMV designs v5 vs v1 (gpu_int4_variants.py), then one launch of each under Nsight
+#           Compute (speed of light, warp states, instruction mix: $OUT/ncu.txt where the runner has $OUT)
+#   rows    a verify step's cost with 1 and 4 rows per GEMV program, interleaved in one process (0.5B)
 #   spec    speculative decoding on SmolLM2-135M (real weights; fp32 and bf16 packages): needs /tmp/gg/m.gguf
 #           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
 #           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
@@ -51,6 +57,21 @@ for section in "$@"; do
               for rb in 1 4; do ONNXGEN_GEMV_ROWS=$rb timeout 100 python3 benchmarks/gpu_verify_cost.py \
                 --shapes /tmp/spkg_bf16 2>&1 | tail -1; done
             fi ;;
+    quick) timeout 60 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_int4_kernel.py \
+             "tests/test_gemv_kernel.py" -k "int4 or packed or late" 2>&1 | tail -4 ;;
+    late) timeout 120 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
+            --ablations none,late,none,late 2>&1 | quiet | grep -v "^$" | tail -12 ;;
+    int4v) timeout 60 python3 benchmarks/gpu_int4_variants.py --variants v5,v1 2>&1 | grep -v Warn | tail -30
+           ncu_out=${OUT:-/tmp}/ncu.txt
+           ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+           timeout 45 "${ncu:-ncu}" --clock-control none -k 'regex:int4_gemv_kernel|v5_kernel' --launch-count 6 \
+             --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+             --section InstructionStats --section MemoryWorkloadAnalysis \
+             python3 benchmarks/gpu_int4_variants.py --variants v5,v1 --once > "$ncu_out" 2>&1
+           grep -E "^  [a-z0-9_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Executed Ipc A|stalled|Stall|L1/TEX Hit|==ERROR|==PROF==" \
+             "$ncu_out" | cut -c1-150 | tail -60 ;;
+    rows) timeout 100 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b --rows 1,4 2>&1 \
+            | quiet | tail -5 ;;
     *) echo "unknown section $section" ;;
   esac
 done

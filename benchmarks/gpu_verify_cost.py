@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k
     python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16        (any package folder)
+    python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b --rows 1,4
 
 For each shape (builder-made bf16 package, as gpu_decode.py makes them; synthetic without --tokenizer), one
 sequence with a 512-token prompt on the paged runner, then, interleaved, median of 20 each:
@@ -12,6 +13,8 @@ sequence with a 512-token prompt on the paged runner, then, interleaved, median 
   last sample and n - 1 drafts), wall time with the host's part (inputs, replay, logits copy), computed
   rowwise (each row the bits of a decode step: what speculative decoding uses) and, in a second runner
   sharing the weights, as an ordinary chunk (`runner.ROWWISE = False`: the few-row GEMM and block attention).
+  With `--rows 1,4` one rowwise runner per value of `kernels.ROWS_PER_PROGRAM` (a GEMV program's rows of x),
+  each set while its graphs are captured and its steps run, all interleaved in one process.
 The ratio verify / decode is what a draft must save: a verify of n positions pays when more than
 (ratio - 1) of its drafts are accepted on average.
 """
@@ -65,8 +68,9 @@ def _verify_ms(runner: Any, toks: list[int], start: int, pages: list[int], n: in
     return (time.perf_counter() - t0) * 1e3
 
 
-def run_shape(name: str, tokenizer: Path | None) -> list[str]:
+def run_shape(name: str, tokenizer: Path | None, rows: list[int]) -> list[list[str]]:
     from onnxgen.backends.batch import BatchStep, SeqChunk
+    from onnxgen.backends.native import kernels
     from onnxgen.package.spec import load_spec
 
     if Path(name).is_dir():  # a package (e.g. the spec section's /tmp/spkg_bf16)
@@ -82,44 +86,58 @@ def run_shape(name: str, tokenizer: Path | None) -> list[str]:
     spec = load_spec(pkg)
     toks = np.random.default_rng(1).integers(100, 32000, 600).tolist()
     pages = list(range(0, 40))
-    runners = {True: _runner(spec, True), False: _runner(spec, False)}
-    for rowwise, r in runners.items():
-        r.run(BatchStep((SeqChunk(toks[:512], 0, pages),)))  # the prompt's KV, then every graph once
-        for n in SIZES:
-            _verify_ms(r, toks, 512, pages, n, rowwise)
-    samples: dict[str, list[float]] = {}
-    for _ in range(20):  # interleaved
-        for rowwise, r in runners.items():
-            samples.setdefault(f"decode {rowwise}", []).append(_replay_ms(r._graphs[(1, 1)]))
+    keep = kernels.ROWS_PER_PROGRAM
+    # (rowwise, rows per GEMV program) -> runner; the ordinary runner keeps the default rows
+    runners = {(True, rb): _runner(spec, True) for rb in rows} | {(False, keep): _runner(spec, False)}
+    try:
+        for (rowwise, rb), r in runners.items():
+            kernels.ROWS_PER_PROGRAM = rb  # read at each launch: what the graphs capture
+            r.run(BatchStep((SeqChunk(toks[:512], 0, pages),)))  # the prompt's KV, then every graph once
             for n in SIZES:
-                samples.setdefault(f"{n} {rowwise}", []).append(_verify_ms(r, toks, 512, pages, n, rowwise))
-                g = r._verify.get(max(n, 4))  # the verify graph the step replayed (GPU time alone)
-                if g is not None:
-                    samples.setdefault(f"{n} {rowwise} gpu", []).append(_replay_ms(g))
+                _verify_ms(r, toks, 512, pages, n, rowwise)
+        samples: dict[tuple[Any, ...], list[float]] = {}
+        for _ in range(20):  # interleaved
+            for (rowwise, rb), r in runners.items():
+                kernels.ROWS_PER_PROGRAM = rb
+                samples.setdefault(("decode", rowwise, rb), []).append(_replay_ms(r._graphs[(1, 1)]))
+                for n in SIZES:
+                    samples.setdefault((n, rowwise, rb), []).append(_verify_ms(r, toks, 512, pages, n, rowwise))
+                    g = r._verify.get(max(n, 4))  # the verify graph the step replayed (GPU time alone)
+                    if g is not None:
+                        samples.setdefault((n, rowwise, rb, "gpu"), []).append(_replay_ms(g))
+    finally:
+        kernels.ROWS_PER_PROGRAM = keep
     med = {k: statistics.median(v) for k, v in samples.items()}
-    dec = med["decode True"]
+    out = []
+    for rb in rows:
+        dec = med[("decode", True, rb)]
 
-    def cell(n: int) -> str:
-        gpu = med.get(f"{n} True gpu", float("nan"))
-        return f"{med[f'{n} True']:.3f} [{gpu:.3f}] ({med[f'{n} True'] / dec:.1f}x) / {med[f'{n} False']:.3f}"
+        def cell(n: int, rb: int = rb, dec: float = dec) -> str:
+            wall, gpu = med[(n, True, rb)], med.get((n, True, rb, "gpu"), float("nan"))
+            return f"{wall:.3f} [{gpu:.3f}] ({wall / dec:.1f}x) / {med[(n, False, keep)]:.3f}"
 
-    cells = [cell(n) for n in SIZES]
+        out.append([name, str(rb), f"{dec:.3f}", *[cell(n) for n in SIZES]])
     del runners
     gc.collect()
     torch.cuda.empty_cache()
-    return [name, f"{dec:.3f}", *cells]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=None)
     ap.add_argument("--shapes", default="0.5b,1b,8b16k", help="shape names or package folders, comma-separated")
+    ap.add_argument("--rows", default=None, help="rows per GEMV program of the rowwise runners, comma-separated "
+                    "(default: kernels.ROWS_PER_PROGRAM)")
     args = ap.parse_args()
-    rows = [run_shape(s, args.tokenizer) for s in args.shapes.split(",")]
+    from onnxgen.backends.native import kernels
+
+    rbs = [int(v) for v in args.rows.split(",")] if args.rows else [kernels.ROWS_PER_PROGRAM]
+    rows = [r for s in args.shapes.split(",") for r in run_shape(s, args.tokenizer, rbs)]
     print(f"\n{torch.cuda.get_device_name()}; median of 20 interleaved; ms: verify rowwise [its graph's GPU time] "
           "(x decode) / ordinary\n")  # fmt: skip
-    print("| shape | decode graph ms | " + " | ".join(f"verify {n}" for n in SIZES) + " |")
-    print("|---|---|" + "---|" * len(SIZES))
+    print("| shape | rows per program | decode graph ms | " + " | ".join(f"verify {n}" for n in SIZES) + " |")
+    print("|---|---|---|" + "---|" * len(SIZES))
     for r in rows:
         print("| " + " | ".join(r) + " |")
 
