@@ -1,4 +1,5 @@
-"""The int4 nibble layout (`onnxgen.package.int4`): exact bytes, round trips, numpy == torch."""
+"""The int4 nibble layout (`onnxgen.package.int4`): exact bytes, round trips, numpy == torch; and the packed
+GEMV's K-major words (`ops.quant.kmajor`)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,36 @@ def test_rejects_non_uint8_and_bad_arguments() -> None:
         pack_nibbles(np.zeros(3, dtype=np.uint8), fill=16)
     with pytest.raises(ValueError, match="n must be"):
         unpack_nibbles(np.zeros(3, dtype=np.uint8), 7)
+
+
+@pytest.mark.parametrize("zp", ["none", "packed", "float"])
+@pytest.mark.parametrize(("n", "k", "block"), [(6, 96, 32), (5, 200, 32), (4, 272, 16), (3, 384, 128)])
+def test_kmajor_words_hold_matmul_nbits_bytes(zp: str, n: int, k: int, block: int) -> None:
+    """`ops.quant.kmajor` (the packed GEMV's layout: int32 words `[K / 8, N]`, scales and zero points `[blocks,
+    N]`) keeps the weight's bytes (same size, word (r, c) = bytes 4r .. 4r + 3 of row c), and
+    `dequant_kmajor` gives `dequant_matmul_nbits`'s values exactly, partial last blocks included."""
+    torch = pytest.importorskip("torch")
+    from onnxgen.backends.native.ops.quant import dequant_kmajor, dequant_matmul_nbits, kmajor
+
+    g = torch.Generator().manual_seed(n + k)
+    nb = -(-k // block)
+    b = torch.randint(0, 256, (n, nb, block // 2), generator=g, dtype=torch.uint8)
+    sc = torch.rand(n * nb, generator=g) * 0.02 + 0.001
+    z = {"none": None, "packed": torch.randint(0, 256, (n, (nb + 1) // 2), generator=g, dtype=torch.uint8),
+         "float": torch.rand(n * nb, generator=g) * 15}[zp]  # fmt: skip
+    words, st, zt = kmajor(b, sc, z, k, n, block)
+    assert words.dtype == torch.int32 and words.shape == (nb * block // 8, n) and words.numel() * 4 == b.numel()
+    assert torch.equal(words.T.contiguous().view(torch.uint8).reshape(n, -1), b.reshape(n, -1))
+    assert st.shape == (nb, n) and (zt is None) == (z is None)
+    if zt is not None:
+        assert zt.shape == (nb, n) and zt.dtype == (torch.uint8 if zp == "packed" else z.dtype)
+    want = dequant_matmul_nbits(b, sc, z, k, n, 4, block, torch.float32)
+    assert torch.equal(dequant_kmajor(words, st, zt, k, n, block, torch.float32), want)
+
+
+def test_kmajor_rejects_blocks_that_are_not_whole_words() -> None:
+    torch = pytest.importorskip("torch")
+    from onnxgen.backends.native.ops.quant import kmajor
+
+    with pytest.raises(NotImplementedError, match="block_size=4"):
+        kmajor(torch.zeros(2, 4, 2, dtype=torch.uint8), torch.ones(8), None, 16, 2, 4)

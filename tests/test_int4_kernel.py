@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from onnxgen.backends.native.ops.quant import dequant_matmul_nbits  # noqa: E402
+from onnxgen.backends.native.ops.quant import dequant_matmul_nbits, kmajor  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -33,15 +33,37 @@ def _weights(n: int, k: int, block: int, zp: str, seed: int = 0):
     return packed, scales, z
 
 
-@pytest.mark.parametrize("tile", [(8, None), (4, 1), (16, 4)])  # (rows per program, blocks per loop step)
+@pytest.mark.parametrize("scheme", [1, 0])
+@pytest.mark.parametrize("tile", [(32, 64, 4), (16, 16, 4), (64, 8, 2)])  # (columns, word rows per step, warps)
 @pytest.mark.parametrize("zp", ["none", "packed", "float"])
-@pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 96, 256, 32), (3, 40, 200, 32), (2, 64, 384, 128)])
-def test_packed_gemv_equals_dequantize_then_matmul(zp: str, m: int, n: int, k: int, block: int, tile: tuple) -> None:
+@pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 96, 256, 32), (3, 40, 200, 32), (2, 64, 384, 128),
+                                                    (1, 64, 512, 16)])  # fmt: skip
+def test_packed_gemv_equals_dequantize_then_matmul(zp: str, m: int, n: int, k: int, block: int, tile: tuple,
+                                                   scheme: int) -> None:  # fmt: skip
+    """`int4_linear` on `kmajor`'s tensors equals dequantize-then-MatMul in float64: within float32's
+    error with `SCHEME=0` (each nibble at bits 19..22), within 1e-4 with `SCHEME=1` (nibbles read at bits
+    12..15 as `1 + q / 2048` keep 13 bits of each product: the documented 2e-5, with room for short
+    rows; `int4_linear` takes it for half-precision x only). Covers masked and unmasked (EVEN) loops, partial
+    last blocks and N not a multiple of the tile."""
     packed, scales, z = _weights(n, k, block, zp)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
     w = dequant_matmul_nbits(packed, scales, z, k, n, 4, block, torch.float32)  # [N, K]
     want = x.double() @ w.double().T
-    got = int4_linear(x.to(DEVICE), packed.to(DEVICE), scales.to(DEVICE), None if z is None else z.to(DEVICE),
-                      k, n, block, block_n=tile[0], blocks=tile[1]).cpu()  # fmt: skip
+    words, st, zt = kmajor(packed.to(DEVICE), scales.to(DEVICE), None if z is None else z.to(DEVICE), k, n, block)
+    got = int4_linear(x.to(DEVICE), words, st, zt, k, n, block, *tile, scheme=scheme).cpu()
     assert got.shape == (m, n)
-    assert float((got.double() - want).norm() / want.norm()) < 1e-5
+    assert float((got.double() - want).norm() / want.norm()) < (1e-5 if scheme == 0 else 1e-4)
+
+
+def test_packed_gemv_in_bf16_rounds_once() -> None:
+    """bf16 x and scales (a bf16 package's decode step): each output is the float64 product rounded once
+    (within half a bf16 step on the GPU; a whole step under the interpreter, which rounds toward zero)."""
+    packed, scales, _ = _weights(128, 1024, 32, "none", seed=3)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    sc = scales.to(torch.bfloat16)
+    want = x.double() @ dequant_matmul_nbits(packed, sc, None, 1024, 128, 4, 32, torch.float64).T
+    words, st, _ = kmajor(packed.to(DEVICE), sc.to(DEVICE), None, 1024, 128, 32)
+    got = int4_linear(x.to(DEVICE), words, st, None, 1024, 128, 32).cpu()
+    assert got.dtype == torch.bfloat16
+    step = 2.0**-8 if DEVICE == "cuda" else 2.0**-7  # of |want|: half an ulp (nearest) or one (toward zero)
+    assert bool(((got.double() - want).abs() <= want.abs() * step + 1e-6).all())

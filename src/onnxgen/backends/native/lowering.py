@@ -443,13 +443,21 @@ def _prepare_linear(
             zp = consts[n.inputs[3]] if len(n.inputs) > 3 and n.inputs[3] else None
             scales = consts[n.inputs[2]]
             if packed:
-                if bits != 4:
-                    raise UnsupportedOp(f"MatMulNBits(bits={bits})", n.domain, n.name, O.supported_ops())
-                zname = n.inputs[3] if zp is not None else ""
+                if bits != 4 or block % 8:
+                    raise UnsupportedOp(f"MatMulNBits(bits={bits}, block_size={block})", n.domain, n.name,
+                                        O.supported_ops())  # fmt: skip
+                names = [n.name + "::kmajor_words", n.name + "::kmajor_scales", n.name + "::kmajor_zp" if zp is not None else ""]
+                if names[0] not in consts:  # the packed bytes K-major (the GEMV's layout), built on the device
+                    dev = device if cuda else torch.device("cpu")
+                    kw = O.kmajor(consts[n.inputs[1]].to(dev), scales.to(dev), None if zp is None else zp.to(dev), k, nn,
+                                  block)  # fmt: skip
+                    for name, t in zip(names, kw, strict=True):
+                        if name:
+                            consts[name] = t
                 bias = n.inputs[5] if len(n.inputs) > 5 and n.inputs[5] else ""
-                n.inputs = [n.inputs[0], n.inputs[1], n.inputs[2], zname, bias]
+                n.inputs = [n.inputs[0], *names, bias]
                 if on_device is not None:
-                    on_device.update(x for x in n.inputs[1:4] if x)
+                    on_device.update(x for x in names if x)
                 n.op, n.domain = "Int4Linear", "onnxgen"
                 continue
             dev = device if cuda else torch.device("cpu")

@@ -1,15 +1,27 @@
 """Triton kernel for MatMulNBits executed on its packed int4 weights (imported only when Triton is used).
 
-`int4_linear(x, packed, scales, zero_points, k, n, block)` computes `x @ W.T` where `W` `[N, K]` is
-MatMulNBits' B as the model builder writes it: uint8 `[N, n_blocks, block / 2]`, element 2i of a block in
-the low nibble of byte i and 2i+1 in the high one; `scales` `[N * n_blocks]`; zero points absent (8),
-packed uint8 `[N, ceil(n_blocks / 2)]` (block j's in the low nibble of byte j / 2 when j is even), or one
-float per block. Nothing is dequantized in memory: each program reads a tile of packed bytes, expands the
-nibbles in registers and accumulates in float32, so the weights' traffic is their packed size (half a byte
-per weight plus the scales). One program per (output tile, row of x): meant for the small row counts of
-decode steps. Its contract is `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it
-under `TRITON_INTERPRET=1` on the CPU). Used by the lowering's `Int4Linear` with `int4="packed"`
-(`ops.quant`); the default still dequantizes at load until this kernel is measured on the GPU (issue 13).
+`int4_linear(x, words, scales, zero_points, k, n, block)` computes `x @ W.T` where `W` `[N, K]` is
+MatMulNBits' B held K-major (`ops.quant.kmajor`, done once at load): int32 words `[K / 8, N]`, word `(r, c)`
+holding elements `8r .. 8r + 7` of output row `c` (nibble `j` = element `8r + j`), the same bytes as the
+builder's `[N, n_blocks, block / 2]`; `scales` `[n_blocks, N]`; zero points absent (8), uint8 `[n_blocks,
+N]` (one per block, unpacked), or floats `[n_blocks, N]`. Nothing is dequantized in memory: the weights'
+traffic is their packed size (half a byte per weight plus the scales).
+
+Why K-major: a program owns `BLOCK_N` output columns and walks K in steps of `BK8` word rows; a thread's
+words are contiguous along N (16-byte loads), the x elements of its word rows are the same for all its
+columns (a few scalar loads per step, broadcast), and the sum over K stays in registers until one reduction
+at the end — no shared memory, barrier or shuffle in the loop (checked in its sm_90 SASS, compiled offline:
+about 3.9 instructions per weight, against 8.7 and a barrier per step for the N-major design it replaced).
+A nibble becomes a float without the conversion unit: read where it sits after one of four shifts per word,
+at mantissa bits 12..15 (`1 + q / 2048`) or 16..19 (`1 + q / 128`), masked and or-ed with 1.0's bits in
+one `lop3` (`ONE_BITS` is passed at run time so that the constant sits in a register); per word,
+`sum((q - z) x) = 2048 (t12 - x12) + 128 (t16 - x16) - z (x12 + x16)` from the two products' sums `t`
+and the sums of the x elements read at each position. Its error against float32 is about 2e-5 relative
+(the `1 + q / 2048` floats keep 13 bits of q·x), far below a bf16 or fp16 output's rounding, so this is
+`SCHEME=1`, for half-precision x; float32 x takes `SCHEME=0` (each nibble moved to bits 19..22,
+`1 + q / 16`: eight shifts per word, float32's own error). Its contract is
+`ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it under `TRITON_INTERPRET=1` on
+the CPU). Used by the lowering's `Int4Linear` with `int4="packed"` (`ops.quant`).
 """
 
 from __future__ import annotations
@@ -20,75 +32,113 @@ import triton.language as tl
 
 
 @triton.jit
-def block_scale_zero(S, Z, rn, blk, km, NB, ZP: tl.constexpr):
-    """Scales and zero points (float32) of output rows `rn` `[R]` at quantization blocks `blk` `[B]` ->
-    `[R, B]` each (`km` masks both); `ZP` as `zero_point_mode`'s (0: the zero point is 8)."""
-    s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
-    if ZP == 1:
-        zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=km, other=0).to(tl.int32)
-        z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
-    elif ZP == 2:
-        z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
-    else:
-        z = tl.zeros_like(s) + 8.0
-    return s, z
+def _at(v, SHIFT: tl.constexpr, MASK: tl.constexpr, ONE_BITS):
+    """The float with 1.0's exponent whose mantissa holds `v`'s bits under MASK after a shift left by SHIFT
+    (right if negative): `1 + q * 2^(p - 23)` for a nibble q moved to bit p."""
+    if SHIFT > 0:
+        v = v << SHIFT
+    elif SHIFT < 0:
+        v = v >> -SHIFT
+    return ((v & MASK) | ONE_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def int4_gemv_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCKS: tl.constexpr, ZP: tl.constexpr):  # fmt: skip
-    """ZP: 0 none (8), 1 packed uint8 nibbles, 2 one float per block. Each step of the loop takes `BLOCKS`
-    quantization blocks of `BLOCK_N` rows: the nibbles' dot products with x are summed per block, then
-    scaled once per block (`s * (sum(q * x) - z * sum(x))`)."""
+def _x(xp, j: tl.constexpr, xk, K, EVEN: tl.constexpr):
+    """Element j of x for each word row (`[BK8, 1]`, float32)."""
+    if EVEN:
+        return tl.load(xp + j).to(tl.float32)
+    return tl.load(xp + j, mask=xk + j < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def int4_gemv_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BK8: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr, SCHEME: tl.constexpr):  # fmt: skip
+    """Program (i, m): output columns `i * BLOCK_N ..` of row m of x. ZP: 0 none (8), 1 uint8, 2 floats (both
+    `[NB, N]`). EVEN: K a multiple of `BK8 * 8` and of BLOCK, N of BLOCK_N (no masks). The next step's words
+    are requested before this step's arithmetic."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
-    HB: tl.constexpr = BLOCK // 2  # bytes per block
+    WPB: tl.constexpr = BLOCK // 8  # words per quantization block
+    KW = NB * WPB  # word rows (K rounded up to whole blocks)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
-    row_bytes = NB * HB
-    rblk = tl.arange(0, BLOCKS)
-    rb = tl.arange(0, BLOCKS * HB)  # bytes of this step, block-major
-    acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
-    xrow = X + m * sxm
-    for b0 in range(0, NB, BLOCKS):
-        byte_i = b0 * HB + rb  # byte index within a row: elements 2i and 2i + 1
-        bmask = (b0 + rb // HB) < NB
-        byte = tl.load(B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
-                       mask=nmask[:, None] & bmask[None, :], other=0, eviction_policy="evict_first")  # fmt: skip
-        byte = byte.to(tl.int32)
-        xe = tl.load(xrow + 2 * byte_i, mask=bmask & (2 * byte_i < K), other=0.0).to(tl.float32)
-        xo = tl.load(xrow + 2 * byte_i + 1, mask=bmask & (2 * byte_i + 1 < K), other=0.0).to(tl.float32)
-        q = (byte & 0xF).to(tl.float32) * xe[None, :] + (byte >> 4).to(tl.float32) * xo[None, :]
-        dot = tl.sum(tl.reshape(q, (BLOCK_N, BLOCKS, HB)), axis=2)  # [BLOCK_N, BLOCKS]
-        xsum = tl.sum(tl.reshape(xe + xo, (BLOCKS, HB)), axis=1)  # [BLOCKS]
-        blk = b0 + rblk
-        km = nmask[:, None] & (blk < NB)[None, :]
-        s, z = block_scale_zero(S, Z, rn, blk, km, NB, ZP)
-        acc += s * (dot - z * xsum[None, :])
-    tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
+    rr = tl.arange(0, BK8)
+    wp = W + rr[:, None].to(tl.int64) * N + rn[None, :]
+    bp = (rr // WPB)[:, None] * N + rn[None, :]  # scales and zero points: the word row's block
+    xrow = X + m * sxm + rr[:, None] * 8
+    acc = tl.zeros([BK8, BLOCK_N], dtype=tl.float32)
+    if EVEN:
+        w_next = tl.load(wp, eviction_policy="evict_first")
+    else:
+        w_next = tl.load(wp, mask=(rr < KW)[:, None] & nmask[None, :], other=0, eviction_policy="evict_first")
+    for r0 in range(0, KW, BK8):
+        w = w_next
+        w_next = tl.load(wp + (r0 + BK8) * N, mask=((r0 + BK8 + rr) < KW)[:, None] & nmask[None, :], other=0,
+                         eviction_policy="evict_first")  # fmt: skip
+        km = ((r0 + rr) < KW)[:, None] & nmask[None, :]
+        boff = (r0 // WPB) * N
+        if EVEN:
+            sc = tl.load(S + bp + boff).to(tl.float32)
+        else:
+            sc = tl.load(S + bp + boff, mask=km, other=0.0).to(tl.float32)
+        xp = xrow + r0 * 8
+        xk = (r0 + rr[:, None]) * 8
+        x0, x1 = _x(xp, 0, xk, K, EVEN), _x(xp, 1, xk, K, EVEN)
+        x2, x3 = _x(xp, 2, xk, K, EVEN), _x(xp, 3, xk, K, EVEN)
+        x4, x5 = _x(xp, 4, xk, K, EVEN), _x(xp, 5, xk, K, EVEN)
+        x6, x7 = _x(xp, 6, xk, K, EVEN), _x(xp, 7, xk, K, EVEN)
+        if SCHEME == 1:
+            t12 = _at(w, 12, 0xF000, ONE_BITS) * x0  # nibble 0 at bits 12..15
+            t12 += _at(w, 8, 0xF000, ONE_BITS) * x1
+            t12 += _at(w, 0, 0xF000, ONE_BITS) * x3
+            t12 += _at(w, -8, 0xF000, ONE_BITS) * x5
+            t16 = _at(w, 8, 0xF0000, ONE_BITS) * x2  # nibble 2 at bits 16..19
+            t16 += _at(w, 0, 0xF0000, ONE_BITS) * x4
+            t16 += _at(w, -8, 0xF0000, ONE_BITS) * x6
+            t16 += _at(w, -12, 0xF0000, ONE_BITS) * x7
+            x12 = x0 + x1 + x3 + x5
+            x16 = x2 + x4 + x6 + x7
+            qx = 2048.0 * t12 + 128.0 * t16 - (2048.0 * x12 + 128.0 * x16)  # sum(q x) over the word
+        else:
+            t = _at(w, 19, 0x780000, ONE_BITS) * x0
+            t += _at(w, 15, 0x780000, ONE_BITS) * x1
+            t += _at(w, 11, 0x780000, ONE_BITS) * x2
+            t += _at(w, 7, 0x780000, ONE_BITS) * x3
+            t += _at(w, 3, 0x780000, ONE_BITS) * x4
+            t += _at(w, -1, 0x780000, ONE_BITS) * x5
+            t += _at(w, -5, 0x780000, ONE_BITS) * x6
+            t += _at(w, -9, 0x780000, ONE_BITS) * x7
+            x12 = x0 + x1 + x2 + x3
+            x16 = x4 + x5 + x6 + x7
+            qx = 16.0 * t - 16.0 * (x12 + x16)
+        if ZP == 0:
+            acc += sc * (qx - 8.0 * (x12 + x16))
+        else:
+            if EVEN:
+                z = tl.load(Z + bp + boff).to(tl.float32)
+            else:
+                z = tl.load(Z + bp + boff, mask=km, other=0.0).to(tl.float32)
+            acc += sc * (qx - z * (x12 + x16))
+    tl.store(Y + m * sym + rn, tl.sum(acc, axis=0).to(Y.dtype.element_ty), mask=nmask)
 
 
-def zero_point_mode(zero_points: torch.Tensor | None, scales: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """The kernels' `ZP` and the tensor passed for `Z`: 0 none (8; `scales` stands in), 1 packed uint8
-    nibbles, 2 one float per block."""
-    if zero_points is None:
-        return 0, scales
-    return (1 if zero_points.dtype == torch.uint8 else 2), zero_points.contiguous()
-
-
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                k: int, n: int, block: int, block_n: int = 8, blocks: int | None = None,
-                warps: int = 4) -> torch.Tensor:  # fmt: skip
-    """`x` `[..., K]` times the packed weights -> `[..., N]` in x's dtype (float32 accumulation). `blocks`:
-    quantization blocks per loop step (default: 256 elements' worth)."""
-    assert block % 2 == 0 and block & (block - 1) == 0 and packed.dtype == torch.uint8
+def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                k: int, n: int, block: int, block_n: int = 32, bk8: int = 64, warps: int = 4,
+                scheme: int | None = None) -> torch.Tensor:  # fmt: skip
+    """`x` `[..., K]` times the K-major packed weights (`ops.quant.kmajor`'s tensors) -> `[..., N]` in x's
+    dtype (float32 accumulation). `block_n` output columns and `bk8` word rows (8 elements of K each) per
+    program step, `warps` per program. `scheme` (benchmarks): the kernel's SCHEME; by default 0 for float32
+    x and 1 for half precision."""
+    assert words.dtype == torch.int32 and block % 8 == 0 and words.shape[1] == n
     nb = (k + block - 1) // block
-    if blocks is None:
-        blocks = max(1, 256 // block)
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-    zmode, z = zero_point_mode(zero_points, scales)
-    grid = (triton.cdiv(n, block_n), x2.shape[0])
-    int4_gemv_kernel[grid](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb, x2.stride(0), y.stride(0),
-                           BLOCK=block, BLOCK_N=block_n, BLOCKS=blocks, ZP=zmode, num_warps=warps)  # fmt: skip
+    zmode = 0 if zero_points is None else (1 if zero_points.dtype == torch.uint8 else 2)
+    if scheme is None:
+        scheme = 0 if x.dtype == torch.float32 else 1
+    even = (nb * block // 8) % bk8 == 0 and n % block_n == 0 and k % block == 0
+    int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
+        x2, words, scales, scales if zero_points is None else zero_points, y, k, n, nb, x2.stride(0), y.stride(0),
+        0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, num_warps=warps,
+    )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)

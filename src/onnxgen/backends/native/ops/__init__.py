@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from onnxgen.backends.native.ops import attention, elementwise, linear, norms, quant, rotary, tensor
 from onnxgen.backends.native.ops.base import AI, INTERNAL, Builder, Fn, Node, RunCtx
-from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits
+from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits, kmajor
 from onnxgen.errors import UnsupportedOp
 
 __all__ = [
     "BUILDERS", "Builder", "Fn", "Node", "RunCtx", "builder", "dequant_gather_block", "dequant_matmul_nbits",
-    "supported_ops",
+    "kmajor", "supported_ops",
 ]  # fmt: skip
 
 BUILDERS: dict[tuple[str, str], Builder] = {}

@@ -1,8 +1,9 @@
 """Int4 weights. By default dequantized once at load: MatMulNBits' B and GatherBlockQuantized's table to
 dense tensors, which the lowering then runs as a `Linear` and a `Gather` (see `linear` and `tensor`). With
-`int4="packed"` MatMulNBits stays packed on the device as the lowering's `Int4Linear`: decode rows (at most
-`GEMV_ROWS`) run the Triton GEMV on the packed bytes (`triton_int4`), longer chunks and the CPU
-dequantize the weight for that call (the weight's memory stays the packed size)."""
+`int4="packed"` MatMulNBits stays packed on the device as the lowering's `Int4Linear`, its bytes held
+K-major (`kmajor`, once at load: the same bytes, reordered for the GEMV's loads): decode rows (at most
+`GEMV_ROWS`) run the Triton GEMV on the packed words (`triton_int4`), longer chunks and the CPU dequantize
+the weight for that call (`dequant_kmajor`; the weight's memory stays the packed size)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,38 @@ def dequant_matmul_nbits(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor
     return w.to(dtype).contiguous()
 
 
+def kmajor(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int,
+           block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """MatMulNBits' 4-bit B (uint8 `[N, n_blocks, block / 2]`), scales (`[N * n_blocks]`) and zero points
+    (packed uint8 `[N, ceil(n_blocks / 2)]`, floats `[N * n_blocks]`, or None) -> the K-major tensors of
+    `triton_int4.int4_linear`: int32 words `[n_blocks * block / 8, N]` (word (r, c): elements 8r .. 8r + 7
+    of row c, nibble j = element 8r + j: B's own bytes, transposed in 4-byte units), scales `[n_blocks, N]`,
+    zero points `[n_blocks, N]` (uint8, one per block; floats stay floats) or None. `block` must be a
+    multiple of 8 (the builder's are powers of two from 16)."""
+    if block % 8:
+        raise NotImplementedError(f"MatMulNBits block_size={block} (packed int4 needs a multiple of 8)")
+    nb = (k + block - 1) // block
+    words = b.reshape(n, nb * block // 2).to(torch.uint8).contiguous().view(torch.int32)  # [N, K/8]
+    zt = None
+    if zp is not None and zp.dtype == torch.uint8:
+        zt = unpack_nibbles(zp.reshape(n, (nb + 1) // 2).to(torch.uint8), nb).reshape(n, nb).T.contiguous()
+    elif zp is not None:
+        zt = zp.reshape(n, nb).T.contiguous()
+    return words.T.contiguous(), scales.reshape(n, nb).T.contiguous(), zt
+
+
+def dequant_kmajor(words: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int, block: int,
+                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """`kmajor`'s tensors -> dense `[N, K]` in `dtype` (computed in float32): `dequant_matmul_nbits`'s values."""
+    kw = words.shape[0]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    q = ((words[:, :, None] >> shifts) & 0xF).permute(1, 0, 2).reshape(n, kw * 8).float()  # [N, K padded]
+    nb = scales.shape[0]
+    z = torch.full((n, nb), 8.0, device=words.device) if zp is None else zp.T.float()
+    w = (q.reshape(n, nb, block) - z[:, :, None]) * scales.T.float()[:, :, None]
+    return w.reshape(n, nb * block)[:, :k].to(dtype).contiguous()
+
+
 def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, *, bits: int,
                          block: int, quant_axis: int, signed: bool, shape: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
     """GatherBlockQuantized's table -> dense float (scales' dtype). `data` is packed uint8 for 4 bits."""
@@ -64,46 +97,46 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
 GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps); more: dequantize
 
 
-INT4_CONFIGS = ((8, 256, 4), (4, 256, 4), (16, 256, 4), (8, 512, 4), (4, 512, 4), (16, 512, 8), (32, 256, 8))
-"""(rows per program, elements per loop step, warps) tried for each packed int4 GEMV shape."""
+INT4_CONFIGS = ((16, 64, 4), (32, 64, 4), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2), (16, 32, 2))
+"""(output columns, word rows per step, warps) tried for each packed int4 GEMV shape (`triton_int4`); each
+compiles to a loop with no barrier or shuffle on sm_90 (checked offline: other shapes made Triton move x
+through shared memory every step)."""
 
 
-def _int4_choice(x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> tuple[int, int, int]:  # pragma: cuda
-    """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM) as
-    `int4_linear`'s (block_n, blocks, warps); the first elsewhere."""
+def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> tuple[int, int, int]:  # pragma: cuda
+    """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM); the
+    first elsewhere."""
     from onnxgen.backends.native import kernels
 
-    def args(cfg: tuple[int, int, int]) -> tuple[int, int, int]:
-        return cfg[0], max(1, cfg[1] // block), cfg[2]
-
-    key = ("int4", tuple(b.shape), k, n, block, x.dtype, x.device)
+    key = ("int4", tuple(words.shape), k, n, block, x.dtype, x.device)
     if key in kernels.CHOICES:
-        return args(kernels.CHOICES[key])
+        return kernels.CHOICES[key]
     if not x.is_cuda:
-        return args(INT4_CONFIGS[0])
+        return INT4_CONFIGS[0]
     from onnxgen.backends.native.triton_int4 import int4_linear
 
     x1 = x.reshape(-1, k)[:1]
-    copies = kernels.cold_copies(b, scales)
-    cands = [(cfg, lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *args(cfg)))
+    copies = kernels.cold_copies(words, scales)
+    cands = [(cfg, lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *cfg))
              for cfg in INT4_CONFIGS]  # fmt: skip
-    return args(kernels.fastest(key, cands, len(copies)))
+    return kernels.fastest(key, cands, len(copies))
 
 
 def _int4_linear(node: Node) -> Fn:
-    """The lowering's Int4Linear: inputs x, B (packed uint8), scales, zero points ("" if none), bias."""
+    """The lowering's Int4Linear: inputs x, then `kmajor`'s words, scales and zero points ("" if none), and
+    the bias ("" if none)."""
     k, n = int(node.attr("K")), int(node.attr("N"))
     block = int(node.attr("block_size"))
 
-    def f(ctx: RunCtx, x: Any, b: Any, scales: Any, zp: Any = None, bias: Any = None) -> tuple[Any, ...]:
+    def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None) -> tuple[Any, ...]:
         from onnxgen.backends.native import kernels
 
         if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
             from onnxgen.backends.native.triton_int4 import int4_linear
 
-            y = int4_linear(x, b, scales, zp, k, n, block, *_int4_choice(x, b, scales, zp, k, n, block))
+            y = int4_linear(x, words, scales, zp, k, n, block, *_int4_choice(x, words, scales, zp, k, n, block))
         else:
-            w = dequant_matmul_nbits(b, scales, zp, k, n, 4, block, torch.float32 if x.device.type == "cpu" else x.dtype)
+            w = dequant_kmajor(words, scales, zp, k, n, block, torch.float32 if x.device.type == "cpu" else x.dtype)
             y = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
         return (y if bias is None else y + bias,)
 
