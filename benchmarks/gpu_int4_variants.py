@@ -1,13 +1,23 @@
 """Micro-benchmark (issue 13): packed int4 GEMV designs on the 8B shapes (block 32, symmetric), 8 layers of
-distinct weights per shape in one CUDA graph: v5 is v1 with x read as one contiguous run and split into
-even and odd elements in registers (optionally with v4's `1 + q / 16` floats instead of conversions), v4 is `int4_words_linear` here (word-interleaved weights:
-nibble t of a run of words meets a contiguous run of x; nibbles made floats `1 + q / 16` with two integer
-instructions; 2026-12-05: slower than v1, see decode-gpu.md), v1 is `triton_int4.int4_linear` (per-block dot products, scaled once per
-block), v2 dequantizes with the exponent trick (nibble | 0x4B000000 as float) and gathers the scale per
-element, v3 the same trick on a [rows, blocks, bytes] tile with one scale product per block. Each prints
-its error against the dequantized product, the best tile per shape, and the whole chain's bandwidth.
+distinct weights per shape in one CUDA graph. Each prints its error against the dequantized product, the
+best tile per shape, and the whole chain's bandwidth (TB/s of packed bytes).
 
-    PYTHONPATH=src python3 benchmarks/gpu_int4_variants.py [--variants v5,v1] [--once]
+- v7: `triton_int4.int4_linear`, the kernel in `src/` since 2026-12-05 (weights K-major at load,
+  `ops.quant.kmajor`: 16-byte loads along N, x's elements broadcast along N, nibbles made floats with a shift
+  and one `lop3`, the sum over K in registers), SCHEME 1 (the one `src/` uses) and 0. Designed against its
+  SASS compiled offline for sm_90: about 4 instructions per weight in its loop, no barrier or shuffle.
+- v1: `src/`'s kernel before v7, kept here (`int4_v1_linear`: MatMulNBits' own bytes N-major, per-block dot
+  products scaled once per block): about 8.7 instructions per weight and a barrier per loop step offline;
+  1.1 TB/s measured (decode-gpu.md).
+- v6: the bytes read as int32 words N-major (one quantization block per thread's 16 bytes).
+- v5: v1 with x read as one contiguous run and split into even and odd elements in registers (optionally
+  with `1 + q / 16` floats instead of conversions).
+- v4: `int4_words_linear` (word-interleaved weights: nibble t of a run of words meets a contiguous run of
+  x; `1 + q / 16` floats from two integer instructions; 2026-12-05: slower than v1, see decode-gpu.md).
+- v2 dequantizes with the exponent trick (nibble | 0x4B000000 as float) and gathers the scale per element,
+  v3 the same trick on a [rows, blocks, bytes] tile with one scale product per block.
+
+    PYTHONPATH=src python3 benchmarks/gpu_int4_variants.py [--variants v7,v1] [--once]
 """
 
 # ruff: noqa: B023  (each lambda is timed within the iteration that made it)
@@ -20,12 +30,88 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from onnxgen.backends.native.ops.quant import dequant_matmul_nbits
-from onnxgen.backends.native.triton_int4 import block_scale_zero, int4_linear, zero_point_mode
+from onnxgen.backends.native.ops.quant import dequant_matmul_nbits, kmajor
+from onnxgen.backends.native.triton_int4 import int4_linear
 from onnxgen.package.int4 import unpack_nibbles
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _util import graph_replay_ms
+
+
+@triton.jit
+def block_scale_zero(S, Z, rn, blk, km, NB, ZP: tl.constexpr):
+    """Scales and zero points (float32) of output rows `rn` `[R]` at quantization blocks `blk` `[B]` ->
+    `[R, B]` each (`km` masks both); `ZP` as `zero_point_mode`'s (0: the zero point is 8)."""
+    s = tl.load(S + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
+    if ZP == 1:
+        zb = tl.load(Z + rn[:, None] * ((NB + 1) // 2) + blk[None, :] // 2, mask=km, other=0).to(tl.int32)
+        z = tl.where(blk[None, :] % 2 == 0, zb & 0xF, zb >> 4).to(tl.float32)
+    elif ZP == 2:
+        z = tl.load(Z + rn[:, None] * NB + blk[None, :], mask=km, other=0.0).to(tl.float32)
+    else:
+        z = tl.zeros_like(s) + 8.0
+    return s, z
+
+
+@triton.jit
+def v1_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCKS: tl.constexpr, ZP: tl.constexpr):  # fmt: skip
+    """ZP: 0 none (8), 1 packed uint8 nibbles, 2 one float per block. Each step of the loop takes `BLOCKS`
+    quantization blocks of `BLOCK_N` rows: the nibbles' dot products with x are summed per block, then
+    scaled once per block (`s * (sum(q * x) - z * sum(x))`)."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    HB: tl.constexpr = BLOCK // 2  # bytes per block
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    row_bytes = NB * HB
+    rblk = tl.arange(0, BLOCKS)
+    rb = tl.arange(0, BLOCKS * HB)  # bytes of this step, block-major
+    acc = tl.zeros([BLOCK_N, BLOCKS], dtype=tl.float32)
+    xrow = X + m * sxm
+    for b0 in range(0, NB, BLOCKS):
+        byte_i = b0 * HB + rb  # byte index within a row: elements 2i and 2i + 1
+        bmask = (b0 + rb // HB) < NB
+        byte = tl.load(B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
+                       mask=nmask[:, None] & bmask[None, :], other=0, eviction_policy="evict_first")  # fmt: skip
+        byte = byte.to(tl.int32)
+        xe = tl.load(xrow + 2 * byte_i, mask=bmask & (2 * byte_i < K), other=0.0).to(tl.float32)
+        xo = tl.load(xrow + 2 * byte_i + 1, mask=bmask & (2 * byte_i + 1 < K), other=0.0).to(tl.float32)
+        q = (byte & 0xF).to(tl.float32) * xe[None, :] + (byte >> 4).to(tl.float32) * xo[None, :]
+        dot = tl.sum(tl.reshape(q, (BLOCK_N, BLOCKS, HB)), axis=2)  # [BLOCK_N, BLOCKS]
+        xsum = tl.sum(tl.reshape(xe + xo, (BLOCKS, HB)), axis=1)  # [BLOCKS]
+        blk = b0 + rblk
+        km = nmask[:, None] & (blk < NB)[None, :]
+        s, z = block_scale_zero(S, Z, rn, blk, km, NB, ZP)
+        acc += s * (dot - z * xsum[None, :])
+    tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
+
+
+def zero_point_mode(zero_points: torch.Tensor | None, scales: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """The kernels' `ZP` and the tensor passed for `Z`: 0 none (8; `scales` stands in), 1 packed uint8
+    nibbles, 2 one float per block."""
+    if zero_points is None:
+        return 0, scales
+    return (1 if zero_points.dtype == torch.uint8 else 2), zero_points.contiguous()
+
+
+def int4_v1_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                k: int, n: int, block: int, block_n: int = 8, blocks: int | None = None,
+                warps: int = 4) -> torch.Tensor:  # fmt: skip
+    """v1, `src/onnxgen/backends/native/triton_int4.py` until 2026-12-05 (N-major bytes, one program per
+    output tile and row of x): `x` `[..., K]` times MatMulNBits' own packed bytes -> `[..., N]`. `blocks`:
+    quantization blocks per loop step (default: 256 elements' worth)."""
+    assert block % 2 == 0 and block & (block - 1) == 0 and packed.dtype == torch.uint8
+    nb = (k + block - 1) // block
+    if blocks is None:
+        blocks = max(1, 256 // block)
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    zmode, z = zero_point_mode(zero_points, scales)
+    grid = (triton.cdiv(n, block_n), x2.shape[0])
+    v1_kernel[grid](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb, x2.stride(0), y.stride(0),
+                           BLOCK=block, BLOCK_N=block_n, BLOCKS=blocks, ZP=zmode, num_warps=warps)  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
 
 
 def interleave_words(b: torch.Tensor, k: int, n: int, block: int) -> torch.Tensor:
@@ -172,6 +258,73 @@ def int4_v5_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
 
 
 @triton.jit
+def _nib(w, J: tl.constexpr, ONE_BITS):
+    """Nibble `J` of each int32 word as the float `1 + q / 16` (q moved to mantissa bits 19..22). `ONE_BITS`
+    is 1.0's bits (0x3F800000) passed at run time, so that the mask and the or are one `lop3` with the
+    constant in a register."""
+    if J * 4 <= 19:
+        f = ((w << (19 - 4 * J)) & 0x780000) | ONE_BITS
+    else:
+        f = ((w >> (4 * J - 19)) & 0x780000) | ONE_BITS
+    return f.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def v6_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+              WB: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """MatMulNBits' bytes read as int32 words, a `[BLOCK_N, WB * BLOCK / 8]` tile per loop step (runs of 4
+    words per thread: 16-byte loads); nibble j of a word is element j, made the float `1 + q / 16` by a
+    shift and one `lop3` (`_nib`) and multiplied by element j of that word's 8 elements of x (a vector per j,
+    shared by the rows a thread holds). Per word: `s (16 sum(f x) - (16 + z) sum(x))` with its block's scale
+    and zero point. EVEN: K a multiple of `WB * BLOCK` and N of BLOCK_N (no masks)."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1)
+    WPB: tl.constexpr = BLOCK // 8  # words per quantization block
+    WORDS: tl.constexpr = WB * WPB
+    KW = NB * WPB  # words per row (K rounded up to whole blocks)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rw = tl.arange(0, WORDS)
+    wp = W + rn[:, None].to(tl.int64) * KW + rw[None, :]
+    xw = X + m * sxm + rw * 8
+    acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+    for w0 in range(0, KW, WORDS):
+        if EVEN:
+            w = tl.load(wp + w0, eviction_policy="evict_first")
+        else:
+            w = tl.load(wp + w0, mask=nmask[:, None] & (w0 + rw < KW)[None, :], other=0, eviction_policy="evict_first")
+        t = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
+        xs = tl.zeros([WORDS], dtype=tl.float32)
+        for j in tl.static_range(8):
+            if EVEN:
+                xj = tl.load(xw + w0 * 8 + j).to(tl.float32)  # element j of each word
+            else:
+                xj = tl.load(xw + w0 * 8 + j, mask=(w0 + rw) * 8 + j < K, other=0.0).to(tl.float32)
+            xs += xj
+            t += _nib(w, j, ONE_BITS) * xj[None, :]
+        blk = (w0 + rw) // WPB
+        s, z = block_scale_zero(S, Z, rn, blk, nmask[:, None] & (blk < NB)[None, :], NB, ZP)
+        acc += s * (16.0 * t - (16.0 + z) * xs[None, :])
+    tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
+
+
+def int4_v6_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                   k: int, n: int, block: int, block_n: int = 16, wb: int = 32, warps: int = 4) -> torch.Tensor:  # fmt: skip
+    """`triton_int4.int4_linear`'s contract, by `v6_kernel` (block a multiple of 8)."""
+    assert block % 8 == 0
+    nb = (k + block - 1) // block
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    zmode, z = zero_point_mode(zero_points, scales)
+    words = packed.contiguous().view(torch.int32)
+    even = k % (wb * block) == 0 and n % block_n == 0
+    v6_kernel[(triton.cdiv(n, block_n), x2.shape[0])](x2, words, scales.contiguous(), z, y, k, n, nb, x2.stride(0),
+                                                      y.stride(0), 0x3F800000, BLOCK=block, BLOCK_N=block_n, WB=wb, ZP=zmode,
+                                                      EVEN=even, num_warps=warps)  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
+
+
+@triton.jit
 def v3(
     X, B, S, Y, K, N, NB, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NBLK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -262,7 +415,7 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="v5,v1,v4,v2,v3", help="which designs to time (comma-separated)")
+    ap.add_argument("--variants", default="v7,v6,v5,v1,v4,v2,v3", help="which designs to time (comma-separated)")
     ap.add_argument("--once", action="store_true", help="run each design's first tile once on the gate shape "
                     "(14336 x 4096) after two warm-ups, and stop: for Nsight Compute (`ncu -k regex:...`)")
     args = ap.parse_args()
@@ -305,11 +458,24 @@ def main():
 
     def run_v1(cfg, pdl, b, s, n, k):
         bn, blocks, nw = cfg
-        ys[n].copy_(int4_linear(x[k], b, s, None, k, n, 32, bn, blocks, nw))
+        ys[n].copy_(int4_v1_linear(x[k], b, s, None, k, n, 32, bn, blocks, nw))
 
     def run_v5(cfg, pdl, b, s, n, k):
         bn, blocks, nw, conv = cfg
         ys[n].copy_(int4_v5_linear(x[k], b, s, None, k, n, 32, bn, blocks, nw, conv))
+
+    def run_v6(cfg, pdl, b, s, n, k):
+        bn, wb, nw = cfg
+        ys[n].copy_(int4_v6_linear(x[k], b, s, None, k, n, 32, bn, wb, nw))
+
+    kmaj = {}  # v7's K-major copy of each weight and its scales (`ops.quant.kmajor`), made once
+
+    def run_v7(cfg, pdl, b, s, n, k):
+        bn, bk8, nw, scheme = cfg
+        if b.data_ptr() not in kmaj:
+            kmaj[b.data_ptr()] = kmajor(b, s, None, k, n, 32)
+        wt, st, _ = kmaj[b.data_ptr()]
+        ys[n].copy_(int4_linear(x[k], wt, st, None, k, n, 32, bn, bk8, nw, scheme))
 
     words = {}  # the word-interleaved copy of each weight (v4), made once
 
@@ -323,7 +489,12 @@ def main():
               ((1, 8, 4), (2, 8, 4), (4, 4, 4), (4, 8, 8), (2, 16, 4), (1, 16, 4), (8, 4, 8), (8, 2, 4))]  # fmt: skip
     v5cfgs = [(bn, bl, nw, conv) for conv in (1, 0) for bn, bl, nw in
               ((8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8))]  # fmt: skip
+    v7cfgs = [(bn, bk8, nw, sch) for sch in (1, 0) for bn, bk8, nw in
+              ((16, 64, 4), (32, 64, 4), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2), (16, 32, 2))]  # fmt: skip
+    v6cfgs = [(16, 32, 4), (8, 32, 4), (16, 16, 4), (32, 16, 8)]
     variants = {
+        "v7": (run_v7, v7cfgs),
+        "v6": (run_v6, v6cfgs),
         "v5": (run_v5, v5cfgs),
         "v4": (run_v4, v4cfgs),
         "v1": (run_v1, [(8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4)]),
@@ -345,12 +516,12 @@ def main():
             print(name, cfgs[0], "ran", flush=True)
         return
     for name, (fn, cfgs) in variants.items():
-        for cfg in cfgs if name == "v5" else cfgs[:1]:
+        for cfg in cfgs if name in ("v5", "v7") else cfgs[:1]:
             fn(cfg, False, b, s, 4096, 14336)
             err = float((ys[4096].float() - ref).norm() / ref.norm())
             print(name, cfg, "rel err", f"{err:.2e}", flush=True)
     for name, (fn, cfgs) in variants.items():
-        for pdl in (False, True) if name not in ("v1", "v4", "v5") else (name == "v4",):  # v4: PDL from launch_options
+        for pdl in (False, True) if name not in ("v1", "v4", "v5", "v6", "v7") else (name == "v4",):  # v4: PDL from launch_options
             best = {}
             for _si, (n, k) in enumerate(shapes[:3] + shapes[4:]):
                 res = []
