@@ -4,10 +4,11 @@ best tile per shape, and the whole chain's bandwidth (TB/s of packed bytes).
 
 - v7: `triton_int4.int4_linear`, the kernel in `src/` since 2026-12-05 (weights K-major at load,
   `ops.quant.kmajor`: 16-byte loads along N, x's elements broadcast along N, nibbles made floats with a shift
-  and one `lop3`, the sum over K in registers), SCHEME 1 (the one `src/` uses) and 0. Designed against its
-  SASS compiled offline for sm_90: about 4 instructions per weight in its loop, no barrier or shuffle.
+  and one `lop3`, the sum over K in registers), SCHEME 1 (half precision) and 0 (float32). Designed against its
+  SASS compiled offline for sm_90 (`sass_stats.py`): about 4 instructions per weight in its loop, no barrier
+  or shuffle.
 - v1: `src/`'s kernel before v7, kept here (`int4_v1_linear`: MatMulNBits' own bytes N-major, per-block dot
-  products scaled once per block): about 8.7 instructions per weight and a barrier per loop step offline;
+  products scaled once per block): about 10 instructions per weight and six barriers per loop step offline;
   1.1 TB/s measured (decode-gpu.md).
 - v6: the bytes read as int32 words N-major (one quantization block per thread's 16 bytes).
 - v5: v1 with x read as one contiguous run and split into even and odd elements in registers (optionally
