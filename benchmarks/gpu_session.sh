@@ -44,12 +44,14 @@ for section in "$@"; do
              --sections throughput,growing,agents,serial 2>&1 | quiet | tail -60 ;;
     paged) timeout 150 python3 benchmarks/gpu_paged_attention.py 2>&1 | grep -v Warning | tail -22 ;;
     int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
-    spec) for prec in fp32 bf16; do  # the default model's precision, and the GPU's usual one
-            [ -d /tmp/spkg_$prec ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -c \
-              "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/m.gguf /tmp/spkg_$prec \
+    spec) [ -f /tmp/gg/hf/config.json ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -m \
+            onnxgen.convert.checkpoint gguf-to-hf /tmp/gg/m.gguf /tmp/gg/hf  # dequantized once for both packages
+          for prec in bf16 fp32; do  # the GPU's usual precision (its target is the open one), then the default's
+            [ -d /tmp/spkg_$prec ] || timeout 150 python3 -c \
+              "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/hf /tmp/spkg_$prec \
               --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
             timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
-              --runs 5 --tokens 128 2>&1 | quiet | tail -10
+              --runs 5 --tokens 128 --spec-runs 8,4,2 2>&1 | quiet | tail -16
           done ;;
     verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
               | quiet | tail -8

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/speculative.py [MODEL] --backend ort|native|native-paged --runs 5 [--threads 2]
         [--device cuda]   (CUDA: native only; plain decoding there runs `decode_steps` steps per host round trip)
+        [--spec-runs 4,2] (CUDA: one speculative contender per value of `Engine.spec_decode_steps`)
 
 Workloads (greedy, fresh state each run: `reuse=False`):
 - edit: "repeat this document with one change" (the output mostly copies the prompt);
@@ -48,6 +49,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated: "
+                    "one contender each (default: the engine's)")
     args = ap.parse_args()
     path = str(resolve_model_path(args.model))
     backend = args.backend.removesuffix("-paged")  # "native-paged": the paged pool (native's default)
@@ -61,20 +64,32 @@ def main() -> int:
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]
 
-        def go(spec, msgs=msgs):
+        def go(spec, msgs=msgs, run=None):
+            if run is not None:
+                model.spec_decode_steps = run
             t0 = time.perf_counter()
             r = model.generate(msgs, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
             return r, r.stats.generated_tokens / (time.perf_counter() - t0)
 
-        go(False), go("prompt_lookup")  # warm-up
-        samples = interleave(args.runs, {"plain": lambda: go(False), "spec": lambda: go("prompt_lookup")})
+        runs = [int(v) for v in args.spec_runs.split(",")] if args.spec_runs else [None]
+        contenders = {"plain": lambda: go(False)}
+        for run in runs:
+            contenders["spec" if run is None else f"spec (runs of {run})"] = lambda run=run: go("prompt_lookup", run=run)
+        for fn in contenders.values():  # warm-up
+            fn()
+        samples = interleave(args.runs, contenders)
         rate = {k: [tps for _, tps in v] for k, v in samples.items()}
         results = {k: v[-1][0] for k, v in samples.items()}
-        same = results["plain"].tokens == results["spec"].tokens
-        s = results["spec"].stats
-        plain, spec = statistics.median(rate["plain"]), statistics.median(rate["spec"])
-        rows.append([name, str(s.generated_tokens), f"{plain:.1f}", f"{spec:.1f}", f"{spec / plain:.2f}x",
-                     f"{s.accepted_tokens}/{s.draft_tokens}", "yes" if same else "NO"])  # fmt: skip
+        plain = statistics.median(rate["plain"])
+        for label in contenders:
+            if label == "plain":
+                continue
+            same = results["plain"].tokens == results[label].tokens
+            s = results[label].stats
+            spec = statistics.median(rate[label])
+            rows.append([name if len(runs) == 1 else f"{name}, {label}", str(s.generated_tokens), f"{plain:.1f}",
+                         f"{spec:.1f}", f"{spec / plain:.2f}x", f"{s.accepted_tokens}/{s.draft_tokens}",
+                         "yes" if same else "NO"])  # fmt: skip
     print(f"\nmodel: {path}; backend {args.backend} on {args.device}; {machine()}; threads {args.threads}; "
           f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens max\n")  # fmt: skip
     print(table(rows, ["workload", "tokens", "plain tok/s", "speculative tok/s", "speedup", "accepted/drafted",

@@ -148,6 +148,28 @@ def test_cancel_during_continued_runs(model: Any) -> None:
     assert model.kv_stats()["pages_used"] == held
 
 
+def test_speculating_requests_run_shorter_runs(model: Any) -> None:
+    """A run that holds a speculating request is at most `spec_decode_steps` long (a match found on reading a
+    run is verified after the run launched behind it: shorter runs verify a copy sooner); its output is
+    plain decoding's, and a batch without speculation keeps `decode_steps`."""
+    prompt = [5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9, 2, 33, 7]  # something to copy
+    ref = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative=False)
+    model.decode_steps = 8
+    spy = Spy(model)
+    try:
+        assert model.spec_decode_steps == 4
+        got = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative="prompt_lookup")
+        spec_runs = list(spy.runs)
+        spy.runs.clear()
+        plain = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative=False)
+    finally:
+        model.executor.launch_decodes = spy._inner
+        model.decode_steps = 1
+    assert got.tokens == ref.tokens == plain.tokens
+    assert spec_runs and max(spec_runs) == 4
+    assert max(spy.runs) == 8
+
+
 def test_host_side_sampling_runs_one_step_at_a_time(model: Any) -> None:
     """Penalties (or kept logits) need the host between steps: no runs, same result as before."""
     spy = Spy(model)

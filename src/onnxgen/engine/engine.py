@@ -47,6 +47,7 @@ from onnxgen.package.spec import ModelSpec
 from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams, sample_rows
 
 DEFAULT_MAX_NEW_TOKENS = 256
+SPEC_DECODE_STEPS = 4  # decode steps per run at most while a request of the run speculates (`_run_steps`)
 
 
 def _all_ints(seq: Sequence[Any]) -> bool:
@@ -145,6 +146,11 @@ class Engine:
             self.executor = SlotKV(self.pool)
         self.paged = self.executor.paged
         self.decode_steps = decode_steps or (8 if cuda and self.paged else 1)
+        # runs that hold a speculating request are shorter: a run is read after the next one is launched, and a
+        # match found on reading it is verified only after that next run, so a copy waits up to two runs'
+        # tokens before its drafts are verified (a schedule simulation of the edit workload on SmolLM2's
+        # greedy tokens: 1.84x with runs of 8, 2.13x with 4; docs/benchmarks/speculative-gpu.md)
+        self.spec_decode_steps = SPEC_DECODE_STEPS
         # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
         # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA until it is measured beyond one small
         # model at batch 1 (there: identical output, 2.14x / 1.51x on an edit in fp32 / bf16, nothing more
@@ -489,7 +495,7 @@ class Engine:
         processors or penalties, no logits kept, no drafts), and no waiting request could be admitted
         meanwhile; at most `decode_steps` and what every request may still generate; pages for them all
         reserved (else 1)."""
-        k = self.decode_steps
+        k = self._run_steps(chunks)
         sch = self.scheduler
         if k <= 1 or not self.paged or (sch.num_waiting() and len(sch.running) < sch.max_running):
             return 1
@@ -501,6 +507,12 @@ class Engine:
         if k > 1 and all(self.executor.reserve(c.req, c.start + k) for c in chunks):
             return k
         return 1
+
+    def _run_steps(self, chunks: Sequence[Any]) -> int:
+        """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them speculates."""
+        if any(c.req.drafts is not None for c in chunks):
+            return min(self.decode_steps, self.spec_decode_steps)
+        return self.decode_steps
 
     def _run_decodes(self, chunks: Sequence[Any], k: int) -> None:
         """Runs of decode steps of `chunks` (`PagedKV.launch_decodes`), each request taking its tokens in
@@ -551,7 +563,7 @@ class Engine:
         """How many decode steps to launch after the `fed` steps already launched for `chunks` (0: none):
         as `_decode_run`, counting the launched steps as generated, and none once a request is cancelled
         or a waiting request could be admitted. Reserves the pages."""
-        k = self.decode_steps
+        k = self._run_steps(chunks)
         sch = self.scheduler
         if sch.num_waiting() and len(sch.running) < sch.max_running:
             return 0

@@ -1,0 +1,97 @@
+"""A model of speculative decoding's schedule on CUDA, replayed on real greedy tokens: predictions, not
+measurements (what to try when device time is scarce; a GPU run of `speculative.py` is the measurement).
+
+    .venv/bin/python benchmarks/spec_schedule.py [MODEL] [--decode-ms 0.448] [--verify-ms 4:0.78,8:1.24,16:2.17]
+        [--verify-host-ms 0.15] [--runs 8,4,2]
+
+Speculation is exact, so which drafts are accepted depends only on the plain greedy tokens: each workload of
+`speculative.py` is decoded once, greedy, on the CPU (ort, the default model unless MODEL), and the engine's
+CUDA schedule is replayed on those tokens with the engine's own draft control (`drafts.draft_control(True,
+sizes)`): decode runs of R steps, each read after the next one is launched, so a match found on reading a
+run is verified after the run behind it (`Engine._run_decodes`); a verify of n positions costs the verify
+graph of the next size up (`--verify-ms`, GPU) plus `--verify-host-ms`; a decode step costs `--decode-ms`.
+The defaults are the H200's on SmolLM2-135M bf16 (docs/benchmarks/speculative-gpu.md, 2026-12-05). Printed
+per workload and policy: predicted speedup over plain decoding (decode phase only), accepted/drafted, verify
+steps. Calibration: with runs of 8 and no size filling it predicts the bf16 edit workload's 78 accepted
+drafts (measured: 78) and 1.70x (measured: 1.51x, prefill and host costs not modelled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from onnxgen.engine.drafts import DraftControl, draft_control
+
+
+def simulate(prompt: Sequence[int], greedy: Sequence[int], ctrl: DraftControl, run: int, decode_ms: float,
+             verify_ms: dict[int, float], verify_host_ms: float) -> tuple[float, int]:  # fmt: skip
+    """Predicted decode-phase milliseconds and verify steps for `greedy` (its first token from the prefill)."""
+    sizes = sorted(verify_ms)
+    out = [greedy[0]]
+    n = len(greedy)
+    t, verifies = 0.0, 0
+    while len(out) < n:
+        k = min(ctrl.budget(len(out)), n - len(out))
+        drafts = ctrl.propose(prompt, out, k) if k > 0 else []
+        if drafts:  # a verify step: the drafts kept up to the first that differs from the greedy token
+            pos, taken = len(out), 1
+            while taken <= len(drafts) and pos + taken - 1 < n and drafts[taken - 1] == greedy[pos + taken - 1]:
+                taken += 1
+            taken = min(taken, n - pos)
+            out.extend(greedy[pos : pos + taken])
+            ctrl.update(len(drafts), taken - 1, len(out))
+            t += verify_ms[next(s for s in sizes if s >= len(drafts) + 1)] + verify_host_ms
+            verifies += 1
+            continue
+        while len(out) < n:  # a chain of runs; a match seen on reading one is verified after the next
+            r = min(run, n - len(out))
+            out.extend(greedy[len(out) : len(out) + r])
+            t += r * decode_ms
+            if len(out) < n and ctrl.ready(prompt, out):
+                r = min(run, n - len(out))
+                out.extend(greedy[len(out) : len(out) + r])
+                t += r * decode_ms
+                break
+    return t, verifies
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("--decode-ms", type=float, default=0.448)
+    ap.add_argument("--verify-ms", default="4:0.78,8:1.24,16:2.17")
+    ap.add_argument("--verify-host-ms", type=float, default=0.15)
+    ap.add_argument("--runs", default="8,4,2", help="decode steps per run to compare")
+    ap.add_argument("--tokens", type=int, default=128)
+    a = ap.parse_args()
+    import onnxgen
+    from onnxgen.convert.default import resolve_model_path
+    from speculative import WORKLOADS
+
+    verify = {int(s): float(ms) for s, ms in (p.split(":") for p in a.verify_ms.split(","))}
+    model = onnxgen.load(str(resolve_model_path(a.model)), backend="ort")
+    print("| workload | tokens | policy | predicted speedup | accepted/drafted | verify steps |")
+    print("|---|---|---|---|---|---|")
+    for name, text in WORKLOADS.items():
+        msgs = [{"role": "user", "content": text}]
+        prompt = model.encode_prompt(msgs)
+        greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False, speculative=False).tokens
+        plain = (len(greedy) - 1) * a.decode_ms
+        policies = [("runs of 8, drafts as budgeted", 8, ())]
+        policies += [(f"runs of {r}, drafts fill the verify size", r, tuple(verify)) for r in map(int, a.runs.split(","))]
+        for label, run, sizes in policies:
+            ctrl = draft_control(True, sizes)
+            ms, verifies = simulate(prompt, greedy, ctrl, run, a.decode_ms, verify, a.verify_host_ms)
+            print(f"| {name} | {len(greedy)} | {label} | {plain / ms:.2f}x | {ctrl.accepted}/{ctrl.drafted} | "
+                  f"{verifies} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
