@@ -493,8 +493,8 @@ class Engine:
         """How many decode steps to run back to back now (1: an ordinary step). More than one only when
         the KV is paged, every chunk is a plain decode whose choice needs nothing of the host (no
         processors or penalties, no logits kept, no drafts), and no waiting request could be admitted
-        meanwhile; at most `decode_steps` and what every request may still generate; pages for them all
-        reserved (else 1)."""
+        meanwhile; at most `decode_steps` (`_run_steps`: fewer while a request speculates) and what every
+        request may still generate; pages for them all reserved (else 1)."""
         k = self._run_steps(chunks)
         sch = self.scheduler
         if k <= 1 or not self.paged or (sch.num_waiting() and len(sch.running) < sch.max_running):

@@ -446,11 +446,14 @@ def _prepare_linear(
                 if bits != 4 or block % 8:
                     raise UnsupportedOp(f"MatMulNBits(bits={bits}, block_size={block})", n.domain, n.name,
                                         O.supported_ops())  # fmt: skip
-                names = [n.name + "::kmajor_words", n.name + "::kmajor_scales", n.name + "::kmajor_zp" if zp is not None else ""]
-                if names[0] not in consts:  # the packed bytes K-major (the GEMV's layout), built on the device
+                # the packed bytes K-major (the GEMV's layout, `ops.quant.kmajor`), built on the device, once per
+                # initializer: the originals are not placed (no node reads them any more)
+                names = [n.inputs[1] + "::kmajor", n.inputs[2] + "::kmajor",
+                         n.inputs[3] + "::kmajor" if zp is not None else ""]  # fmt: skip
+                if names[0] not in consts:
                     dev = device if cuda else torch.device("cpu")
-                    kw = O.kmajor(consts[n.inputs[1]].to(dev), scales.to(dev), None if zp is None else zp.to(dev), k, nn,
-                                  block)  # fmt: skip
+                    zdev = None if zp is None else zp.to(dev)
+                    kw = O.kmajor(consts[n.inputs[1]].to(dev), scales.to(dev), zdev, k, nn, block)
                     for name, t in zip(names, kw, strict=True):
                         if name:
                             consts[name] = t
