@@ -219,3 +219,31 @@ def test_rowwise_qkv_rotary_rows_are_the_bits_of_one_row_launches(dtype: torch.d
         assert one is not None
         assert torch.equal(y[:, i], one[0][:, 0]) and torch.equal(s[:, i], one[1][:, 0])
     assert torch.equal(kv_all.keys[0], kv_one.keys[0]) and torch.equal(kv_all.values[0], kv_one.values[0])
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("norm", [None, "late"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_loaded_in_the_weight_tile_gives_the_same_bits(dtype: torch.dtype, norm: str | None, silu: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`X2D` (`kernels.x_in_tile`: x loaded in the weight tile's shape, no conversion through shared memory)
+    changes where x sits, not what is summed: every configuration gives the bits of the `[BLOCK_K]` load,
+    over several K steps and a partial last one, with the residual sum."""
+    monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
+    kernels._build()
+    g = torch.Generator().manual_seed(17)
+    n, k, rows = 40, 700, 3
+    w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    x = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    for cfg in CONFIGS:
+        outs = []
+        for x2d in (False, True):
+            monkeypatch.setattr(kernels, "x_in_tile", lambda *a, x2d=x2d: x2d)
+            sums = torch.empty_like(x)
+            y = kernels._gemv(x, w, silu, cfg, None if norm is None else (res, nw, 1e-5, sums))
+            outs.append((y, sums if norm else None))
+        assert torch.equal(outs[0][0], outs[1][0]), cfg
+        if norm:
+            assert torch.equal(outs[0][1], outs[1][1]), cfg

@@ -319,10 +319,21 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
         s if s is not None else y, eps, *ra,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE,
+        ONE=r == 1, LATE=NORM_LATE, X2D=x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE),
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
+
+
+def x_in_tile(block_k: int, warps: int, itemsize: int) -> bool:
+    """Whether the GEMV loads x in its weight tile's shape (`triton_gemv`'s `X2D`): when the K tile, at 16
+    bytes a thread, needs fewer threads than the program has, so some warps lie along the tile's rows. Then
+    x in the tile's own layout saves a conversion through shared memory (two barriers) per K step (sm_90
+    SASS, `benchmarks/sass_stats.py`: 4 x 256, 4 warps: 5 barriers -> 1, 200 -> 176 instructions); with
+    every warp along K it would only repeat x per row a thread holds. Not with a norm normalised first
+    (`_gemv` asks for `NORM_LATE` or no norm): its per-element work would be repeated per row (16 x 128 with
+    norm and SiLU: 704 -> 960 instructions)."""
+    return block_k * itemsize // 16 < 32 * warps
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wa
 @triton.jit
 def _x_tile(X, SKIP, NW, k0, rk, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
             LATE: tl.constexpr):  # fmt: skip
-    """x[k0 : k0 + BLOCK_K] in float32, and the row before any norm (`x (+ skip)`). With NORM the normalised
+    """x[k0 : k0 + BLOCK_K] in float32, and the row before any norm (`x (+ skip)`), in `rk`'s shape (`[BLOCK_K]`,
+    or the columns broadcast to `[BLOCK_N, BLOCK_K]`: see `_gemv_row`'s `X2D`). With NORM the normalised
     row, rounded as the separate RMSNorm would write it; with LATE (the norm's scale applied after the dot
     product) `x (+ skip)` times the norm weight, unrounded."""
     kmask = (k0 + rk) < K
@@ -81,7 +82,7 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
                 cos_stride, NQ, NK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                 NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
                 HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr,
-                PDL: tl.constexpr):  # fmt: skip
+                X2D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -113,21 +114,24 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
                       sv_h, sv_s, cos_stride, NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K, SILU, NORM,
-                      HAS_SKIP, ROPE, HEAD, HALF, LATE)  # fmt: skip
+                      HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D)  # fmt: skip
 
 
 @triton.jit
 def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
               NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
-              HALF: tl.constexpr, LATE: tl.constexpr):  # fmt: skip
+              HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr):  # fmt: skip
     """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
     weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
     pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row. With `NORM` and `LATE` nothing
     is reduced before the first multiply-add: the sum of squares accumulates beside the dot product (from the
     same loads) and `rstd` scales the dot product at the end, `rstd * sum(w * (x (+ skip)) * nw)` — the
     normalised row is not rounded to the output dtype first (closer to a float32 reference than the
-    separate norm, not the same bits)."""
+    separate norm, not the same bits). `X2D` (tiles whose warps are not all along K, `kernels.x_in_tile`): x
+    is loaded as `[BLOCK_N, BLOCK_K]` with its columns broadcast over the rows, i.e. in the weight tile's own
+    layout, instead of as `[BLOCK_K]` converted through shared memory (with barriers) at every K step — the
+    same values and sums, so the same bits."""
     X += row * K
     Y += row * N
     SKIP += row * K
@@ -145,31 +149,44 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
                 tl.store(SUM + k0 + rk, xs.to(SUM.dtype.element_ty), mask=kmask & (pid == 0))
             ss += xs * xs
         rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
-    x, raw = _x_tile(X, SKIP, NW, 0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
+    if X2D:  # x's columns in the weight tile's shape; the tile's first row writes the residual sum
+        rk2 = tl.broadcast_to(rk[None, :], (BLOCK_N, BLOCK_K))
+        first = (tl.arange(0, BLOCK_N) == 0)[:, None] & (pid == 0)
+    else:
+        rk2 = rk
+        first = pid == 0
+    x, raw = _x_tile(X, SKIP, NW, 0, rk2, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
     if NORM and LATE:
         ss = raw * raw
         if HAS_SKIP:
-            tl.store(SUM + rk, raw.to(SUM.dtype.element_ty), mask=(rk < K) & (pid == 0))
-    acc = w0.to(tl.float32) * x[None, :]
+            tl.store(SUM + rk2, raw.to(SUM.dtype.element_ty), mask=(rk2 < K) & first)
+    if not X2D:
+        x = x[None, :]
+    acc = w0.to(tl.float32) * x
     if SILU:
-        acc_u = u0.to(tl.float32) * x[None, :]
+        acc_u = u0.to(tl.float32) * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        x, raw = _x_tile(X, SKIP, NW, k0, rk, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
+        x, raw = _x_tile(X, SKIP, NW, k0, rk2, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
         if NORM and LATE:
             ss += raw * raw
             if HAS_SKIP:
-                tl.store(SUM + k0 + rk, raw.to(SUM.dtype.element_ty), mask=((k0 + rk) < K) & (pid == 0))
+                tl.store(SUM + k0 + rk2, raw.to(SUM.dtype.element_ty), mask=((k0 + rk2) < K) & first)
+        if not X2D:
+            x = x[None, :]
         m2 = nmask[:, None] & ((k0 + rk) < K)[None, :]
         w = tl.load(wp + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        acc += w * x[None, :]
+        acc += w * x
         if SILU:
             u = tl.load(wp + up + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            acc_u += u * x[None, :]
+            acc_u += u * x
     y = tl.sum(acc, 1)
     if SILU:
         u = tl.sum(acc_u, 1)
     if NORM and LATE:
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+        if X2D:
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BLOCK_N], every row the same
+        else:
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
         y = y * rstd
         if SILU:
             u = u * rstd
