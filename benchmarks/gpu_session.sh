@@ -14,13 +14,14 @@
 #           `spec`, also on the real SmolLM2 bf16 package with 1 and 4 rows per GEMV program (ONNXGEN_GEMV_ROWS)
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
-#   quick   the int4 kernel's tests and the GEMV's late-norm tests, in 8 processes (pytest-xdist)
+#   quick   the int4 kernel's tests and the GEMV's late-norm and x-in-tile tests, in 8 processes (pytest-xdist)
 #   late    the 0.5B decode graph with folded norms scaled before vs after the product (kernels.NORM_LATE),
 #           interleaved (gpu_decode_ablation.py none,late,none,late)
 #   int4v   packed int4 GEMV designs v7, v6, v5 vs v1 (gpu_int4_variants.py), then one launch of each under Nsight
 #           Compute (speed of light, warp states, instruction mix: $OUT/ncu.txt where the runner has $OUT)
 #   rows    a verify step's cost with 1 and 4 rows per GEMV program, interleaved in one process (0.5B)
-#   spec    speculative decoding on SmolLM2-135M (real weights; fp32 and bf16 packages): needs /tmp/gg/m.gguf
+#   spec    speculative decoding on SmolLM2-135M (real weights; bf16 then fp32 packages, speculating runs of 8, 4
+#           and 2 decode steps beside plain decoding, interleaved): needs /tmp/gg/m.gguf
 #           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
 #           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
 #           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md)
@@ -33,8 +34,8 @@ quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|_warn_once"; }
 for section in "$@"; do
   echo "== $section (t=$(( $(date +%s) - T0 )) s)"
   case "$section" in
-    tests) timeout 300 python3 -m pytest -q tests/test_gemv_kernel.py tests/test_skinny_kernel.py \
-             tests/test_int4_kernel.py 2>&1 | tail -4
+    tests) timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gemv_kernel.py \
+             tests/test_skinny_kernel.py tests/test_int4_kernel.py 2>&1 | tail -4  # 8 processes: compiles in parallel
            timeout 300 python3 -m pytest -q -m gpu tests/test_native_runner.py tests/test_decode_runs.py \
              tests/test_paged_attention.py tests/test_native_backend.py tests/test_concurrency.py \
              tests/test_parity_bf16.py tests/test_choice.py tests/test_speculative.py 2>&1 | tail -8 ;;
@@ -60,7 +61,7 @@ for section in "$@"; do
                 --shapes /tmp/spkg_bf16 2>&1 | tail -1; done
             fi ;;
     quick) timeout 60 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_int4_kernel.py \
-             "tests/test_gemv_kernel.py" -k "int4 or packed or late" 2>&1 | tail -4 ;;
+             "tests/test_gemv_kernel.py" -k "int4 or packed or late or same_bits" 2>&1 | tail -4 ;;
     late) timeout 120 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,late,none,late 2>&1 | quiet | grep -v "^$" | tail -12 ;;
     int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v6,v5,v1 2>&1 | grep -v Warn | tail -40
