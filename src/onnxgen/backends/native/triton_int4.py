@@ -22,7 +22,8 @@ and the sums of the x elements read at each position. Its error against float32 
 `SCHEME=1`, for half-precision x; float32 x takes `SCHEME=0` (each nibble moved to bits 19..22,
 `1 + q / 16`: eight shifts per word, float32's own error). Its contract is
 `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it under `TRITON_INTERPRET=1` on
-the CPU). Used by the lowering's `Int4Linear` with `int4="packed"` (`ops.quant`).
+the CPU). Used by the lowering's `Int4Linear` with `int4="packed"` (`ops.quant`); the default still
+dequantizes at load. Not yet timed on a GPU (docs/benchmarks/decode-gpu.md, 2026-12-05).
 """
 
 from __future__ import annotations
