@@ -17,7 +17,8 @@
 #   quick   the int4 kernel's tests and the GEMV's late-norm and x-in-tile tests, in 8 processes (pytest-xdist)
 #   late    the 0.5B decode graph with folded norms scaled before vs after the product (kernels.NORM_LATE),
 #           interleaved (gpu_decode_ablation.py none,late,none,late)
-#   int4v   packed int4 GEMV designs v7, v6, v5 vs v1 (gpu_int4_variants.py), then one launch of each under Nsight
+#   int4v   packed int4 GEMV designs v7 (src/, both schemes) vs v1 (gpu_int4_variants.py; v5 and v6 lost offline,
+#           in SASS, and are not timed here), then one launch of each under Nsight
 #           Compute (speed of light, warp states, instruction mix: $OUT/ncu.txt where the runner has $OUT)
 #   rows    a verify step's cost with 1 and 4 rows per GEMV program, interleaved in one process (0.5B)
 #   spec    speculative decoding on SmolLM2-135M (real weights; bf16 then fp32 packages, speculating runs of 8, 4
@@ -64,13 +65,13 @@ for section in "$@"; do
              "tests/test_gemv_kernel.py" -k "int4 or packed or late or same_bits" 2>&1 | tail -4 ;;
     late) timeout 120 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,late,none,late 2>&1 | quiet | grep -v "^$" | tail -12 ;;
-    int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v6,v5,v1 2>&1 | grep -v Warn | tail -40
+    int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40
            ncu_out=${OUT:-/tmp}/ncu.txt
            ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-           timeout 45 "${ncu:-ncu}" --clock-control none -k 'regex:int4_gemv_kernel|v1_kernel|v5_kernel' --launch-count 9 \
+           timeout 45 "${ncu:-ncu}" --clock-control none -k 'regex:int4_gemv_kernel|v1_kernel' --launch-count 6 \
              --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
              --section InstructionStats --section MemoryWorkloadAnalysis \
-             python3 benchmarks/gpu_int4_variants.py --variants v7,v5,v1 --once > "$ncu_out" 2>&1
+             python3 benchmarks/gpu_int4_variants.py --variants v7,v1 --once > "$ncu_out" 2>&1
            grep -E "^  [a-z0-9_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Executed Ipc A|stalled|Stall|L1/TEX Hit|==ERROR|==PROF==" \
              "$ncu_out" | cut -c1-150 | tail -60 ;;
     rows) timeout 100 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b --rows 1,4 2>&1 \
