@@ -11,7 +11,7 @@
 #           beside the serial engine (gpu_batch.py)
 #   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
 #   verify  a speculative verify step's cost next to a decode step, rowwise and not (gpu_verify_cost.py); after
-#           `spec`, also on the real SmolLM2 bf16 package with 1 and 4 rows per GEMV program (ONNXGEN_GEMV_ROWS)
+#           `spec`, also on the real SmolLM2 bf16 package with 1 and 4 rows per GEMV program (`--rows 1,4`)
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
 #   quick   the int4 kernel's tests and the GEMV's late-norm and x-in-tile tests, in 8 processes (pytest-xdist)
@@ -58,8 +58,7 @@ for section in "$@"; do
     verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
               | quiet | tail -8
             if [ -d /tmp/spkg_bf16 ]; then  # after `spec`: the real SmolLM2 package, rows per GEMV program 1 vs 4
-              for rb in 1 4; do ONNXGEN_GEMV_ROWS=$rb timeout 100 python3 benchmarks/gpu_verify_cost.py \
-                --shapes /tmp/spkg_bf16 2>&1 | tail -1; done
+              timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2
             fi ;;
     quick) timeout 60 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_int4_kernel.py \
              "tests/test_gemv_kernel.py" -k "int4 or packed or late or same_bits" 2>&1 | tail -4 ;;
