@@ -97,10 +97,12 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
 GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps); more: dequantize
 
 
-INT4_CONFIGS = ((16, 64, 4), (32, 64, 4), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2), (16, 32, 2))
+INT4_CONFIGS = ((16, 64, 4), (32, 64, 4), (16, 128, 8), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2),
+                (16, 32, 2))
 """(output columns, word rows per step, warps) tried for each packed int4 GEMV shape (`triton_int4`); each
-compiles to a loop with no barrier or shuffle on sm_90 (checked offline: other shapes made Triton move x
-through shared memory every step)."""
+compiles to a loop with no barrier or shuffle on sm_90 (checked offline with `benchmarks/sass_stats.py`:
+other shapes made Triton move x through shared memory every step). 16 x 128 x 8 warps gives a 4,096-row
+product two programs of 8 warps per multiprocessor, for more loads in flight."""
 
 
 def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> tuple[int, int, int]:  # pragma: cuda
