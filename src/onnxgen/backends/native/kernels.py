@@ -314,15 +314,21 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     else:
         ra = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
     rb = min(r, ROWS_PER_PROGRAM)
+    x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE)
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
         s if s is not None else y, eps, *ra,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE, X2D=x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE),
+        ONE=r == 1, LATE=NORM_LATE, X2D=x2d,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
+
+
+X_IN_TILE = os.environ.get("ONNXGEN_GEMV_X2D", "1") == "1"
+"""Whether the GEMV may load x in its weight tile's shape (`x_in_tile`); `ONNXGEN_GEMV_X2D=0` turns it off
+(an A/B on the device: benchmarks/gpu_decode_ablation.py `x1d`; the bits are the same either way)."""
 
 
 def x_in_tile(block_k: int, warps: int, itemsize: int) -> bool:
