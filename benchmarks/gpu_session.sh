@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh tests decode batch verify paged int4 spec   (any subset, in the order given)
 #
 # Expects (carried beside the tree, git-ignored): .whl/ with onnxruntime-genai's cp312 wheel (the builder
-# makes the packages) and .carry/tok/ with SmolLM2's tokenizer files. Sections:
+# makes the packages) and .carry/tok/ with SmolLM2's tokenizer files; `bash benchmarks/prepare_carry.sh`
+# makes them (and spec's GGUF parts and wheels) in a fresh checkout. Sections:
 #   tests   the GPU tests (kernels, runner, decode runs, paged attention, backend, concurrency, bf16 parity)
 #   decode  batch-1 decode of the 0.5B, 1B and 8B shapes against the floor and transformers (gpu_decode.py)
 #   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
