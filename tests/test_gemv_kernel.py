@@ -158,6 +158,16 @@ def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(dtype: tor
         assert torch.allclose(s.float(), (x.float() + skip.float()), atol=tol)
 
 
+def _rows_case(seed: int, n: int, k: int, rows: int, dtype: torch.dtype, silu: bool) -> tuple[torch.Tensor, ...]:
+    """A weight (`[2n, K]` with `silu`), `rows` rows of x, a residual of the same shape and a norm weight."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    x = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    return w, x, res, nw
+
+
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("norm", [None, "plain", "skip", "late"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,12 +179,9 @@ def test_rowwise_rows_are_the_bits_of_one_row_launches(dtype: torch.dtype, norm:
     calls too."""
     monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
     kernels._build()
-    g = torch.Generator().manual_seed(11)
     n, k, rows = 72, 328, 5
-    w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
-    x = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
-    res = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE) if norm in ("skip", "late") else None
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    w, x, res, nw = _rows_case(11, n, k, rows, dtype, silu)
+    res = res if norm in ("skip", "late") else None
     for cfg in CONFIGS:
         sums = torch.empty_like(x) if res is not None else None
         got = kernels._gemv(x, w, silu, cfg, None if norm is None else (res, nw, 1e-5, sums))
@@ -231,12 +238,8 @@ def test_x_loaded_in_the_weight_tile_gives_the_same_bits(dtype: torch.dtype, nor
     over several K steps and a partial last one, with the residual sum."""
     monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
     kernels._build()
-    g = torch.Generator().manual_seed(17)
     n, k, rows = 40, 700, 3
-    w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
-    x = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
-    res = torch.randn(1, rows, k, generator=g).to(dtype).to(DEVICE)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    w, x, res, nw = _rows_case(17, n, k, rows, dtype, silu)
     for cfg in CONFIGS:
         outs = []
         for x2d in (False, True):
