@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from onnxgen.backends.native.ops.quant import dequant_matmul_nbits, kmajor
-from onnxgen.backends.native.triton_int4 import int4_linear
+from onnxgen.backends.native.triton_int4 import _at, int4_linear
 from onnxgen.package.int4 import unpack_nibbles
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -259,23 +259,11 @@ def int4_v5_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
 
 
 @triton.jit
-def _nib(w, J: tl.constexpr, ONE_BITS):
-    """Nibble `J` of each int32 word as the float `1 + q / 16` (q moved to mantissa bits 19..22). `ONE_BITS`
-    is 1.0's bits (0x3F800000) passed at run time, so that the mask and the or are one `lop3` with the
-    constant in a register."""
-    if J * 4 <= 19:
-        f = ((w << (19 - 4 * J)) & 0x780000) | ONE_BITS
-    else:
-        f = ((w >> (4 * J - 19)) & 0x780000) | ONE_BITS
-    return f.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def v6_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
               WB: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
     """MatMulNBits' bytes read as int32 words, a `[BLOCK_N, WB * BLOCK / 8]` tile per loop step (runs of 4
     words per thread: 16-byte loads); nibble j of a word is element j, made the float `1 + q / 16` by a
-    shift and one `lop3` (`_nib`) and multiplied by element j of that word's 8 elements of x (a vector per j,
+    shift and one `lop3` (`triton_int4._at`, `1 + q / 16`) and multiplied by element j of that word's 8 elements of x (a vector per j,
     shared by the rows a thread holds). Per word: `s (16 sum(f x) - (16 + z) sum(x))` with its block's scale
     and zero point. EVEN: K a multiple of `WB * BLOCK` and N of BLOCK_N (no masks)."""
     pid_n = tl.program_id(0)
@@ -302,7 +290,7 @@ def v6_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, 
             else:
                 xj = tl.load(xw + w0 * 8 + j, mask=(w0 + rw) * 8 + j < K, other=0.0).to(tl.float32)
             xs += xj
-            t += _nib(w, j, ONE_BITS) * xj[None, :]
+            t += _at(w, 19 - 4 * j, 0x780000, ONE_BITS) * xj[None, :]  # nibble j at bits 19..22
         blk = (w0 + rw) // WPB
         s, z = block_scale_zero(S, Z, rn, blk, nmask[:, None] & (blk < NB)[None, :], NB, ZP)
         acc += s * (16.0 * t - (16.0 + z) * xs[None, :])

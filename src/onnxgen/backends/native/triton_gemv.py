@@ -30,12 +30,13 @@ from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wa
 
 
 @triton.jit
-def _x_tile(X, SKIP, NW, k0, rk, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
-            LATE: tl.constexpr):  # fmt: skip
-    """x[k0 : k0 + BLOCK_K] in float32, and the row before any norm (`x (+ skip)`), in `rk`'s shape (`[BLOCK_K]`,
-    or the columns broadcast to `[BLOCK_N, BLOCK_K]`: see `_gemv_row`'s `X2D`). With NORM the normalised
-    row, rounded as the separate RMSNorm would write it; with LATE (the norm's scale applied after the dot
-    product) `x (+ skip)` times the norm weight, unrounded."""
+def _x_tile(X, SKIP, NW, SUM, k0, rk, first, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr,
+            HAS_SKIP: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr):  # fmt: skip
+    """x[k0 : k0 + BLOCK_K] in float32, ready to multiply the weight tile (`[1, BLOCK_K]`, or with `X2D` the
+    columns `rk` broadcast to `[BLOCK_N, BLOCK_K]`), and the row before any norm (`x (+ skip)`, in `rk`'s
+    shape). With NORM the normalised row, rounded as the separate RMSNorm would write it; with LATE (the
+    norm's scale applied after the dot product) `x (+ skip)` times the norm weight, unrounded, and the
+    residual sum written here (where `first`)."""
     kmask = (k0 + rk) < K
     x = tl.load(X + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
     raw = x
@@ -46,8 +47,12 @@ def _x_tile(X, SKIP, NW, k0, rk, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constex
         nw = tl.load(NW + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
         if LATE:
             x = x * nw
+            if HAS_SKIP:
+                tl.store(SUM + k0 + rk, raw.to(SUM.dtype.element_ty), mask=kmask & first)
         else:
             x = (x * rstd * nw).to(OUT_TY).to(tl.float32)
+    if not X2D:
+        x = x[None, :]
     return x, raw
 
 
@@ -155,24 +160,16 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     else:
         rk2 = rk
         first = pid == 0
-    x, raw = _x_tile(X, SKIP, NW, 0, rk2, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
+    x, raw = _x_tile(X, SKIP, NW, SUM, 0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D)
     if NORM and LATE:
         ss = raw * raw
-        if HAS_SKIP:
-            tl.store(SUM + rk2, raw.to(SUM.dtype.element_ty), mask=(rk2 < K) & first)
-    if not X2D:
-        x = x[None, :]
     acc = w0.to(tl.float32) * x
     if SILU:
         acc_u = u0.to(tl.float32) * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        x, raw = _x_tile(X, SKIP, NW, k0, rk2, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE)
+        x, raw = _x_tile(X, SKIP, NW, SUM, k0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D)
         if NORM and LATE:
             ss += raw * raw
-            if HAS_SKIP:
-                tl.store(SUM + k0 + rk2, raw.to(SUM.dtype.element_ty), mask=((k0 + rk2) < K) & first)
-        if not X2D:
-            x = x[None, :]
         m2 = nmask[:, None] & ((k0 + rk) < K)[None, :]
         w = tl.load(wp + k0, mask=m2, other=0.0, eviction_policy="evict_first").to(tl.float32)
         acc += w * x
@@ -183,10 +180,7 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     if SILU:
         u = tl.sum(acc_u, 1)
     if NORM and LATE:
-        if X2D:
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)  # [BLOCK_N], every row the same
-        else:
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / K + eps)
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, -1) / K + eps)  # with X2D `[BLOCK_N]`, every row the same
         y = y * rstd
         if SILU:
             u = u * rstd

@@ -59,9 +59,7 @@ def kmajor(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: in
 def dequant_kmajor(words: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int, block: int,
                    dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """`kmajor`'s tensors -> dense `[N, K]` in `dtype` (computed in float32): `dequant_matmul_nbits`'s values."""
-    kw = words.shape[0]
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    q = ((words[:, :, None] >> shifts) & 0xF).permute(1, 0, 2).reshape(n, kw * 8).float()  # [N, K padded]
+    q = unpack_nibbles(words.T.contiguous().view(torch.uint8)).float()  # B's own bytes again: [N, K padded]
     nb = scales.shape[0]
     z = torch.full((n, nb), 8.0, device=words.device) if zp is None else zp.T.float()
     w = (q.reshape(n, nb, block) - z[:, :, None]) * scales.T.float()[:, :, None]
