@@ -42,7 +42,7 @@ def test_packed_gemv_equals_dequantize_then_matmul(zp: str, m: int, n: int, k: i
                                                    scheme: int) -> None:  # fmt: skip
     """`int4_linear` on `kmajor`'s tensors equals dequantize-then-MatMul in float64: within float32's
     error with `SCHEME=0` (each nibble at bits 19..22), within 1e-4 with `SCHEME=1` (nibbles read at bits
-    12..15 as `1 + q / 2048` keep 13 bits of each product: the documented 2e-5, with room for short
+    12..15 as `1 + q / 2048` keep 13 bits of each product: the documented 4e-5, with room for short
     rows; `int4_linear` takes it for half-precision x only). Covers masked and unmasked (EVEN) loops, partial
     last blocks and N not a multiple of the tile."""
     packed, scales, z = _weights(n, k, block, zp)

@@ -17,8 +17,8 @@ A nibble becomes a float without the conversion unit: read where it sits after o
 at mantissa bits 12..15 (`1 + q / 2048`) or 16..19 (`1 + q / 128`), masked and or-ed with 1.0's bits in
 one `lop3` (`ONE_BITS` is passed at run time so that the constant sits in a register); per word,
 `sum((q - z) x) = 2048 (t12 - x12) + 128 (t16 - x16) - z (x12 + x16)` from the two products' sums `t`
-and the sums of the x elements read at each position. Its error against float32 is about 2e-5 relative
-(the `1 + q / 2048` floats keep 13 bits of q·x), far below a bf16 or fp16 output's rounding, so this is
+and the sums of the x elements read at each position. Its error against float64 is about 4e-5 relative
+(the `1 + q / 2048` floats keep 13 bits of q·x; `benchmarks/int4_precision.py`), far below a bf16 or fp16 output's rounding, so this is
 `SCHEME=1`, for half-precision x; float32 x takes `SCHEME=0` (each nibble moved to bits 19..22,
 `1 + q / 16`: eight shifts per word, float32's own error). Its contract is
 `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it under `TRITON_INTERPRET=1` on
