@@ -27,7 +27,7 @@ echo -n "v6  16 rows x 32 blocks, 4 warps: "; loop gpu_int4_variants:v6_kernel "
 for sch in 1 0; do
     echo -n "v7 scheme $sch  32 cols x 64 word rows, 4 warps: "
     loop onnxgen.backends.native.triton_int4:int4_gemv_kernel "{$B8,\"W\":\"*i32\",\"ONE_BITS\":\"i32\"}" \
-        "{\"BLOCK\":32,\"BLOCK_N\":32,\"BK8\":64,\"ZP\":0,\"EVEN\":true,\"SCHEME\":$sch}"
+        "{\"BLOCK\":32,\"BLOCK_N\":32,\"BK8\":64,\"ZP\":0,\"EVEN\":true,\"SCHEME\":$sch,\"PDL\":true}"
 done
 G='"X":"*bf16","W":"*bf16","Y":"*bf16","K":"i32","N":"i32","R":"i32","SKIP":"*bf16","NW":"*bf16","SUM":"*bf16","eps":"fp32","COS":"*bf16","SIN":"*bf16","POS":"*i64","SLOT":"*i64","KB":"*bf16","VB":"*bf16","sk_h":"i32","sk_s":"i32","sv_h":"i32","sv_s":"i32","cos_stride":"i32","NQ":"i32","NK":"i32"'
 echo "== bf16 GEMV (decode launch), x as a vector (X2D off) vs in the tile (X2D on); whole-kernel barriers"

@@ -32,6 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from onnxgen.backends.native.kernels import launch_options
+from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait
+
 
 @triton.jit
 def _at(v, SHIFT: tl.constexpr, MASK: tl.constexpr, ONE_BITS):
@@ -54,10 +57,15 @@ def _x(xp, j: tl.constexpr, xk, K, EVEN: tl.constexpr):
 
 @triton.jit
 def int4_gemv_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BK8: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr, SCHEME: tl.constexpr):  # fmt: skip
+                     BK8: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr, SCHEME: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
     """Program (i, m): output columns `i * BLOCK_N ..` of row m of x. ZP: 0 none (8), 1 uint8, 2 floats (both
     `[NB, N]`). EVEN: K a multiple of `BK8 * 8` and of BLOCK, N of BLOCK_N (no masks). The next step's words
-    are requested before this step's arithmetic."""
+    are requested before this step's arithmetic. With PDL (programmatic dependent launch,
+    `kernels.launch_options`) the first step's words, which no kernel writes, are requested before waiting
+    for the previous kernel, as in the bf16 GEMV."""
+    if PDL:
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     m = tl.program_id(1)
     WPB: tl.constexpr = BLOCK // 8  # words per quantization block
@@ -73,6 +81,8 @@ def int4_gemv_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.cons
         w_next = tl.load(wp, eviction_policy="evict_first")
     else:
         w_next = tl.load(wp, mask=(rr < KW)[:, None] & nmask[None, :], other=0, eviction_policy="evict_first")
+    if PDL:
+        gdc_wait()
     for r0 in range(0, KW, BK8):
         w = w_next
         w_next = tl.load(wp + (r0 + BK8) * N, mask=((r0 + BK8 + rr) < KW)[:, None] & nmask[None, :], other=0,
@@ -142,5 +152,6 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
     int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
         x2, words, scales, scales if zero_points is None else zero_points, y, k, n, nb, x2.stride(0), y.stride(0),
         0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, num_warps=warps,
+        **launch_options(x),
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
