@@ -26,7 +26,8 @@
 #           and 2 decode steps beside plain decoding, interleaved): needs /tmp/gg/m.gguf
 #           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
 #           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
-#           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md)
+#           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md); SPEC_PRECISIONS=bf16
+#           runs only the bf16 package
 # Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
 set -u
 T0=$(date +%s)
@@ -49,7 +50,7 @@ for section in "$@"; do
     int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
     spec) [ -f /tmp/gg/hf/config.json ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -m \
             onnxgen.convert.checkpoint gguf-to-hf /tmp/gg/m.gguf /tmp/gg/hf  # dequantized once for both packages
-          for prec in bf16 fp32; do  # the GPU's usual precision (its target is the open one), then the default's
+          for prec in ${SPEC_PRECISIONS:-bf16 fp32}; do  # the GPU's usual precision, then the default's
             [ -d /tmp/spkg_$prec ] || timeout 150 python3 -c \
               "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/hf /tmp/spkg_$prec \
               --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
