@@ -21,6 +21,7 @@
 #   int4v   packed int4 GEMV designs v7 (src/, both schemes) vs v1 (gpu_int4_variants.py; v5 and v6 lost offline,
 #           in SASS, and are not timed here), then one launch of each under Nsight
 #           Compute (speed of light, warp states, instruction mix: $OUT/ncu.txt where the runner has $OUT)
+#   specrows  after `spec`: verify cost on the real SmolLM2 bf16 package, 1 and 4 rows per GEMV program
 #   rows    a verify step's cost with 1 and 4 rows per GEMV program, interleaved in one process (0.5B)
 #   spec    speculative decoding on SmolLM2-135M (real weights; bf16 then fp32 packages, speculating runs of 8, 4
 #           and 2 decode steps beside plain decoding, interleaved): needs /tmp/gg/m.gguf
@@ -75,6 +76,7 @@ for section in "$@"; do
              python3 benchmarks/gpu_int4_variants.py --variants v7,v1 --once > "$ncu_out" 2>&1
            grep -E "^  [a-z0-9_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Executed Ipc A|stalled|Stall|L1/TEX Hit|==ERROR|==PROF==" \
              "$ncu_out" | cut -c1-150 | tail -60 ;;
+    specrows) timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2 ;;
     rows) timeout 100 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b --rows 1,4 2>&1 \
             | quiet | tail -5 ;;
     *) echo "unknown section $section" ;;
