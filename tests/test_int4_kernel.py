@@ -67,3 +67,28 @@ def test_packed_gemv_in_bf16_rounds_once() -> None:
     assert got.dtype == torch.bfloat16
     step = 2.0**-8 if DEVICE == "cuda" else 2.0**-7  # of |want|: half an ulp (nearest) or one (toward zero)
     assert bool(((got.double() - want).abs() <= want.abs() * step + 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zp", ["none", "packed", "float"])
+@pytest.mark.parametrize(("m", "n", "k", "tile"), [(1, 64, 256, (32, 64, 4)), (2, 40, 200, (16, 16, 4))])
+def test_packed_gate_up_gemv_equals_the_two_products_then_silu_mul(zp: str, m: int, n: int, k: int, tile: tuple,
+                                                                   dtype: torch.dtype) -> None:  # fmt: skip
+    """`silu=True` over a gate's and an up product's `kmajor` tensors side by side (`2 * N` columns, as the
+    lowering's Int4LinearSiluMul holds them) equals the two packed products, each rounded to x's dtype,
+    followed by `silu(g) * u` in float32 and one rounding: the unfused ops' values."""
+    (pg, sg, zg), (pu, su, zu) = _weights(n, k, 32, zp, seed=4), _weights(n, k, 32, zp, seed=5)
+    dev = [[None if t is None else t.to(DEVICE) for t in trio] for trio in ((pg, sg, zg), (pu, su, zu))]
+    (wg, scg, ztg), (wu, scu, ztu) = (kmajor(*trio, k, n, 32) for trio in dev)
+    if dtype != torch.float32:
+        scg, scu = scg.to(dtype), scu.to(dtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    g = int4_linear(x, wg, scg, ztg, k, n, 32, *tile).float()
+    u = int4_linear(x, wu, scu, ztu, k, n, 32, *tile).float()
+    want = (torch.nn.functional.silu(g) * u).to(dtype)
+    zp_both = None if ztg is None else torch.cat([ztg, ztu], dim=1)
+    got = int4_linear(x, torch.cat([wg, wu], dim=1), torch.cat([scg, scu], dim=1), zp_both, k, n, 32, *tile,
+                      silu=True)  # fmt: skip
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2.0**-7  # the same sums; bf16: one rounding step of exp's libm
+    assert bool(((got.float() - want.float()).abs() <= want.float().abs() * tol + 1e-6).all())

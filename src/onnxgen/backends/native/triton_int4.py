@@ -56,12 +56,60 @@ def _x(xp, j: tl.constexpr, xk, K, EVEN: tl.constexpr):
 
 
 @triton.jit
-def int4_gemv_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+def _word_sums(w, x0, x1, x2, x3, x4, x5, x6, x7, ONE_BITS, SCHEME: tl.constexpr):
+    """Per word (`[BK8, BLOCK_N]`): `sum_j q_j x_j` over its eight nibbles, and `sum_j x_j` (`[BK8, 1]`)."""
+    if SCHEME == 1:
+        t12 = _at(w, 12, 0xF000, ONE_BITS) * x0  # nibble 0 at bits 12..15
+        t12 += _at(w, 8, 0xF000, ONE_BITS) * x1
+        t12 += _at(w, 0, 0xF000, ONE_BITS) * x3
+        t12 += _at(w, -8, 0xF000, ONE_BITS) * x5
+        t16 = _at(w, 8, 0xF0000, ONE_BITS) * x2  # nibble 2 at bits 16..19
+        t16 += _at(w, 0, 0xF0000, ONE_BITS) * x4
+        t16 += _at(w, -8, 0xF0000, ONE_BITS) * x6
+        t16 += _at(w, -12, 0xF0000, ONE_BITS) * x7
+        x12 = x0 + x1 + x3 + x5
+        x16 = x2 + x4 + x6 + x7
+        qx = 2048.0 * t12 + 128.0 * t16 - (2048.0 * x12 + 128.0 * x16)
+    else:
+        t = _at(w, 19, 0x780000, ONE_BITS) * x0
+        t += _at(w, 15, 0x780000, ONE_BITS) * x1
+        t += _at(w, 11, 0x780000, ONE_BITS) * x2
+        t += _at(w, 7, 0x780000, ONE_BITS) * x3
+        t += _at(w, 3, 0x780000, ONE_BITS) * x4
+        t += _at(w, -1, 0x780000, ONE_BITS) * x5
+        t += _at(w, -5, 0x780000, ONE_BITS) * x6
+        t += _at(w, -9, 0x780000, ONE_BITS) * x7
+        x12 = x0 + x1 + x2 + x3
+        x16 = x4 + x5 + x6 + x7
+        qx = 16.0 * t - 16.0 * (x12 + x16)
+    return qx, x12 + x16
+
+
+@triton.jit
+def _block_dot(qx, xs, S, Z, at, km, ZP: tl.constexpr, EVEN: tl.constexpr):
+    """`scale * (sum(q x) - z * sum(x))` with the scales and zero points at `at` (`[BK8, BLOCK_N]` offsets)."""
+    if EVEN:
+        sc = tl.load(S + at).to(tl.float32)
+    else:
+        sc = tl.load(S + at, mask=km, other=0.0).to(tl.float32)
+    if ZP == 0:
+        return sc * (qx - 8.0 * xs)
+    if EVEN:
+        z = tl.load(Z + at).to(tl.float32)
+    else:
+        z = tl.load(Z + at, mask=km, other=0.0).to(tl.float32)
+    return sc * (qx - z * xs)
+
+
+@triton.jit
+def int4_gemv_kernel(X, W, S, Z, Y, K, N, LD, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BK8: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr, SCHEME: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
-    """Program (i, m): output columns `i * BLOCK_N ..` of row m of x. ZP: 0 none (8), 1 uint8, 2 floats (both
-    `[NB, N]`). EVEN: K a multiple of `BK8 * 8` and of BLOCK, N of BLOCK_N (no masks). The next step's words
-    are requested before this step's arithmetic. With PDL (programmatic dependent launch,
+                     SILU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Program (i, m): output columns `i * BLOCK_N ..` of row m of x. W, S and Z have rows of LD columns
+    (N, or 2N with SILU: gate columns then up columns, and the output is `silu(g) * u`, each rounded to Y's
+    dtype first as the unfused product would be). ZP: 0 none (8), 1 uint8, 2 floats (both `[NB, LD]`).
+    EVEN: K a multiple of `BK8 * 8` and of BLOCK, N of BLOCK_N (no masks). The next step's words are
+    requested before this step's arithmetic. With PDL (programmatic dependent launch,
     `kernels.launch_options`) the first step's words, which no kernel writes, are requested before waiting
     for the previous kernel, as in the bf16 GEMV."""
     if PDL:
@@ -73,75 +121,59 @@ def int4_gemv_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.cons
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rr = tl.arange(0, BK8)
-    wp = W + rr[:, None].to(tl.int64) * N + rn[None, :]
-    bp = (rr // WPB)[:, None] * N + rn[None, :]  # scales and zero points: the word row's block
+    wp = W + rr[:, None].to(tl.int64) * LD + rn[None, :]
+    bp = (rr // WPB)[:, None] * LD + rn[None, :]  # scales and zero points: the word row's block
     xrow = X + m * sxm + rr[:, None] * 8
     acc = tl.zeros([BK8, BLOCK_N], dtype=tl.float32)
+    acc_u = acc
+    m0 = (rr < KW)[:, None] & nmask[None, :]
     if EVEN:
         w_next = tl.load(wp, eviction_policy="evict_first")
     else:
-        w_next = tl.load(wp, mask=(rr < KW)[:, None] & nmask[None, :], other=0, eviction_policy="evict_first")
+        w_next = tl.load(wp, mask=m0, other=0, eviction_policy="evict_first")
+    u_next = w_next
+    if SILU:
+        u_next = tl.load(wp + N, mask=m0, other=0, eviction_policy="evict_first")
     if PDL:
         gdc_wait()
     for r0 in range(0, KW, BK8):
         w = w_next
-        w_next = tl.load(wp + (r0 + BK8) * N, mask=((r0 + BK8 + rr) < KW)[:, None] & nmask[None, :], other=0,
-                         eviction_policy="evict_first")  # fmt: skip
+        u = u_next
+        mn = ((r0 + BK8 + rr) < KW)[:, None] & nmask[None, :]
+        w_next = tl.load(wp + (r0 + BK8) * LD, mask=mn, other=0, eviction_policy="evict_first")
+        if SILU:
+            u_next = tl.load(wp + (r0 + BK8) * LD + N, mask=mn, other=0, eviction_policy="evict_first")
         km = ((r0 + rr) < KW)[:, None] & nmask[None, :]
-        boff = (r0 // WPB) * N
-        if EVEN:
-            sc = tl.load(S + bp + boff).to(tl.float32)
-        else:
-            sc = tl.load(S + bp + boff, mask=km, other=0.0).to(tl.float32)
+        at = bp + (r0 // WPB) * LD
         xp = xrow + r0 * 8
         xk = (r0 + rr[:, None]) * 8
         x0, x1 = _x(xp, 0, xk, K, EVEN), _x(xp, 1, xk, K, EVEN)
         x2, x3 = _x(xp, 2, xk, K, EVEN), _x(xp, 3, xk, K, EVEN)
         x4, x5 = _x(xp, 4, xk, K, EVEN), _x(xp, 5, xk, K, EVEN)
         x6, x7 = _x(xp, 6, xk, K, EVEN), _x(xp, 7, xk, K, EVEN)
-        if SCHEME == 1:
-            t12 = _at(w, 12, 0xF000, ONE_BITS) * x0  # nibble 0 at bits 12..15
-            t12 += _at(w, 8, 0xF000, ONE_BITS) * x1
-            t12 += _at(w, 0, 0xF000, ONE_BITS) * x3
-            t12 += _at(w, -8, 0xF000, ONE_BITS) * x5
-            t16 = _at(w, 8, 0xF0000, ONE_BITS) * x2  # nibble 2 at bits 16..19
-            t16 += _at(w, 0, 0xF0000, ONE_BITS) * x4
-            t16 += _at(w, -8, 0xF0000, ONE_BITS) * x6
-            t16 += _at(w, -12, 0xF0000, ONE_BITS) * x7
-            x12 = x0 + x1 + x3 + x5
-            x16 = x2 + x4 + x6 + x7
-            qx = 2048.0 * t12 + 128.0 * t16 - (2048.0 * x12 + 128.0 * x16)  # sum(q x) over the word
-        else:
-            t = _at(w, 19, 0x780000, ONE_BITS) * x0
-            t += _at(w, 15, 0x780000, ONE_BITS) * x1
-            t += _at(w, 11, 0x780000, ONE_BITS) * x2
-            t += _at(w, 7, 0x780000, ONE_BITS) * x3
-            t += _at(w, 3, 0x780000, ONE_BITS) * x4
-            t += _at(w, -1, 0x780000, ONE_BITS) * x5
-            t += _at(w, -5, 0x780000, ONE_BITS) * x6
-            t += _at(w, -9, 0x780000, ONE_BITS) * x7
-            x12 = x0 + x1 + x2 + x3
-            x16 = x4 + x5 + x6 + x7
-            qx = 16.0 * t - 16.0 * (x12 + x16)
-        if ZP == 0:
-            acc += sc * (qx - 8.0 * (x12 + x16))
-        else:
-            if EVEN:
-                z = tl.load(Z + bp + boff).to(tl.float32)
-            else:
-                z = tl.load(Z + bp + boff, mask=km, other=0.0).to(tl.float32)
-            acc += sc * (qx - z * (x12 + x16))
-    tl.store(Y + m * sym + rn, tl.sum(acc, axis=0).to(Y.dtype.element_ty), mask=nmask)
+        qx, xs = _word_sums(w, x0, x1, x2, x3, x4, x5, x6, x7, ONE_BITS, SCHEME)
+        acc += _block_dot(qx, xs, S, Z, at, km, ZP, EVEN)
+        if SILU:
+            qu, _ = _word_sums(u, x0, x1, x2, x3, x4, x5, x6, x7, ONE_BITS, SCHEME)
+            acc_u += _block_dot(qu, xs, S, Z, at + N, km, ZP, EVEN)
+    y = tl.sum(acc, axis=0)
+    if SILU:
+        g = y.to(Y.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_u, axis=0).to(Y.dtype.element_ty).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * up
+    tl.store(Y + m * sym + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 
 def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 k: int, n: int, block: int, block_n: int = 32, bk8: int = 64, warps: int = 4,
-                scheme: int | None = None) -> torch.Tensor:  # fmt: skip
+                scheme: int | None = None, silu: bool = False) -> torch.Tensor:  # fmt: skip
     """`x` `[..., K]` times the K-major packed weights (`ops.quant.kmajor`'s tensors) -> `[..., N]` in x's
-    dtype (float32 accumulation). `block_n` output columns and `bk8` word rows (8 elements of K each) per
-    program step, `warps` per program. `scheme` (benchmarks): the kernel's SCHEME; by default 0 for float32
-    x and 1 for half precision."""
-    assert words.dtype == torch.int32 and block % 8 == 0 and words.shape[1] == n
+    dtype (float32 accumulation). `silu`: the tensors hold a gate and an up product side by side (`2 * N`
+    columns, `ops.quant.Int4LinearSiluMul`) and the result is `silu(x @ Wg.T) * (x @ Wu.T)`. `block_n`
+    output columns and `bk8` word rows (8 elements of K each) per program step, `warps` per program.
+    `scheme` (benchmarks): the kernel's SCHEME; by default 0 for float32 x and 1 for half precision."""
+    ld = words.shape[1]
+    assert words.dtype == torch.int32 and block % 8 == 0 and ld == (2 * n if silu else n)
     nb = (k + block - 1) // block
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
@@ -150,8 +182,8 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
         scheme = 0 if x.dtype == torch.float32 else 1
     even = (nb * block // 8) % bk8 == 0 and n % block_n == 0 and k % block == 0
     int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
-        x2, words, scales, scales if zero_points is None else zero_points, y, k, n, nb, x2.stride(0), y.stride(0),
-        0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, num_warps=warps,
-        **launch_options(x),
+        x2, words, scales, scales if zero_points is None else zero_points, y, k, n, ld, nb, x2.stride(0),
+        y.stride(0), 0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme,
+        SILU=silu, num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
