@@ -232,8 +232,9 @@ def _llama_f64(cfg: SyntheticConfig, w: dict[str, np.ndarray], ids: list[int]) -
 def test_int4_matmulnbits_vs_float64_and_onnxruntime(
     zero_points: bool, int4: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Both int4 modes: weights dequantized at load, or kept packed (`Int4Linear`: on the CPU each call
-    dequantizes; under Triton decode rows run the packed GEMV, `tests/test_int4_kernel.py`)."""
+    """Both int4 modes: weights dequantized at load, or kept packed (`Int4Linear`, the gate and up products
+    as one `Int4LinearSiluMul`: on the CPU each call dequantizes; under Triton decode rows run the packed
+    GEMV, `tests/test_int4_kernel.py`)."""
     cfg = dataclasses.replace(TINY, quant="int4", accuracy_level=1, quant_zero_points=zero_points,
                               quant_embeddings=zero_points)  # fmt: skip
     pkg = _pkg(tmp_path_factory, f"int4_{zero_points}", cfg, seed=3)
@@ -241,6 +242,8 @@ def test_int4_matmulnbits_vs_float64_and_onnxruntime(
     dec, ref = NativeDecoder(spec, int4=int4), OrtRef(spec)
     ops = {st.node.op for st in dec.program.steps}
     assert ("Int4Linear" in ops) == (int4 == "packed") and ("MatMulNBits" not in ops)
+    # packed: each layer's gate and up products merged into one (SiLU in the product), as dense's LinearSiluMul
+    assert ("Int4LinearSiluMul" in ops) == (int4 == "packed") and "SiluMul" not in ops
     if int4 == "packed":  # the weights stay packed: half a byte per weight, less than the dense bytes
         dense = NativeDecoder(spec, int4="dense").program.weight_bytes
         assert dec.program.weight_bytes < 0.6 * dense

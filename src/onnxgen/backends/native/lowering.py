@@ -10,7 +10,8 @@ Passes, in order:
    the last position, so prefill never builds a `[seq, vocab]` tensor;
 5. peephole fusions (`x * sigmoid(x)` -> Silu, `silu(g) * u` -> SiluMul; constant-weight MatMul /
    MatMulNBits (int4 dequantized at load) -> Linear; SiluMul of a gate and an up Linear of the same
-   input -> LinearSiluMul over their weights concatenated, one product instead of two; an RMSNorm read
+   input -> LinearSiluMul over their weights concatenated, one product instead of two (two packed int4
+   products -> Int4LinearSiluMul, their packed tensors side by side, SiLU in the GEMV); an RMSNorm read
    only by a Linear / LinearSiluMul -> RmsLinear, normalised inside one-row products);
 6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
    stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
@@ -146,7 +147,7 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     on_device: set[str] = set()  # packed int4 weights, scales and zero points: never host tensors
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
     if fuse:
-        nodes = _merge_gate_up(nodes, consts, device)
+        nodes = _merge_gate_up(nodes, consts, device, on_device)
         nodes = _fuse_norm_linear(nodes, consts)
         _rope_into_qkv(nodes, consts, device)
     nodes = _dce(nodes, [spec.logits_name])
@@ -507,11 +508,13 @@ def _prepare_linear(
 
 
 def _merge_gate_up(
-    nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device
-) -> list[O.Node]:
+    nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device, on_device: set[str] | None = None
+) -> list[O.Node]:  # fmt: skip
     """`SiluMul(Linear(x, Wg), Linear(x, Wu))` -> `LinearSiluMul(x, [Wg | Wu])` when both Linears have no
     bias, the same layout and dtype, and feed only the SiluMul. The merged weight is built on the device
-    (CUDA: the halves are copied there first, so no host copy of the weights is made)."""
+    (CUDA: the halves are copied there first, so no host copy of the weights is made). Two packed
+    `Int4Linear`s the same way -> `Int4LinearSiluMul` (their `kmajor` tensors side by side along N, on the
+    device like the halves, named in `on_device`; the halves are dropped once merged)."""
     producer = {o: n for n in nodes for o in n.outputs if o}
     readers = _readers(nodes)
     drop: set[int] = set()
@@ -519,14 +522,19 @@ def _merge_gate_up(
         if m.op != "SiluMul" or m.domain != "onnxgen":
             continue
         g, u = (producer.get(x) for x in m.inputs)
-        if g is None or u is None or g is u or any(
-            p.op != "Linear" or p.domain != "onnxgen" or len(p.inputs) != 2 or p.inputs[1] not in consts
-            or len(readers.get(p.outputs[0], ())) != 1 for p in (g, u)):  # fmt: skip
+        if g is None or u is None or g is u or g.inputs[0] != u.inputs[0] \
+                or any(len(readers.get(p.outputs[0], ())) != 1 for p in (g, u)):  # fmt: skip
+            continue
+        if g.op == u.op == "Int4Linear" and g.domain == u.domain == "onnxgen":
+            if _merge_int4_pair(m, g, u, consts, readers, on_device):
+                drop.update((id(g), id(u)))
+            continue
+        if any(p.op != "Linear" or p.domain != "onnxgen" or len(p.inputs) != 2 or p.inputs[1] not in consts
+               for p in (g, u)):  # fmt: skip
             continue
         t = bool(g.attrs.get("_transposed", 0))
         wg, wu = consts[g.inputs[1]], consts[u.inputs[1]]
-        if g.inputs[0] != u.inputs[0] or t != bool(u.attrs.get("_transposed", 0)) or wg.dtype != wu.dtype \
-                or wg.shape != wu.shape:  # fmt: skip
+        if t != bool(u.attrs.get("_transposed", 0)) or wg.dtype != wu.dtype or wg.shape != wu.shape:
             continue
         name = f"{g.inputs[1]}+{u.inputs[1]}"
         if name not in consts:
@@ -535,6 +543,34 @@ def _merge_gate_up(
         m.op, m.inputs, m.attrs = "LinearSiluMul", [g.inputs[0], name], {"_transposed": int(t)}
         drop.update((id(g), id(u)))
     return [n for n in nodes if id(n) not in drop]
+
+
+def _merge_int4_pair(m: O.Node, g: O.Node, u: O.Node, consts: dict[str, torch.Tensor],
+                     readers: dict[str, list[O.Node]], on_device: set[str] | None) -> bool:  # fmt: skip
+    """Rewrite SiluMul `m` of packed products `g` and `u` as `Int4LinearSiluMul` (see `_merge_gate_up`);
+    False (nothing changed) unless both are bias-free with the same K, N, block and kind of zero point."""
+    gi, ui = g.inputs + [""] * (5 - len(g.inputs)), u.inputs + [""] * (5 - len(u.inputs))
+    if gi[4] or ui[4] or bool(gi[3]) != bool(ui[3]) or any(g.attr(a) != u.attr(a) for a in ("K", "N", "block_size")):
+        return False
+    if consts[gi[2]].dtype != consts[ui[2]].dtype or (gi[3] and consts[gi[3]].dtype != consts[ui[3]].dtype):
+        return False
+    names = []
+    for a, b in zip(gi[1:4], ui[1:4], strict=True):
+        if not a:
+            names.append("")
+            continue
+        name = f"{a}+{b}"
+        if name not in consts:
+            consts[name] = torch.cat([consts[a], consts[b]], dim=1)  # [rows, N] side by side: [rows, 2N]
+        for half in (a, b):  # no longer read by anyone: free its device copy now, not at placement
+            if all(r in (g, u) for r in readers.get(half, ())):
+                consts.pop(half, None)
+        names.append(name)
+        if on_device is not None:
+            on_device.add(name)
+    m.op, m.inputs = "Int4LinearSiluMul", [gi[0], *names]
+    m.attrs = {"K": g.attr("K"), "N": g.attr("N"), "block_size": g.attr("block_size")}
+    return True
 
 
 def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> list[O.Node]:

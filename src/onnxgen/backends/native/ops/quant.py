@@ -103,12 +103,13 @@ other shapes made Triton move x through shared memory every step). 16 x 128 x 8 
 product two programs of 8 warps per multiprocessor, for more loads in flight."""
 
 
-def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int) -> tuple[int, int, int]:  # pragma: cuda
+def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int,
+                 silu: bool = False) -> tuple[int, int, int]:  # pragma: cuda
     """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM); the
     first elsewhere."""
     from onnxgen.backends.native import kernels
 
-    key = ("int4", tuple(words.shape), k, n, block, x.dtype, x.device)
+    key = ("int4", tuple(words.shape), k, n, block, silu, x.dtype, x.device)
     if key in kernels.CHOICES:
         return kernels.CHOICES[key]
     if not x.is_cuda:
@@ -117,9 +118,27 @@ def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block
 
     x1 = x.reshape(-1, k)[:1]
     copies = kernels.cold_copies(words, scales)
-    cands = [(cfg, lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *cfg))
+    cands = [(cfg, lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *cfg,
+                                                  silu=silu))
              for cfg in INT4_CONFIGS]  # fmt: skip
     return kernels.fastest(key, cands, len(copies))
+
+
+def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool) -> Any:
+    """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`), else the weight
+    dequantized for this call (float32 on the CPU) and one product, rounded to x's dtype (`silu`: then
+    `silu(g) * u` of the halves, as the unfused ops)."""
+    from onnxgen.backends.native import kernels
+
+    if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
+        from onnxgen.backends.native.triton_int4 import int4_linear
+
+        cfg = _int4_choice(x, words, scales, zp, k, n, block, silu)
+        return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu)
+    cols = 2 * n if silu else n
+    w = dequant_kmajor(words, scales, zp, k, cols, block, torch.float32 if x.device.type == "cpu" else x.dtype)
+    y = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
+    return kernels.silu_mul_halves(y) if silu else y
 
 
 def _int4_linear(node: Node) -> Fn:
@@ -129,18 +148,26 @@ def _int4_linear(node: Node) -> Fn:
     block = int(node.attr("block_size"))
 
     def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None) -> tuple[Any, ...]:
-        from onnxgen.backends.native import kernels
-
-        if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
-            from onnxgen.backends.native.triton_int4 import int4_linear
-
-            y = int4_linear(x, words, scales, zp, k, n, block, *_int4_choice(x, words, scales, zp, k, n, block))
-        else:
-            w = dequant_kmajor(words, scales, zp, k, n, block, torch.float32 if x.device.type == "cpu" else x.dtype)
-            y = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
+        y = _packed_product(x, words, scales, zp, k, n, block, False)
         return (y if bias is None else y + bias,)
 
     return f
 
 
-BUILDERS: dict[tuple[str, str], Builder] = {(INTERNAL, "Int4Linear"): _int4_linear}
+def _int4_linear_silu_mul(node: Node) -> Fn:
+    """The lowering's Int4LinearSiluMul: `silu(x @ Wg.T) * (x @ Wu.T)` for two bias-free Int4Linears of one
+    input (N output columns each, the same K and block) whose `kmajor` tensors sit side by side (`2 * N`
+    columns): inputs x, words, scales, zero points ("" if none). Decode rows: one GEMV launch with the SiLU
+    in its epilogue (`triton_int4`, `silu=True`) instead of two products and the SiluMul."""
+    k, n = int(node.attr("K")), int(node.attr("N"))
+    block = int(node.attr("block_size"))
+
+    def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None) -> tuple[Any, ...]:
+        return (_packed_product(x, words, scales, zp, k, n, block, True),)
+
+    return f
+
+
+BUILDERS: dict[tuple[str, str], Builder] = {
+    (INTERNAL, "Int4Linear"): _int4_linear, (INTERNAL, "Int4LinearSiluMul"): _int4_linear_silu_mul,
+}
