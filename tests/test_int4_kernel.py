@@ -92,3 +92,30 @@ def test_packed_gate_up_gemv_equals_the_two_products_then_silu_mul(zp: str, m: i
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-6 if dtype == torch.float32 else 2.0**-7  # the same sums; bf16: one rounding step of exp's libm
     assert bool(((got.float() - want.float()).abs() <= want.float().abs() * tol + 1e-6).all())
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize(("m", "n", "k", "tile", "zp"), [(1, 64, 256, (32, 64, 4), "none"),
+                                                         (2, 40, 200, (16, 16, 4), "packed")])  # fmt: skip
+def test_packed_gemv_with_the_rms_norm_folded_in(m: int, n: int, k: int, tile: tuple, zp: str, skip: bool,
+                                                 silu: bool) -> None:  # fmt: skip
+    """`norm=(skip, weight, eps)` (the lowering's RmsInt4Linear) equals `kernels.rms_norm_ref` followed by
+    the packed product (and the gate/up SiLU): the residual sum bit for bit, the product within float32's
+    error of the norm's output computed unrounded (float32 x here, so nothing is rounded either way)."""
+    from onnxgen.backends.native.kernels import rms_norm_ref
+
+    cols = 2 * n if silu else n
+    packed, scales, z = _weights(cols, k, 32, zp, seed=7)
+    words, st, zt = kmajor(packed.to(DEVICE), scales.to(DEVICE), None if z is None else z.to(DEVICE), k, cols, 32)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(m, k, generator=gen).to(DEVICE)
+    s = torch.randn(m, k, generator=gen).to(DEVICE) if skip else None
+    nw = (torch.rand(k, generator=gen) + 0.5).to(DEVICE)
+    h, want_sum = rms_norm_ref(x, s, nw, 1e-5)
+    want = int4_linear(h, words, st, zt, k, n, 32, *tile, silu=silu)
+    got, got_sum = int4_linear(x, words, st, zt, k, n, 32, *tile, silu=silu, norm=(s, nw, 1e-5))
+    assert (got_sum is None) == (not skip)
+    if skip:
+        assert torch.equal(got_sum, want_sum)
+    assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-5

@@ -242,8 +242,12 @@ def test_int4_matmulnbits_vs_float64_and_onnxruntime(
     dec, ref = NativeDecoder(spec, int4=int4), OrtRef(spec)
     ops = {st.node.op for st in dec.program.steps}
     assert ("Int4Linear" in ops) == (int4 == "packed") and ("MatMulNBits" not in ops)
-    # packed: each layer's gate and up products merged into one (SiLU in the product), as dense's LinearSiluMul
-    assert ("Int4LinearSiluMul" in ops) == (int4 == "packed") and "SiluMul" not in ops
+    # packed: each layer's gate and up products merged into one (SiLU in the product), as dense's
+    # LinearSiluMul, and the norms folded into the packed products that alone read them
+    folded = [st.node for st in dec.program.steps if st.node.op == "RmsInt4Linear"]
+    assert bool(folded) == (int4 == "packed") and "SiluMul" not in ops
+    if int4 == "packed":
+        assert sum(bool(nd.attr("silu", 0)) for nd in folded) == cfg.num_layers
     if int4 == "packed":  # the weights stay packed: half a byte per weight, less than the dense bytes
         dense = NativeDecoder(spec, int4="dense").program.weight_bytes
         assert dec.program.weight_bytes < 0.6 * dense

@@ -12,7 +12,8 @@ Passes, in order:
    MatMulNBits (int4 dequantized at load) -> Linear; SiluMul of a gate and an up Linear of the same
    input -> LinearSiluMul over their weights concatenated, one product instead of two (two packed int4
    products -> Int4LinearSiluMul, their packed tensors side by side, SiLU in the GEMV); an RMSNorm read
-   only by a Linear / LinearSiluMul -> RmsLinear, normalised inside one-row products);
+   only by a Linear / LinearSiluMul -> RmsLinear, normalised inside one-row products (packed int4:
+   RmsInt4Linear, normalised inside the packed GEMV));
 6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
    stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
 """
@@ -576,7 +577,8 @@ def _merge_int4_pair(m: O.Node, g: O.Node, u: O.Node, consts: dict[str, torch.Te
 def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> list[O.Node]:
     """`(Skip)SimplifiedLayerNormalization` over the last axis (constant weight, no bias) whose normalised
     output only a Linear / LinearSiluMul (no bias) reads -> `RmsLinear(x, skip, weight, W)` in the norm's
-    place, with outputs (the product, the norm's residual sum)."""
+    place, with outputs (the product, the norm's residual sum); read only by a packed Int4Linear (no bias)
+    / Int4LinearSiluMul -> `RmsInt4Linear(x, skip, weight, words, scales, zero points)`, the same."""
     readers = _readers(nodes)
     drop: set[int] = set()
     out: list[O.Node] = []
@@ -588,17 +590,30 @@ def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> l
         users = readers.get(n.outputs[0], []) if n.outputs else []
         lin = users[0] if len(users) == 1 else None
         ok = (skip or (plain and int(n.attr("axis", -1)) == -1)) and lin is not None
+        gamma = (n.inputs[2] if skip else n.inputs[1]) if ok else ""
         if ok:
-            gamma = n.inputs[2] if skip else n.inputs[1]
+            assert lin is not None
             ok = (gamma in consts and (not skip or len(n.inputs) < 4 or not n.inputs[3])
-                  and lin.domain == "onnxgen" and lin.op in ("Linear", "LinearSiluMul") and len(lin.inputs) == 2
-                  and lin.inputs[0] == n.outputs[0] and lin.inputs[1] in consts
+                  and lin.domain == "onnxgen" and lin.inputs[0] == n.outputs[0]
                   and not any(readers.get(o) for o in n.outputs[1:3] if o))  # fmt: skip
+        int4 = ok and lin is not None and (lin.op == "Int4LinearSiluMul" or (
+            lin.op == "Int4Linear" and (len(lin.inputs) < 5 or not lin.inputs[4])))  # fmt: skip
+        if ok and not int4:
+            assert lin is not None
+            ok = lin.op in ("Linear", "LinearSiluMul") and len(lin.inputs) == 2 and lin.inputs[1] in consts
         if not ok:
             out.append(n)
             continue
         assert lin is not None
         total = n.outputs[3] if skip and len(n.outputs) > 3 else ""
+        if int4:  # packed int4: the norm folded into the packed GEMV (`ops.quant`)
+            out.append(O.Node("RmsInt4Linear", "onnxgen", f"{n.name}+{lin.name}",
+                              [n.inputs[0], n.inputs[1] if skip else "", gamma, *(lin.inputs[1:4] + [""] * 3)[:3]],
+                              [lin.outputs[0], total],
+                              {"epsilon": float(n.attr("epsilon", 1e-5)), "silu": int(lin.op == "Int4LinearSiluMul"),
+                               **{a: lin.attr(a) for a in ("K", "N", "block_size")}}))  # fmt: skip
+            drop.add(id(lin))
+            continue
         out.append(O.Node("RmsLinear", "onnxgen", f"{n.name}+{lin.name}",
                           [n.inputs[0], n.inputs[1] if skip else "", gamma, lin.inputs[1]], [lin.outputs[0], total],
                           {"epsilon": float(n.attr("epsilon", 1e-5)), "silu": int(lin.op == "LinearSiluMul"),

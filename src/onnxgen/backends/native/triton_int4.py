@@ -28,6 +28,8 @@ dequantizes at load. Not yet timed on a GPU (docs/benchmarks/decode-gpu.md, 2026
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -48,11 +50,24 @@ def _at(v, SHIFT: tl.constexpr, MASK: tl.constexpr, ONE_BITS):
 
 
 @triton.jit
-def _x(xp, j: tl.constexpr, xk, K, EVEN: tl.constexpr):
-    """Element j of x for each word row (`[BK8, 1]`, float32)."""
+def _x(xo, j: tl.constexpr, xk, K, X, SKIP, NW, SUM, store, EVEN: tl.constexpr, NORM: tl.constexpr,
+       HAS_SKIP: tl.constexpr):  # fmt: skip
+    """Element j of x for each word row (`[BK8, 1]` offsets `xo` into a row of X, float32) and its square.
+    NORM: x (+ SKIP, the sum also stored to SUM where `store`) times the norm weight NW; the square is of
+    the unweighted sum (an RMSNorm's `rstd` comes from their total after the loop); else the square is 0."""
+    km = xk + j < K
     if EVEN:
-        return tl.load(xp + j).to(tl.float32)
-    return tl.load(xp + j, mask=xk + j < K, other=0.0).to(tl.float32)
+        x = tl.load(X + xo + j).to(tl.float32)
+    else:
+        x = tl.load(X + xo + j, mask=km, other=0.0).to(tl.float32)
+    sq = x * 0.0
+    if NORM:
+        if HAS_SKIP:  # the sum in float32, normalised unrounded (as `kernels.rms_norm`)
+            x += tl.load(SKIP + xo + j, mask=km, other=0.0).to(tl.float32)
+            tl.store(SUM + xo + j, x.to(SUM.dtype.element_ty), mask=km & store)
+        sq = x * x
+        x = x * tl.load(NW + xk + j, mask=km, other=0.0).to(tl.float32)
+    return x, sq
 
 
 @triton.jit
@@ -102,9 +117,10 @@ def _block_dot(qx, xs, S, Z, at, km, ZP: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def int4_gemv_kernel(X, W, S, Z, Y, K, N, LD, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BK8: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr, SCHEME: tl.constexpr,
-                     SILU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def int4_gemv_kernel(X, W, S, Z, Y, SKIP, NW, SUM, eps, K, N, LD, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BK8: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr,
+                     SCHEME: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
     """Program (i, m): output columns `i * BLOCK_N ..` of row m of x. W, S and Z have rows of LD columns
     (N, or 2N with SILU: gate columns then up columns, and the output is `silu(g) * u`, each rounded to Y's
     dtype first as the unfused product would be). ZP: 0 none (8), 1 uint8, 2 floats (both `[NB, LD]`).
@@ -123,7 +139,9 @@ def int4_gemv_kernel(X, W, S, Z, Y, K, N, LD, NB, sxm, sym, ONE_BITS, BLOCK: tl.
     rr = tl.arange(0, BK8)
     wp = W + rr[:, None].to(tl.int64) * LD + rn[None, :]
     bp = (rr // WPB)[:, None] * LD + rn[None, :]  # scales and zero points: the word row's block
-    xrow = X + m * sxm + rr[:, None] * 8
+    xrow = m * sxm + rr[:, None] * 8  # offsets of x's (and SKIP's, SUM's) elements in row m
+    store = pid_n == 0
+    ss = tl.zeros([BK8, 1], dtype=tl.float32)
     acc = tl.zeros([BK8, BLOCK_N], dtype=tl.float32)
     acc_u = acc
     m0 = (rr < KW)[:, None] & nmask[None, :]
@@ -145,45 +163,68 @@ def int4_gemv_kernel(X, W, S, Z, Y, K, N, LD, NB, sxm, sym, ONE_BITS, BLOCK: tl.
             u_next = tl.load(wp + (r0 + BK8) * LD + N, mask=mn, other=0, eviction_policy="evict_first")
         km = ((r0 + rr) < KW)[:, None] & nmask[None, :]
         at = bp + (r0 // WPB) * LD
-        xp = xrow + r0 * 8
+        xo = xrow + r0 * 8
         xk = (r0 + rr[:, None]) * 8
-        x0, x1 = _x(xp, 0, xk, K, EVEN), _x(xp, 1, xk, K, EVEN)
-        x2, x3 = _x(xp, 2, xk, K, EVEN), _x(xp, 3, xk, K, EVEN)
-        x4, x5 = _x(xp, 4, xk, K, EVEN), _x(xp, 5, xk, K, EVEN)
-        x6, x7 = _x(xp, 6, xk, K, EVEN), _x(xp, 7, xk, K, EVEN)
+        x0, q0 = _x(xo, 0, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        x1, q1 = _x(xo, 1, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        x2, q2 = _x(xo, 2, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        x3, q3 = _x(xo, 3, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        x4, q4 = _x(xo, 4, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        x5, q5 = _x(xo, 5, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        x6, q6 = _x(xo, 6, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        x7, q7 = _x(xo, 7, xk, K, X, SKIP, NW, SUM, store, EVEN, NORM, HAS_SKIP)
+        if NORM:
+            ss += ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
         qx, xs = _word_sums(w, x0, x1, x2, x3, x4, x5, x6, x7, ONE_BITS, SCHEME)
         acc += _block_dot(qx, xs, S, Z, at, km, ZP, EVEN)
         if SILU:
             qu, _ = _word_sums(u, x0, x1, x2, x3, x4, x5, x6, x7, ONE_BITS, SCHEME)
             acc_u += _block_dot(qu, xs, S, Z, at + N, km, ZP, EVEN)
     y = tl.sum(acc, axis=0)
+    up = y
+    if SILU:
+        up = tl.sum(acc_u, axis=0)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(ss) / K + eps)
+        y = y * rstd
+        up = up * rstd
     if SILU:
         g = y.to(Y.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_u, axis=0).to(Y.dtype.element_ty).to(tl.float32)
+        up = up.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * up
     tl.store(Y + m * sym + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 
 def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 k: int, n: int, block: int, block_n: int = 32, bk8: int = 64, warps: int = 4,
-                scheme: int | None = None, silu: bool = False) -> torch.Tensor:  # fmt: skip
+                scheme: int | None = None, silu: bool = False,
+                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None) -> Any:  # fmt: skip
     """`x` `[..., K]` times the K-major packed weights (`ops.quant.kmajor`'s tensors) -> `[..., N]` in x's
     dtype (float32 accumulation). `silu`: the tensors hold a gate and an up product side by side (`2 * N`
     columns, `ops.quant.Int4LinearSiluMul`) and the result is `silu(x @ Wg.T) * (x @ Wu.T)`. `block_n`
     output columns and `bk8` word rows (8 elements of K each) per program step, `warps` per program.
-    `scheme` (benchmarks): the kernel's SCHEME; by default 0 for float32 x and 1 for half precision."""
+    `scheme` (benchmarks): the kernel's SCHEME; by default 0 for float32 x and 1 for half precision.
+    `norm` = (skip or None, weight, eps): x is RMS-normalised first (`kernels.rms_norm`'s values, the
+    normalised row unrounded) and the result is (product, the residual sum `x + skip` or None)."""
     ld = words.shape[1]
     assert words.dtype == torch.int32 and block % 8 == 0 and ld == (2 * n if silu else n)
     nb = (k + block - 1) // block
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    skip, nw, eps = norm if norm is not None else (None, x2, 0.0)
+    skip2 = skip.reshape(-1, k).contiguous() if skip is not None else None
+    total = torch.empty_like(x2) if skip2 is not None else None
     zmode = 0 if zero_points is None else (1 if zero_points.dtype == torch.uint8 else 2)
     if scheme is None:
         scheme = 0 if x.dtype == torch.float32 else 1
     even = (nb * block // 8) % bk8 == 0 and n % block_n == 0 and k % block == 0
     int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
-        x2, words, scales, scales if zero_points is None else zero_points, y, k, n, ld, nb, x2.stride(0),
-        y.stride(0), 0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme,
-        SILU=silu, num_warps=warps, **launch_options(x),
+        x2, words, scales, scales if zero_points is None else zero_points, y, x2 if skip2 is None else skip2, nw,
+        x2 if total is None else total, eps, k, n, ld, nb, x2.stride(0), y.stride(0), 0x3F800000, BLOCK=block,
+        BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, SILU=silu, NORM=norm is not None,
+        HAS_SKIP=skip2 is not None, num_warps=warps, **launch_options(x),
     )  # fmt: skip
-    return y.reshape(*x.shape[:-1], n)
+    out = y.reshape(*x.shape[:-1], n)
+    if norm is None:
+        return out
+    return out, (None if total is None else total.reshape(x.shape))

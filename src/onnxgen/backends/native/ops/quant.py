@@ -105,8 +105,8 @@ product two programs of 8 warps per multiprocessor, for more loads in flight."""
 
 def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int,
                  silu: bool = False) -> tuple[int, int, int]:  # pragma: cuda
-    """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM); the
-    first elsewhere."""
+    """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM; timed
+    without a folded norm, which adds a few loads per step of x, not of the weights); the first elsewhere."""
     from onnxgen.backends.native import kernels
 
     key = ("int4", tuple(words.shape), k, n, block, silu, x.dtype, x.device)
@@ -124,17 +124,23 @@ def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block
     return kernels.fastest(key, cands, len(copies))
 
 
-def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool) -> Any:
+def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
+                    norm: tuple[Any, Any, float] | None = None) -> Any:  # fmt: skip
     """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`), else the weight
     dequantized for this call (float32 on the CPU) and one product, rounded to x's dtype (`silu`: then
-    `silu(g) * u` of the halves, as the unfused ops)."""
+    `silu(g) * u` of the halves, as the unfused ops). `norm` = (skip, weight, eps): x is RMS-normalised
+    first and the result is (product, residual sum or None) — in the GEMV (`triton_int4`) or by
+    `kernels.rms_norm`."""
     from onnxgen.backends.native import kernels
 
     if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
         from onnxgen.backends.native.triton_int4 import int4_linear
 
         cfg = _int4_choice(x, words, scales, zp, k, n, block, silu)
-        return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu)
+        return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm)
+    if norm is not None:
+        h, total = kernels.rms_norm(x, *norm)
+        return _packed_product(h, words, scales, zp, k, n, block, silu), total
     cols = 2 * n if silu else n
     w = dequant_kmajor(words, scales, zp, k, cols, block, torch.float32 if x.device.type == "cpu" else x.dtype)
     y = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
@@ -168,6 +174,23 @@ def _int4_linear_silu_mul(node: Node) -> Fn:
     return f
 
 
+def _rms_int4_linear(node: Node) -> Fn:
+    """The lowering's RmsInt4Linear: a `(Skip)SimplifiedLayerNormalization` whose output only a packed
+    Int4Linear / Int4LinearSiluMul reads. Inputs x, skip ("" if none), the norm weight, then `kmajor`'s
+    words, scales and zero points; outputs (the product, the residual sum `x + skip` or None). Decode rows:
+    one GEMV launch with the norm folded in (the normalised row is not rounded to x's dtype in between);
+    longer chunks and the CPU: the norm, then the product (the two ops' values)."""
+    k, n = int(node.attr("K")), int(node.attr("N"))
+    block, silu, eps = int(node.attr("block_size")), bool(node.attr("silu", 0)), float(node.attr("epsilon", 1e-5))
+
+    def f(ctx: RunCtx, x: Any, skip: Any, nw: Any, words: Any, scales: Any, zp: Any = None) -> tuple[Any, ...]:
+        y, total = _packed_product(x, words, scales, zp, k, n, block, silu, (skip, nw, eps))
+        return y, total
+
+    return f
+
+
 BUILDERS: dict[tuple[str, str], Builder] = {
     (INTERNAL, "Int4Linear"): _int4_linear, (INTERNAL, "Int4LinearSiluMul"): _int4_linear_silu_mul,
+    (INTERNAL, "RmsInt4Linear"): _rms_int4_linear,
 }
