@@ -124,20 +124,45 @@ def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block
     return kernels.fastest(key, cands, len(copies))
 
 
+def _int4_fold_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
+                      norm: tuple[Any, Any, float], cfg: tuple[int, int, int]) -> bool:  # pragma: cuda
+    """Whether the RMSNorm folded into the packed GEMV (`triton_int4`'s NORM) beats the norm kernel followed
+    by the plain GEMV for this shape on CUDA (timed once, both with `cfg`, the norm's cost in both): the fold
+    saves a launch but adds loads, squares and the residual store for every word row a program walks
+    (sm_90: 539 -> 837 loop instructions, 1,005 -> 1,324 with the SiLU; `benchmarks/sass_tables.sh`)."""
+    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.triton_int4 import int4_linear
+
+    key = ("int4fold", tuple(words.shape), k, n, block, silu, norm[0] is not None, x.dtype, x.device)
+    if key in kernels.CHOICES:
+        return bool(kernels.CHOICES[key])
+    copies = kernels.cold_copies(words, scales)
+
+    def apart(i: int) -> Any:
+        h, _ = kernels.rms_norm(x, *norm)
+        return int4_linear(h, copies[i][0], copies[i][1], zp, k, n, block, *cfg, silu=silu)
+
+    def fold(i: int) -> Any:
+        return int4_linear(x, copies[i][0], copies[i][1], zp, k, n, block, *cfg, silu=silu, norm=norm)
+
+    return bool(kernels.fastest(key, [(False, apart), (True, fold)], len(copies)))
+
+
 def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
                     norm: tuple[Any, Any, float] | None = None) -> Any:  # fmt: skip
     """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`), else the weight
     dequantized for this call (float32 on the CPU) and one product, rounded to x's dtype (`silu`: then
     `silu(g) * u` of the halves, as the unfused ops). `norm` = (skip, weight, eps): x is RMS-normalised
-    first and the result is (product, residual sum or None) — in the GEMV (`triton_int4`) or by
-    `kernels.rms_norm`."""
+    first and the result is (product, residual sum or None) — in the GEMV (`triton_int4`; on CUDA where
+    `_int4_fold_choice` timed it faster) or by `kernels.rms_norm` first."""
     from onnxgen.backends.native import kernels
 
     if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
         from onnxgen.backends.native.triton_int4 import int4_linear
 
         cfg = _int4_choice(x, words, scales, zp, k, n, block, silu)
-        return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm)
+        if norm is None or not x.is_cuda or _int4_fold_choice(x, words, scales, zp, k, n, block, silu, norm, cfg):
+            return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm)
     if norm is not None:
         h, total = kernels.rms_norm(x, *norm)
         return _packed_product(h, words, scales, zp, k, n, block, silu), total
@@ -178,8 +203,9 @@ def _rms_int4_linear(node: Node) -> Fn:
     """The lowering's RmsInt4Linear: a `(Skip)SimplifiedLayerNormalization` whose output only a packed
     Int4Linear / Int4LinearSiluMul reads. Inputs x, skip ("" if none), the norm weight, then `kmajor`'s
     words, scales and zero points; outputs (the product, the residual sum `x + skip` or None). Decode rows:
-    one GEMV launch with the norm folded in (the normalised row is not rounded to x's dtype in between);
-    longer chunks and the CPU: the norm, then the product (the two ops' values)."""
+    one GEMV launch with the norm folded in (the normalised row is not rounded to x's dtype in between)
+    where that times faster for the shape, else the norm kernel and the GEMV; longer chunks and the CPU:
+    the norm, then the product (the two ops' values)."""
     k, n = int(node.attr("K")), int(node.attr("N"))
     block, silu, eps = int(node.attr("block_size")), bool(node.attr("silu", 0)), float(node.attr("epsilon", 1e-5))
 
