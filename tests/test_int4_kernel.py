@@ -119,3 +119,21 @@ def test_packed_gemv_with_the_rms_norm_folded_in(m: int, n: int, k: int, tile: t
     if skip:
         assert torch.equal(got_sum, want_sum)
     assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-5
+
+
+def test_packed_gemv_adds_a_residual_before_rounding() -> None:
+    """`residual=` (the lowering's Int4Linear that forms a skip-norm's sum) equals the float32 product plus
+    the residual, rounded once to x's dtype."""
+    packed, scales, _ = _weights(64, 256, 32, "none", seed=9)
+    words, st, _ = kmajor(packed.to(DEVICE), scales.to(DEVICE), None, 256, 64, 32)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 256, generator=gen).to(DEVICE)
+    res = torch.randn(2, 64, generator=gen).to(DEVICE)
+    plain = int4_linear(x, words, st, None, 256, 64, 32)
+    got = int4_linear(x, words, st, None, 256, 64, 32, residual=res)
+    torch.testing.assert_close(got, plain + res, rtol=1e-6, atol=1e-6)
+    xb, rb = x.to(torch.bfloat16), res.to(torch.bfloat16)
+    want = (int4_linear(xb.float(), words, st, None, 256, 64, 32) + rb.float()).to(torch.bfloat16)
+    got = int4_linear(xb, words, st, None, 256, 64, 32, residual=rb)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max()) <= float(want.float().abs().max()) * 2.0**-7

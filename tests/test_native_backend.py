@@ -248,6 +248,10 @@ def test_int4_matmulnbits_vs_float64_and_onnxruntime(
     assert bool(folded) == (int4 == "packed") and "SiluMul" not in ops
     if int4 == "packed":
         assert sum(bool(nd.attr("silu", 0)) for nd in folded) == cfg.num_layers
+        # every skip-norm's residual sum formed by the packed product that feeds it
+        assert "SkipSimplifiedLayerNormalization" not in ops
+        assert sum(len(st.node.inputs) > 5 and bool(st.node.inputs[5]) for st in dec.program.steps
+                   if st.node.op == "Int4Linear") == 2 * cfg.num_layers  # fmt: skip
     if int4 == "packed":  # the weights stay packed: half a byte per weight, less than the dense bytes
         dense = NativeDecoder(spec, int4="dense").program.weight_bytes
         assert dec.program.weight_bytes < 0.6 * dense

@@ -117,10 +117,10 @@ def _block_dot(qx, xs, S, Z, at, km, ZP: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def int4_gemv_kernel(X, W, S, Z, Y, SKIP, NW, SUM, eps, K, N, LD, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BK8: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr,
-                     SCHEME: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
+def int4_gemv_kernel(X, W, S, Z, Y, SKIP, NW, SUM, eps, RES, K, N, LD, NB, sxm, sym, ONE_BITS,
+                     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr, ZP: tl.constexpr,
+                     EVEN: tl.constexpr, SCHEME: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
+                     HAS_SKIP: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program (i, m): output columns `i * BLOCK_N ..` of row m of x. W, S and Z have rows of LD columns
     (N, or 2N with SILU: gate columns then up columns, and the output is `silu(g) * u`, each rounded to Y's
     dtype first as the unfused product would be). ZP: 0 none (8), 1 uint8, 2 floats (both `[NB, LD]`).
@@ -192,20 +192,24 @@ def int4_gemv_kernel(X, W, S, Z, Y, SKIP, NW, SUM, eps, K, N, LD, NB, sxm, sym, 
         g = y.to(Y.dtype.element_ty).to(tl.float32)
         up = up.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * up
+    if HAS_RES:
+        y += tl.load(RES + m * sym + rn, mask=nmask, other=0.0).to(tl.float32)
     tl.store(Y + m * sym + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 
 def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                 k: int, n: int, block: int, block_n: int = 32, bk8: int = 64, warps: int = 4,
                 scheme: int | None = None, silu: bool = False,
-                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None) -> Any:  # fmt: skip
+                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+                residual: torch.Tensor | None = None) -> Any:  # fmt: skip
     """`x` `[..., K]` times the K-major packed weights (`ops.quant.kmajor`'s tensors) -> `[..., N]` in x's
     dtype (float32 accumulation). `silu`: the tensors hold a gate and an up product side by side (`2 * N`
     columns, `ops.quant.Int4LinearSiluMul`) and the result is `silu(x @ Wg.T) * (x @ Wu.T)`. `block_n`
     output columns and `bk8` word rows (8 elements of K each) per program step, `warps` per program.
     `scheme` (benchmarks): the kernel's SCHEME; by default 0 for float32 x and 1 for half precision.
     `norm` = (skip or None, weight, eps): x is RMS-normalised first (`kernels.rms_norm`'s values, the
-    normalised row unrounded) and the result is (product, the residual sum `x + skip` or None)."""
+    normalised row unrounded) and the result is (product, the residual sum `x + skip` or None).
+    `residual` (`[..., N]`): added to the product in float32 before the one rounding."""
     ld = words.shape[1]
     assert words.dtype == torch.int32 and block % 8 == 0 and ld == (2 * n if silu else n)
     nb = (k + block - 1) // block
@@ -214,15 +218,16 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
     skip, nw, eps = norm if norm is not None else (None, x2, 0.0)
     skip2 = skip.reshape(-1, k).contiguous() if skip is not None else None
     total = torch.empty_like(x2) if skip2 is not None else None
+    res = residual.reshape(-1, n).contiguous() if residual is not None else None
     zmode = 0 if zero_points is None else (1 if zero_points.dtype == torch.uint8 else 2)
     if scheme is None:
         scheme = 0 if x.dtype == torch.float32 else 1
     even = (nb * block // 8) % bk8 == 0 and n % block_n == 0 and k % block == 0
     int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
         x2, words, scales, scales if zero_points is None else zero_points, y, x2 if skip2 is None else skip2, nw,
-        x2 if total is None else total, eps, k, n, ld, nb, x2.stride(0), y.stride(0), 0x3F800000, BLOCK=block,
+        x2 if total is None else total, eps, y if res is None else res, k, n, ld, nb, x2.stride(0), y.stride(0), 0x3F800000, BLOCK=block,
         BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, SILU=silu, NORM=norm is not None,
-        HAS_SKIP=skip2 is not None, num_warps=warps, **launch_options(x),
+        HAS_SKIP=skip2 is not None, HAS_RES=res is not None, num_warps=warps, **launch_options(x),
     )  # fmt: skip
     out = y.reshape(*x.shape[:-1], n)
     if norm is None:

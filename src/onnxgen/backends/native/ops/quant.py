@@ -149,12 +149,13 @@ def _int4_fold_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, 
 
 
 def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
-                    norm: tuple[Any, Any, float] | None = None) -> Any:  # fmt: skip
+                    norm: tuple[Any, Any, float] | None = None, residual: Any = None) -> Any:  # fmt: skip
     """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`), else the weight
     dequantized for this call (float32 on the CPU) and one product, rounded to x's dtype (`silu`: then
     `silu(g) * u` of the halves, as the unfused ops). `norm` = (skip, weight, eps): x is RMS-normalised
     first and the result is (product, residual sum or None) — in the GEMV (`triton_int4`; on CUDA where
-    `_int4_fold_choice` timed it faster) or by `kernels.rms_norm` first."""
+    `_int4_fold_choice` timed it faster) or by `kernels.rms_norm` first. `residual` (`[..., N]`, not with
+    `silu` or `norm`) is added to the product before it is rounded to x's dtype."""
     from onnxgen.backends.native import kernels
 
     if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
@@ -162,24 +163,30 @@ def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, bl
 
         cfg = _int4_choice(x, words, scales, zp, k, n, block, silu)
         if norm is None or not x.is_cuda or _int4_fold_choice(x, words, scales, zp, k, n, block, silu, norm, cfg):
-            return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm)
+            return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm, residual=residual)
     if norm is not None:
         h, total = kernels.rms_norm(x, *norm)
         return _packed_product(h, words, scales, zp, k, n, block, silu), total
     cols = 2 * n if silu else n
     w = dequant_kmajor(words, scales, zp, k, cols, block, torch.float32 if x.device.type == "cpu" else x.dtype)
-    y = torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
+    y = torch.nn.functional.linear(x.to(w.dtype), w)
+    if residual is not None:
+        y = y.float() + residual.float()
+    y = y.to(x.dtype)
     return kernels.silu_mul_halves(y) if silu else y
 
 
 def _int4_linear(node: Node) -> Fn:
-    """The lowering's Int4Linear: inputs x, then `kmajor`'s words, scales and zero points ("" if none), and
-    the bias ("" if none)."""
+    """The lowering's Int4Linear: inputs x, then `kmajor`'s words, scales and zero points ("" if none), the
+    bias ("" if none) and a residual ("" if none; never with a bias): `x @ W.T (+ bias) (+ residual)`, the
+    residual added before the product is rounded (the lowering moves a following skip-norm's sum here)."""
     k, n = int(node.attr("K")), int(node.attr("N"))
     block = int(node.attr("block_size"))
 
-    def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None) -> tuple[Any, ...]:
-        y = _packed_product(x, words, scales, zp, k, n, block, False)
+    def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None,
+          residual: Any = None) -> tuple[Any, ...]:  # fmt: skip
+        assert bias is None or residual is None
+        y = _packed_product(x, words, scales, zp, k, n, block, False, residual=residual)
         return (y if bias is None else y + bias,)
 
     return f
