@@ -24,12 +24,13 @@ echo -n "v1  8 rows x 8 blocks, 4 warps: "; loop gpu_int4_variants:v1_kernel "{$
 echo -n "v4  1 row x 16 groups, 4 warps: "; loop gpu_int4_variants:v4_kernel '{"X":"*bf16","W":"*i32","S":"*bf16","Z":"*bf16","Y":"*bf16","KW":"i32","N":"i32","NB":"i32","NG":"i32","sxm":"i32","sym":"i32"}' '{"BLOCK":32,"BLOCK_N":1,"G":16,"ZP":0,"SUM_BLOCKS":true,"PDL":false}'
 echo -n "v5  8 rows x 8 blocks, 4 warps: "; loop gpu_int4_variants:v5_kernel "{$B8,\"B\":\"*u8\"}" '{"BLOCK":32,"BLOCK_N":8,"BLOCKS":8,"ZP":0,"CONV":1}'
 echo -n "v6  16 rows x 32 blocks, 4 warps: "; loop gpu_int4_variants:v6_kernel "{$B8,\"W\":\"*i32\",\"ONE_BITS\":\"i32\"}" '{"BLOCK":32,"BLOCK_N":16,"WB":32,"ZP":0,"EVEN":true}'
-for v in "1 false false" "0 false false" "1 true false" "1 false true" "1 true true"; do
+for v in "1 false false false" "0 false false false" "1 true false false" "1 false true false" "1 true true false" \
+         "1 false true true" "1 true true true"; do
     set -- $v
-    echo -n "v7 scheme $1 silu $2 norm+skip $3  32 cols x 64 word rows, 4 warps: "
+    echo -n "v7 scheme $1 silu $2 norm $3 skip $4  32 cols x 64 word rows, 4 warps: "
     loop onnxgen.backends.native.triton_int4:int4_gemv_kernel \
-        "{$B8,\"W\":\"*i32\",\"LD\":\"i32\",\"ONE_BITS\":\"i32\",\"SKIP\":\"*bf16\",\"NW\":\"*bf16\",\"SUM\":\"*bf16\",\"eps\":\"fp32\"}" \
-        "{\"BLOCK\":32,\"BLOCK_N\":32,\"BK8\":64,\"ZP\":0,\"EVEN\":true,\"SCHEME\":$1,\"SILU\":$2,\"NORM\":$3,\"HAS_SKIP\":$3,\"PDL\":true}"
+        "{$B8,\"W\":\"*i32\",\"LD\":\"i32\",\"ONE_BITS\":\"i32\",\"SKIP\":\"*bf16\",\"NW\":\"*bf16\",\"SUM\":\"*bf16\",\"eps\":\"fp32\",\"RES\":\"*bf16\"}" \
+        "{\"BLOCK\":32,\"BLOCK_N\":32,\"BK8\":64,\"ZP\":0,\"EVEN\":true,\"SCHEME\":$1,\"SILU\":$2,\"NORM\":$3,\"HAS_SKIP\":$4,\"HAS_RES\":false,\"PDL\":true}"
 done
 G='"X":"*bf16","W":"*bf16","Y":"*bf16","K":"i32","N":"i32","R":"i32","SKIP":"*bf16","NW":"*bf16","SUM":"*bf16","eps":"fp32","COS":"*bf16","SIN":"*bf16","POS":"*i64","SLOT":"*i64","KB":"*bf16","VB":"*bf16","sk_h":"i32","sk_s":"i32","sv_h":"i32","sv_s":"i32","cos_stride":"i32","NQ":"i32","NK":"i32"'
 echo "== bf16 GEMV (decode launch), x as a vector (X2D off) vs in the tile (X2D on); whole-kernel barriers"
