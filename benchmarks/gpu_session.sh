@@ -63,7 +63,7 @@ for section in "$@"; do
             if [ -d /tmp/spkg_bf16 ]; then  # after `spec`: the real SmolLM2 package, rows per GEMV program 1 vs 4
               timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2
             fi ;;
-    quick) timeout 60 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_int4_kernel.py \
+    quick) timeout 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_int4_kernel.py \
              "tests/test_gemv_kernel.py" -k "int4 or packed or late or same_bits" 2>&1 | tail -4 ;;
     late) timeout 120 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,late,x1d,none,late,x1d 2>&1 | quiet | grep -v "^$" | tail -16 ;;
