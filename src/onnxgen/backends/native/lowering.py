@@ -581,8 +581,8 @@ def _residual_into_int4(nodes: list[O.Node], logits: str) -> None:
     nothing else reads -> that product adds a itself (its residual input: the sum formed in float32 before
     the one rounding) and the norm becomes a plain `SimplifiedLayerNormalization` of the sum, whose readers
     of the norm's sum output read the product's output instead. A norm folded into the next packed product
-    then has no skip to load and no sum to store per word row (sm_90, the fold's loop: 837 -> 666
-    instructions, 1,324 -> 1,138 with the SiLU). In place."""
+    then has no skip to load and no sum to store per word row (sm_90, the fold's loop: 836 -> 667
+    instructions, 1,324 -> 1,138 with the SiLU; `benchmarks/sass_tables.sh`). In place."""
     producer = {o: n for n in nodes for o in n.outputs if o}
     at = {id(n): i for i, n in enumerate(nodes)}
     readers = _readers(nodes)
@@ -625,17 +625,17 @@ def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> l
         users = readers.get(n.outputs[0], []) if n.outputs else []
         lin = users[0] if len(users) == 1 else None
         ok = (skip or (plain and int(n.attr("axis", -1)) == -1)) and lin is not None
-        gamma = (n.inputs[2] if skip else n.inputs[1]) if ok else ""
+        gamma, int4 = "", False
         if ok:
             assert lin is not None
+            gamma = n.inputs[2] if skip else n.inputs[1]
+            # packed int4: no bias and no residual (inputs 4 and 5), which RmsInt4Linear would drop
+            int4 = lin.op == "Int4LinearSiluMul" or (lin.op == "Int4Linear" and not any(lin.inputs[4:]))
             ok = (gamma in consts and (not skip or len(n.inputs) < 4 or not n.inputs[3])
                   and lin.domain == "onnxgen" and lin.inputs[0] == n.outputs[0]
-                  and not any(readers.get(o) for o in n.outputs[1:3] if o))  # fmt: skip
-        int4 = ok and lin is not None and (lin.op == "Int4LinearSiluMul" or (
-            lin.op == "Int4Linear" and (len(lin.inputs) < 5 or not lin.inputs[4])))  # fmt: skip
-        if ok and not int4:
-            assert lin is not None
-            ok = lin.op in ("Linear", "LinearSiluMul") and len(lin.inputs) == 2 and lin.inputs[1] in consts
+                  and not any(readers.get(o) for o in n.outputs[1:3] if o)
+                  and (int4 or (lin.op in ("Linear", "LinearSiluMul") and len(lin.inputs) == 2
+                                and lin.inputs[1] in consts)))  # fmt: skip
         if not ok:
             out.append(n)
             continue

@@ -225,9 +225,10 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
     even = (nb * block // 8) % bk8 == 0 and n % block_n == 0 and k % block == 0
     int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
         x2, words, scales, scales if zero_points is None else zero_points, y, x2 if skip2 is None else skip2, nw,
-        x2 if total is None else total, eps, y if res is None else res, k, n, ld, nb, x2.stride(0), y.stride(0), 0x3F800000, BLOCK=block,
-        BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, SILU=silu, NORM=norm is not None,
-        HAS_SKIP=skip2 is not None, HAS_RES=res is not None, num_warps=warps, **launch_options(x),
+        x2 if total is None else total, eps, y if res is None else res, k, n, ld, nb, x2.stride(0), y.stride(0),
+        0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, SILU=silu,
+        NORM=norm is not None, HAS_SKIP=skip2 is not None, HAS_RES=res is not None, num_warps=warps,
+        **launch_options(x),
     )  # fmt: skip
     out = y.reshape(*x.shape[:-1], n)
     if norm is None:

@@ -106,7 +106,7 @@ product two programs of 8 warps per multiprocessor, for more loads in flight."""
 def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int,
                  silu: bool = False) -> tuple[int, int, int]:  # pragma: cuda
     """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM; timed
-    without a folded norm, which adds a few loads per step of x, not of the weights); the first elsewhere."""
+    on the plain product, and reused when a norm is folded in); the first elsewhere."""
     from onnxgen.backends.native import kernels
 
     key = ("int4", tuple(words.shape), k, n, block, silu, x.dtype, x.device)
@@ -128,8 +128,9 @@ def _int4_fold_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, 
                       norm: tuple[Any, Any, float], cfg: tuple[int, int, int]) -> bool:  # pragma: cuda
     """Whether the RMSNorm folded into the packed GEMV (`triton_int4`'s NORM) beats the norm kernel followed
     by the plain GEMV for this shape on CUDA (timed once, both with `cfg`, the norm's cost in both): the fold
-    saves a launch but adds loads, squares and the residual store for every word row a program walks
-    (sm_90: 539 -> 837 loop instructions, 1,005 -> 1,324 with the SiLU; `benchmarks/sass_tables.sh`)."""
+    saves a launch but adds loads and squares (with a skip, also the residual store) for every word row a
+    program walks (sm_90: 536 -> 667 loop instructions, 1,006 -> 1,138 with the SiLU; with a skip 836 and
+    1,324; `benchmarks/sass_tables.sh`)."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native.triton_int4 import int4_linear
 
@@ -217,8 +218,7 @@ def _rms_int4_linear(node: Node) -> Fn:
     block, silu, eps = int(node.attr("block_size")), bool(node.attr("silu", 0)), float(node.attr("epsilon", 1e-5))
 
     def f(ctx: RunCtx, x: Any, skip: Any, nw: Any, words: Any, scales: Any, zp: Any = None) -> tuple[Any, ...]:
-        y, total = _packed_product(x, words, scales, zp, k, n, block, silu, (skip, nw, eps))
-        return y, total
+        return _packed_product(x, words, scales, zp, k, n, block, silu, (skip, nw, eps))
 
     return f
 
