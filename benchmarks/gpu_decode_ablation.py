@@ -8,11 +8,11 @@ For each shape (builder-made bf16 package, `gpu_parity.package`) and each ablati
 loaded with the named Triton launches replaced by no-ops (`rms`: the RMSNorm kernel, and the folded
 norm+GEMV is then never chosen since the separate pair times faster; `combine`: the merge of the key
 splits' partial attention results; `attention`: the paged attention and its combine; `rope`: the rotary
-kernel; `late` and `x1d` are variants, not removals: folded norms scale the product at the end,
-`kernels.NORM_LATE`; the GEMV loads x as a vector converted through shared memory, `kernels.X_IN_TILE` off),
+kernel; `late`, `early` and `x1d` are variants, not removals: folded norms scale the product at the end
+or normalise x first, `kernels.NORM_LATE`; the GEMV loads x as a vector converted through shared memory, `kernels.X_IN_TILE` off),
 a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
 usual), then the batch-1 decode graph is replayed 200 times (CUDA events) and its kernels counted
-(torch.profiler). The outputs are garbage in every ablation but `none`, `late` and `x1d`: only the times mean
+(torch.profiler). The outputs are garbage in every ablation but `none`, `late`, `early` and `x1d`: only the times mean
 something. An ablation may be named more than once (`none,late,none,late`: interleaved); `saved` is
 against the latest `none`.
 A table prints last.
@@ -62,9 +62,9 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
         swap(kernels._TRITON, "rms")
     if "rope" in parts:
         swap(kernels._TRITON, "rope_qkv")
-    if "late" in parts:
+    if "late" in parts or "early" in parts:  # folded norms scaled after the product, or x normalised first
         saved.append((kernels, "NORM_LATE", kernels.NORM_LATE))
-        kernels.NORM_LATE = True
+        kernels.NORM_LATE = "late" in parts
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

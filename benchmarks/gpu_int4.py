@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -75,7 +76,8 @@ def main() -> int:
     rows = []
     for label, pkg, opts, vocab in packages:
         disk = sum(f.stat().st_size for f in pkg.iterdir())
-        if cuda:
+        if cuda:  # the previous engine's weights and KV pool gone before the next loads (80 GB cards)
+            gc.collect()
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         t = time.perf_counter()

@@ -16,7 +16,8 @@
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
 #   quick   the int4 kernel's tests and the GEMV's late-norm and x-in-tile tests, in 8 processes (pytest-xdist)
-#   late    the 0.5B decode graph: as is, with folded norms scaled after the product (kernels.NORM_LATE), and
+#   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
+#           (kernels.NORM_LATE off), and
 #           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
 #   int4v   packed int4 GEMV designs v7 (src/, both schemes) vs v1 (gpu_int4_variants.py; v5 and v6 lost offline,
 #           in SASS, and are not timed here), then one launch of each under Nsight
@@ -65,8 +66,8 @@ for section in "$@"; do
             fi ;;
     quick) timeout 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_int4_kernel.py \
              "tests/test_gemv_kernel.py" -k "int4 or packed or late or same_bits" 2>&1 | tail -4 ;;
-    late) timeout 120 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
-            --ablations none,late,x1d,none,late,x1d 2>&1 | quiet | grep -v "^$" | tail -16 ;;
+    late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
+            --ablations none,early,none,early,x1d 2>&1 | quiet | grep -v "^$" | tail -16 ;;
     int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40
            ncu_out=${OUT:-/tmp}/ncu.txt
            ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

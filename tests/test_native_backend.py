@@ -401,6 +401,11 @@ def test_fused_program_equals_one_op_per_node(dtype: str, tmp_path_factory: pyte
     assert "RmsLinear" in ops[True] and "SiluMul" not in ops[True]  # gate/up + SiLU, with the norm before it
     assert any(st.node.attrs.get("silu") for st in progs[True].steps if st.node.op == "RmsLinear")
     assert not {"LinearSiluMul", "RmsLinear"} & ops[False] and "SiluMul" in ops[False]
+    # every skip-norm's sum formed by the o / down projection feeding it (its residual input), so no
+    # skip-norm is left: the norms folded into the next projection, and the final norm, are plain
+    with_res = [st.node for st in progs[True].steps if st.node.op == "Linear" and any(st.node.inputs[5:])]
+    assert len(with_res) == 2 * spec.num_layers and "SkipSimplifiedLayerNormalization" not in ops[True]
+    assert "SkipSimplifiedLayerNormalization" in ops[False]
     ids = torch.tensor(_prompt(12, spec.vocab_size))
     out = {}
     for f, prog in progs.items():

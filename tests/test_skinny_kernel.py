@@ -58,3 +58,22 @@ def test_linear_dispatch_of_a_few_rows_equals_float64_product(silu: bool) -> Non
         want = _ref(x, w, silu)
         assert got.shape == (1, rows, w.shape[0] // (2 if silu else 1))
         assert (got.cpu().double() - want).abs().max().item() <= TOL * max(1.0, want.abs().max().item()), rows
+
+
+@pytest.mark.parametrize("rows", [5, 40, 200])
+def test_residual_is_added_before_the_one_rounding(rows: int) -> None:
+    """`linear(x, w, residual=r)` on a few rows (the few-row GEMM, every configuration) and past SKINNY_ROWS
+    (cuBLAS `addmm`, or float32 on the CPU) equals `x @ w.T + r` in float64 to one rounding of the sum."""
+    kernels._build()
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(72, 200, generator=g) / 14).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(1, rows, 200, generator=g).to(torch.bfloat16).to(DEVICE)
+    res = (4 * torch.randn(1, rows, 72, generator=g)).to(torch.bfloat16).to(DEVICE)
+    want = _ref(x, w, False) + res.double().cpu()
+    outs = [kernels.linear(x, w, residual=res)]
+    if rows <= kernels.SKINNY_ROWS:
+        outs += [kernels._skinny(x, w, False, cfg, res) for cfg in CONFIGS]
+    for got in outs:
+        assert got.shape == (1, rows, 72) and got.dtype == torch.bfloat16
+        err = (got.cpu().double() - want).abs()
+        assert (err <= 2 ** -7 * want.abs() + 1e-6).all(), err.max().item()  # one bf16 rounding of the sum

@@ -187,15 +187,19 @@ ROWWISE_ROWS = 64  # `rowwise` products of up to this many rows compute each row
 ROWS_PER_PROGRAM = max(1, int(os.environ.get("ONNXGEN_GEMV_ROWS", "4")))
 """A GEMV program's rows of x at most (`triton_gemv`: one after another over one weight tile; a verify
 step's products). `ONNXGEN_GEMV_ROWS` overrides it (benchmarks/gpu_verify_cost.py)."""
-NORM_LATE = os.environ.get("ONNXGEN_NORM_LATE", "0") == "1"
+NORM_LATE = os.environ.get("ONNXGEN_NORM_LATE", "1") == "1"
 """Whether a GEMV with its RMSNorm folded in scales its dot product at the end (`triton_gemv`'s `LATE`: no
 reduction before the first multiply-add, the normalised row not rounded) instead of normalising x first.
-Off until measured on the GPU (benchmarks/gpu_decode_ablation.py `late`); read at each launch and part of
-the per-shape choice's key."""
+On since it measured faster (0.5B decode graph on an H100, 2026-12-05: 0.629 -> 0.612 ms, the fold then
+winning for every product: 176 -> 152 kernels a step; benchmarks/gpu_decode_ablation.py `late`);
+`ONNXGEN_NORM_LATE=0` turns it off. Read at each launch and part of the per-shape choice's key."""
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False) -> torch.Tensor:
-    """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype.
+def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
+           residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype;
+    `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T`, added to the float32 product
+    before its one rounding (a skip-norm's sum formed by the product that feeds it).
 
     A one-row product on a Triton device runs `triton_gemv` (the configuration measured fastest for its
     shape), and a product of 2..`SKINNY_ROWS` half-precision rows `triton_skinny` when, the first time its
@@ -206,15 +210,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        return _gemv(x, w, silu_halves, _gemv_choice(_first_row(x), w, silu_halves))
+        return _gemv(x, w, silu_halves, _gemv_choice(_first_row(x), w, silu_halves), residual=residual)
         # pragma: cuda-end
     if 1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         cfg = _skinny_choice(x, w, silu_halves)
         if cfg is not None:
-            return _skinny(x, w, silu_halves, cfg)
+            return _skinny(x, w, silu_halves, cfg, residual)
         # pragma: cuda-end
-    return linear_unfused(x, w, silu_halves)
+    return linear_unfused(x, w, silu_halves, residual)
 
 
 def _as_one_rows(x: torch.Tensor, rowwise: bool) -> bool:
@@ -240,8 +244,9 @@ SKINNY_CONFIGS = ((64, 128, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4), (128, 128, 
 blocks and with and without SiLU the first time a shape is timed (Triton caches compiles on disk)."""
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int, int]) -> torch.Tensor:  # pragma: cuda
-    """The few-row GEMM launch (`triton_skinny`): x `[..., K]` of M rows."""
+def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int, int],
+            residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+    """The few-row GEMM launch (`triton_skinny`): x `[..., K]` of M rows (`residual`: `[..., N]`, added)."""
     k = w.shape[1]
     n = w.shape[0] // 2 if silu else w.shape[0]
     x2 = x.reshape(-1, k)
@@ -251,9 +256,11 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, i
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = cfg
     bm = min(128, max(16, 1 << (m - 1).bit_length()))
+    res = _residual_rows(residual, m, n, y)
     _TRITON["skinny"][(triton_cdiv(n, bn), triton_cdiv(m, bm))](
-        x2, w, y, m, n, k, x2.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SILU=silu,
-        IEEE=not x.is_cuda, num_warps=warps, num_stages=stages, **launch_options(x),
+        x2, w, y, m, n, k, x2.stride(0), y.stride(0), res, res.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        SILU=silu, HAS_RES=residual is not None, IEEE=not x.is_cuda, num_warps=warps, num_stages=stages,
+        **launch_options(x),
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
 
@@ -297,10 +304,12 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
-          norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+          norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None,
+          residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
-    and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row)."""
+    and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
+    x's rows of N added before the rounding (not with `silu` or `rope`)."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     r = x.numel() // k
@@ -315,15 +324,27 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
         ra = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
     rb = min(r, ROWS_PER_PROGRAM)
     x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE)
+    assert residual is None or not (silu or rope is not None)
+    res = _residual_rows(residual, r, n, y)
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
-        s if s is not None else y, eps, *ra,
+        s if s is not None else y, eps, *ra, res,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE, X2D=x2d,
+        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
+
+
+def _residual_rows(residual: torch.Tensor | None, rows: int, n: int, y: torch.Tensor) -> torch.Tensor:
+    """A product's residual as contiguous `[rows, n]` (y's dtype), or y itself when there is none (an
+    argument the kernel never reads)."""
+    if residual is None:
+        return y.view(-1, n) if y.is_contiguous() else y.reshape(-1, n)
+    res = residual.reshape(rows, n)
+    assert res.dtype == y.dtype, (res.dtype, y.dtype)
+    return res if res.stride(1) == 1 and res.stride(0) == n else res.contiguous()
 
 
 X_IN_TILE = os.environ.get("ONNXGEN_GEMV_X2D", "1") == "1"
@@ -511,8 +532,23 @@ def repair_after_failed_capture(dev: torch.device) -> None:  # pragma: cuda
         _log.error("could not restore the CUDA state after a failed capture: %s", exc)
 
 
-def linear_unfused(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False) -> torch.Tensor:
-    """The cuBLAS / torch form of `linear` (its reference)."""
+def linear_unfused(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The cuBLAS / torch form of `linear` (its reference). With a residual: `addmm` on CUDA and for float32
+    (the sum formed in the product's epilogue, one rounding); half precision on the CPU in float32 from 16
+    rows (one rounding), and for fewer rows (decode) the product rounded, then the sum (converting the weight
+    per call would cost more than the product)."""
+    if residual is not None:
+        assert not silu_halves
+        x2 = x.reshape(-1, x.shape[-1])
+        r2 = residual.reshape(x2.shape[0], w.shape[0])
+        if x.is_cuda or x.dtype == torch.float32:
+            y = torch.addmm(r2, x2, w.t())
+        elif x2.shape[0] >= 16:
+            y = torch.addmm(r2.float(), x2.float(), w.t().float()).to(x.dtype)
+        else:
+            y = (F.linear(x2, w).float() + r2.float()).to(x.dtype)
+        return y.reshape(*x.shape[:-1], w.shape[0])
     y = F.linear(x, w)
     return silu_mul_halves(y) if silu_halves else y
 

@@ -150,7 +150,7 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
     if fuse:
         nodes = _merge_gate_up(nodes, consts, device, on_device)
-        _residual_into_int4(nodes, spec.logits_name)
+        _residual_into_product(nodes, spec.logits_name)
         nodes = _fuse_norm_linear(nodes, consts)
         _rope_into_qkv(nodes, consts, device)
     nodes = _dce(nodes, [spec.logits_name])
@@ -576,13 +576,15 @@ def _merge_int4_pair(m: O.Node, g: O.Node, u: O.Node, consts: dict[str, torch.Te
     return True
 
 
-def _residual_into_int4(nodes: list[O.Node], logits: str) -> None:
-    """`SkipSimplifiedLayerNormalization(a, b)` where b is the output of a bias-free packed `Int4Linear` that
-    nothing else reads -> that product adds a itself (its residual input: the sum formed in float32 before
-    the one rounding) and the norm becomes a plain `SimplifiedLayerNormalization` of the sum, whose readers
-    of the norm's sum output read the product's output instead. A norm folded into the next packed product
-    then has no skip to load and no sum to store per word row (sm_90, the fold's loop: 836 -> 667
-    instructions, 1,324 -> 1,138 with the SiLU; `benchmarks/sass_tables.sh`). In place."""
+def _residual_into_product(nodes: list[O.Node], logits: str) -> None:
+    """`SkipSimplifiedLayerNormalization(a, b)` where b is the output of a bias-free `Linear` (no rotary) or
+    packed `Int4Linear` that nothing else reads -> that product adds a itself (its residual input: the sum
+    formed in float32 before the one rounding) and the norm becomes a plain `SimplifiedLayerNormalization`
+    of the sum, whose readers of the norm's sum output read the product's output instead. A norm folded
+    into the next product then has no skip to load and no sum to store (the packed fold's loop on sm_90:
+    836 -> 667 instructions, 1,324 -> 1,138 with the SiLU; `benchmarks/sass_tables.sh`), and a norm left
+    on its own reads one row instead of two. In half precision the sum is rounded once instead of twice
+    (the product, then the sum): closer to a float32 reference, not the same bits. In place."""
     producer = {o: n for n in nodes for o in n.outputs if o}
     at = {id(n): i for i, n in enumerate(nodes)}
     readers = _readers(nodes)
@@ -596,12 +598,17 @@ def _residual_into_int4(nodes: list[O.Node], logits: str) -> None:
             p = producer.get(n.inputs[i])
             r = readers.get(n.inputs[i], [])
             q = producer.get(n.inputs[1 - i])  # the residual must exist before the product runs
-            if (p is not None and p.op == "Int4Linear" and p.domain == "onnxgen" and not any(p.inputs[4:])
-                    and len(r) == 1 and r[0] is n and (q is None or at[id(q)] < at[id(p)])):  # fmt: skip
+            movable = p is not None and p.domain == "onnxgen" and (
+                (p.op == "Int4Linear" and not any(p.inputs[4:]))
+                or (p.op == "Linear" and len(p.inputs) == 2 and "_rope" not in p.attrs))  # fmt: skip
+            if movable and len(r) == 1 and r[0] is n and (q is None or at[id(q)] < at[id(p)]):
                 break
         else:
             continue
-        p.inputs = (p.inputs + [""] * 5)[:4] + ["", n.inputs[1 - i]]
+        assert p is not None
+        # the residual is input 5 of both (Int4Linear: x, words, scales, zp, bias; Linear: x, w, bias, cos, sin)
+        keep = 4 if p.op == "Int4Linear" else 2
+        p.inputs = (p.inputs + [""] * 5)[:keep] + [""] * (5 - keep) + [n.inputs[1 - i]]
         total = n.outputs[3] if len(n.outputs) > 3 else ""
         n.op, n.inputs, n.outputs = "SimplifiedLayerNormalization", [p.outputs[0], n.inputs[2]], [n.outputs[0]]
         n.attrs = {"epsilon": n.attr("epsilon", 1e-5), "axis": -1}

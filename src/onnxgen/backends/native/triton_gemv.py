@@ -8,8 +8,9 @@ same values as the unfused product followed by `silu_mul`). With `NORM`, x is fi
 `HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own (with
 `LATE` its scale is applied after the dot product instead: `_gemv_row`). With
 `ROPE` the product is a layer's packed QKV with each rotation pair in adjacent rows: the epilogue rotates q
-and k and writes k and v into the KV cache, so rotary costs no launch either. One
-program owns `BLOCK_N` output rows of one row of x and
+and k and writes k and v into the KV cache, so rotary costs no launch either. With `HAS_RES` (neither
+SILU nor ROPE) the row `RES` is added to the float32 dot product before its one rounding: the product that
+feeds a skip-norm forms the norm's sum itself (`lowering._residual_into_product`). One program owns `BLOCK_N` output rows of one row of x and
 walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
 end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
 
@@ -84,10 +85,10 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
 
 @triton.jit(do_not_specialize=["R"])
 def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
-                cos_stride, NQ, NK, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                cos_stride, NQ, NK, RES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                 NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
                 HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr,
-                X2D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                X2D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -118,15 +119,15 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
     for i in tl.static_range(RB):
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
-                      sv_h, sv_s, cos_stride, NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K, SILU, NORM,
-                      HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D)  # fmt: skip
+                      sv_h, sv_s, cos_stride, NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K, SILU,
+                      NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES)  # fmt: skip
 
 
 @triton.jit
 def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
-              NQ, NK, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
-              HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr):  # fmt: skip
+              HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
     """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
     weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
     pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row. With `NORM` and `LATE` nothing
@@ -136,9 +137,10 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     separate norm, not the same bits). `X2D` (tiles whose warps are not all along K, `kernels.x_in_tile`): x
     is loaded as `[BLOCK_N, BLOCK_K]` with its columns broadcast over the rows, i.e. in the weight tile's own
     layout, instead of as `[BLOCK_K]` converted through shared memory (with barriers) at every K step — the
-    same values and sums, so the same bits."""
+    same values and sums, so the same bits. `HAS_RES`: `RES` (rows of N) added before the rounding."""
     X += row * K
     Y += row * N
+    RES += row * N
     SKIP += row * K
     SUM += row * K
     POS += row
@@ -192,6 +194,8 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
         _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, NQ, NK,
                     BLOCK_N, HEAD, HALF)  # fmt: skip
     else:
+        if HAS_RES:
+            y += tl.load(RES + rn, mask=nmask, other=0.0).to(tl.float32)
         tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 

@@ -3,7 +3,8 @@
 The contract is `onnxgen.backends.native.kernels.linear`'s for 2 to `kernels.SKINNY_ROWS` rows of half
 precision: `Y = X @ W.T`, float32 accumulation (tensor cores), rounded once to X's dtype; with `SILU`, W
 holds `[gate; up]` (`2 * N` rows) and the kernel writes `silu(g) * u` for the `N` output columns, each of g
-and u first rounded to the output dtype (the values of the product followed by `silu_mul_halves`). Such
+and u first rounded to the output dtype (the values of the product followed by `silu_mul_halves`);
+with `HAS_RES` (not with SILU) the rows of `RES` are added to the float32 sums before the rounding. Such
 products (batched decode steps, short prefill chunks, a batch's lm_head) read every weight once and do
 little arithmetic per byte: one program owns `BLOCK_N` output columns of `BLOCK_M` rows and streams its
 weight rows through the K loop (software-pipelined over `num_stages`), so the tile choice is about keeping
@@ -27,8 +28,9 @@ def _mma(x, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def skinny_kernel(X, W, Y, M, N, K, sxm, sym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SILU: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def skinny_kernel(X, W, Y, M, N, K, sxm, sym, RES, srm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if PDL:
@@ -63,5 +65,8 @@ def skinny_kernel(X, W, Y, M, N, K, sxm, sym, BLOCK_M: tl.constexpr, BLOCK_N: tl
         g = acc.to(Y.dtype.element_ty).to(tl.float32)
         u = acc_u.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
+    if HAS_RES:
+        y += tl.load(RES + rm[:, None].to(tl.int64) * srm + rn[None, :], mask=mmask[:, None] & nmask[None, :],
+                     other=0.0).to(tl.float32)  # fmt: skip
     tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], y.to(Y.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])  # fmt: skip

@@ -27,16 +27,19 @@ def _linear(node: Node) -> Fn:
 
     The weight input is either `[K, N]` (CPU: `x @ w`) or `[N, K]` (`transposed`, CUDA: `F.linear`). With
     `_rope` (the lowering's `_rope_into_qkv`: a layer's packed QKV, rotation pairs in adjacent rows; inputs
-    4 and 5 the rotary tables) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`)."""
+    3 and 4 the rotary tables) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`).
+    Input 5, a residual (the lowering's `_residual_into_product`; never with a bias or `_rope`): `residual
+    + x @ W`, the sum formed before the product is rounded (`kernels.linear`)."""
     transposed = bool(node.attr("_transposed", 0))
     qkv = node.attr("_rope", None)
 
-    def f(ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
+    def f(ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None,
+          residual: Any = None) -> tuple[Any, ...]:  # fmt: skip
         if qkv is not None and transposed and bias is None:
             done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
             if done is not None:
                 return (done[0],)
-        return (_product(x, w, bias, transposed, _rowwise(ctx)),)
+        return (_product(x, w, bias, transposed, _rowwise(ctx), residual),)
 
     return f
 
@@ -61,14 +64,20 @@ def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any
     return out
 
 
-def _product(x: Any, w: Any, bias: Any, transposed: bool, rowwise: bool = False) -> Any:
+def _product(x: Any, w: Any, bias: Any, transposed: bool, rowwise: bool = False, residual: Any = None) -> Any:
+    """`x @ W (+ bias) (+ residual)`: W `[N, K]` (`transposed`) or `[K, N]`; a residual (never with a bias)
+    is added to the product before it is rounded where the kernels can (`kernels.linear`)."""
+    assert bias is None or residual is None
     if transposed and _upcast_cpu_matmul(x):
-        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+        y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        return (y if residual is None else y + residual.float()).to(x.dtype)
     if transposed and bias is None:
-        return kernels.linear(x, w, rowwise=rowwise)
+        return kernels.linear(x, w, rowwise=rowwise, residual=residual)
     y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
     if bias is not None and not transposed:
         y = y + bias
+    if residual is not None:  # float32 here ([K, N] weights are the CPU's float32 layout)
+        y = (y.float() + residual.float()).to(y.dtype)
     return y
 
 
