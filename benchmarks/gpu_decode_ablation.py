@@ -8,11 +8,13 @@ For each shape (builder-made bf16 package, `gpu_parity.package`) and each ablati
 loaded with the named Triton launches replaced by no-ops (`rms`: the RMSNorm kernel, and the folded
 norm+GEMV is then never chosen since the separate pair times faster; `combine`: the merge of the key
 splits' partial attention results; `attention`: the paged attention and its combine; `rope`: the rotary
-kernel; `late`, `early` and `x1d` are variants, not removals: folded norms scale the product at the end
-or normalise x first, `kernels.NORM_LATE`; the GEMV loads x as a vector converted through shared memory, `kernels.X_IN_TILE` off),
+kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded norms scale the product at
+the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
+products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
+shared memory, `kernels.X_IN_TILE` off),
 a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
 usual), then the batch-1 decode graph is replayed 200 times (CUDA events) and its kernels counted
-(torch.profiler). The outputs are garbage in every ablation but `none`, `late`, `early` and `x1d`: only the times mean
+(torch.profiler). The outputs are garbage in every ablation but the variants: only the times mean
 something. An ablation may be named more than once (`none,late,none,late`: interleaved); `saved` is
 against the latest `none`.
 A table prints last.
@@ -65,6 +67,11 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     if "late" in parts or "early" in parts:  # folded norms scaled after the product, or x normalised first
         saved.append((kernels, "NORM_LATE", kernels.NORM_LATE))
         kernels.NORM_LATE = "late" in parts
+    if "nores" in parts:  # skip-norms left as they are (the o / down products do not add the residual)
+        from onnxgen.backends.native import lowering
+
+        saved.append((lowering, "_residual_into_product", lowering._residual_into_product))
+        lowering._residual_into_product = lambda nodes, logits: None
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

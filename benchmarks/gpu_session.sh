@@ -15,7 +15,8 @@
 #           `spec`, also on the real SmolLM2 bf16 package with 1 and 4 rows per GEMV program (`--rows 1,4`)
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
-#   quick   the int4 kernel's tests and the GEMV's late-norm and x-in-tile tests, in 8 processes (pytest-xdist)
+#   quick   the int4 kernel's tests and the GEMV's late-norm, x-in-tile and residual tests (and the few-row
+#           GEMM's residual test), in 8 processes (pytest-xdist); each failure's name
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
 #           (kernels.NORM_LATE off), and
 #           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
@@ -64,10 +65,11 @@ for section in "$@"; do
             if [ -d /tmp/spkg_bf16 ]; then  # after `spec`: the real SmolLM2 package, rows per GEMV program 1 vs 4
               timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2
             fi ;;
-    quick) timeout 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_int4_kernel.py \
-             "tests/test_gemv_kernel.py" -k "int4 or packed or late or same_bits" 2>&1 | tail -4 ;;
+    quick) timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_int4_kernel.py \
+             tests/test_gemv_kernel.py tests/test_skinny_kernel.py -k "int4 or packed or late or same_bits or residual" \
+             2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
-            --ablations none,early,none,early,x1d 2>&1 | quiet | grep -v "^$" | tail -16 ;;
+            --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
     int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40
            ncu_out=${OUT:-/tmp}/ncu.txt
            ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

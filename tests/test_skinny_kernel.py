@@ -62,18 +62,23 @@ def test_linear_dispatch_of_a_few_rows_equals_float64_product(silu: bool) -> Non
 
 @pytest.mark.parametrize("rows", [5, 40, 200])
 def test_residual_is_added_before_the_one_rounding(rows: int) -> None:
-    """`linear(x, w, residual=r)` on a few rows (the few-row GEMM, every configuration) and past SKINNY_ROWS
-    (cuBLAS `addmm`, or float32 on the CPU) equals `x @ w.T + r` in float64 to one rounding of the sum."""
+    """The few-row GEMM with a residual (every configuration) equals `x @ w.T + r` in float64 to one rounding
+    of the sum; the cuBLAS form (`linear_unfused`, and what `linear` runs past SKINNY_ROWS or where cuBLAS
+    timed faster) is the rounded product plus r, rounded: the unfused ops' values, bit for bit."""
     kernels._build()
     g = torch.Generator().manual_seed(rows)
     w = (torch.randn(72, 200, generator=g) / 14).to(torch.bfloat16).to(DEVICE)
     x = torch.randn(1, rows, 200, generator=g).to(torch.bfloat16).to(DEVICE)
     res = (4 * torch.randn(1, rows, 72, generator=g)).to(torch.bfloat16).to(DEVICE)
     want = _ref(x, w, False) + res.double().cpu()
-    outs = [kernels.linear(x, w, residual=res)]
-    if rows <= kernels.SKINNY_ROWS:
-        outs += [kernels._skinny(x, w, False, cfg, res) for cfg in CONFIGS]
-    for got in outs:
+    for cfg in CONFIGS if rows <= kernels.SKINNY_ROWS else ():
+        got = kernels._skinny(x, w, False, cfg, res)
         assert got.shape == (1, rows, 72) and got.dtype == torch.bfloat16
         err = (got.cpu().double() - want).abs()
-        assert (err <= 2 ** -7 * want.abs() + 1e-6).all(), err.max().item()  # one bf16 rounding of the sum
+        assert (err <= 2**-7 * want.abs() + 1e-6).all(), (cfg, err.max().item())  # one bf16 rounding of the sum
+    unfused = (torch.nn.functional.linear(x, w).float() + res.float()).to(torch.bfloat16)
+    assert torch.equal(kernels.linear_unfused(x, w, residual=res), unfused)
+    got = kernels.linear(x, w, residual=res)  # whichever the dispatch takes: within two roundings
+    prod = _ref(x, w, False).abs()
+    err = (got.cpu().double() - want).abs()
+    assert (err <= 2**-7 * (want.abs() + prod) + 1e-6).all(), err.max().item()

@@ -198,8 +198,9 @@ winning for every product: 176 -> 152 kernels a step; benchmarks/gpu_decode_abla
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype;
-    `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T`, added to the float32 product
-    before its one rounding (a skip-norm's sum formed by the product that feeds it).
+    `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T` (a skip-norm's sum formed by the
+    product that feeds it), added to the float32 product before its one rounding by the Triton kernels; the
+    cuBLAS form rounds the product first (`linear_unfused`).
 
     A one-row product on a Triton device runs `triton_gemv` (the configuration measured fastest for its
     shape), and a product of 2..`SKINNY_ROWS` half-precision rows `triton_skinny` when, the first time its
@@ -534,18 +535,19 @@ def repair_after_failed_capture(dev: torch.device) -> None:  # pragma: cuda
 
 def linear_unfused(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False,
                    residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """The cuBLAS / torch form of `linear` (its reference). With a residual: `addmm` on CUDA and for float32
-    (the sum formed in the product's epilogue, one rounding); half precision on the CPU in float32 from 16
-    rows (one rounding), and for fewer rows (decode) the product rounded, then the sum (converting the weight
-    per call would cost more than the product)."""
+    """The cuBLAS / torch form of `linear` (its reference). With a residual (not with `silu_halves`): in
+    float32 `addmm`; in half precision the product is rounded, then the sum is formed in float32 and rounded
+    (the values of the unfused product and skip-norm): cuBLAS's bf16 `addmm` did not keep to one rounding
+    either (H100, 2026-12-05: 200 rows failed the one-rounding bound of `tests/test_skinny_kernel.py`; the
+    cause not isolated — torch lets cuBLAS reduce bf16 in reduced precision by default), and converting the
+    weight to float32 per call would cost more than the product. The Triton paths (one-row GEMV, few-row
+    GEMM) add the residual before their one rounding."""
     if residual is not None:
         assert not silu_halves
         x2 = x.reshape(-1, x.shape[-1])
         r2 = residual.reshape(x2.shape[0], w.shape[0])
-        if x.is_cuda or x.dtype == torch.float32:
+        if x.dtype == torch.float32:
             y = torch.addmm(r2, x2, w.t())
-        elif x2.shape[0] >= 16:
-            y = torch.addmm(r2.float(), x2.float(), w.t().float()).to(x.dtype)
         else:
             y = (F.linear(x2, w).float() + r2.float()).to(x.dtype)
         return y.reshape(*x.shape[:-1], w.shape[0])
