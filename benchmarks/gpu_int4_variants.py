@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from onnxgen.backends.native.ops.quant import dequant_matmul_nbits, kmajor
+from onnxgen.backends.native.ops.quant import INT4_CONFIGS, dequant_matmul_nbits, kmajor
 from onnxgen.backends.native.triton_int4 import _at, int4_linear
 from onnxgen.package.int4 import unpack_nibbles
 
@@ -478,9 +478,7 @@ def main():
               ((1, 8, 4), (2, 8, 4), (4, 4, 4), (4, 8, 8), (2, 16, 4), (1, 16, 4), (8, 4, 8), (8, 2, 4))]  # fmt: skip
     v5cfgs = [(bn, bl, nw, conv) for conv in (1, 0) for bn, bl, nw in
               ((8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8))]  # fmt: skip
-    v7cfgs = [(bn, bk8, nw, sch) for sch in (1, 0) for bn, bk8, nw in
-              ((16, 64, 4), (32, 64, 4), (16, 128, 8), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2),
-               (16, 32, 2))]  # fmt: skip
+    v7cfgs = [(bn, bk8, nw, sch) for sch in (1, 0) for bn, bk8, nw in INT4_CONFIGS]  # what src/ chooses from
     v6cfgs = [(16, 32, 4), (8, 32, 4), (16, 16, 4), (32, 16, 8)]
     variants = {
         "v7": (run_v7, v7cfgs),

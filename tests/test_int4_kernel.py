@@ -34,7 +34,7 @@ def _weights(n: int, k: int, block: int, zp: str, seed: int = 0):
 
 
 @pytest.mark.parametrize("scheme", [1, 0])
-@pytest.mark.parametrize("tile", [(32, 64, 4), (16, 16, 4), (64, 8, 2)])  # (columns, word rows per step, warps)
+@pytest.mark.parametrize("tile", [(32, 64, 4), (16, 16, 4), (64, 8, 2), (8, 128, 4)])  # (columns, word rows per step, warps)
 @pytest.mark.parametrize("zp", ["none", "packed", "float"])
 @pytest.mark.parametrize(("m", "n", "k", "block"), [(1, 96, 256, 32), (3, 40, 200, 32), (2, 64, 384, 128),
                                                     (1, 64, 512, 16)])  # fmt: skip
@@ -137,3 +137,25 @@ def test_packed_gemv_adds_a_residual_before_rounding() -> None:
     got = int4_linear(xb, words, st, None, 256, 64, 32, residual=rb)
     assert got.dtype == torch.bfloat16
     assert float((got.float() - want.float()).abs().max()) <= float(want.float().abs().max()) * 2.0**-7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zp", ["none", "packed", "float"])
+@pytest.mark.parametrize(("n", "k", "block"), [(96, 256, 32), (40, 200, 32), (130, 384, 128), (64, 520, 16)])
+def test_dequant_kernel_writes_the_dense_weight_k_major(zp: str, n: int, k: int, block: int,
+                                                        dtype: torch.dtype) -> None:  # fmt: skip
+    """`int4_dequant` (prefill rows' weight, one pass) gives `dequant_kmajor`'s values bit for bit, as
+    `[K, N]`: partial last blocks, N and K not multiples of the tile, every zero-point form, and the merged
+    gate/up's columns (the words of 2N columns expanded whole)."""
+    from onnxgen.backends.native.ops.quant import dequant_kmajor
+    from onnxgen.backends.native.triton_int4 import int4_dequant
+
+    packed, scales, z = _weights(n, k, block, zp, seed=n + k)
+    words, st, zt = kmajor(packed.to(DEVICE), scales.to(dtype).to(DEVICE), None if z is None else z.to(DEVICE), k,
+                           n, block)  # fmt: skip
+    got = int4_dequant(words, st, zt, k, n, block, dtype)
+    w32 = dequant_kmajor(words, st, zt, k, n, block, torch.float32)  # float32 math, then one rounding
+    if DEVICE == "cpu" and dtype == torch.bfloat16:  # the interpreter rounds toward zero (see test_gemv_kernel)
+        w32 = (w32.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    assert got.shape == (k, n) and got.dtype == dtype
+    assert torch.equal(got.cpu(), w32.to(dtype).T.cpu())

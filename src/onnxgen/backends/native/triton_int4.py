@@ -23,7 +23,11 @@ and the sums of the x elements read at each position. Its error against float64 
 `1 + q / 16`: eight shifts per word, float32's own error). Its contract is
 `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it under `TRITON_INTERPRET=1` on
 the CPU). Used by the lowering's `Int4Linear` with `int4="packed"` (`ops.quant`); the default still
-dequantizes at load. Not yet timed on a GPU (docs/benchmarks/decode-gpu.md, 2026-12-05).
+dequantizes at load. On an H100 (2026-12-05) the 8B's chain of products read 1.76 TB/s of packed bytes, 1.6x
+the N-major design (docs/benchmarks/decode-gpu.md).
+
+`int4_dequant` writes the dense weight K-major (`[K, N]`, one pass: each word's eight values to eight rows,
+stores contiguous along N) for products of more rows (prefill chunks), which then run as one dense matmul.
 """
 
 from __future__ import annotations
@@ -234,3 +238,42 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
     if norm is None:
         return out
     return out, (None if total is None else total.reshape(x.shape))
+
+
+@triton.jit
+def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, LD, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr,
+                        ZP: tl.constexpr):  # fmt: skip
+    """OUT[k, c] = (q(k, c) - z) * s for the K-major words `W` `[KW, LD]` (columns 0..N-1 used), scales and
+    zero points `[n_blocks, LD]`: program (i, j) expands word rows `i * BK8 ..` of columns `j * BLOCK_N ..`,
+    nibble `t` of each word to row `8 r + t` (rows past K are padding and not stored)."""
+    rw = tl.program_id(0) * BK8 + tl.arange(0, BK8)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = (rn < N)[None, :]
+    m = (rw < KW)[:, None] & nmask
+    w = tl.load(W + rw[:, None].to(tl.int64) * LD + rn[None, :], mask=m, other=0)
+    at = (rw * 8 // BLOCK)[:, None].to(tl.int64) * LD + rn[None, :]
+    s = tl.load(S + at, mask=m, other=0.0).to(tl.float32)
+    if ZP == 0:
+        z = 8.0
+    else:
+        z = tl.load(Z + at, mask=m, other=0).to(tl.float32)
+    for t in tl.static_range(8):
+        q = ((w >> (4 * t)) & 15).to(tl.float32)
+        row = rw * 8 + t
+        tl.store(OUT + row[:, None].to(tl.int64) * N + rn[None, :], ((q - z) * s).to(OUT.dtype.element_ty),
+                 mask=(row < K)[:, None] & nmask)  # fmt: skip
+
+
+def int4_dequant(words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int,
+                 block: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The K-major tensors of `ops.quant.kmajor` (`n` of their columns) -> the dense weight `[K, N]` in
+    `dtype`: `ops.quant.dequant_kmajor`'s values (computed in float32, rounded once), transposed."""
+    assert words.dtype == torch.int32 and block % 8 == 0 and words.shape[1] >= n
+    out = torch.empty((k, n), dtype=dtype, device=words.device)
+    zmode = 0 if zero_points is None else 1
+    bk8, bn = 32, 64
+    int4_dequant_kernel[(triton.cdiv(words.shape[0], bk8), triton.cdiv(n, bn))](
+        words, scales, scales if zero_points is None else zero_points, out, k, n, words.shape[0], words.shape[1],
+        BLOCK=block, BLOCK_N=bn, BK8=bk8, ZP=zmode, num_warps=4,
+    )  # fmt: skip
+    return out

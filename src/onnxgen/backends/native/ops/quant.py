@@ -96,11 +96,17 @@ GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode 
 
 
 INT4_CONFIGS = ((16, 64, 4), (32, 64, 4), (16, 128, 8), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2),
-                (16, 32, 2))
+                (16, 32, 2), (8, 128, 4), (8, 256, 8), (16, 256, 16))
 """(output columns, word rows per step, warps) tried for each packed int4 GEMV shape (`triton_int4`); each
 compiles to a loop with no barrier or shuffle on sm_90 (checked offline with `benchmarks/sass_stats.py`:
 other shapes made Triton move x through shared memory every step). 16 x 128 x 8 warps gives a 4,096-row
-product two programs of 8 warps per multiprocessor, for more loads in flight."""
+product two programs of 8 warps per multiprocessor, for more loads in flight. On the H100 (2026-12-05) the
+timing chose 16 x 128 x 8 for the 8B's 4,096-column products and 16 x 64 x 4 for its gate/up, the
+narrowest tiles offered, at 52 % of DRAM peak with the warps waiting on their loads (Nsight Compute): so
+narrower and deeper ones are offered too (8 x 128 x 4: twice the programs; 8 x 256 x 8 and 16 x 256 x 16:
+a 4,096-long K in two steps), each with the same 8 words a thread per step and a barrier-free loop of
+272–276 instructions (sm_90, `sass_stats.py`; 16 x 256 x 8 and 16 x 128 x 4 are not: 16 words a thread
+move through shared memory)."""
 
 
 def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int,
@@ -152,7 +158,8 @@ def _int4_fold_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, 
 def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
                     norm: tuple[Any, Any, float] | None = None, residual: Any = None) -> Any:  # fmt: skip
     """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`), else the weight
-    dequantized for this call (float32 on the CPU) and one product, rounded to x's dtype (`silu`: then
+    dequantized for this call (`triton_int4.int4_dequant` where Triton runs; float32 on the CPU) and one
+    product, rounded to x's dtype (`silu`: then
     `silu(g) * u` of the halves, as the unfused ops). `norm` = (skip, weight, eps): x is RMS-normalised
     first and the result is (product, residual sum or None) — in the GEMV (`triton_int4`; on CUDA where
     `_int4_fold_choice` timed it faster) or by `kernels.rms_norm` first. `residual` (`[..., N]`, not with
@@ -169,8 +176,13 @@ def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, bl
         h, total = kernels.rms_norm(x, *norm)
         return _packed_product(h, words, scales, zp, k, n, block, silu), total
     cols = 2 * n if silu else n
-    w = dequant_kmajor(words, scales, zp, k, cols, block, torch.float32 if x.device.type == "cpu" else x.dtype)
-    y = torch.nn.functional.linear(x.to(w.dtype), w)
+    if kernels.use_triton(x):  # one pass into a K-major dense weight, then one product
+        from onnxgen.backends.native.triton_int4 import int4_dequant
+
+        y = torch.matmul(x, int4_dequant(words, scales, zp, k, cols, block, x.dtype))
+    else:
+        w = dequant_kmajor(words, scales, zp, k, cols, block, torch.float32 if x.device.type == "cpu" else x.dtype)
+        y = torch.nn.functional.linear(x.to(w.dtype), w)
     if residual is not None:
         y = y.float() + residual.float()
     y = y.to(x.dtype)
