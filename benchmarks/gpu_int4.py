@@ -76,7 +76,7 @@ def main() -> int:
     cuda = args.device == "cuda"
     packages = builder_packages(args) if args.tokenizer is not None else synthetic_packages(args)
     rows = []
-    margins: list[Any] = []
+    step_logits: list[Any] = []  # per package: the raw logits of its first 32 greedy steps
     for label, pkg, opts, vocab in packages:
         disk = sum(f.stat().st_size for f in pkg.iterdir())
         if cuda:  # the previous engine's weights and KV pool gone before the next loads (80 GB cards)
@@ -97,7 +97,7 @@ def main() -> int:
         # the raw logits of each greedy step (a slower path: only for the margins where tokens differ)
         logits = m.generate(prompt, max_new_tokens=32, reuse=False, stop=[], temperature=0, output_logits=True).logits
         rows.append((label, disk / 1e9, load_s, weights / 1e9, ttft, tps, runs[0].tokens[:32]))
-        margins.append(logits)
+        step_logits.append(logits)
         print(f"{label}: {tps:.1f} tok/s, weights {weights / 1e9:.2f} GB", flush=True)
         m.close()
         del m, runner
@@ -109,14 +109,15 @@ def main() -> int:
         print(f"| {label} | {d:.2f} | {ld:.1f} | {wg:.2f} | {ttft:.1f} | {tps:.1f} | {same} |")
     print("\nwhere greedy tokens part from the dequantized int4 run's: the reference's top-2 logit margin there")
     print("(a margin within both runs' rounding differences is not a clear one; the median margin is for scale)")
-    for (label, *_, toks), lg in zip(rows, margins, strict=True):
+    ref_logits = step_logits[1]
+    top = np.sort(ref_logits, axis=-1)[:, -2:]
+    gap = top[:, 1] - top[:, 0]  # the reference's top-2 margin at each step
+    for (label, *_, toks), lg in zip(rows, step_logits, strict=True):
         if label == "bf16" or toks == ref:
             continue
         i = next(j for j, (a, b) in enumerate(zip(toks, ref, strict=False)) if a != b)
-        top = np.sort(margins[1], axis=-1)[:, -2:]
-        gap = top[:, 1] - top[:, 0]
         print(f"{label}: first differs at step {i}; reference margin there {gap[i]:.4f}, median {np.median(gap):.4f};"
-              f" this run's logits there differ from the reference's by {np.abs(lg[i] - margins[1][i]).max():.4f}")
+              f" this run's logits there differ from the reference's by {np.abs(lg[i] - ref_logits[i]).max():.4f}")
     return 0
 
 

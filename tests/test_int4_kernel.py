@@ -145,8 +145,7 @@ def test_packed_gemv_adds_a_residual_before_rounding() -> None:
 def test_dequant_kernel_writes_the_dense_weight_k_major(zp: str, n: int, k: int, block: int,
                                                         dtype: torch.dtype) -> None:  # fmt: skip
     """`int4_dequant` (prefill rows' weight, one pass) gives `dequant_kmajor`'s values bit for bit, as
-    `[K, N]`: partial last blocks, N and K not multiples of the tile, every zero-point form, and the merged
-    gate/up's columns (the words of 2N columns expanded whole)."""
+    `[K, N]`: partial last blocks, N and K not multiples of the tile, every zero-point form."""
     from onnxgen.backends.native.ops.quant import dequant_kmajor
     from onnxgen.backends.native.triton_int4 import int4_dequant
 

@@ -257,7 +257,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, i
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bn, bk, warps, stages = cfg
     bm = min(128, max(16, 1 << (m - 1).bit_length()))
-    res = _residual_rows(residual, m, n, y)
+    res = residual_rows(residual, m, n, y)
     _TRITON["skinny"][(triton_cdiv(n, bn), triton_cdiv(m, bm))](
         x2, w, y, m, n, k, x2.stride(0), y.stride(0), res, res.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         SILU=silu, HAS_RES=residual is not None, IEEE=not x.is_cuda, num_warps=warps, num_stages=stages,
@@ -326,7 +326,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     rb = min(r, ROWS_PER_PROGRAM)
     x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE)
     assert residual is None or not (silu or rope is not None)
-    res = _residual_rows(residual, r, n, y)
+    res = residual_rows(residual, r, n, y)
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
         s if s is not None else y, eps, *ra, res,
@@ -338,14 +338,13 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     return y
 
 
-def _residual_rows(residual: torch.Tensor | None, rows: int, n: int, y: torch.Tensor) -> torch.Tensor:
-    """A product's residual as contiguous `[rows, n]` (y's dtype), or y itself when there is none (an
-    argument the kernel never reads)."""
+def residual_rows(residual: torch.Tensor | None, rows: int, n: int, y: torch.Tensor) -> torch.Tensor:
+    """A product's residual as contiguous `[rows, n]` in the dtype of its output `y` (a fresh `[rows, n]`
+    tensor), or y itself when there is none (an argument the kernel never reads)."""
     if residual is None:
-        return y.view(-1, n) if y.is_contiguous() else y.reshape(-1, n)
-    res = residual.reshape(rows, n)
-    assert res.dtype == y.dtype, (res.dtype, y.dtype)
-    return res if res.stride(1) == 1 and res.stride(0) == n else res.contiguous()
+        return y.view(rows, n)
+    assert residual.dtype == y.dtype, (residual.dtype, y.dtype)
+    return residual.reshape(rows, n).contiguous()
 
 
 X_IN_TILE = os.environ.get("ONNXGEN_GEMV_X2D", "1") == "1"

@@ -10,8 +10,8 @@ same values as the unfused product followed by `silu_mul`). With `NORM`, x is fi
 `ROPE` the product is a layer's packed QKV with each rotation pair in adjacent rows: the epilogue rotates q
 and k and writes k and v into the KV cache, so rotary costs no launch either. With `HAS_RES` (neither
 SILU nor ROPE) the row `RES` is added to the float32 dot product before its one rounding: the product that
-feeds a skip-norm forms the norm's sum itself (`lowering._residual_into_product`). One program owns `BLOCK_N` output rows of one row of x and
-walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
+feeds a skip-norm forms the norm's sum itself (`lowering._residual_into_product`). One program owns
+`BLOCK_N` output rows of one row of x and walks K in `BLOCK_K` steps, keeping a `[BLOCK_N, BLOCK_K]` float32 partial sum that is reduced once at the
 end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs to keep HBM busy.
 
 Rows (`R`, not specialised; the constexprs `ONE` and `RB` give a decode step's one-row launch and a verify

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.kernels import launch_options
+from onnxgen.backends.native.kernels import launch_options, residual_rows
 from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait
 
 
@@ -222,16 +222,15 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
     skip, nw, eps = norm if norm is not None else (None, x2, 0.0)
     skip2 = skip.reshape(-1, k).contiguous() if skip is not None else None
     total = torch.empty_like(x2) if skip2 is not None else None
-    res = residual.reshape(-1, n).contiguous() if residual is not None else None
     zmode = 0 if zero_points is None else (1 if zero_points.dtype == torch.uint8 else 2)
     if scheme is None:
         scheme = 0 if x.dtype == torch.float32 else 1
     even = (nb * block // 8) % bk8 == 0 and n % block_n == 0 and k % block == 0
     int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
         x2, words, scales, scales if zero_points is None else zero_points, y, x2 if skip2 is None else skip2, nw,
-        x2 if total is None else total, eps, y if res is None else res, k, n, ld, nb, x2.stride(0), y.stride(0),
-        0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme, SILU=silu,
-        NORM=norm is not None, HAS_SKIP=skip2 is not None, HAS_RES=res is not None, num_warps=warps,
+        x2 if total is None else total, eps, residual_rows(residual, x2.shape[0], n, y), k, n, ld, nb, x2.stride(0),
+        y.stride(0), 0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme,
+        SILU=silu, NORM=norm is not None, HAS_SKIP=skip2 is not None, HAS_RES=residual is not None, num_warps=warps,
         **launch_options(x),
     )  # fmt: skip
     out = y.reshape(*x.shape[:-1], n)
@@ -241,17 +240,17 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
 
 
 @triton.jit
-def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, LD, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr,
+def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr,
                         ZP: tl.constexpr):  # fmt: skip
-    """OUT[k, c] = (q(k, c) - z) * s for the K-major words `W` `[KW, LD]` (columns 0..N-1 used), scales and
-    zero points `[n_blocks, LD]`: program (i, j) expands word rows `i * BK8 ..` of columns `j * BLOCK_N ..`,
-    nibble `t` of each word to row `8 r + t` (rows past K are padding and not stored)."""
+    """OUT[k, c] = (q(k, c) - z) * s for the K-major words `W` `[KW, N]`, scales and zero points
+    `[n_blocks, N]`: program (i, j) expands word rows `i * BK8 ..` of columns `j * BLOCK_N ..`, nibble `t`
+    of each word to row `8 r + t` (rows past K are padding and not stored)."""
     rw = tl.program_id(0) * BK8 + tl.arange(0, BK8)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = (rn < N)[None, :]
     m = (rw < KW)[:, None] & nmask
-    w = tl.load(W + rw[:, None].to(tl.int64) * LD + rn[None, :], mask=m, other=0)
-    at = (rw * 8 // BLOCK)[:, None].to(tl.int64) * LD + rn[None, :]
+    w = tl.load(W + rw[:, None].to(tl.int64) * N + rn[None, :], mask=m, other=0)
+    at = (rw * 8 // BLOCK)[:, None].to(tl.int64) * N + rn[None, :]
     s = tl.load(S + at, mask=m, other=0.0).to(tl.float32)
     if ZP == 0:
         z = 8.0
@@ -266,14 +265,13 @@ def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, LD, BLOCK: tl.constexpr, BLOCK_N
 
 def int4_dequant(words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int,
                  block: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """The K-major tensors of `ops.quant.kmajor` (`n` of their columns) -> the dense weight `[K, N]` in
-    `dtype`: `ops.quant.dequant_kmajor`'s values (computed in float32, rounded once), transposed."""
-    assert words.dtype == torch.int32 and block % 8 == 0 and words.shape[1] >= n
+    """The K-major tensors of `ops.quant.kmajor` (`n` columns: 2N for a merged gate/up) -> the dense weight
+    `[K, n]` in `dtype`: `ops.quant.dequant_kmajor`'s values (computed in float32, rounded once), transposed."""
+    assert words.dtype == torch.int32 and block % 8 == 0 and words.shape[1] == n
     out = torch.empty((k, n), dtype=dtype, device=words.device)
     zmode = 0 if zero_points is None else 1
     bk8, bn = 32, 64
     int4_dequant_kernel[(triton.cdiv(words.shape[0], bk8), triton.cdiv(n, bn))](
-        words, scales, scales if zero_points is None else zero_points, out, k, n, words.shape[0], words.shape[1],
-        BLOCK=block, BLOCK_N=bn, BK8=bk8, ZP=zmode, num_warps=4,
+        words, scales, scales if zero_points is None else zero_points, out, k, n, words.shape[0], BLOCK=block, BLOCK_N=bn, BK8=bk8, ZP=zmode, num_warps=4,
     )  # fmt: skip
     return out
