@@ -11,9 +11,7 @@ splits' partial attention results; `attention`: the paged attention and its comb
 kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded norms scale the product at
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
-shared memory, `kernels.X_IN_TILE` off; `merge` / `nomerge`: a decode's key splits merged by the last
-split to finish or by the combine launch, `paged.MERGE_SPLITS`; `kN`: at least N keys per split,
-`paged.SPLIT_MIN_KEYS`; variants combine with `+`, e.g. `merge+k256`),
+shared memory, `kernels.X_IN_TILE` off),
 a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
 usual), then the batch-1 decode graph is replayed 200 times (CUDA events) and its kernels counted
 (torch.profiler). The outputs are garbage in every ablation but the variants: only the times mean
@@ -47,7 +45,7 @@ class _NoLaunch:
 
 def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     """Replace the launches `ablation` names; returns what to restore."""
-    from onnxgen.backends.native import kernels, paged
+    from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
     kernels._build()
@@ -74,16 +72,6 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
 
         saved.append((lowering, "_residual_into_product", lowering._residual_into_product))
         lowering._residual_into_product = lambda nodes, logits: None
-    if "merge" in parts:  # the splits of a decode's attention merged by the last one (no combine launch)
-        saved.append((paged, "MERGE_SPLITS", paged.MERGE_SPLITS))
-        paged.MERGE_SPLITS = True
-    if "nomerge" in parts:
-        saved.append((paged, "MERGE_SPLITS", paged.MERGE_SPLITS))
-        paged.MERGE_SPLITS = False
-    for part in parts:  # kN: at least N keys per split
-        if part[0] == "k" and part[1:].isdigit():
-            saved.append((paged, "SPLIT_MIN_KEYS", paged.SPLIT_MIN_KEYS))
-            paged.SPLIT_MIN_KEYS = int(part[1:])
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

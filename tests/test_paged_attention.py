@@ -114,45 +114,21 @@ def _triton_equals_torch(device: str, dt: torch.dtype, nsplit: int | None) -> No
             assert float((got - want).norm() / want.norm()) < tol, (shapes[0], window, softcap)
 
 
-# how the splits of a work item come together: a combine launch, or merged by the split that finishes last
-# (with the default fewest keys per split, and with at least 128: items of one split write directly)
-MERGES = [(False, 0), (True, 0), (True, 128)]
-
-
-def _merging(monkeypatch: pytest.MonkeyPatch, merge: bool, min_keys: int) -> None:
-    monkeypatch.setattr(paged, "MERGE_SPLITS", merge)
-    monkeypatch.setattr(paged, "SPLIT_MIN_KEYS", min_keys)
-
-
-def _counters_left_at_zero(device: str) -> None:
-    """Every merge leaves its counter at 0: the next launch (a captured graph's next replay) starts clean."""
-    counters = paged._counters.get(torch.device(device))
-    assert counters is None or int(counters.abs().sum()) == 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("nsplit", [None, 1, 3])
-@pytest.mark.parametrize("merge", MERGES)
-def test_cuda_triton_kernel_equals_the_torch_path(dtype: str, nsplit: int | None, merge: tuple[bool, int],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    _merging(monkeypatch, *merge)
+def test_cuda_triton_kernel_equals_the_torch_path(dtype: str, nsplit: int | None) -> None:
     _triton_equals_torch("cuda", getattr(torch, dtype), nsplit)
-    _counters_left_at_zero("cuda")
 
 
 @pytest.mark.parametrize("nsplit", [None, 1, 3])
-@pytest.mark.parametrize("merge", MERGES)
-def test_interpreted_triton_kernel_equals_the_torch_path(nsplit: int | None, merge: tuple[bool, int],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_interpreted_triton_kernel_equals_the_torch_path(nsplit: int | None) -> None:
     """The same on the CPU under `TRITON_INTERPRET=1` (float32: the interpreter multiplies bf16 operands of
     `tl.dot` as integers); skipped where Triton is not installed or not interpreted."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
     pytest.importorskip("triton")
-    _merging(monkeypatch, *merge)
     _triton_equals_torch("cpu", torch.float32, nsplit)
-    _counters_left_at_zero("cpu")
 
 
 def _per_token_rows_are_decode_bits(device: str, dt: torch.dtype) -> None:
@@ -178,21 +154,15 @@ def _per_token_rows_are_decode_bits(device: str, dt: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("merge", MERGES)
-def test_cuda_per_token_rows_are_the_bits_of_decode_steps(dtype: str, merge: tuple[bool, int],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    _merging(monkeypatch, *merge)
+def test_cuda_per_token_rows_are_the_bits_of_decode_steps(dtype: str) -> None:
     _per_token_rows_are_decode_bits("cuda", getattr(torch, dtype))
 
 
-@pytest.mark.parametrize("merge", MERGES)
-def test_interpreted_per_token_rows_are_the_bits_of_decode_steps(merge: tuple[bool, int],
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_interpreted_per_token_rows_are_the_bits_of_decode_steps() -> None:
     """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
     pytest.importorskip("triton")
-    _merging(monkeypatch, *merge)
     _per_token_rows_are_decode_bits("cpu", torch.float32)
 
 

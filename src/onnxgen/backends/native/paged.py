@@ -18,7 +18,6 @@ pages into contiguous keys and values and compute in float32, rounding the outpu
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,27 +139,6 @@ Tile = tuple[int, int, int, int]  # rows per program (BLOCK_M), keys per block (
 
 
 LARGE_ROWS = 64  # work items of more query rows (prefill chunks) may take the large tile
-# decode-size work items split over their keys merge the splits in the attention launch (the split that
-# finishes last), not in a second `paged_combine_kernel` launch
-MERGE_SPLITS = os.environ.get("ONNXGEN_MERGE_SPLITS", "0") == "1"
-# the fewest keys a split takes (0: one key block); a sequence's split still depends on its own length only
-SPLIT_MIN_KEYS = int(os.environ.get("ONNXGEN_SPLIT_MIN_KEYS", "0"))
-_COUNTERS = 1 << 14  # per-(work item, KV head) counters of the merged splits, per device
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, cells: int) -> torch.Tensor | None:
-    """The zeroed int32 counters the merging splits of one launch use (`cells` of them), allocated once per
-    device outside graph capture (each merge leaves its counter at 0 again); None where there are more cells
-    than counters, or where the first need comes during a capture (the step then takes the combine launch).
-    Kernels on one device run one attention at a time (one stream), so launches share the counters."""
-    if cells > _COUNTERS:
-        return None
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def tile_for(rows: int, fewest: int, group: int, d: int, fp32: bool = False) -> Tile:
@@ -219,7 +197,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     plan = ps.plan_len or max(ps.seq_lens)
     if nsplit is None:  # per token: planned as one decode (one item per KV head)
         nsplit = splits_for((1 if ps.per_token else w) * hkv, plan, block_m, q.device)
-    per = max(-(-plan // nsplit), SPLIT_MIN_KEYS)
+    per = -(-plan // nsplit)
     split = -(-per // block_n) * block_n  # whole key blocks
     nsplit = -(-plan // split)  # none empty at the plan's length
     qc = q.contiguous()
@@ -227,21 +205,18 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     direct = nsplit == 1
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
-    cnt = merge_counters(q.device, w * hkv) if MERGE_SPLITS and not direct and block_m <= LARGE_ROWS else None
-    nsp = max(2, 1 << (nsplit - 1).bit_length())
     tp.paged_attn_kernel[(w, hkv, nsplit)](
         qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
-        qc if cnt is None else cnt, float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1],
-        nsplit, SPLIT_MIN_KEYS, kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d,
-        DP=dp, PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, MERGE=cnt is not None,
-        NSP=nsp, CH=min(nsp, max(1, 8192 // (block_m * dp))), SOFTCAP=softcap > 0,
+        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
+        kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
+        PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages,
         **kernels.launch_options(q),
     )  # fmt: skip
-    if not direct and cnt is None:
+    if not direct:
         tp.paged_combine_kernel[(w, hkv, block_m)](
-            acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m, NSP=nsp,
-            num_warps=1, **kernels.launch_options(q),
+            acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m,
+            NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=1, **kernels.launch_options(q),
         )  # fmt: skip
     return out
 

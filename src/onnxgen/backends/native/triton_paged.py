@@ -4,10 +4,8 @@ The contract is `onnxgen.backends.native.paged.attention`'s; this module holds t
 program handles one work item (a sequence and a block of its query rows: token-major rows of the query
 heads that share KV head `h`, so a decode packs the whole group into one tile) against one split of that
 sequence's keys, reading them page by page through the page table. Scores are kept in base 2
-(`qk_scale` includes log2(e)). With several splits, partial results go to a scratch buffer and either
-`paged_combine_kernel` merges them (a second launch) or, with `MERGE`, the split that finishes last does:
-each split counts itself done in a per-(item, KV head) counter after storing its partials, and the one
-that sees every other split done loads all partials at once (`_merge_splits`) and resets the counter.
+(`qk_scale` includes log2(e)). With several splits, partial results go to a scratch buffer and
+`paged_combine_kernel` merges them.
 """
 
 import triton
@@ -33,47 +31,11 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
                          MASKED, SOFTCAP, IEEE)  # fmt: skip
 
 
-@triton.jit
-def _merge_splits(ACC, ML, OUT, base, active, qrow, rmask, dcol, dmask, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  DP: tl.constexpr, NSP: tl.constexpr, CH: tl.constexpr):  # fmt: skip
-    """The `active` splits' partials of one work item (rows `base + s * BLOCK_M + r` of ACC / ML) merged into
-    its output rows, as `paged_combine_kernel` merges them: the maxima and sums of all splits and the first
-    `CH` splits' accumulators are loaded at once (one round trip where `active <= CH`), later chunks of `CH`
-    after. Loads bypass L1 (`.cg`): the partials were written by other programs of this launch."""
-    r = tl.arange(0, BLOCK_M)
-    sp = tl.arange(0, NSP)
-    smask = (sp < active)[:, None]
-    ml = ML + 2 * (base + sp[:, None] * BLOCK_M + r[None, :])
-    mx_s = tl.load(ml, mask=smask, other=float("-inf"), cache_modifier=".cg")  # [NSP, BLOCK_M]
-    l_s = tl.load(ml + 1, mask=smask, other=0.0, cache_modifier=".cg")
-    c3 = tl.arange(0, CH)
-    cm = c3 < active
-    mc = tl.load(ML + 2 * (base + c3[:, None] * BLOCK_M + r[None, :]), mask=cm[:, None], other=float("-inf"),
-                 cache_modifier=".cg")  # fmt: skip
-    a = tl.load(ACC + (base + c3[:, None, None] * BLOCK_M + r[None, :, None]) * DP + dcol[None, None, :],
-                mask=cm[:, None, None], other=0.0, cache_modifier=".cg")  # [CH, BLOCK_M, DP]  # fmt: skip
-    mx = tl.max(mx_s, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    den = tl.sum(tl.where(mx_s > float("-inf"), tl.exp2(mx_s - mx[None, :]), 0.0) * l_s, 0)
-    o = tl.sum(a * tl.where(mc > float("-inf"), tl.exp2(mc - mx[None, :]), 0.0)[:, :, None], 0)
-    for c in range(CH, active, CH):  # more splits than one chunk (long contexts, deep plans)
-        s3 = c + c3
-        cm = s3 < active
-        mc = tl.load(ML + 2 * (base + s3[:, None] * BLOCK_M + r[None, :]), mask=cm[:, None],
-                     other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-        a = tl.load(ACC + (base + s3[:, None, None] * BLOCK_M + r[None, :, None]) * DP + dcol[None, None, :],
-                    mask=cm[:, None, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        o += tl.sum(a * tl.where(mc > float("-inf"), tl.exp2(mc - mx[None, :]), 0.0)[:, :, None], 0)
-    o = o / tl.where(den > 0, den, 1.0)[:, None]
-    tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
-
-
-@triton.jit(do_not_specialize=["NSPLIT", "MAXP", "MINK"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CNT, qk_scale, softcap, window, MAXP, NSPLIT, MINK,
+@triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DIRECT: tl.constexpr, MERGE: tl.constexpr, NSP: tl.constexpr, CH: tl.constexpr,
-                      SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -94,9 +56,8 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CNT, qk_scale, so
     qrow = ((qs + tok) * N + h * G + grp).to(tl.int64)
     q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     item_hi = tl.max(tl.where(rmask, limit, 0), 0)  # the keys this item's rows see
-    # keys per split (at least MINK), whole blocks, from this item's own length: a sequence splits the same in
-    # any step
-    split = (tl.maximum((item_hi + NSPLIT - 1) // NSPLIT, MINK) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    # keys per split, whole blocks, from this item's own length: a sequence splits the same in any step
+    split = ((item_hi + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = sp * split
     hi = tl.minimum(lo + split, item_hi)
     if window > 0:
@@ -123,26 +84,6 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CNT, qk_scale, so
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
                  mask=rmask[:, None] & dmask[None, :])  # fmt: skip
-    elif MERGE:
-        active = (item_hi + split - 1) // split  # the splits holding keys of this item (the rest have nothing)
-        if active == 1:  # a short item: split 0 is the whole
-            if sp == 0:
-                o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-                tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
-                         mask=rmask[:, None] & dmask[None, :])  # fmt: skip
-        elif sp < active:
-            cell = w * tl.num_programs(1) + h
-            base = (cell * NSPLIT).to(tl.int64) * BLOCK_M
-            r = tl.arange(0, BLOCK_M)
-            item = base + sp * BLOCK_M
-            tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc)
-            tl.store(ML + 2 * (item + r), m_i)
-            tl.store(ML + 2 * (item + r) + 1, l_i)
-            tl.debug_barrier()  # every thread's partials stored before the count is released (gpu scope)
-            done = tl.atomic_add(CNT + cell, 1, sem="acq_rel", scope="gpu")
-            if done == active - 1:  # every other split is done: merge, and leave the counter at 0
-                tl.store(CNT + cell, 0)
-                _merge_splits(ACC, ML, OUT, base, active, qrow, rmask, dcol, dmask, D, BLOCK_M, DP, NSP, CH)
     else:
         item = ((w * tl.num_programs(1) + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M
         r = tl.arange(0, BLOCK_M)
