@@ -16,7 +16,8 @@
 #   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
 #           (gpu_paged_attention.py)
 #   quick   the int4 kernel's tests and the GEMV's late-norm, x-in-tile and residual tests (and the few-row
-#           GEMM's residual test), in 8 processes (pytest-xdist); each failure's name
+#           GEMM's residual test, the paged attention's kernel tests), in 8 processes (pytest-xdist); each
+#           failure's name
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
 #           (kernels.NORM_LATE off), and
 #           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
@@ -30,7 +31,7 @@
 #           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
 #           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
 #           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md); SPEC_PRECISIONS=bf16
-#           runs only the bf16 package
+#           runs only the bf16 package, SPEC_RUNS=2,4 only those run lengths
 # Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
 set -u
 T0=$(date +%s)
@@ -58,7 +59,7 @@ for section in "$@"; do
               "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/hf /tmp/spkg_$prec \
               --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
             timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
-              --runs 5 --tokens 128 --spec-runs 8,4,2 2>&1 | quiet | tail -16
+              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-8,4,2} 2>&1 | quiet | tail -16
           done ;;
     verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
               | quiet | tail -8
@@ -66,7 +67,8 @@ for section in "$@"; do
               timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2
             fi ;;
     quick) timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_int4_kernel.py \
-             tests/test_gemv_kernel.py tests/test_skinny_kernel.py -k "int4 or packed or late or same_bits or residual" \
+             tests/test_gemv_kernel.py tests/test_skinny_kernel.py tests/test_paged_attention.py \
+             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token" \
              2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;

@@ -148,16 +148,17 @@ def test_cancel_during_continued_runs(model: Any) -> None:
     assert model.kv_stats()["pages_used"] == held
 
 
-def test_speculating_requests_run_shorter_runs(model: Any) -> None:
-    """A run that holds a speculating request is at most `spec_decode_steps` long (a match found on reading a
-    run is verified after the run launched behind it: shorter runs verify a copy sooner); its output is
-    plain decoding's, and a batch without speculation keeps `decode_steps`."""
+def test_copying_requests_run_shorter_runs(model: Any) -> None:
+    """A run that holds a copying request (a draft of it accepted lately) is at most `spec_decode_steps` long
+    (a match found on reading a run is verified after the run launched behind it: shorter runs verify a copy
+    sooner); before its first accepted draft a speculating request keeps `decode_steps`, as a batch without
+    speculation does; the output is plain decoding's."""
     prompt = [5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9, 2, 33, 7]  # something to copy
     ref = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative=False)
     model.decode_steps = 8
     spy = Spy(model)
     try:
-        assert model.spec_decode_steps == 4
+        assert model.spec_decode_steps == 2
         got = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative="prompt_lookup")
         spec_runs = list(spy.runs)
         spy.runs.clear()
@@ -166,7 +167,8 @@ def test_speculating_requests_run_shorter_runs(model: Any) -> None:
         model.executor.launch_decodes = spy._inner
         model.decode_steps = 1
     assert got.tokens == ref.tokens == plain.tokens
-    assert spec_runs and max(spec_runs) == 4
+    assert got.stats.accepted_tokens > 0
+    assert spec_runs and max(spec_runs) <= 8 and 2 in spec_runs
     assert max(spy.runs) == 8
 
 

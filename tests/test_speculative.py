@@ -111,6 +111,21 @@ def test_draft_lengths_fill_the_verify_size_they_fall_in() -> None:
     assert DraftControl(k=20, k_max=32, sizes=(4, 8, 16)).budget(0) == 20  # beyond the sizes: as asked
 
 
+def test_draft_control_is_hot_for_a_while_after_an_accepted_draft() -> None:
+    """`hot` (what shortens runs of decode steps): never before a draft is accepted, however many were
+    proposed and rejected; for `HOT_TOKENS` output tokens after one with tokens accepted; again after the next."""
+    c = DraftControl(k=4)
+    assert not c.hot(0)
+    c.update(4, 0, 10)  # rejected
+    assert not c.hot(10)
+    c.update(2, 1, 20)
+    assert c.hot(20) and c.hot(20 + c.HOT_TOKENS - 1) and not c.hot(20 + c.HOT_TOKENS)
+    c.update(1, 0, 60)  # a rejection does not end it early, nor extend it
+    assert not c.hot(60)
+    c.update(3, 3, 70)
+    assert c.hot(75)
+
+
 def test_draft_control_is_ready_only_with_a_budget_and_a_match() -> None:
     c = DraftControl(k=1, cooldown=4)
     prompt = [5, 6, 7, 8]

@@ -125,8 +125,11 @@ class DraftControl:
     `k_max` drafts in a few steps, and text with nothing to copy pays about one rejected one-token draft per
     `cooldown_max` tokens (what CUDA sets: there a verify step breaks a run of decode steps)."""
 
+    HOT_TOKENS = 32  # a request is `hot` for this many output tokens after a draft of it was accepted
+
     def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
                  ngram_min: int = 1, sizes: tuple[int, ...] = ()) -> None:  # fmt: skip
+        self._accepted_at: int | None = None  # the output length after the last draft with tokens accepted
         self.k = k
         self.k_max = k_max
         self.sizes = tuple(sorted(sizes))
@@ -166,6 +169,12 @@ class DraftControl:
         plain decode steps, so the next step can verify drafts."""
         return self.budget(len(output)) > 0 and bool(self.propose(prompt, output, 1))
 
+    def hot(self, generated: int) -> bool:
+        """Whether a draft was accepted within the last `HOT_TOKENS` of `generated` output tokens: the request
+        is copying, and more matches are likely soon (what shortens runs of decode steps on CUDA, so they are
+        verified sooner; a request that never had a draft accepted keeps full runs)."""
+        return self._accepted_at is not None and generated - self._accepted_at < self.HOT_TOKENS
+
     def update(self, proposed: int, accepted: int, generated: int) -> None:
         """After verifying `proposed` drafts of which the first `accepted` were kept, with `generated`
         tokens of output (the accepted ones included)."""
@@ -175,6 +184,7 @@ class DraftControl:
             return
         if accepted:
             self._wait = self.cooldown
+            self._accepted_at = generated
         if accepted == proposed:
             self.k = min(self.k_max, 2 * max(self.k, proposed))
         elif accepted == 0:

@@ -47,7 +47,7 @@ from onnxgen.package.spec import ModelSpec
 from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams, sample_rows
 
 DEFAULT_MAX_NEW_TOKENS = 256
-SPEC_DECODE_STEPS = 4  # decode steps per run at most while a request of the run speculates (`_run_steps`)
+SPEC_DECODE_STEPS = 2  # decode steps per run at most while a request of the run is copying (`_run_steps`)
 
 
 def _all_ints(seq: Sequence[Any]) -> bool:
@@ -146,16 +146,17 @@ class Engine:
             self.executor = SlotKV(self.pool)
         self.paged = self.executor.paged
         self.decode_steps = decode_steps or (8 if cuda and self.paged else 1)
-        # runs that hold a speculating request are shorter: a run is read after the next one is launched, and a
-        # match found on reading it is verified only after that next run, so a copy waits up to two runs'
-        # tokens before its drafts are verified (a schedule simulation of the edit workload on SmolLM2's
-        # greedy tokens: 1.84x with runs of 8, 2.13x with 4; docs/benchmarks/speculative-gpu.md)
+        # runs that hold a copying request (one whose drafts were accepted lately: `DraftControl.hot`) are
+        # shorter: a run is read after the next one is launched, and a match found on reading it is verified
+        # only after that next run, so a copy waits up to two runs' tokens before its drafts are verified
+        # (SmolLM2 bf16 on an H100, edit workload: 1.57x with runs of 8, 1.79x with 4, 1.95x with 2); a
+        # request with nothing accepted keeps full runs (shorter ones cost free text 5-11 %;
+        # docs/benchmarks/speculative-gpu.md)
         self.spec_decode_steps = SPEC_DECODE_STEPS
         # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
-        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA until it is measured beyond one small
-        # model at batch 1 (there: identical output, 2.14x / 1.51x on an edit in fp32 / bf16, nothing more
-        # than 2 % slower; a verify step beside other requests' decodes runs eagerly, outside the captured
-        # decode runs: docs/benchmarks/speculative-gpu.md)
+        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA, where text with nothing to copy
+        # still pays 1-4 % (SmolLM2 bf16, H100: edit 1.99x, free text 0.96x; a verify step beside other
+        # requests' decodes runs eagerly, outside the captured decode runs: docs/benchmarks/speculative-gpu.md)
         self.speculative: str | bool = "prompt_lookup" if self.device == "cpu" else False
         if self.paged:
             running = paged_running
@@ -493,7 +494,7 @@ class Engine:
         """How many decode steps to run back to back now (1: an ordinary step). More than one only when
         the KV is paged, every chunk is a plain decode whose choice needs nothing of the host (no
         processors or penalties, no logits kept, no drafts), and no waiting request could be admitted
-        meanwhile; at most `decode_steps` (`_run_steps`: fewer while a request speculates) and what every
+        meanwhile; at most `decode_steps` (`_run_steps`: fewer while a request copies) and what every
         request may still generate; pages for them all reserved (else 1)."""
         k = self._run_steps(chunks)
         sch = self.scheduler
@@ -509,8 +510,9 @@ class Engine:
         return 1
 
     def _run_steps(self, chunks: Sequence[Any]) -> int:
-        """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them speculates."""
-        if any(c.req.drafts is not None for c in chunks):
+        """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them is copying
+        (a draft of it accepted lately, `DraftControl.hot`)."""
+        if any(c.req.drafts is not None and c.req.drafts.hot(len(c.req.output)) for c in chunks):
             return min(self.decode_steps, self.spec_decode_steps)
         return self.decode_steps
 
