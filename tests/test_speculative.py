@@ -126,6 +126,21 @@ def test_draft_control_is_hot_for_a_while_after_an_accepted_draft() -> None:
     assert c.hot(75)
 
 
+def test_drop_cold_stops_drafting_at_the_first_rejection_unless_copying() -> None:
+    """`drop_cold`: a fully rejected draft of a request that is not copying sets the draft length to 0 (the
+    wait then applies); while copying (`hot`) a rejection halves it as without the option."""
+    c = DraftControl(k=8, cooldown=5, drop_cold=True)
+    c.update(8, 0, 10)
+    assert c.k == 0 and c.budget(10) == 0 and c.budget(15) == 1
+    c = DraftControl(k=8, cooldown=5, drop_cold=True)
+    c.update(8, 8, 20)  # copying: the length grows
+    c.update(8, 0, 25)  # a rejection while hot: halved
+    assert c.k == 4 and c.hot(25)
+    plain = DraftControl(k=8, cooldown=5)
+    plain.update(8, 0, 10)
+    assert plain.k == 4
+
+
 def test_draft_control_is_ready_only_with_a_budget_and_a_match() -> None:
     c = DraftControl(k=1, cooldown=4)
     prompt = [5, 6, 7, 8]

@@ -128,7 +128,8 @@ class DraftControl:
     HOT_TOKENS = 32  # a request is `hot` for this many output tokens after a draft of it was accepted
 
     def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
-                 ngram_min: int = 1, sizes: tuple[int, ...] = ()) -> None:  # fmt: skip
+                 ngram_min: int = 1, sizes: tuple[int, ...] = (), drop_cold: bool = False) -> None:  # fmt: skip
+        self.drop_cold = drop_cold  # a fully rejected draft while not `hot` sets k to 0 (else: halves it)
         self._accepted_at: int | None = None  # the output length after the last draft with tokens accepted
         self.k = k
         self.k_max = k_max
@@ -188,10 +189,16 @@ class DraftControl:
         if accepted == proposed:
             self.k = min(self.k_max, 2 * max(self.k, proposed))
         elif accepted == 0:
-            self.k //= 2
+            self.k = 0 if self.drop_cold and not self.hot(generated) else self.k // 2
             if self.k == 0:
                 self._resume = generated + self._wait
                 self._wait = min(self.cooldown_max, 2 * self._wait)
+
+
+# CUDA: a request that is not copying (`DraftControl.hot`) stops drafting at its first fully rejected draft
+# instead of halving its draft length (there each rejected verify costs a verify step and a broken chain of
+# decode runs); benchmarks/speculative.py times it as the `s` suffix of a run length (`--spec-runs 2,2s`)
+CUDA_DROP_COLD = False
 
 
 def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
@@ -202,5 +209,5 @@ def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
     rejected retries doubles up to 256 tokens. On the CPU the plain settings measured best
     (docs/benchmarks/speculative-cpu.md)."""
     if cuda:
-        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes)
+        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, drop_cold=CUDA_DROP_COLD)
     return DraftControl(sizes=sizes)
