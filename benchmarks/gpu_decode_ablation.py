@@ -11,7 +11,8 @@ splits' partial attention results; `attention`: the paged attention and its comb
 kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded norms scale the product at
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
-shared memory, `kernels.X_IN_TILE` off),
+shared memory, `kernels.X_IN_TILE` off; `prefetch`: the paged attention reads its metadata and first key
+block before waiting for the QKV product, `kernels.ATTN_PREFETCH`),
 a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
 usual), then the batch-1 decode graph is replayed 200 times (CUDA events) and its kernels counted
 (torch.profiler). The outputs are garbage in every ablation but the variants: only the times mean
@@ -72,6 +73,9 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
 
         saved.append((lowering, "_residual_into_product", lowering._residual_into_product))
         lowering._residual_into_product = lambda nodes, logits: None
+    if "prefetch" in parts:  # the paged attention reads all but q and this step's rows before its wait
+        saved.append((kernels, "ATTN_PREFETCH", kernels.ATTN_PREFETCH))
+        kernels.ATTN_PREFETCH = True
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

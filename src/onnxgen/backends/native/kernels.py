@@ -188,6 +188,12 @@ ROWS_PER_PROGRAM = max(1, int(os.environ.get("ONNXGEN_GEMV_ROWS", "4")))
 """A GEMV program's rows of x at most (`triton_gemv`: one after another over one weight tile; a verify
 step's products). `ONNXGEN_GEMV_ROWS` overrides it (benchmarks/gpu_verify_cost.py)."""
 NORM_LATE = os.environ.get("ONNXGEN_NORM_LATE", "1") == "1"
+# The paged attention reads, before waiting for the QKV product (programmatic dependent launch), what no
+# kernel of this step writes: its work item, the page table, the sequence length and the first key block's
+# keys and values except this step's rows (read after the wait). Safe because the kernels that precede it
+# (the QKV GEMV with the rotary epilogue, the rotary kernel) let it start only after their own wait, i.e.
+# once every kernel before them has finished (`triton_kernels.pdl_begin_late`). ONNXGEN_ATTN_PREFETCH=1.
+ATTN_PREFETCH = os.environ.get("ONNXGEN_ATTN_PREFETCH", "0") == "1"
 """Whether a GEMV with its RMSNorm folded in scales its dot product at the end (`triton_gemv`'s `LATE`: no
 reduction before the first multiply-add, the normalised row not rounded) instead of normalising x first.
 On since it measured faster (0.5B decode graph on an H100, 2026-12-05: 0.629 -> 0.612 ms, the fold then
@@ -333,7 +339,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
         ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
-        num_warps=warps, **launch_options(x),
+        TRIGGER_LATE=rope is not None and ATTN_PREFETCH, num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
 
@@ -395,7 +401,8 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
         return None
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
-    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, x.device)
+    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, ATTN_PREFETCH,
+           x.device)  # fmt: skip
     cfg = CHOICES[key] if key in CHOICES else _rope_gemv_choice(key, x, w, rope, norm)
     if cfg is None:
         return None
@@ -648,7 +655,8 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
     _TRITON["rope_qkv"][(n + 2 * hkv, s)](
         qkv, cos_c, sin_c, positions, slots, q, kb, vb, q.stride(1), q.stride(2), kb.stride(1), kb.stride(2),
         vb.stride(1), vb.stride(2), cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, D=d, HALF=half,
-        DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved, num_warps=1, **launch_options(qkv),
+        DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved, LATE=ATTN_PREFETCH, num_warps=1,
+        **launch_options(qkv),
     )  # fmt: skip
     return q
     # pragma: cuda-end
