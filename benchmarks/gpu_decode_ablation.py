@@ -12,7 +12,8 @@ kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded no
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
 shared memory, `kernels.X_IN_TILE` off; `prefetch`: the paged attention reads its metadata and first key
-block before waiting for the QKV product, `kernels.ATTN_PREFETCH`),
+block before waiting for the QKV product, `kernels.ATTN_PREFETCH`; `argmax`: the decode graph's greedy
+choice as partial maxima and a pick inside the advance kernel, `kernels.GREEDY_IN_ADVANCE`),
 a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
 usual), then the batch-1 decode graph is replayed 200 times (CUDA events) and its kernels counted
 (torch.profiler). The outputs are garbage in every ablation but the variants: only the times mean
@@ -76,6 +77,9 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     if "prefetch" in parts:  # the paged attention reads all but q and this step's rows before its wait
         saved.append((kernels, "ATTN_PREFETCH", kernels.ATTN_PREFETCH))
         kernels.ATTN_PREFETCH = True
+    if "argmax" in parts:  # the greedy choice as partial maxima + the advance kernel, not torch.argmax
+        saved.append((kernels, "GREEDY_IN_ADVANCE", kernels.GREEDY_IN_ADVANCE))
+        kernels.GREEDY_IN_ADVANCE = True
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

@@ -19,7 +19,9 @@
 #           GEMM's residual test, the paged attention's kernel tests), in 8 processes (pytest-xdist); each
 #           failure's name
 #   prefetch  the 0.5B and 1B decode graphs with and without the paged attention's prefetch before its
-#           dependency wait (kernels.ATTN_PREFETCH, ONNXGEN_ATTN_PREFETCH=1), interleaved three times
+#           dependency wait (kernels.ATTN_PREFETCH, ONNXGEN_ATTN_PREFETCH=1) and the greedy choice in the
+#           advance kernel (kernels.GREEDY_IN_ADVANCE, ONNXGEN_GREEDY_IN_ADVANCE=1), each alone and both,
+#           interleaved twice
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
 #           (kernels.NORM_LATE off), and
 #           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
@@ -69,11 +71,12 @@ for section in "$@"; do
               timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2
             fi ;;
     quick) timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_int4_kernel.py \
-             tests/test_gemv_kernel.py tests/test_skinny_kernel.py tests/test_paged_attention.py \
-             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or prefetch" \
+             tests/test_gemv_kernel.py tests/test_skinny_kernel.py tests/test_paged_attention.py tests/test_decode_runs.py \
+             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or prefetch or greedy_advance" \
              2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
     prefetch) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-                --ablations none,prefetch,none,prefetch,none,prefetch 2>&1 | quiet | grep -v "^$" | tail -20 ;;
+                --ablations none,prefetch,argmax,prefetch+argmax,none,prefetch,argmax,prefetch+argmax 2>&1 | quiet \
+                | grep -v "^$" | tail -24 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
     int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40

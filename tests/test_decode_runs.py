@@ -213,6 +213,38 @@ def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path) -> None:
     m.close()
 
 
+@pytest.mark.parametrize("in_advance", [False, True])
+def test_greedy_advance_chooses_each_rows_first_maximum(in_advance: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kernels.greedy_advance` (a captured decode step's greedy choice and advance; with `GREEDY_IN_ADVANCE`
+    on a Triton device, partial maxima per column block and the choice inside the advance) records each live
+    row's `torch.argmax` token: ties within a column block and across blocks go to the first column, a row of
+    -inf takes 0, bf16 logits, a width that is not a whole number of blocks; padding rows untouched."""
+    import torch
+
+    from onnxgen.backends.native import kernels
+
+    monkeypatch.setattr(kernels, "GREEDY_IN_ADVANCE", in_advance)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    b, mp, page, live, v = 5, 3, 4, 4, 3 * kernels._ARGMAX_BLOCK + 123
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(b, v, generator=g).to(torch.bfloat16)
+    logits[0, [7, 9000, 11000]] = 40.0  # ties: within the first block's reach and across blocks
+    logits[1, [5000, 5001, v - 1]] = 40.0  # ties inside one block and in the last, partial block
+    logits[2] = float("-inf")
+    logits[3, v - 1] = 50.0  # the maximum in the last column
+    pos = torch.tensor([0, 3, 7, 2, 5])
+    wide = torch.cat([torch.zeros(4 * b, dtype=torch.int64), torch.tensor([0, live])])
+    wide[b : 2 * b] = pos
+    narrow = torch.cat([(pos + 1).to(torch.int32), torch.arange(b * mp, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32)])
+    toks = torch.full((2, b), -1, dtype=torch.int64)
+    args = [t.to(dev) for t in (logits, wide, narrow, toks)]
+    kernels.greedy_advance(*args, b, mp, page)
+    want = [int(i) for i in logits.float().argmax(-1)[:live]]
+    assert want == [7, 5000, 0, v - 1]
+    assert args[3][0, :live].tolist() == want and args[3][0, live:].tolist() == [-1] * (b - live)
+    assert args[1][:live].tolist() == want and int(args[1][4 * b]) == 1
+
+
 def test_decode_advance_moves_each_live_row_to_its_next_step() -> None:
     """`kernels.decode_advance` (the tail of a captured decode step; Triton on CUDA, the torch reference
     elsewhere) against a row-by-row reading of its contract: padding rows untouched, slots through each

@@ -692,8 +692,40 @@ def decode_advance(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, 
         return
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     _TRITON["decode_advance"][(1,)](
-        top, wide, narrow, toks, batch, max_pages, toks.shape[0], PAGE=page,
-        BLOCK=max(16, 1 << (batch - 1).bit_length()), num_warps=4, **launch_options(top),
+        top, top, wide, narrow, toks, batch, max_pages, toks.shape[0], 1, PAGE=page,
+        BLOCK=max(16, 1 << (batch - 1).bit_length()), PART=False, CP=1, num_warps=4, **launch_options(top),
+    )  # fmt: skip
+    # pragma: cuda-end
+
+
+# A captured decode step's greedy choice in two Triton launches (partial maxima over column blocks, then the
+# first maximum of each row inside `decode_advance`) instead of `torch.argmax`'s one-block reduction, which
+# is not a programmatic-dependent launch. ONNXGEN_GREEDY_IN_ADVANCE=1; off until timed on the GPU.
+GREEDY_IN_ADVANCE = os.environ.get("ONNXGEN_GREEDY_IN_ADVANCE", "0") == "1"
+_ARGMAX_BLOCK = 4096  # columns per partial maximum
+
+
+def greedy_advance(logits: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, toks: torch.Tensor,
+                   batch: int, max_pages: int, page: int) -> None:  # fmt: skip
+    """`decode_advance(logits.argmax(-1), ...)` for `[batch, V]` logits: each row's token is its first maximum
+    (`torch.argmax`'s choice, ties to the first column). With `GREEDY_IN_ADVANCE` on a Triton device, one
+    launch writes partial maxima per block of columns and `decode_advance`'s launch picks each row's token
+    from them."""
+    if not (GREEDY_IN_ADVANCE and use_triton(logits)):
+        decode_advance(logits.argmax(-1), wide, narrow, toks, batch, max_pages, page)
+        return
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
+    rows, v = logits.shape
+    assert rows == batch and logits.stride(1) == 1
+    c = triton_cdiv(v, _ARGMAX_BLOCK)
+    pv = torch.empty((rows, c), dtype=torch.float32, device=logits.device)
+    pi = torch.empty((rows, c), dtype=torch.int32, device=logits.device)
+    _TRITON["argmax_part"][(rows, c)](logits, pv, pi, v, logits.stride(0), c, BLOCK=_ARGMAX_BLOCK, num_warps=4,
+                                      **launch_options(logits))  # fmt: skip
+    _TRITON["decode_advance"][(1,)](
+        pi, pv, wide, narrow, toks, batch, max_pages, toks.shape[0], c, PAGE=page,
+        BLOCK=max(16, 1 << (batch - 1).bit_length()), PART=True, CP=max(2, 1 << (c - 1).bit_length()),
+        num_warps=4, **launch_options(logits),
     )  # fmt: skip
     # pragma: cuda-end
 
@@ -729,5 +761,6 @@ def _build() -> None:  # pragma: cuda (Triton only)
 
     _TRITON = {"rms": tk.rms_kernel, "silu_mul": tk.silu_mul_kernel, "attn_split": tk.attn_split_kernel,
                "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel, "gemv": tg.gemv_kernel,
+               "argmax_part": tk.argmax_part_kernel,
                "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel, "skinny": ts.skinny_kernel,
                "copy_prefix": tk.copy_prefix_kernel}  # fmt: skip

@@ -47,7 +47,7 @@ from onnxgen.backends.native.device import (
     shared_program,
     torch_device,
 )
-from onnxgen.backends.native.kernels import copy_page_prefix, decode_advance, repair_after_failed_capture
+from onnxgen.backends.native.kernels import copy_page_prefix, greedy_advance, repair_after_failed_capture
 from onnxgen.backends.native.lowering import Program
 from onnxgen.backends.native.ops import RunCtx
 from onnxgen.errors import BackendUnavailable, DeviceOutOfMemory, NotCapturable
@@ -405,12 +405,12 @@ class NativeRunner:
 
     def _graph_body(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
         """What a graph runs: the forward step; a decode step then chooses each row's greedy token and
-        advances its own inputs to the next decode step (`kernels.decode_advance`; with no live rows, the
+        advances its own inputs to the next decode step (`kernels.greedy_advance`; with no live rows, the
         host fills every input before each replay, only a counter moves)."""
         out = self._graph_forward(g, ps)
         if g.toks is not None:
-            top = out.reshape(g.batch, -1).argmax(-1)
-            decode_advance(top, g.wide, g.narrow, g.toks, g.batch, self._max_pages, self.page_size)
+            greedy_advance(out.reshape(g.batch, -1), g.wide, g.narrow, g.toks, g.batch, self._max_pages,
+                           self.page_size)  # fmt: skip
         return out
 
     def _capture(self, batch: int, tokens: int, rows: int | None = None,

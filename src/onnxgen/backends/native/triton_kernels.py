@@ -245,16 +245,41 @@ def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sq_h, sq_s, sk_h, sk_s
 
 
 @triton.jit
-def decode_advance_kernel(TOP, WIDE, NARROW, TOKS, B, MP, KMAX, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):  # fmt: skip
-    """`kernels.decode_advance`: one program over the rows of a captured decode step."""
+def argmax_part_kernel(X, PV, PI, V, stride, C, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """`kernels.greedy_advance`'s first half: program (r, c) writes the maximum of row r's columns
+    `c * BLOCK ..` and the first column holding it (`PV`, `PI`: `[rows, C]`)."""
+    pdl_begin(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + r * stride + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    mx = tl.max(x, 0)
+    tl.store(PV + r * C + c, mx)
+    tl.store(PI + r * C + c, tl.min(tl.where((x == mx) & (offs < V), offs, 2147483647), 0))
+
+
+@triton.jit
+def decode_advance_kernel(TOP, PV, WIDE, NARROW, TOKS, B, MP, KMAX, C, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                          PART: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """`kernels.decode_advance`: one program over the rows of a captured decode step. `PART`: the tokens are
+    the first maxima of the `C` partial maxima per row (`TOP`: their columns, `PV`: their values,
+    `argmax_part_kernel`), the first column on ties as `torch.argmax`."""
     pdl_begin(PDL)
     r = tl.arange(0, BLOCK)
     ctl = WIDE + 4 * B  # [count of steps run, live rows]
     cnt = tl.load(ctl)
     live = tl.load(ctl + 1)
     m = r < live
-    tok = tl.load(TOP + r, mask=m, other=0)
+    if PART:
+        cc = tl.arange(0, CP)
+        pm = m[:, None] & (cc < C)[None, :]
+        at = r[:, None] * C + cc[None, :]
+        pv = tl.load(PV + at, mask=pm, other=float("-inf"))
+        pi = tl.load(TOP + at, mask=pm, other=2147483647)
+        best = tl.min(tl.where(pv == tl.max(pv, 1)[:, None], pi, 2147483647), 1)
+        tok = tl.where(best == 2147483647, 0, best).to(tl.int64)  # no maximum (NaN rows): token 0
+    else:
+        tok = tl.load(TOP + r, mask=m, other=0)
     tl.store(TOKS + (cnt % KMAX) * B + r, tok, mask=m)
     tl.store(WIDE + r, tok, mask=m)
     pos = tl.load(WIDE + B + r, mask=m, other=0) + 1
