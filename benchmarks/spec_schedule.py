@@ -7,7 +7,8 @@ measurements (what to try when device time is scarce; a GPU run of `speculative.
 Speculation is exact, so which drafts are accepted depends only on the plain greedy tokens: each workload of
 `speculative.py` is decoded once, greedy, on the CPU (ort, the default model unless MODEL), and the engine's
 CUDA schedule is replayed on those tokens with the engine's own draft control (`drafts.draft_control(True,
-sizes)`): decode runs of R steps, each read after the next one is launched, so a match found on reading a
+sizes)`): decode runs of R steps while the request is copying (`DraftControl.hot`, else 8; `Rs`: with
+`drafts.CUDA_DROP_COLD`), each read after the next one is launched, so a match found on reading a
 run is verified after the run behind it (`Engine._run_decodes`); a verify of n positions costs the verify
 graph of the next size up (`--verify-ms`, GPU) plus `--verify-host-ms`; a decode step costs `--decode-ms`.
 The defaults are the H200's on SmolLM2-135M bf16 (docs/benchmarks/speculative-gpu.md, 2026-12-05). Printed
@@ -26,12 +27,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 
+from onnxgen.engine import drafts
 from onnxgen.engine.drafts import DraftControl, draft_control
 
 
 def simulate(prompt: Sequence[int], greedy: Sequence[int], ctrl: DraftControl, run: int, decode_ms: float,
-             verify_ms: dict[int, float], verify_host_ms: float) -> tuple[float, int]:  # fmt: skip
-    """Predicted decode-phase milliseconds and verify steps for `greedy` (its first token from the prefill)."""
+             verify_ms: dict[int, float], verify_host_ms: float, full: int = 8) -> tuple[float, int]:  # fmt: skip
+    """Predicted decode-phase milliseconds and verify steps for `greedy` (its first token from the prefill):
+    runs of `run` steps while the request is copying (`DraftControl.hot`), of `full` otherwise."""
     sizes = sorted(verify_ms)
     out = [greedy[0]]
     n = len(greedy)
@@ -50,11 +53,11 @@ def simulate(prompt: Sequence[int], greedy: Sequence[int], ctrl: DraftControl, r
             verifies += 1
             continue
         while len(out) < n:  # a chain of runs; a match seen on reading one is verified after the next
-            r = min(run, n - len(out))
+            r = min(run if ctrl.hot(len(out)) else full, n - len(out))  # `Engine._run_steps`
             out.extend(greedy[len(out) : len(out) + r])
             t += r * decode_ms
             if len(out) < n and ctrl.ready(prompt, out):
-                r = min(run, n - len(out))
+                r = min(run if ctrl.hot(len(out)) else full, n - len(out))
                 out.extend(greedy[len(out) : len(out) + r])
                 t += r * decode_ms
                 break
@@ -67,7 +70,8 @@ def main() -> int:
     ap.add_argument("--decode-ms", type=float, default=0.448)
     ap.add_argument("--verify-ms", default="4:0.78,8:1.24,16:2.17")
     ap.add_argument("--verify-host-ms", type=float, default=0.15)
-    ap.add_argument("--runs", default="8,4,2", help="decode steps per run to compare")
+    ap.add_argument("--runs", default="8,4,2", help="decode steps per run while copying, to compare; a trailing "
+                    "s: with `drafts.CUDA_DROP_COLD`")
     ap.add_argument("--tokens", type=int, default=128)
     a = ap.parse_args()
     import onnxgen
@@ -83,9 +87,12 @@ def main() -> int:
         prompt = model.encode_prompt(msgs)
         greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False, speculative=False).tokens
         plain = (len(greedy) - 1) * a.decode_ms
-        policies = [("runs of 8, drafts as budgeted", 8, ())]
-        policies += [(f"runs of {r}, drafts fill the verify size", r, tuple(verify)) for r in map(int, a.runs.split(","))]
-        for label, run, sizes in policies:
+        policies = [("runs of 8, drafts as budgeted", "8", ())]
+        policies += [(f"runs of {r.rstrip('s')} while copying{', drop cold' if r.endswith('s') else ''}", r,
+                      tuple(verify)) for r in a.runs.split(",")]  # fmt: skip
+        for label, spec, sizes in policies:
+            drafts.CUDA_DROP_COLD = spec.endswith("s")
+            run = int(spec.rstrip("s"))
             ctrl = draft_control(True, sizes)
             ms, verifies = simulate(prompt, greedy, ctrl, run, a.decode_ms, verify, a.verify_host_ms)
             print(f"| {name} | {len(greedy)} | {label} | {plain / ms:.2f}x | {ctrl.accepted}/{ctrl.drafted} | "
