@@ -1,7 +1,7 @@
 """int4 (MatMulNBits) vs bf16 packages of the same shape on the native backend (CUDA).
 
-By default the native backend dequantizes int4 weights once at load into the model dtype; `int4="packed"`
-keeps them packed and runs decode rows through the Triton GEMV (`backends/native/triton_int4.py`). This
+`int4="dense"` dequantizes int4 weights once at load into the model dtype; `int4="packed"` (the default on
+CUDA) keeps them packed and runs decode rows through the Triton GEMV (`backends/native/triton_int4.py`). This
 measures both against bf16 in one run: load time, the weights' bytes on the device (the lowered program's
 tensors), TTFT at 512 tokens and batch-1 decode tok/s (median of 3, public API, greedy); `same tokens`
 compares the first 32 greedy tokens with the dequantized int4 run's.
@@ -41,7 +41,7 @@ def synthetic_packages(args: Any) -> list[tuple[str, Path, dict[str, Any], int]]
         pkg = Path(args.root) / (f"1b_{name}" if args.layers is None else f"1b_{name}_{args.layers}")
         if not (pkg / "genai_config.json").exists():
             write_package(pkg, cfg)
-        out.append((name, pkg, {}, base.vocab_size))
+        out.append((name, pkg, {"int4": "dense"} if name == "int4" else {}, base.vocab_size))
     return [*out, ("int4 packed", out[1][1], {"int4": "packed"}, base.vocab_size)]
 
 
@@ -57,7 +57,7 @@ def builder_packages(args: Any) -> list[tuple[str, Path, dict[str, Any], int]]:
         convert_checkpoint(hf, int4, precision="int4", execution_provider="cuda", progress=False)
         print(f"{args.shape}: builder int4 package in {time.perf_counter() - t:.1f}s", flush=True)
     v = SHAPES[args.shape].vocab_size
-    return [("bf16", bf16, {}, v), ("int4", int4, {}, v), ("int4 packed", int4, {"int4": "packed"}, v)]
+    return [("bf16", bf16, {}, v), ("int4", int4, {"int4": "dense"}, v), ("int4 packed", int4, {"int4": "packed"}, v)]
 
 
 def main() -> int:

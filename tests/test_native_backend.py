@@ -227,6 +227,19 @@ def _llama_f64(cfg: SyntheticConfig, w: dict[str, np.ndarray], ids: list[int]) -
     return (x @ head.T).numpy()
 
 
+def test_int4_mode_defaults_to_packed_on_cuda_and_dense_elsewhere() -> None:
+    """`int4=None` (what `onnxgen.load` passes when unset): packed weights on CUDA, dequantized at load on the
+    CPU; an explicit mode is kept; anything else is a typed error naming the field."""
+    import torch
+
+    from onnxgen.backends.native.device import int4_mode
+
+    assert int4_mode(None, torch.device("cuda")) == "packed" and int4_mode(None, torch.device("cpu")) == "dense"
+    assert int4_mode("dense", torch.device("cuda")) == "dense" and int4_mode("packed", torch.device("cpu")) == "packed"
+    with pytest.raises(onnxgen.errors.InvalidRequest, match="int4"):
+        int4_mode("nf4", torch.device("cpu"))
+
+
 @pytest.mark.parametrize("int4", ["dense", "packed"])
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_int4_matmulnbits_vs_float64_and_onnxruntime(
@@ -252,9 +265,11 @@ def test_int4_matmulnbits_vs_float64_and_onnxruntime(
         assert "SkipSimplifiedLayerNormalization" not in ops
         assert sum(len(st.node.inputs) > 5 and bool(st.node.inputs[5]) for st in dec.program.steps
                    if st.node.op == "Int4Linear") == 2 * cfg.num_layers  # fmt: skip
+    assert dec.info["int4"] == ("packed" if int4 == "packed" else "dequantized at load")
     if int4 == "packed":  # the weights stay packed: half a byte per weight, less than the dense bytes
-        dense = NativeDecoder(spec, int4="dense").program.weight_bytes
-        assert dec.program.weight_bytes < 0.6 * dense
+        default = NativeDecoder(spec)  # the CPU's default: dequantized at load
+        assert default.info["int4"] == "dequantized at load"
+        assert dec.program.weight_bytes < 0.6 * default.program.weight_bytes
     prompt = _prompt(16, 384, seed=5)
     # greedy with the native decoder, then check every step against float64 and onnxruntime
     seq = list(prompt)

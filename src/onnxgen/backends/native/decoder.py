@@ -13,8 +13,9 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   last real token are copied into device buffers first (pinned staging, no stream sync). Decode
   graphs are captured on first use, prefill graphs on the second use of their shape (the first runs
   eagerly), so one-off prompt shapes never pay a capture. Every other forward runs the lowered
-  program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are dequantized once at load into
-  the model's float dtype.
+  program eagerly. int4 weights (MatMulNBits) stay packed on CUDA and are dequantized once at load into
+  the model's float dtype elsewhere (`int4`, `device.int4_mode`); GatherBlockQuantized tables are
+  dequantized at load.
 - Threads: decoders may be driven from different threads at once. On CUDA every forward holds the
   device's lock (`device_lock`), so the work of different decoders never interleaves inside a graph
   capture, and captures run in thread-local mode, so work of other threads outside onnxgen cannot
@@ -38,6 +39,7 @@ from onnxgen.backends.native.device import (
     Staging,
     device_lock,
     input_dtype,
+    int4_mode,
     kv_dtype,
     shared_program,
     torch_device,
@@ -69,7 +71,7 @@ class NativeDecoder:
 
     `info` keys beyond the contract's:
         program         a one-line description of the lowered graph
-        int4            how int4 weights are handled ("dequantized at load")
+        int4            how int4 weights are handled ("dequantized at load" or "packed")
         load_s          seconds this decoder took to build
         warm_up_s       seconds of load-time warm-up (0.0 when the program was already warm: once per program)
         warmed_steps    static step sizes this decoder's warm-up compiled (empty when already warm)
@@ -84,15 +86,16 @@ class NativeDecoder:
     can_rewind = True
 
     def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
-                 graph_max_tokens: int = 1024, static_steps: bool = False, int4: str = "dense",
+                 graph_max_tokens: int = 1024, static_steps: bool = False, int4: str | None = None,
                  _program: Program | None = None) -> None:  # fmt: skip
         """`_program`: the lowered program to share (a fork's); None: the package's shared one."""
         t0 = time.perf_counter()
         self.spec = spec
         self.device = device
+        self._dev = torch_device(device)
+        int4 = int4_mode(int4, self._dev)
         self._options = {"kv_floor": kv_floor, "cuda_graphs": cuda_graphs, "graph_max_tokens": graph_max_tokens,
                          "static_steps": static_steps, "int4": int4}  # fmt: skip
-        self._dev = torch_device(device)
         dtype = kv_dtype(spec)
         self.program: Program = _program if _program is not None else shared_program(spec, self._dev, int4)
         self.kv = KVBuffers(
@@ -127,7 +130,7 @@ class NativeDecoder:
         warm_s = self._warm_up() if self._use_graphs or self._static_steps else 0.0
         self.load_seconds = time.perf_counter() - t0
         self._described = describe(p)
-        self._load_info = {"int4": "dequantized at load", "load_s": round(self.load_seconds, 3),
+        self._load_info = {"int4": "dequantized at load" if int4 == "dense" else "packed", "load_s": round(self.load_seconds, 3),
                            "warm_up_s": round(warm_s, 3)}  # fmt: skip
         log.info("native decoder: %s (load %.2fs)", self._described, self.load_seconds)
 

@@ -102,12 +102,24 @@ class Staging:
 _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
 
 
-def shared_program(spec: Any, dev: torch.device, int4: str = "dense") -> Program:
-    """Decoders of one package on one device share the lowered program (and so the weights)."""
+def int4_mode(int4: str | None, dev: torch.device) -> str:
+    """How MatMulNBits weights run: "dense" (dequantized at load into the model dtype) or "packed" (kept
+    packed, `ops.quant`'s Int4Linear). None: "packed" on CUDA (the 8B shape's weights 4.45 GB on the device
+    instead of 14.8, decode 2.1x the dequantized package on an H100: docs/benchmarks/decode-gpu.md), "dense"
+    elsewhere (the CPU path dequantizes packed weights at every product). Raises InvalidRequest for others."""
+    if int4 is None:
+        return "packed" if dev.type == "cuda" else "dense"
     if int4 not in ("dense", "packed"):
         from onnxgen.errors import InvalidRequest
 
         raise InvalidRequest(f"int4 must be 'dense' or 'packed', got {int4!r}", field="int4")
+    return int4
+
+
+def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Program:
+    """Decoders of one package on one device share the lowered program (and so the weights); `int4` as
+    `int4_mode` reads it."""
+    int4 = int4_mode(int4, dev)
     path = spec.decoder_path
     st = path.stat()
     key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name, int4)
