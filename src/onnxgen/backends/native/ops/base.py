@@ -63,6 +63,11 @@ class RunCtx:
         self.prepared: set[int] = set()  # layers whose QKV product rotated q, k and wrote k, v (`_qkv_rope`)
 
 
+def is_rowwise(ctx: RunCtx | None) -> bool:
+    """Whether each row of the step must be computed as a one-row (decode) step would (`RunCtx.rowwise`)."""
+    return bool(ctx is not None and ctx.rowwise)
+
+
 def forbid_static(ctx: RunCtx | None, why: str) -> None:
     """Raise `NotCapturable(why)` in a static step (the decoder then runs the forward eagerly)."""
     if ctx is not None and ctx.static:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from onnxgen.backends.native import kernels
-from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, same_device
+from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
 
 
 def _matmul(node: Node) -> Fn:
@@ -39,13 +39,9 @@ def _linear(node: Node) -> Fn:
             done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
             if done is not None:
                 return (done[0],)
-        return (_product(x, w, bias, transposed, _rowwise(ctx), residual),)
+        return (_product(x, w, bias, transposed, is_rowwise(ctx), residual),)
 
     return f
-
-
-def _rowwise(ctx: Any) -> bool:
-    return bool(ctx is not None and ctx.rowwise)
 
 
 def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any, sin: Any,
@@ -89,8 +85,8 @@ def _linear_silu_mul(node: Node) -> Fn:
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         if transposed and not _upcast_cpu_matmul(x):
-            return (kernels.linear(x, w, silu_halves=True, rowwise=_rowwise(ctx)),)
-        return (kernels.silu_mul_halves(_product(x, w, None, transposed, _rowwise(ctx))),)
+            return (kernels.linear(x, w, silu_halves=True, rowwise=is_rowwise(ctx)),)
+        return (kernels.silu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx))),)
 
     return f
 
@@ -110,9 +106,9 @@ def _rms_linear(node: Node) -> Fn:
             if done is not None:
                 return done
         if transposed and not _upcast_cpu_matmul(x):
-            return kernels.rms_linear(x, skip, nw, eps, w, silu, _rowwise(ctx))
+            return kernels.rms_linear(x, skip, nw, eps, w, silu, is_rowwise(ctx))
         h, s = kernels.rms_norm(x, skip, nw, eps)
-        y = _product(h, w, None, transposed, _rowwise(ctx))
+        y = _product(h, w, None, transposed, is_rowwise(ctx))
         return (kernels.silu_mul_halves(y) if silu else y), s
 
     return f

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native.ops.base import INTERNAL, Builder, Fn, Node, RunCtx, nonneg_axis
+from onnxgen.backends.native.ops.base import INTERNAL, Builder, Fn, Node, RunCtx, is_rowwise, nonneg_axis
 from onnxgen.package.int4 import unpack_nibbles
 
 
@@ -156,8 +156,10 @@ def _int4_fold_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, 
 
 
 def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
-                    norm: tuple[Any, Any, float] | None = None, residual: Any = None) -> Any:  # fmt: skip
-    """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`), else the weight
+                    norm: tuple[Any, Any, float] | None = None, residual: Any = None,
+                    rowwise: bool = False) -> Any:  # fmt: skip
+    """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`; any number when
+    `rowwise`, a verify step's rows: each row then has a decode step's bits, one program per row), else the weight
     dequantized for this call (`triton_int4.int4_dequant` where Triton runs; float32 on the CPU) and one
     product, rounded to x's dtype (`silu`: then
     `silu(g) * u` of the halves, as the unfused ops). `norm` = (skip, weight, eps): x is RMS-normalised
@@ -166,7 +168,7 @@ def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, bl
     `silu` or `norm`) is added to the product before it is rounded to x's dtype."""
     from onnxgen.backends.native import kernels
 
-    if kernels.use_triton(x) and x.numel() // k <= GEMV_ROWS:
+    if kernels.use_triton(x) and (rowwise or x.numel() // k <= GEMV_ROWS):
         from onnxgen.backends.native.triton_int4 import int4_linear
 
         cfg = _int4_choice(x, words, scales, zp, k, n, block, silu)
@@ -174,7 +176,7 @@ def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, bl
             return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm, residual=residual)
     if norm is not None:
         h, total = kernels.rms_norm(x, *norm)
-        return _packed_product(h, words, scales, zp, k, n, block, silu), total
+        return _packed_product(h, words, scales, zp, k, n, block, silu, rowwise=rowwise), total
     cols = 2 * n if silu else n
     if kernels.use_triton(x):  # one pass into a K-major dense weight, then one product
         from onnxgen.backends.native.triton_int4 import int4_dequant
@@ -199,7 +201,7 @@ def _int4_linear(node: Node) -> Fn:
     def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None,
           residual: Any = None) -> tuple[Any, ...]:  # fmt: skip
         assert bias is None or residual is None
-        y = _packed_product(x, words, scales, zp, k, n, block, False, residual=residual)
+        y = _packed_product(x, words, scales, zp, k, n, block, False, residual=residual, rowwise=is_rowwise(ctx))
         return (y if bias is None else y + bias,)
 
     return f
@@ -214,7 +216,7 @@ def _int4_linear_silu_mul(node: Node) -> Fn:
     block = int(node.attr("block_size"))
 
     def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None) -> tuple[Any, ...]:
-        return (_packed_product(x, words, scales, zp, k, n, block, True),)
+        return (_packed_product(x, words, scales, zp, k, n, block, True, rowwise=is_rowwise(ctx)),)
 
     return f
 
@@ -230,7 +232,7 @@ def _rms_int4_linear(node: Node) -> Fn:
     block, silu, eps = int(node.attr("block_size")), bool(node.attr("silu", 0)), float(node.attr("epsilon", 1e-5))
 
     def f(ctx: RunCtx, x: Any, skip: Any, nw: Any, words: Any, scales: Any, zp: Any = None) -> tuple[Any, ...]:
-        return _packed_product(x, words, scales, zp, k, n, block, silu, (skip, nw, eps))
+        return _packed_product(x, words, scales, zp, k, n, block, silu, (skip, nw, eps), rowwise=is_rowwise(ctx))
 
     return f
 
