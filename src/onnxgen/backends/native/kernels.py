@@ -188,17 +188,18 @@ ROWS_PER_PROGRAM = max(1, int(os.environ.get("ONNXGEN_GEMV_ROWS", "4")))
 """A GEMV program's rows of x at most (`triton_gemv`: one after another over one weight tile; a verify
 step's products). `ONNXGEN_GEMV_ROWS` overrides it (benchmarks/gpu_verify_cost.py)."""
 NORM_LATE = os.environ.get("ONNXGEN_NORM_LATE", "1") == "1"
-# The paged attention reads, before waiting for the QKV product (programmatic dependent launch), what no
-# kernel of this step writes: its work item, the page table, the sequence length and the first key block's
-# keys and values except this step's rows (read after the wait). Safe because the kernels that precede it
-# (the QKV GEMV with the rotary epilogue, the rotary kernel) let it start only after their own wait, i.e.
-# once every kernel before them has finished (`triton_kernels.pdl_begin_late`). ONNXGEN_ATTN_PREFETCH=1.
-ATTN_PREFETCH = os.environ.get("ONNXGEN_ATTN_PREFETCH", "0") == "1"
 """Whether a GEMV with its RMSNorm folded in scales its dot product at the end (`triton_gemv`'s `LATE`: no
 reduction before the first multiply-add, the normalised row not rounded) instead of normalising x first.
 On since it measured faster (0.5B decode graph on an H100, 2026-12-05: 0.629 -> 0.612 ms, the fold then
 winning for every product: 176 -> 152 kernels a step; benchmarks/gpu_decode_ablation.py `late`);
 `ONNXGEN_NORM_LATE=0` turns it off. Read at each launch and part of the per-shape choice's key."""
+# The paged attention reads, before waiting for the QKV product (programmatic dependent launch), what no
+# kernel of this step writes: its work item, the page table, the sequence length and the first key block's
+# keys and values except this step's rows (read after the wait). Safe because the kernels that precede it
+# (the QKV GEMV with the rotary epilogue, the rotary kernel) let it start only after their own wait, i.e.
+# once every kernel before them has finished (`triton_kernels.pdl_begin_late`). ONNXGEN_ATTN_PREFETCH=1;
+# off until timed on the GPU.
+ATTN_PREFETCH = os.environ.get("ONNXGEN_ATTN_PREFETCH", "0") == "1"
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
