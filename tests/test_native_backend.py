@@ -227,14 +227,15 @@ def _llama_f64(cfg: SyntheticConfig, w: dict[str, np.ndarray], ids: list[int]) -
     return (x @ head.T).numpy()
 
 
-def test_int4_mode_defaults_to_packed_on_cuda_and_dense_elsewhere() -> None:
-    """`int4=None` (what `onnxgen.load` passes when unset): packed weights on CUDA, dequantized at load on the
-    CPU; an explicit mode is kept; anything else is a typed error naming the field."""
+def test_int4_mode_defaults_to_dense_and_checks_its_value() -> None:
+    """`int4=None` (what `onnxgen.load` passes when unset): dequantized at load on any device (packed steps of
+    more than `GEMV_ROWS` rows dequantize per product); an explicit mode is kept; anything else is a typed
+    error naming the field."""
     import torch
 
     from onnxgen.backends.native.device import int4_mode
 
-    assert int4_mode(None, torch.device("cuda")) == "packed" and int4_mode(None, torch.device("cpu")) == "dense"
+    assert int4_mode(None, torch.device("cuda")) == "dense" and int4_mode(None, torch.device("cpu")) == "dense"
     assert int4_mode("dense", torch.device("cuda")) == "dense" and int4_mode("packed", torch.device("cpu")) == "packed"
     with pytest.raises(onnxgen.errors.InvalidRequest, match="int4"):
         int4_mode("nf4", torch.device("cpu"))
@@ -267,7 +268,7 @@ def test_int4_matmulnbits_vs_float64_and_onnxruntime(
                    if st.node.op == "Int4Linear") == 2 * cfg.num_layers  # fmt: skip
     assert dec.info["int4"] == ("packed" if int4 == "packed" else "dequantized at load")
     if int4 == "packed":  # the weights stay packed: half a byte per weight, less than the dense bytes
-        default = NativeDecoder(spec)  # the CPU's default: dequantized at load
+        default = NativeDecoder(spec)  # the default: dequantized at load
         assert default.info["int4"] == "dequantized at load"
         assert dec.program.weight_bytes < 0.6 * default.program.weight_bytes
     prompt = _prompt(16, 384, seed=5)

@@ -4,8 +4,7 @@ Import `onnxgen.backends.native.decoder.NativeDecoder` (torch is imported there,
 
 `OPTIONS` declares the keyword options `NativeDecoder` takes (`onnxgen.load(..., **options)` passes them
 on): kv_floor (smallest KV capacity bucket), cuda_graphs, graph_max_tokens, static_steps (testing), int4
-("dense": MatMulNBits dequantized at load, the default on the CPU; "packed": executed on the packed bytes,
-the default on CUDA). See
+("dense": MatMulNBits dequantized at load, the default; "packed": executed on the packed bytes). See
 `NativeDecoder` for each. `RUNNER_OPTIONS` are those of the batched `NativeRunner` (paged KV): kv_bytes
 (the pool's size), page_size, cuda_graphs (decode steps replayed from CUDA graphs), int4.
 """

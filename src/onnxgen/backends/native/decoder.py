@@ -13,9 +13,8 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   last real token are copied into device buffers first (pinned staging, no stream sync). Decode
   graphs are captured on first use, prefill graphs on the second use of their shape (the first runs
   eagerly), so one-off prompt shapes never pay a capture. Every other forward runs the lowered
-  program eagerly. int4 weights (MatMulNBits) stay packed on CUDA and are dequantized once at load into
-  the model's float dtype elsewhere (`int4`, `device.int4_mode`); GatherBlockQuantized tables are
-  dequantized at load.
+  program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are dequantized once at load into
+  the model's float dtype; `int4="packed"` keeps MatMulNBits packed (`device.int4_mode`).
 - Threads: decoders may be driven from different threads at once. On CUDA every forward holds the
   device's lock (`device_lock`), so the work of different decoders never interleaves inside a graph
   capture, and captures run in thread-local mode, so work of other threads outside onnxgen cannot

@@ -104,11 +104,14 @@ _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakV
 
 def int4_mode(int4: str | None, dev: torch.device) -> str:
     """How MatMulNBits weights run: "dense" (dequantized at load into the model dtype) or "packed" (kept
-    packed, `ops.quant`'s Int4Linear). None: "packed" on CUDA (the 8B shape's weights 4.45 GB on the device
-    instead of 14.8, decode 2.1x the dequantized package on an H100: docs/benchmarks/decode-gpu.md), "dense"
-    elsewhere (the CPU path dequantizes packed weights at every product). Raises InvalidRequest for others."""
+    packed, `ops.quant`'s Int4Linear). None: "dense" — packed decodes faster where a step has at most
+    `ops.quant.GEMV_ROWS` rows (the 8B shape at batch 1 on an H100: 2.1x, and 4.45 GB of weights instead of
+    14.8; docs/benchmarks/decode-gpu.md), but a step of more rows (batched decoding, prefill chunks)
+    dequantizes every weight it multiplies, each step: there is no few-row int4 GEMM yet, so batched serving
+    would pay for it. Raises InvalidRequest for other values. (`dev`: where the weights live; the default
+    is the same on every device for now.)"""
     if int4 is None:
-        return "packed" if dev.type == "cuda" else "dense"
+        return "dense"
     if int4 not in ("dense", "packed"):
         from onnxgen.errors import InvalidRequest
 
