@@ -22,6 +22,8 @@
 #           dependency wait (kernels.ATTN_PREFETCH, ONNXGEN_ATTN_PREFETCH=1) and the greedy choice in the
 #           advance kernel (kernels.GREEDY_IN_ADVANCE, ONNXGEN_GREEDY_IN_ADVANCE=1), each alone and both,
 #           interleaved twice
+#   int4rows  packed int4 products of 1-64 rows on the 8B shapes: dense cuBLAS vs dequantize+cuBLAS vs the
+#           few-row GEMM (ops.quant.INT4_GEMM) vs the GEMV (gpu_int4_rows.py): can packed be the default?
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
 #           (kernels.NORM_LATE off), and
 #           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
@@ -72,11 +74,12 @@ for section in "$@"; do
             fi ;;
     quick) timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_int4_kernel.py \
              tests/test_gemv_kernel.py tests/test_skinny_kernel.py tests/test_paged_attention.py tests/test_decode_runs.py \
-             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or prefetch or greedy_advance" \
+             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or prefetch or greedy_advance or few_row or gemm" \
              2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
     prefetch) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
                 --ablations none,prefetch,argmax,prefetch+argmax,none,prefetch,argmax,prefetch+argmax 2>&1 | quiet \
                 | grep -v "^$" | tail -24 ;;
+    int4rows) timeout 240 python3 benchmarks/gpu_int4_rows.py 2>&1 | grep -v Warn | tail -24 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
     int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40

@@ -176,3 +176,46 @@ def test_rowwise_packed_products_give_every_row_its_one_row_bits(silu: bool) -> 
     for i in range(rows):
         one = quant._packed_product(x[i : i + 1], words, st.to(torch.bfloat16), zt, k, n, block, silu)
         assert torch.equal(got[i : i + 1], one), i
+
+
+@pytest.mark.parametrize("zp", ["none", "packed", "float"])
+@pytest.mark.parametrize(("m", "n", "k", "block"), [(17, 96, 256, 32), (40, 72, 200, 32), (64, 64, 384, 128),
+                                                    (5, 64, 512, 16)])  # fmt: skip
+def test_few_row_packed_gemm_equals_dequantize_then_matmul(zp: str, m: int, n: int, k: int, block: int) -> None:
+    """`int4_gemm` (batched steps: the weight dequantized tile by tile in registers) equals
+    dequantize-then-MatMul in float64 within float32's error: masked rows, K not a multiple of the step
+    (200), N not a multiple of the tile (72, 96), blocks of 16 to 128; and, in bf16 on the GPU, the dense
+    product of `int4_dequant`'s weight within a bf16 rounding."""
+    from onnxgen.backends.native.triton_int4 import int4_dequant, int4_gemm
+
+    packed, scales, z = _weights(n, k, block, zp, seed=7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    want = x.double() @ dequant_matmul_nbits(packed, scales, z, k, n, 4, block, torch.float32).double().T
+    words, st, zt = kmajor(packed.to(DEVICE), scales.to(DEVICE), None if z is None else z.to(DEVICE), k, n, block)
+    got = int4_gemm(x.to(DEVICE), words, st, zt, k, n, block).cpu()
+    assert got.shape == (m, n)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5
+    if DEVICE == "cuda":
+        xb, sb = x.to(DEVICE, torch.bfloat16), st.to(torch.bfloat16)
+        dense = torch.matmul(xb, int4_dequant(words, sb, zt, k, n, block, torch.bfloat16)).double()
+        assert float((int4_gemm(xb, words, sb, zt, k, n, block).double() - dense).norm() / dense.norm()) < 8e-3
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_packed_products_of_a_few_rows_take_the_gemm_when_asked(silu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ops.quant._packed_product` for a step of more than `GEMV_ROWS` rows: with `INT4_GEMM` the few-row GEMM,
+    the same values as the dequantize-then-multiply path (float32, within its error), the gate/up SiLU
+    applied after it as before."""
+    from onnxgen.backends.native.ops import quant
+
+    n, k, block, rows = 48, 256, 32, quant.GEMV_ROWS + 9
+    cols = 2 * n if silu else n
+    packed, scales, z = _weights(cols, k, block, "packed", seed=8)
+    words, st, zt = kmajor(packed.to(DEVICE), scales.to(DEVICE), z.to(DEVICE), k, cols, block)
+    x = torch.randn(1, rows, k, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    monkeypatch.setattr(quant, "INT4_GEMM", False)
+    want = quant._packed_product(x, words, st, zt, k, n, block, silu)
+    monkeypatch.setattr(quant, "INT4_GEMM", True)
+    got = quant._packed_product(x, words, st, zt, k, n, block, silu)
+    assert got.shape == want.shape == (1, rows, n)
+    assert float((got.double() - want.double()).norm() / want.double().norm()) < 1e-5
