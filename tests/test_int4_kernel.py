@@ -180,11 +180,12 @@ def test_rowwise_packed_products_give_every_row_its_one_row_bits(silu: bool) -> 
 
 @pytest.mark.parametrize("zp", ["none", "packed", "float"])
 @pytest.mark.parametrize(("m", "n", "k", "block"), [(17, 96, 256, 32), (40, 72, 200, 32), (64, 64, 384, 128),
-                                                    (5, 64, 512, 16)])  # fmt: skip
+                                                    (5, 64, 512, 16), (20, 16400, 64, 32)])  # fmt: skip
 def test_few_row_packed_gemm_equals_dequantize_then_matmul(zp: str, m: int, n: int, k: int, block: int) -> None:
     """`int4_gemm` (batched steps: the weight dequantized tile by tile in registers) equals
     dequantize-then-MatMul in float64 within float32's error: masked rows, K not a multiple of the step
-    (200), N not a multiple of the tile (72, 96), blocks of 16 to 128; and, in bf16 on the GPU, the dense
+    (200), N not a multiple of the tile (72, 96), blocks of 16 to 128, both column tiles (32; 64 from 16,384
+    columns); and, in bf16 on the GPU, the dense
     product of `int4_dequant`'s weight within a bf16 rounding."""
     from onnxgen.backends.native.triton_int4 import int4_dequant, int4_gemm
 

@@ -328,7 +328,9 @@ def int4_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_p
     xc = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
-    bn, bk8 = 64, 16
+    # 64 columns a program where there are enough of them (the 8B's gate/up: 448 programs); 32 otherwise, so a
+    # 4096-column product still spreads over 128 programs
+    bn, bk8 = (64 if n >= 16384 else 32), 16
     int4_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
         xc, words, scales, scales if zero_points is None else zero_points, y, m, k, n, xc.stride(0), y.stride(0),
         BLOCK=block, BLOCK_M=bm, BLOCK_N=bn, BK8=bk8, ZP=0 if zero_points is None else 1,
