@@ -92,7 +92,7 @@ class NativeDecoder:
         self.spec = spec
         self.device = device
         self._dev = torch_device(device)
-        int4 = int4_mode(int4, self._dev)
+        int4 = int4_mode(int4)
         self._options = {"kv_floor": kv_floor, "cuda_graphs": cuda_graphs, "graph_max_tokens": graph_max_tokens,
                          "static_steps": static_steps, "int4": int4}  # fmt: skip
         dtype = kv_dtype(spec)

@@ -102,14 +102,13 @@ class Staging:
 _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakValueDictionary()
 
 
-def int4_mode(int4: str | None, dev: torch.device) -> str:
+def int4_mode(int4: str | None) -> str:
     """How MatMulNBits weights run: "dense" (dequantized at load into the model dtype) or "packed" (kept
     packed, `ops.quant`'s Int4Linear). None: "dense" — packed decodes faster where a step has at most
     `ops.quant.GEMV_ROWS` rows (the 8B shape at batch 1 on an H100: 2.1x, and 4.45 GB of weights instead of
     14.8; docs/benchmarks/decode-gpu.md), but a step of more rows (batched decoding, prefill chunks)
     dequantizes every weight it multiplies, each step: there is no few-row int4 GEMM yet, so batched serving
-    would pay for it. Raises InvalidRequest for other values. (`dev`: where the weights live; the default
-    is the same on every device for now.)"""
+    would pay for it. Raises InvalidRequest for other values."""
     if int4 is None:
         return "dense"
     if int4 not in ("dense", "packed"):
@@ -122,7 +121,7 @@ def int4_mode(int4: str | None, dev: torch.device) -> str:
 def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Program:
     """Decoders of one package on one device share the lowered program (and so the weights); `int4` as
     `int4_mode` reads it."""
-    int4 = int4_mode(int4, dev)
+    int4 = int4_mode(int4)
     path = spec.decoder_path
     st = path.stat()
     key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name, int4)

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from onnxgen.backends.native.kernels import launch_options, residual_rows
-from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait
+from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait, pdl_begin
 
 
 @triton.jit
@@ -240,6 +240,26 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
 
 
 @triton.jit
+def _word_tile(W, S, Z, rw, rn, m, N, BLOCK: tl.constexpr, ZP: tl.constexpr):
+    """The K-major words of word rows `rw` x columns `rn` (`m`: which exist) with each word row's block's
+    scales (float32) and zero points (8.0 without them): what `_nibble_values` expands."""
+    w = tl.load(W + rw[:, None].to(tl.int64) * N + rn[None, :], mask=m, other=0)
+    at = (rw * 8 // BLOCK)[:, None].to(tl.int64) * N + rn[None, :]
+    s = tl.load(S + at, mask=m, other=0.0).to(tl.float32)
+    if ZP == 0:
+        z = 8.0
+    else:
+        z = tl.load(Z + at, mask=m, other=0).to(tl.float32)
+    return w, s, z
+
+
+@triton.jit
+def _nibble_values(w, s, z, t: tl.constexpr):
+    """Row `8 r + t` of the dense weight from `_word_tile`'s word row r: `(q - z) * s` in float32."""
+    return (((w >> (4 * t)) & 15).to(tl.float32) - z) * s
+
+
+@triton.jit
 def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr,
                         ZP: tl.constexpr):  # fmt: skip
     """OUT[k, c] = (q(k, c) - z) * s for the K-major words `W` `[KW, N]`, scales and zero points
@@ -248,19 +268,11 @@ def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, BLOCK: tl.constexpr, BLOCK_N: tl
     rw = tl.program_id(0) * BK8 + tl.arange(0, BK8)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = (rn < N)[None, :]
-    m = (rw < KW)[:, None] & nmask
-    w = tl.load(W + rw[:, None].to(tl.int64) * N + rn[None, :], mask=m, other=0)
-    at = (rw * 8 // BLOCK)[:, None].to(tl.int64) * N + rn[None, :]
-    s = tl.load(S + at, mask=m, other=0.0).to(tl.float32)
-    if ZP == 0:
-        z = 8.0
-    else:
-        z = tl.load(Z + at, mask=m, other=0).to(tl.float32)
+    w, s, z = _word_tile(W, S, Z, rw, rn, (rw < KW)[:, None] & nmask, N, BLOCK, ZP)
     for t in tl.static_range(8):
-        q = ((w >> (4 * t)) & 15).to(tl.float32)
         row = rw * 8 + t
-        tl.store(OUT + row[:, None].to(tl.int64) * N + rn[None, :], ((q - z) * s).to(OUT.dtype.element_ty),
-                 mask=(row < K)[:, None] & nmask)  # fmt: skip
+        tl.store(OUT + row[:, None].to(tl.int64) * N + rn[None, :],
+                 _nibble_values(w, s, z, t).to(OUT.dtype.element_ty), mask=(row < K)[:, None] & nmask)  # fmt: skip
 
 
 def int4_dequant(words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int,
@@ -285,9 +297,7 @@ def int4_gemm_kernel(X, W, S, Z, Y, M, K, N, sxm, sym, BLOCK: tl.constexpr, BLOC
     `[KW, N]`, each step of BK8 word rows dequantized in registers to `int4_dequant`'s values (`(q - z) * s`
     rounded to X's dtype) and multiplied as eight `tl.dot`s: nibble t of word row r is row `8 r + t`, so the
     t-th product takes x's columns `8 r + t`. The packed bytes are read once per block of rows."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_begin(PDL)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < M
@@ -298,18 +308,11 @@ def int4_gemm_kernel(X, W, S, Z, Y, M, K, N, sxm, sym, BLOCK: tl.constexpr, BLOC
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r0 in range(0, kw, BK8):
         rw = r0 + rr
-        wm = (rw < kw)[:, None] & nmask[None, :]
-        w = tl.load(W + rw[:, None].to(tl.int64) * N + rn[None, :], mask=wm, other=0)
-        at = (rw * 8 // BLOCK)[:, None].to(tl.int64) * N + rn[None, :]
-        s = tl.load(S + at, mask=wm, other=0.0).to(tl.float32)
-        if ZP == 0:
-            z = 8.0
-        else:
-            z = tl.load(Z + at, mask=wm, other=0).to(tl.float32)
+        w, s, z = _word_tile(W, S, Z, rw, rn, (rw < kw)[:, None] & nmask[None, :], N, BLOCK, ZP)
         for t in tl.static_range(8):
             k = rw * 8 + t
             xt = tl.load(xrow + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-            wt = ((((w >> (4 * t)) & 15).to(tl.float32) - z) * s).to(X.dtype.element_ty)
+            wt = _nibble_values(w, s, z, t).to(X.dtype.element_ty)
             if IEEE:
                 acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
             else:

@@ -106,12 +106,11 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
         nmask = new[:, None] & dmask[None, :]
         kp = tl.where(nmask, tl.load(kptr, mask=nmask, other=0.0), kp)
         vp = tl.where(nmask, tl.load(vptr, mask=nmask, other=0.0), vp)
-        q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if PREFETCH:
         acc, m_i, l_i = softmax_kv(q, acc, m_i, l_i, kp.to(K.dtype.element_ty), vp.to(V.dtype.element_ty), offs,
                                    hi, limit, window, qk_scale, softcap, dmask, D, DP, True, SOFTCAP, IEEE, True)  # fmt: skip
         first = lo + BLOCK_N
-    else:
-        q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     for start in range(first, full_end, BLOCK_N):
         acc, m_i, l_i = _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row,
                                      sv_page, sv_row, qk_scale, softcap, dmask, D, DP, PAGE, BLOCK_N, False,
