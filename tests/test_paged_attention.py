@@ -114,36 +114,11 @@ def _triton_equals_torch(device: str, dt: torch.dtype, nsplit: int | None) -> No
             assert float((got - want).norm() / want.norm()) < tol, (shapes[0], window, softcap)
 
 
-def _prefetch_changes_no_bit(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kernels.ATTN_PREFETCH` (each split's first key block read before the wait, this step's rows after it)
-    gives the bits of the kernel without it: decodes, verify-like chunks whose new rows span blocks and pages,
-    prefills, several splits, windows and soft-capping. The prefetched tile holds NaN at this step's rows
-    until they are read after the wait, so a row taken from the prefetch would show as NaN."""
-    from onnxgen.backends.native import kernels
-
-    for shapes in ([*SHAPES, (700, 1), (1000, 1)], [(37, 5), (100, 8), (300, 3), (60, 70)], [(0, 130), (15, 2)]):
-        st, step, q = _batch(device, dt, shapes, seed=5)
-        ps = paged.build_step(step, st, P, torch.device(device))
-        for nsplit in (None, 3):
-            for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):
-                monkeypatch.setattr(kernels, "ATTN_PREFETCH", False)
-                want = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=nsplit)
-                monkeypatch.setattr(kernels, "ATTN_PREFETCH", True)
-                got = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=nsplit)
-                assert not got.isnan().any() and torch.equal(got, want), (shapes[0], nsplit, window, softcap)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("nsplit", [None, 1, 3])
 def test_cuda_triton_kernel_equals_the_torch_path(dtype: str, nsplit: int | None) -> None:
     _triton_equals_torch("cuda", getattr(torch, dtype), nsplit)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_triton_prefetch_changes_no_bit(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _prefetch_changes_no_bit("cuda", getattr(torch, dtype), monkeypatch)
 
 
 @pytest.mark.parametrize("nsplit", [None, 1, 3])
@@ -154,14 +129,6 @@ def test_interpreted_triton_kernel_equals_the_torch_path(nsplit: int | None) -> 
         pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
     pytest.importorskip("triton")
     _triton_equals_torch("cpu", torch.float32, nsplit)
-
-
-def test_interpreted_triton_prefetch_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
-    pytest.importorskip("triton")
-    _prefetch_changes_no_bit("cpu", torch.float32, monkeypatch)
 
 
 def _per_token_rows_are_decode_bits(device: str, dt: torch.dtype) -> None:

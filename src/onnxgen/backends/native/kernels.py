@@ -340,7 +340,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
         ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
-        TRIGGER_LATE=rope is not None and ATTN_PREFETCH, num_warps=warps, **launch_options(x),
+        num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
 
@@ -402,8 +402,7 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
         return None
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
-    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, ATTN_PREFETCH,
-           x.device)  # fmt: skip
+    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, x.device)
     cfg = CHOICES[key] if key in CHOICES else _rope_gemv_choice(key, x, w, rope, norm)
     if cfg is None:
         return None
@@ -656,8 +655,7 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
     _TRITON["rope_qkv"][(n + 2 * hkv, s)](
         qkv, cos_c, sin_c, positions, slots, q, kb, vb, q.stride(1), q.stride(2), kb.stride(1), kb.stride(2),
         vb.stride(1), vb.stride(2), cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, D=d, HALF=half,
-        DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved, LATE=ATTN_PREFETCH, num_warps=1,
-        **launch_options(qkv),
+        DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved, num_warps=1, **launch_options(qkv),
     )  # fmt: skip
     return q
     # pragma: cuda-end

@@ -210,8 +210,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, PREFETCH=kernels.ATTN_PREFETCH, num_warps=warps,
-        num_stages=stages,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages,
         **kernels.launch_options(q),
     )  # fmt: skip
     if not direct:

@@ -88,7 +88,7 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
                 cos_stride, NQ, NK, RES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                 NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
                 HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr,
-                X2D: tl.constexpr, HAS_RES: tl.constexpr, TRIGGER_LATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                X2D: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -102,7 +102,7 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
         chunks = (R + RB - 1) // RB
         pid = tl.program_id(0) // chunks  # output tile
         r0 = (tl.program_id(0) % chunks) * RB
-    if PDL and not TRIGGER_LATE:
+    if PDL:
         gdc_launch_dependents()
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
@@ -116,8 +116,6 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
         u0 = tl.load(wp + up, mask=m0, other=0.0, eviction_policy="evict_first")
     if PDL:
         gdc_wait()
-        if TRIGGER_LATE:  # the next kernel starts once every kernel before this one has finished
-            gdc_launch_dependents()  # (`triton_kernels.pdl_begin_late`: the paged attention's prefetch)
     for i in tl.static_range(RB):
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,

@@ -29,16 +29,6 @@ def pdl_begin(PDL: tl.constexpr):
 
 
 @triton.jit
-def pdl_begin_late(PDL: tl.constexpr):
-    """`pdl_begin` in the other order: wait for the previous kernel, then let the next one start. A kernel
-    after this one therefore starts only once every kernel before this one has finished, and may read what
-    they wrote before its own wait (the paged attention's prefetch, `kernels.ATTN_PREFETCH`)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-@triton.jit
 def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -82,18 +72,8 @@ def softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scal
     """The keys and values of positions `offs` (pointer tiles `kptr`, `vptr`: `[BLOCK_N, DP]`) into the online
     softmax (scores in base 2): the one block step of every attention kernel here and in `triton_paged`.
     Unmasked blocks lie wholly below every row's limit and `hi`."""
-    k = load_rows(kptr, offs < hi, dmask, D, DP, MASKED)
-    return softmax_kv(q, acc, m_i, l_i, k, vptr, offs, hi, limit, window, qk_scale, softcap, dmask, D, DP,
-                      MASKED, SOFTCAP, IEEE, False)  # fmt: skip
-
-
-@triton.jit
-def softmax_kv(q, acc, m_i, l_i, k, v_in, offs, hi, limit, window, qk_scale, softcap, dmask, D: tl.constexpr,
-               DP: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-               V_LOADED: tl.constexpr):  # fmt: skip
-    """`softmax_block` given the block's keys `k` (`[BLOCK_N, DP]`) and its values: the tile `v_in` when
-    `V_LOADED`, else a pointer tile loaded here, after the scores (`softmax_block`'s order)."""
     nm = offs < hi
+    k = load_rows(kptr, nm, dmask, D, DP, MASKED)
     if IEEE:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -116,10 +96,7 @@ def softmax_kv(q, acc, m_i, l_i, k, v_in, offs, hi, limit, window, qk_scale, sof
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_LOADED:
-        v = v_in
-    else:
-        v = load_rows(v_in, nm, dmask, D, DP, MASKED)
+    v = load_rows(vptr, nm, dmask, D, DP, MASKED)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -210,12 +187,8 @@ def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr,
 
 @triton.jit
 def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sq_h, sq_s, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
-                    ROW, D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr,
-                    LATE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    if LATE:  # the paged attention after it prefetches (`kernels.ATTN_PREFETCH`)
-        pdl_begin_late(PDL)
-    else:
-        pdl_begin(PDL)
+                    ROW, D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
     t = tl.program_id(1)  # token
     pos = tl.load(POS + t).to(tl.int64)

@@ -6,24 +6,12 @@ heads that share KV head `h`, so a decode packs the whole group into one tile) a
 sequence's keys, reading them page by page through the page table. Scores are kept in base 2
 (`qk_scale` includes log2(e)). With several splits, partial results go to a scratch buffer and
 `paged_combine_kernel` merges them.
-
-`PREFETCH` (`kernels.ATTN_PREFETCH`): everything but q and this step's keys and values is read before the
-programmatic-dependent-launch wait — the work item, the sequence length, the page table and the split's
-first key block (rows this step writes excluded, read after the wait) — so the dependent loads of the
-decode's short critical path overlap the QKV product. Its predecessors start it only after every kernel
-before them has finished (`triton_kernels.pdl_begin_late`); those reads bypass L1 (`.cg`).
 """
 
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.triton_kernels import (
-    gdc_launch_dependents,
-    gdc_wait,
-    pdl_begin,
-    softmax_block,
-    softmax_kv,
-)
+from onnxgen.backends.native.triton_kernels import pdl_begin, softmax_block
 
 
 @triton.jit
@@ -47,22 +35,17 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
 def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
-                      PDL: tl.constexpr):  # fmt: skip
-    if PREFETCH:
-        if PDL:
-            gdc_launch_dependents()
-    else:
-        pdl_begin(PDL)
+                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
     sp = tl.program_id(2)  # split of the keys
-    b = tl.load(WORK + 3 * w, cache_modifier=".cg")
-    r0 = tl.load(WORK + 3 * w + 1, cache_modifier=".cg")
-    r1 = tl.load(WORK + 3 * w + 2, cache_modifier=".cg")  # the item's end row (one token's rows when per token)
-    qs = tl.load(QS + b, cache_modifier=".cg")
-    m = tl.load(QS + b + 1, cache_modifier=".cg") - qs
-    seq_len = tl.load(SL + b, cache_modifier=".cg")
+    b = tl.load(WORK + 3 * w)
+    r0 = tl.load(WORK + 3 * w + 1)
+    r1 = tl.load(WORK + 3 * w + 2)  # the item's end row (one token's rows when items are per token)
+    qs = tl.load(QS + b)
+    m = tl.load(QS + b + 1) - qs
+    seq_len = tl.load(SL + b)
     rows = r0 + tl.arange(0, BLOCK_M)
     tok = rows // G
     grp = rows % G
@@ -71,6 +54,7 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
     dcol = tl.arange(0, DP)
     dmask = dcol < D
     qrow = ((qs + tok) * N + h * G + grp).to(tl.int64)
+    q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     item_hi = tl.max(tl.where(rmask, limit, 0), 0)  # the keys this item's rows see
     # keys per split, whole blocks, from this item's own length: a sequence splits the same in any step
     split = ((item_hi + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -88,34 +72,11 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
     full_end = lo
     if window <= 0:
         full_end = lo + tl.maximum(tl.minimum(hi, low_limit) - lo, 0) // BLOCK_N * BLOCK_N
-    first = lo
-    if PREFETCH:  # the split's first block (masked) before the wait, less the rows this step writes
-        offs = lo + tl.arange(0, BLOCK_N)
-        page = tl.load(pt + offs // PAGE, mask=offs < hi, other=0, cache_modifier=".cg").to(tl.int64)
-        row = (offs % PAGE).to(tl.int64)
-        kptr = K + (page * sk_page + row * sk_row)[:, None] + koff[None, :]
-        vptr = V + (page * sv_page + row * sv_row)[:, None] + koff[None, :]
-        old = offs < seq_len - m  # written by earlier steps
-        new = (offs >= seq_len - m) & (offs < hi)  # written by this step's QKV product
-        # this step's rows read NaN until loaded after the wait: a row taken from here would show
-        pre = tl.where(new, float("nan"), 0.0)[:, None]
-        kp = tl.load(kptr, mask=(old & (offs < hi))[:, None] & dmask[None, :], other=pre, cache_modifier=".cg")
-        vp = tl.load(vptr, mask=(old & (offs < hi))[:, None] & dmask[None, :], other=pre, cache_modifier=".cg")
-        if PDL:
-            gdc_wait()
-        nmask = new[:, None] & dmask[None, :]
-        kp = tl.where(nmask, tl.load(kptr, mask=nmask, other=0.0), kp)
-        vp = tl.where(nmask, tl.load(vptr, mask=nmask, other=0.0), vp)
-    q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if PREFETCH:
-        acc, m_i, l_i = softmax_kv(q, acc, m_i, l_i, kp.to(K.dtype.element_ty), vp.to(V.dtype.element_ty), offs,
-                                   hi, limit, window, qk_scale, softcap, dmask, D, DP, True, SOFTCAP, IEEE, True)  # fmt: skip
-        first = lo + BLOCK_N
-    for start in range(first, full_end, BLOCK_N):
+    for start in range(lo, full_end, BLOCK_N):
         acc, m_i, l_i = _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row,
                                      sv_page, sv_row, qk_scale, softcap, dmask, D, DP, PAGE, BLOCK_N, False,
                                      SOFTCAP, IEEE)  # fmt: skip
-    for start in range(tl.maximum(first, full_end), hi, BLOCK_N):
+    for start in range(full_end, hi, BLOCK_N):
         acc, m_i, l_i = _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row,
                                      sv_page, sv_row, qk_scale, softcap, dmask, D, DP, PAGE, BLOCK_N, True,
                                      SOFTCAP, IEEE)  # fmt: skip
