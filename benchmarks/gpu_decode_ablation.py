@@ -11,10 +11,11 @@ splits' partial attention results; `attention`: the paged attention and its comb
 kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded norms scale the product at
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
-shared memory, `kernels.X_IN_TILE` off; `prefetch`: the paged attention reads its metadata and first key
-block before waiting for the QKV product, `kernels.ATTN_PREFETCH`; `argmax`: the decode graph's greedy
-choice as partial maxima and a pick inside the advance kernel, `kernels.GREEDY_IN_ADVANCE`),
-a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
+shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
+asking the per-shape timing (which may pick the norm kernel and the plain product); `part`: the output
+projection's GEMV merges its attention's key splits, `kernels.COMBINE_IN_PRODUCT`; `torchargmax`: the
+decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick inside the advance
+kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded (captures and per-shape choices happen as
 usual), then the batch-1 decode graph is replayed 200 times (CUDA events) and its kernels counted
 (torch.profiler). The outputs are garbage in every ablation but the variants: only the times mean
 something. An ablation may be named more than once (`none,late,none,late`: interleaved); `saved` is
@@ -74,12 +75,21 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
 
         saved.append((lowering, "_residual_into_product", lowering._residual_into_product))
         lowering._residual_into_product = lambda nodes, logits: None
-    if "prefetch" in parts:  # the paged attention reads all but q and this step's rows before its wait
-        saved.append((kernels, "ATTN_PREFETCH", kernels.ATTN_PREFETCH))
-        kernels.ATTN_PREFETCH = True
-    if "argmax" in parts:  # the greedy choice as partial maxima + the advance kernel, not torch.argmax
+    if "torchargmax" in parts:  # the greedy choice by torch.argmax, not partial maxima + the advance kernel
         saved.append((kernels, "GREEDY_IN_ADVANCE", kernels.GREEDY_IN_ADVANCE))
-        kernels.GREEDY_IN_ADVANCE = True
+        kernels.GREEDY_IN_ADVANCE = False
+    if "fold" in parts:  # every RMSNorm folded into the product after it (its per-shape timing not asked)
+        orig = kernels.choose_config
+
+        def fold_always(key: Any, x: Any, w: Any, configs: Any, reference: Any, candidate: Any) -> Any:
+            folds = key[0] in ("rms_gemv", "rope_gemv")
+            return orig(key, x, w, configs, None if folds else reference, candidate)
+
+        saved.append((kernels, "choose_config", orig))
+        kernels.choose_config = fold_always
+    if "part" in parts:  # the output projection merges its attention's key splits (no combine launch)
+        saved.append((kernels, "COMBINE_IN_PRODUCT", kernels.COMBINE_IN_PRODUCT))
+        kernels.COMBINE_IN_PRODUCT = True
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False
@@ -123,6 +133,9 @@ def main() -> int:
                 m = onnxgen.load(str(pkg), backend="native", device="cuda")
                 toks = m.generate(prompt, max_new_tokens=16, reuse=False, temperature=0).tokens
                 runner = m.executor.runner
+                folds = {f"{c[0]} {tuple(c[1])}": v is not None for c, v in kernels.CHOICES.items()
+                         if c[0] in ("rms_gemv", "rope_gemv")}  # fmt: skip
+                print(f"{name} {ablation}: norm folded (per product shape): {folds}", flush=True)
                 ms = gpu_decode.replay_ms(runner)
                 k = gpu_decode.kernels(runner)
                 m.close()

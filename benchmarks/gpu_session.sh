@@ -18,10 +18,15 @@
 #   quick   the int4 kernel's tests and the GEMV's late-norm, x-in-tile and residual tests (and the few-row
 #           GEMM's residual test, the paged attention's kernel tests), in 8 processes (pytest-xdist); each
 #           failure's name
-#   prefetch  the 0.5B and 1B decode graphs with and without the paged attention's prefetch before its
-#           dependency wait (kernels.ATTN_PREFETCH, ONNXGEN_ATTN_PREFETCH=1) and the greedy choice in the
-#           advance kernel (kernels.GREEDY_IN_ADVANCE, ONNXGEN_GREEDY_IN_ADVANCE=1), each alone and both,
-#           interleaved twice
+#   argmax  the 0.5B and 1B decode graphs as they are and with torch.argmax instead of the greedy choice in
+#           the advance kernel (kernels.GREEDY_IN_ADVANCE off), interleaved twice
+#   fold    the 0.5B and 1B decode graphs as they are, with every RMSNorm folded into its product (the
+#           per-shape timing not asked), with the output projection merging the key splits
+#           (kernels.COMBINE_IN_PRODUCT) and with both, interleaved twice; which products fold
+#   partbits  the GPU tests of verify rows = decode bits and of the merged splits, with
+#           ONNXGEN_COMBINE_IN_PRODUCT=1
+#   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
+#           (gpu_paged_check.py): which cases exceed the GPU test's tolerance
 #   int4rows  packed int4 products of 1-64 rows on the 8B shapes: dense cuBLAS vs dequantize+cuBLAS vs the
 #           few-row GEMM (ops.quant.INT4_GEMM) vs the GEMV (gpu_int4_rows.py): can packed be the default?
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
@@ -74,11 +79,15 @@ for section in "$@"; do
             fi ;;
     quick) timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_int4_kernel.py \
              tests/test_gemv_kernel.py tests/test_skinny_kernel.py tests/test_paged_attention.py tests/test_decode_runs.py \
-             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or prefetch or greedy_advance or few_row or gemm" \
+             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or greedy_advance or merges or few_row or gemm" \
              2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
-    prefetch) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-                --ablations none,prefetch,argmax,prefetch+argmax,none,prefetch,argmax,prefetch+argmax 2>&1 | quiet \
-                | grep -v "^$" | tail -24 ;;
+    argmax) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
+              --ablations none,torchargmax,none,torchargmax 2>&1 | quiet | grep -v "^$" | tail -24 ;;
+    fold) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
+            --ablations none,fold,part,fold+part,none,fold,part,fold+part 2>&1 | quiet | grep -v "^$" | tail -36 ;;
+    partbits) ONNXGEN_COMBINE_IN_PRODUCT=1 timeout 200 python3 -m pytest -q -m gpu -rf tests/test_native_runner.py \
+                tests/test_paged_attention.py -k "verify_rows or merges" 2>&1 | grep -E "^FAILED|passed|failed" | tail -8 ;;
+    pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
     int4rows) timeout 240 python3 benchmarks/gpu_int4_rows.py 2>&1 | grep -v Warn | tail -24 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;

@@ -220,3 +220,54 @@ def test_per_token_work_items_cut_each_token_as_a_decode_step() -> None:
                                         [0, 208, 216], [1, 0, 64], [1, 64, 72]]  # fmt: skip
     one = paged.build_step(BatchStep((SeqChunk([0], 11, step.seqs[0].pages),)), st, P, torch.device("cpu"))
     assert one.work(72, 64).tolist() == [[0, 0, 64], [0, 64, 72]]  # token 1's cut, as a decode step's
+
+
+def _merged_in_product(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kernels.COMBINE_IN_PRODUCT`: an attention that defers its key splits (`defer=True`) leaves them in
+    `ps.pending` for its reader, and the output projection's GEMV merging them as it loads x gives what the
+    combine kernel followed by the GEMV gives — a decode step of several sequences (one row each, the
+    residual added) and a verify step attended per token (rowwise rows); steps that are not one item a
+    token (a prefill chunk) merge at once; with the option off nothing is deferred."""
+    from onnxgen.backends.native import kernels
+
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(48, N * D, generator=g) / 8).to(device=device, dtype=dt)
+    tol = 1e-6 if dt == torch.float32 else 1e-2
+    for shapes, per_token in (([(37, 1), (300, 1), (5, 1)], False), ([(250, 3)], True), ([(40, 1)], False)):
+        st, step, q = _batch(device, dt, shapes, seed=9)
+        res = torch.randn(step.num_tokens, 48, generator=g).to(device=device, dtype=dt)
+        for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):
+            ps = paged.build_step(step, st, P, torch.device(device))
+            ps.per_token, ps.plan_len = per_token, 512
+            monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", False)
+            plain = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=3, defer=True)
+            assert not ps.pending
+            want = kernels.linear(plain.view(-1, N * D), w, rowwise=True, residual=res)
+            monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", True)
+            out = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=3, defer=True)
+            x = out.view(-1, N * D)
+            part = paged.take_partials(ps, x)
+            assert part is not None and not ps.pending
+            got = kernels.linear(x, w, rowwise=True, residual=res, partials=part)
+            err = float((got.double() - want.double()).norm() / want.double().norm())
+            assert err < tol, (shapes, window, softcap, err)
+            assert torch.equal(part.finish(), plain)  # what the combine writes is what the product merged
+    st, step, q = _batch(device, dt, [(37, 5), (300, 1)], seed=9)  # a chunk of 5 tokens: merged at once
+    ps = paged.build_step(step, st, P, torch.device(device))
+    out = paged.attention_triton(ps, 1, q, 0.2, nsplit=3, defer=True)
+    assert not ps.pending
+    assert float((out.double() - paged.attention_ref(ps, 1, q, 0.2).double()).norm()) < 1e-2 * out.numel() ** 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_output_projection_merges_the_key_splits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _merged_in_product("cuda", getattr(torch, dtype), monkeypatch)
+
+
+def test_interpreted_output_projection_merges_the_key_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    _merged_in_product("cpu", torch.float32, monkeypatch)

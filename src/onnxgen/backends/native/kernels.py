@@ -193,17 +193,20 @@ reduction before the first multiply-add, the normalised row not rounded) instead
 On since it measured faster (0.5B decode graph on an H100, 2026-12-05: 0.629 -> 0.612 ms, the fold then
 winning for every product: 176 -> 152 kernels a step; benchmarks/gpu_decode_ablation.py `late`);
 `ONNXGEN_NORM_LATE=0` turns it off. Read at each launch and part of the per-shape choice's key."""
-# The paged attention reads, before waiting for the QKV product (programmatic dependent launch), what no
-# kernel of this step writes: its work item, the page table, the sequence length and the first key block's
-# keys and values except this step's rows (read after the wait). Safe because the kernels that precede it
-# (the QKV GEMV with the rotary epilogue, the rotary kernel) let it start only after their own wait, i.e.
-# once every kernel before them has finished (`triton_kernels.pdl_begin_late`). ONNXGEN_ATTN_PREFETCH=1;
-# off until timed on the GPU.
-ATTN_PREFETCH = os.environ.get("ONNXGEN_ATTN_PREFETCH", "0") == "1"
+
+
+COMBINE_IN_PRODUCT = os.environ.get("ONNXGEN_COMBINE_IN_PRODUCT", "0") == "1"
+"""Whether a decode step's attention leaves its key splits unmerged for the output projection's GEMV to
+merge as it loads x (`paged.Partials`, `triton_gemv`'s `PART`): no combine launch per layer.
+`ONNXGEN_COMBINE_IN_PRODUCT=1`; off until timed on the GPU (benchmarks/gpu_decode_ablation.py `part`).
+Every program of the product merges the whole row (the combine kernel merges it once): it can pay only
+while few splits hold keys (short contexts: a decode graph plans 32 splits for the whole context, and
+empty ones cost no loads)."""
+MERGE_VALUES = 32  # merged in the product only if a K tile of every split is at most this many floats a thread
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
-           residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+           residual: torch.Tensor | None = None, partials: Any = None) -> torch.Tensor:  # fmt: skip
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype;
     `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T` (a skip-norm's sum formed by the
     product that feeds it), added to the float32 product before its one rounding by the Triton kernels; the
@@ -214,12 +217,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     shape (and row count, rounded up to a power of two) is seen outside graph capture, it measured faster
     than cuBLAS; everything else is `F.linear` (+ `silu_mul_halves`). `rowwise` (a verify step's rows, up to
     `ROWWISE_ROWS`, on a Triton device): every row is computed exactly as a one-row product of this shape is
-    (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows."""
+    (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows.
+    `partials` (`paged.Partials`, not with `silu_halves`): x is an attention output whose key splits are
+    not merged yet; the GEMV merges them as it loads x (each row's merged x rounded to x's dtype, as the
+    combine kernel writes it), any other path merges them into x first."""
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        return _gemv(x, w, silu_halves, _gemv_choice(_first_row(x), w, silu_halves), residual=residual)
+        cfg = _gemv_choice(_first_row(x), w, silu_halves)
+        if partials is not None and partials.nsp * cfg[1] > MERGE_VALUES * 32 * cfg[2]:
+            partials.finish()  # a K tile of every split would not fit in the program's registers
+            partials = None
+        return _gemv(x, w, silu_halves, cfg, residual=residual, partials=partials)
         # pragma: cuda-end
+    if partials is not None:
+        partials.finish()
     if 1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         cfg = _skinny_choice(x, w, silu_halves)
@@ -313,11 +325,12 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
           norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None,
-          residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+          residual: torch.Tensor | None = None, partials: Any = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
-    x's rows of N added before the rounding (not with `silu` or `rope`)."""
+    x's rows of N added before the rounding (not with `silu` or `rope`); `partials` (`paged.Partials`, not
+    with `silu`, `norm` or `rope`): x's rows merged from an attention's key splits as they are loaded."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     r = x.numel() // k
@@ -331,15 +344,24 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     else:
         ra = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
     rb = min(r, ROWS_PER_PROGRAM)
-    x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE)
+    part = partials is not None
+    x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE) and not part
     assert residual is None or not (silu or rope is not None)
+    assert not part or not (silu or norm is not None or rope is not None)
     res = residual_rows(residual, r, n, y)
+    if part:
+        assert partials.acc.shape[0] == r and partials.n * partials.d == k, (partials.acc.shape, r, k)
+        pa = (partials.acc, partials.ml, partials.nsplit, partials.hkv)
+        pc = {"G": partials.g, "HD": partials.d, "BM": partials.block_m, "DPA": partials.dp,
+              "NSP": partials.nsp}  # fmt: skip
+    else:
+        pa, pc = (y, y, 1, 1), {"G": 1, "HD": 1, "BM": 1, "DPA": 1, "NSP": 1}
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
-        s if s is not None else y, eps, *ra, res,
+        s if s is not None else y, eps, *ra, res, *pa,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
+        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None, PART=part, **pc,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
@@ -699,8 +721,10 @@ def decode_advance(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, 
 
 # A captured decode step's greedy choice in two Triton launches (partial maxima over column blocks, then the
 # first maximum of each row inside `decode_advance`) instead of `torch.argmax`'s one-block reduction, which
-# is not a programmatic-dependent launch. ONNXGEN_GREEDY_IN_ADVANCE=1; off until timed on the GPU.
-GREEDY_IN_ADVANCE = os.environ.get("ONNXGEN_GREEDY_IN_ADVANCE", "0") == "1"
+# is not a programmatic-dependent launch. On since it measured faster (H200, 2026-12-05, decode graphs
+# interleaved twice: 0.5B 0.530 -> 0.524 ms, 1B 0.752/0.787 -> 0.744/0.743 ms, greedy tokens equal;
+# docs/benchmarks/decode-gpu.md, sixth session); ONNXGEN_GREEDY_IN_ADVANCE=0 turns it off.
+GREEDY_IN_ADVANCE = os.environ.get("ONNXGEN_GREEDY_IN_ADVANCE", "1") == "1"
 _ARGMAX_BLOCK = 4096  # columns per partial maximum
 
 

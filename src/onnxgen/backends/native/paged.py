@@ -45,6 +45,9 @@ class PagedStep:
     # every token its own work item, attended exactly as a one-token step of its sequence would (the decode
     # tile, a batch-1 decode's key splits): a verify step whose rows must equal plain decoding's bits
     per_token: bool = False
+    # attention outputs whose key splits the product that reads them merges (`attention_triton`'s `defer`),
+    # by the output's data pointer: `take_partials` hands each to its reader
+    pending: dict[int, Partials] = field(default_factory=dict)
     _work: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -122,15 +125,65 @@ def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> Non
 
 
 def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
-              window: int = -1) -> torch.Tensor:  # fmt: skip
+              window: int = -1, defer: bool = False) -> torch.Tensor:  # fmt: skip
     """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
     this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
-    torch reference elsewhere."""
+    torch reference elsewhere. `defer`: the output's only reader is a product that takes `take_partials`
+    (`attention_triton`)."""
     from onnxgen.backends.native import kernels
 
     if kernels.use_triton(q):
-        return attention_triton(ps, layer, q, scale, softcap, window)
+        return attention_triton(ps, layer, q, scale, softcap, window, defer=defer)
     return attention_ref(ps, layer, q, scale, softcap, window)
+
+
+@dataclass
+class Partials:
+    """A paged attention's key splits not yet merged into its output `out` (`[T, N, D]`): `acc` (`[T, HKV,
+    nsplit, block_m, dp]` float32, unnormalised) and `ml` (the same with 2: each row's running maximum, base
+    2, and sum of exponentials), one work item per token whose rows are that token's query heads of one KV
+    head (`g` of them, `g <= block_m`). Row `t` of `out` viewed as `[N * D]` is then, at column
+    `k = (h * g + r) * d + c`, the merge over splits `s` of `acc[t, h, s, r, c]` (`kernels.linear`'s
+    `partials`, inside the product that reads it); `finish` writes it into `out` instead (the combine
+    kernel)."""
+
+    out: torch.Tensor
+    acc: torch.Tensor
+    ml: torch.Tensor
+    q_starts_t: torch.Tensor
+    work: torch.Tensor
+    nsplit: int
+    hkv: int
+    n: int
+    g: int
+    d: int
+    dp: int
+    block_m: int
+
+    @property
+    def nsp(self) -> int:
+        """The splits rounded up to a power of two (at least 2): the tile the merges load at once."""
+        return max(2, 1 << (self.nsplit - 1).bit_length())
+
+    def finish(self) -> torch.Tensor:
+        """Merge the splits into `out` (one launch) and return it."""
+        from onnxgen.backends.native import kernels
+        from onnxgen.backends.native import triton_paged as tp
+
+        tp.paged_combine_kernel[(self.work.shape[0], self.hkv, self.block_m)](
+            self.acc, self.ml, self.q_starts_t, self.work, self.out, self.nsplit, self.hkv, N=self.n, G=self.g,
+            D=self.d, DP=self.dp, BLOCK_M=self.block_m, NSP=self.nsp, num_warps=1, **kernels.launch_options(self.out),
+        )  # fmt: skip
+        return self.out
+
+
+def take_partials(ps: PagedStep | None, x: torch.Tensor) -> Partials | None:
+    """The unmerged key splits of the attention output `x` (a view of it) if its attention deferred them
+    (`attention_triton`'s `defer`), removed from `ps.pending`: the caller merges them, in its product or
+    with `Partials.finish`."""
+    if ps is None or not ps.pending:
+        return None
+    return ps.pending.pop(x.data_ptr(), None)
 
 
 _LOG2E = 1.4426950408889634
@@ -176,12 +229,15 @@ def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> 
 
 
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
-                     window: int = -1, nsplit: int | None = None, tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
+                     window: int = -1, nsplit: int | None = None, tile: Tile | None = None,
+                     defer: bool = False) -> torch.Tensor:  # fmt: skip
     """The Triton path of `attention`. `nsplit` (tests, benchmarks): the number of key splits; by default
     `splits_for`'s over `ps.plan_len` (a captured step's host shapes: the whole context). Each work item
     splits its own keys (the longest of its rows) into `nsplit` parts of whole key blocks, on the device:
     a sequence's split depends on its own length only. `tile` (benchmarks): the kernel's tile instead of
-    `tile_for`'s."""
+    `tile_for`'s. `defer` (with `kernels.COMBINE_IN_PRODUCT`): when there are several splits and every
+    token is one work item (a decode step, or per token), the combine is not launched: the splits go to
+    `ps.pending` under the returned tensor (unwritten until merged) for its reader (`take_partials`)."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
@@ -214,10 +270,13 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         **kernels.launch_options(q),
     )  # fmt: skip
     if not direct:
-        tp.paged_combine_kernel[(w, hkv, block_m)](
-            acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m,
-            NSP=max(2, 1 << (nsplit - 1).bit_length()), num_warps=1, **kernels.launch_options(q),
-        )  # fmt: skip
+        part = Partials(out, acc, ml, ps.q_starts_t, work, nsplit, hkv, n, g, d, dp, block_m)
+        one_item_a_token = ps.per_token or ps.num_tokens == len(ps.seq_lens)
+        if defer and kernels.COMBINE_IN_PRODUCT and one_item_a_token and g <= block_m:
+            assert w == ps.num_tokens, (w, ps.num_tokens)
+            ps.pending[out.data_ptr()] = part
+        else:
+            part.finish()
     return out
 
 

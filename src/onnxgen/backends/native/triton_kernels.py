@@ -187,7 +187,8 @@ def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr,
 
 @triton.jit
 def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sq_h, sq_s, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
-                    ROW, D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                    ROW, D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    PDL: tl.constexpr):  # fmt: skip
     pdl_begin(PDL)
     hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
     t = tl.program_id(1)  # token
