@@ -79,7 +79,7 @@ for section in "$@"; do
             fi ;;
     quick) timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_int4_kernel.py \
              tests/test_gemv_kernel.py tests/test_skinny_kernel.py tests/test_paged_attention.py tests/test_decode_runs.py \
-             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or greedy_advance or merges or few_row or gemm" \
+             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or greedy_advance or merges or float_output or few_row or gemm" \
              2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
     argmax) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
               --ablations none,torchargmax,none,torchargmax 2>&1 | quiet | grep -v "^$" | tail -24 ;;

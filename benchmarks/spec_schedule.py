@@ -7,10 +7,11 @@ measurements (what to try when device time is scarce; a GPU run of `speculative.
 Speculation is exact, so which drafts are accepted depends only on the plain greedy tokens: each workload of
 `speculative.py` is decoded once, greedy, on the CPU (ort, the default model unless MODEL), and the engine's
 CUDA schedule is replayed on those tokens with the engine's own draft control (`drafts.draft_control(True,
-sizes)`): decode runs of R steps while the request is copying (`DraftControl.hot`, else 8; `Rs`: with
-`drafts.CUDA_DROP_COLD`), each read after the next one is launched, so a match found on reading a
-run is verified after the run behind it (`Engine._run_decodes`); a verify of n positions costs the verify
-graph of the next size up (`--verify-ms`, GPU) plus `--verify-host-ms`; a decode step costs `--decode-ms`.
+sizes)`): decode runs of R steps while the request is copying or confirming a match
+(`DraftControl.watching`, else 8; `Ro`: without `drafts.CUDA_CONFIRM`), each read after the next one is
+launched, so a match found on reading a run is verified after the run behind it (`Engine._decode_run`); a
+stopped chain costs `--break-ms`; a verify of n positions costs the verify graph of the next size up
+(`--verify-ms`, GPU) plus `--verify-host-ms`; a decode step costs `--decode-ms`.
 The defaults are the H200's on SmolLM2-135M bf16 (docs/benchmarks/speculative-gpu.md, 2026-12-05). Printed
 per workload and policy: predicted speedup over plain decoding (decode phase only), accepted/drafted, verify
 steps. Calibration: with runs of 8 and no size filling it predicts the bf16 edit workload's 78 accepted
@@ -32,13 +33,22 @@ from onnxgen.engine.drafts import DraftControl, draft_control
 
 
 def simulate(prompt: Sequence[int], greedy: Sequence[int], ctrl: DraftControl, run: int, decode_ms: float,
-             verify_ms: dict[int, float], verify_host_ms: float, full: int = 8) -> tuple[float, int]:  # fmt: skip
-    """Predicted decode-phase milliseconds and verify steps for `greedy` (its first token from the prefill):
-    runs of `run` steps while the request is copying (`DraftControl.hot`), of `full` otherwise."""
+             verify_ms: dict[int, float], verify_host_ms: float, break_ms: float,
+             full: int = 8) -> tuple[float, int, int]:  # fmt: skip
+    """Predicted decode-phase milliseconds, verify steps and chains of decode runs for `greedy` (its first
+    token from the prefill), as `Engine._decode_run` schedules them: each run is launched before the one in
+    flight is read (`run` steps while the request is copying or confirming a match,
+    `DraftControl.watching`, else `full`); on reading a run the request may stop the chain
+    (`DraftControl.stop_chain`, with room for a sample and a draft after the launched run), which then ends
+    after the run launched behind it and costs `break_ms` (the device waits for the host)."""
     sizes = sorted(verify_ms)
     out = [greedy[0]]
     n = len(greedy)
-    t, verifies = 0.0, 0
+    t, verifies, chains = 0.0, 0, 0
+
+    def length() -> int:  # `Engine._run_steps`
+        return run if ctrl.watching(len(out)) else full
+
     while len(out) < n:
         k = min(ctrl.budget(len(out)), n - len(out))
         drafts = ctrl.propose(prompt, out, k) if k > 0 else []
@@ -52,16 +62,20 @@ def simulate(prompt: Sequence[int], greedy: Sequence[int], ctrl: DraftControl, r
             t += verify_ms[next(s for s in sizes if s >= len(drafts) + 1)] + verify_host_ms
             verifies += 1
             continue
-        while len(out) < n:  # a chain of runs; a match seen on reading one is verified after the next
-            r = min(run if ctrl.hot(len(out)) else full, n - len(out))  # `Engine._run_steps`
-            out.extend(greedy[len(out) : len(out) + r])
-            t += r * decode_ms
-            if len(out) < n and ctrl.ready(prompt, out):
-                r = min(run if ctrl.hot(len(out)) else full, n - len(out))
-                out.extend(greedy[len(out) : len(out) + r])
-                t += r * decode_ms
+        chains += 1
+        flight = min(length(), n - len(out))  # the chain's first run
+        while True:
+            nxt = min(length(), n - len(out) - flight)  # launched before the run in flight is read
+            out.extend(greedy[len(out) : len(out) + flight])
+            t += flight * decode_ms
+            if nxt == 0:
                 break
-    return t, verifies
+            if n - len(out) - nxt >= 2 and ctrl.stop_chain(prompt, out):
+                out.extend(greedy[len(out) : len(out) + nxt])
+                t += nxt * decode_ms + break_ms
+                break
+            flight = nxt
+    return t, verifies, chains
 
 
 def main() -> int:
@@ -70,8 +84,9 @@ def main() -> int:
     ap.add_argument("--decode-ms", type=float, default=0.448)
     ap.add_argument("--verify-ms", default="4:0.78,8:1.24,16:2.17")
     ap.add_argument("--verify-host-ms", type=float, default=0.15)
+    ap.add_argument("--break-ms", type=float, default=0.3, help="what stopping a chain of runs costs")
     ap.add_argument("--runs", default="8,4,2", help="decode steps per run while copying, to compare; a trailing "
-                    "s: with `drafts.CUDA_DROP_COLD`")
+                    "o: without `drafts.CUDA_CONFIRM` (every match stops a chain)")
     ap.add_argument("--tokens", type=int, default=128)
     a = ap.parse_args()
     import onnxgen
@@ -80,23 +95,24 @@ def main() -> int:
 
     verify = {int(s): float(ms) for s, ms in (p.split(":") for p in a.verify_ms.split(","))}
     model = onnxgen.load(str(resolve_model_path(a.model)), backend="ort")
-    print("| workload | tokens | policy | predicted speedup | accepted/drafted | verify steps |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | tokens | policy | predicted speedup | accepted/drafted | verify steps | chains |")
+    print("|---|---|---|---|---|---|---|")
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]
         prompt = model.encode_prompt(msgs)
         greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False, speculative=False).tokens
         plain = (len(greedy) - 1) * a.decode_ms
         policies = [("runs of 8, drafts as budgeted", "8", ())]
-        policies += [(f"runs of {r.rstrip('s')} while copying{', drop cold' if r.endswith('s') else ''}", r,
+        policies += [(f"runs of {r.rstrip('o')} while copying{', unconfirmed stops' if r.endswith('o') else ''}", r,
                       tuple(verify)) for r in a.runs.split(",")]  # fmt: skip
         for label, spec, sizes in policies:
-            drafts.CUDA_DROP_COLD = spec.endswith("s")
-            run = int(spec.rstrip("s"))
+            drafts.CUDA_CONFIRM = not spec.endswith("o")
+            run = int(spec.rstrip("o"))
             ctrl = draft_control(True, sizes)
-            ms, verifies = simulate(prompt, greedy, ctrl, run, a.decode_ms, verify, a.verify_host_ms)
+            ms, verifies, chains = simulate(prompt, greedy, ctrl, run, a.decode_ms, verify, a.verify_host_ms,
+                                            a.break_ms)  # fmt: skip
             print(f"| {name} | {len(greedy)} | {label} | {plain / ms:.2f}x | {ctrl.accepted}/{ctrl.drafted} | "
-                  f"{verifies} |")
+                  f"{verifies} | {chains} |")
     return 0
 
 

@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
-                    "(a trailing s: with `drafts.CUDA_DROP_COLD`): "
+                    "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation): "
                     "one contender each (default: the engine's)")
     args = ap.parse_args()
     path = str(resolve_model_path(args.model))
@@ -66,10 +66,10 @@ def main() -> int:
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]
 
-        def go(spec, msgs=msgs, run=None, strict=False):
+        def go(spec, msgs=msgs, run=None, old=False):
             if run is not None:
                 model.spec_decode_steps = run
-            drafts.CUDA_DROP_COLD = strict
+            drafts.CUDA_CONFIRM = not old
             t0 = time.perf_counter()
             r = model.generate(msgs, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
             return r, r.stats.generated_tokens / (time.perf_counter() - t0)
@@ -77,9 +77,10 @@ def main() -> int:
         runs = [v.strip() for v in args.spec_runs.split(",")] if args.spec_runs else [None]
         contenders = {"plain": lambda: go(False)}
         for run in runs:
-            label = "spec" if run is None else f"spec (runs of {run.rstrip('s')}{', drop cold' if run[-1] == 's' else ''})"
-            contenders[label] = lambda run=run: go("prompt_lookup", run=None if run is None else int(run.rstrip("s")),
-                                                   strict=run is not None and run.endswith("s"))  # fmt: skip
+            old = run is not None and run.endswith("o")
+            label = "spec" if run is None else f"spec (runs of {run.rstrip('o')}{', unconfirmed stops' if old else ''})"
+            contenders[label] = lambda run=run, old=old: go("prompt_lookup", old=old,
+                                                            run=None if run is None else int(run.rstrip("o")))  # fmt: skip
         for fn in contenders.values():  # warm-up
             fn()
         samples = interleave(args.runs, contenders)

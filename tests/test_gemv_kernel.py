@@ -302,3 +302,23 @@ def test_residual_is_added_before_the_products_one_rounding(rows: int) -> None:
         assert torch.equal(one[:, 0], got[:, i]), i
     f32 = kernels.linear(x.to(DEVICE), w.to(DEVICE), rowwise=rows > 1, residual=res.to(DEVICE))
     assert torch.equal(f32.cpu(), exact)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_float_output_is_the_products_values_cast(rows: int, norm: bool, cfg: tuple) -> None:
+    """`out_dtype=float32` (the lm_head writing float32 logits: the lowering's `_cast_into_product`): the bits
+    of the product in x's dtype cast to float32 — one-row and rowwise launches, with a folded norm or not."""
+    kernels._build()
+    g = torch.Generator().manual_seed(3 + rows)
+    w = (torch.randn(200, 256, generator=g) / 16).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(rows, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    nw = (1 + torch.randn(256, generator=g) / 4).to(torch.bfloat16).to(DEVICE)
+    fold = (None, nw, 1e-5, None) if norm else None
+    want = kernels._gemv(x, w, False, cfg, fold).float()
+    got = kernels._gemv(x, w, False, cfg, fold, out_dtype=torch.float32)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.equal(got, (x.double() @ w.double().T).float())  # (the rounding to bf16 is there)
+    assert torch.equal(kernels.linear(x, w, rowwise=True, out_dtype=torch.float32),
+                       kernels.linear(x, w, rowwise=True).float())  # fmt: skip

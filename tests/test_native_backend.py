@@ -401,7 +401,8 @@ def test_prefill_never_builds_seq_by_vocab_logits(tiny_spec: Any) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_program_equals_one_op_per_node(dtype: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     """The cross-node fusions (gate/up merged with SiLU: LinearSiluMul; RMSNorm folded into the projection
-    that reads it: RmsLinear) compute what the unfused program computes, prefill and decode rows alike."""
+    that reads it: RmsLinear; the logits' cast done by the lm_head) compute what the unfused program
+    computes, prefill and decode rows alike."""
     from onnxgen.backends.native.lowering import lower
     from onnxgen.backends.native.ops import RunCtx
     from onnxgen.kv.buffers import KVBuffers
@@ -419,6 +420,18 @@ def test_fused_program_equals_one_op_per_node(dtype: str, tmp_path_factory: pyte
     with_res = [st.node for st in progs[True].steps if st.node.op == "Linear" and any(st.node.inputs[5:])]
     assert len(with_res) == 2 * spec.num_layers and "SkipSimplifiedLayerNormalization" not in ops[True]
     assert "SkipSimplifiedLayerNormalization" in ops[False]
+    # the final norm too: the cut before the lm_head moved before it, so it folds into the lm_head
+    assert not any(op.endswith("LayerNormalization") for op in ops[True])
+    assert [st.node.op for st in progs[True].steps][-2:] == ["SliceLast", "RmsLinear"]
+    # each attention's key splits left to the output projection to merge; the logits' cast to float32 done
+    # by the lm_head product (half-precision packages end with one)
+    gqa = {f: [st.node for st in p.steps if st.node.op == "GroupQueryAttention"] for f, p in progs.items()}
+    assert len(gqa[True]) == spec.num_layers and all(g.attrs.get("_defer_combine") for g in gqa[True])
+    assert not any(g.attrs.get("_defer_combine") for g in gqa[False])
+    casts = {f: sum(st.node.op == "Cast" for st in p.steps) for f, p in progs.items()}
+    out_float = [st.node for st in progs[True].steps if st.node.attrs.get("_out_float")]
+    if dtype == "bfloat16":
+        assert casts[True] == casts[False] - 1 and len(out_float) == 1
     ids = torch.tensor(_prompt(12, spec.vocab_size))
     out = {}
     for f, prog in progs.items():
@@ -430,7 +443,9 @@ def test_fused_program_equals_one_op_per_node(dtype: str, tmp_path_factory: pyte
             env = prog.new_env()
             env[prog.input_slots[spec.input_ids_name]] = chunk.view(1, -1)
             n = chunk.numel()
-            rows.append(prog.execute(env, RunCtx(kv, start, n, torch.arange(start, start + n))).float())
+            logits = prog.execute(env, RunCtx(kv, start, n, torch.arange(start, start + n)))
+            assert logits.dtype == torch.float32  # the package's logits type, fused or not
+            rows.append(logits)
         out[f] = rows
     tol = 1e-5 if dtype == "float32" else 2e-2
     for a, b in zip(out[True], out[False], strict=True):
@@ -522,3 +537,17 @@ def test_int4_option_reaches_both_executors_and_is_checked(tmp_path_factory: pyt
     with pytest.raises(InvalidRequest) as e:
         onnxgen.load(str(pkg), backend="native", int4="nf4")
     assert e.value.field == "int4" and "packed" in str(e.value)
+
+
+def test_slice_before_the_lm_head_passes_every_row_through_without_a_copy() -> None:
+    """SliceLast (the lowering's cut before the lm_head): the rows `RunCtx.last` lists, or x itself when it
+    lists every position (a decode or verify step: no launch), or the last position without a list."""
+    from onnxgen.backends.native import ops as O
+    from onnxgen.backends.native.ops import RunCtx
+
+    node = O.Node("SliceLast", "onnxgen", "cut", ["x"], ["y"])
+    f = O.builder(node)(node)
+    x = torch.randn(1, 3, 4)
+    assert f(RunCtx(None, -1, 3, None, last=torch.arange(3)), x)[0] is x
+    assert torch.equal(f(RunCtx(None, -1, 3, None, last=torch.tensor([0, 2])), x)[0], x[:, [0, 2]])
+    assert torch.equal(f(RunCtx(None, 0, 3, None), x)[0], x[:, 2:])

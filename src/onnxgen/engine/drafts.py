@@ -11,7 +11,10 @@ rewinds the KV past the rest: the output is exactly that of plain decoding, gree
 a lookup is O(ngram_max)), so a speculating request pays no per-step work proportional to its context.
 `DraftControl` keeps a request's draft length where it pays: drafts grow while they are accepted and
 shrink (down to none, with a retry now and then) while they are not, so a workload without repetition
-pays for almost no verification.
+pays for almost no verification. It also says when a match is worth stopping a chain of decode runs for
+(`stop_chain`); on CUDA, where such a stop costs the device a host round trip, a request that is not
+copying stops only for a match that proved right about the next token, so a chance match (common words
+repeating) costs one short run instead of a broken chain.
 """
 
 from __future__ import annotations
@@ -123,13 +126,15 @@ class DraftControl:
     not steps: a run of decode steps makes many at once), then tries 1 again; each retry rejected doubles
     the wait up to `cooldown_max` (default: no growth), an accepted draft resets it. So a copy ramps up to
     `k_max` drafts in a few steps, and text with nothing to copy pays about one rejected one-token draft per
-    `cooldown_max` tokens (what CUDA sets: there a verify step breaks a run of decode steps)."""
+    `cooldown_max` tokens (what CUDA sets: there a verify step breaks a run of decode steps). `confirm`: a
+    request that is not `hot` stops a chain of decode runs only for a confirmed match (`stop_chain`)."""
 
     HOT_TOKENS = 32  # a request is `hot` for this many output tokens after a draft of it was accepted
 
     def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
-                 ngram_min: int = 1, sizes: tuple[int, ...] = (), drop_cold: bool = False) -> None:  # fmt: skip
-        self.drop_cold = drop_cold  # a fully rejected draft while not `hot` sets k to 0 (else: halves it)
+                 ngram_min: int = 1, sizes: tuple[int, ...] = (), confirm: bool = False) -> None:  # fmt: skip
+        self.confirm = confirm  # `stop_chain` waits for a match to be confirmed unless `hot`
+        self._guess: tuple[int, int] | None = None  # `stop_chain`'s unconfirmed match: (output length, token)
         self._accepted_at: int | None = None  # the output length after the last draft with tokens accepted
         self.k = k
         self.k_max = k_max
@@ -166,9 +171,35 @@ class DraftControl:
         return k
 
     def ready(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
-        """Whether the request would draft now (a budget and a match in its context): what stops a run of
-        plain decode steps, so the next step can verify drafts."""
+        """Whether the request would draft now (a budget and a match in its context)."""
         return self.budget(len(output)) > 0 and bool(self.propose(prompt, output, 1))
+
+    def stop_chain(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
+        """On reading a run of a chain of decode steps (`output`: every token read so far; the runs launched
+        behind it not yet): whether to stop the chain so that a step verifies drafts. Without `confirm`:
+        whenever the request is `ready`. With it, a `ready` request stops at once only while `hot`; otherwise
+        only when the match seen at its previous call was right about the token that followed it (that
+        token is read by now), and else the match's first token is kept for the next call to check
+        (`watching` holds meanwhile). Why: a chain's runs are read one behind the launches, so a stop costs
+        the device a host round trip and the drafts come from a context a run later than this one, where a
+        chance match (common words repeating: most matches in text with nothing to copy) is gone and the
+        stop bought nothing. Stopping or not, the output is plain decoding's."""
+        n = len(output)
+        guess, self._guess = self._guess, None
+        found = self.propose(prompt, output, 1) if self.budget(n) > 0 else []
+        if not found:
+            return False
+        if not self.confirm or self.hot(n):
+            return True
+        if guess is not None and guess[0] < n and output[guess[0]] == guess[1]:  # the last match was right
+            return True
+        self._guess = (n, found[0])
+        return False
+
+    def watching(self, generated: int) -> bool:
+        """`hot`, or a match that `stop_chain` saw waits for the next run to confirm it: what keeps runs of
+        decode steps short (`Engine.spec_decode_steps`), so that a copy starting there is verified soon."""
+        return self._guess is not None or self.hot(generated)
 
     def hot(self, generated: int) -> bool:
         """Whether a draft was accepted within the last `HOT_TOKENS` of `generated` output tokens: the request
@@ -183,31 +214,34 @@ class DraftControl:
         self.accepted += accepted
         if proposed == 0:
             return
+        self._guess = None  # a verify step decides for itself (a guess belongs to a chain of decode runs)
         if accepted:
             self._wait = self.cooldown
             self._accepted_at = generated
         if accepted == proposed:
             self.k = min(self.k_max, 2 * max(self.k, proposed))
         elif accepted == 0:
-            self.k = 0 if self.drop_cold and not self.hot(generated) else self.k // 2
+            self.k //= 2
             if self.k == 0:
                 self._resume = generated + self._wait
                 self._wait = min(self.cooldown_max, 2 * self._wait)
 
 
-# CUDA: a request that is not copying (`DraftControl.hot`) stops drafting at its first fully rejected draft
-# instead of halving its draft length (there each rejected verify costs a verify step and a broken chain of
-# decode runs); benchmarks/speculative.py times it as the `s` suffix of a run length (`--spec-runs 2,2s`)
-CUDA_DROP_COLD = False
+# CUDA: a request that is not copying stops a chain of decode runs only for a confirmed match
+# (`DraftControl.stop_chain`); benchmarks/speculative.py and spec_schedule.py time the policy without it as
+# the `o` suffix of a run length (`--spec-runs 2,2o`)
+CUDA_CONFIRM = True
 
 
 def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
     """A new request's control; `sizes`: the runner's verify sizes (`BatchRunner.verify_sizes`: draft
     lengths are raised to fill them). On CUDA a verify step of up to 16 positions replays one graph (so up
     to 15 drafts), but it breaks a run of decode steps (the device waits for the host): drafts need a match
-    of 2 tokens or more (a one-token match's odds cost more there than on the CPU), and the wait after
-    rejected retries doubles up to 256 tokens. On the CPU the plain settings measured best
+    of 2 tokens or more (a one-token match's odds cost more there than on the CPU), the wait after
+    rejected retries doubles up to 256 tokens, and a request that is not copying stops a chain of decode
+    runs only for a confirmed match (`confirm`; on the CPU a stop costs little, and a copy found a run
+    later costs decode steps). On the CPU the plain settings measured best
     (docs/benchmarks/speculative-cpu.md)."""
     if cuda:
-        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, drop_cold=CUDA_DROP_COLD)
+        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, confirm=CUDA_CONFIRM)
     return DraftControl(sizes=sizes)

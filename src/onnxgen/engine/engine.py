@@ -47,7 +47,8 @@ from onnxgen.package.spec import ModelSpec
 from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams, sample_rows
 
 DEFAULT_MAX_NEW_TOKENS = 256
-SPEC_DECODE_STEPS = 2  # decode steps per run at most while a request of the run is copying (`_run_steps`)
+SPEC_DECODE_STEPS = 2  # decode steps per run at most while a request of the run is copying or confirming a
+# match (`_run_steps`)
 
 
 def _all_ints(seq: Sequence[Any]) -> bool:
@@ -151,7 +152,8 @@ class Engine:
         # only after that next run, so a copy waits up to two runs' tokens before its drafts are verified
         # (SmolLM2 bf16 on an H100, edit workload: 1.57x with runs of 8, 1.79x with 4, 1.95x with 2); a
         # request with nothing accepted keeps full runs (shorter ones cost free text 5-11 %;
-        # docs/benchmarks/speculative-gpu.md)
+        # docs/benchmarks/speculative-gpu.md) but for one short run after a match it has yet to confirm
+        # (`DraftControl.stop_chain`: a chance match then costs a short run instead of a broken chain)
         self.spec_decode_steps = SPEC_DECODE_STEPS
         # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
         # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA, where text with nothing to copy
@@ -494,8 +496,8 @@ class Engine:
         """How many decode steps to run back to back now (1: an ordinary step). More than one only when
         the KV is paged, every chunk is a plain decode whose choice needs nothing of the host (no
         processors or penalties, no logits kept, no drafts), and no waiting request could be admitted
-        meanwhile; at most `decode_steps` (`_run_steps`: fewer while a request copies) and what every
-        request may still generate; pages for them all reserved (else 1)."""
+        meanwhile; at most `decode_steps` (`_run_steps`: fewer while a request copies or confirms a match)
+        and what every request may still generate; pages for them all reserved (else 1)."""
         k = self._run_steps(chunks)
         sch = self.scheduler
         if k <= 1 or not self.paged or (sch.num_waiting() and len(sch.running) < sch.max_running):
@@ -511,8 +513,9 @@ class Engine:
 
     def _run_steps(self, chunks: Sequence[Any]) -> int:
         """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them is copying
-        (a draft of it accepted lately, `DraftControl.hot`)."""
-        if any(c.req.drafts is not None and c.req.drafts.hot(len(c.req.output)) for c in chunks):
+        (a draft of it accepted lately, `DraftControl.hot`) or has a match waiting to be confirmed by the next
+        run (`DraftControl.watching`)."""
+        if any(c.req.drafts is not None and c.req.drafts.watching(len(c.req.output)) for c in chunks):
             return min(self.decode_steps, self.spec_decode_steps)
         return self.decode_steps
 
@@ -548,8 +551,8 @@ class Engine:
             done = self._take_run(chunks, rows, offset, set())
             if nxt is None:
                 return
-            if done or self._drafts_ready(chunks, done):  # the others take the launched run's tokens too, then
-                # `step` schedules anew (a request that found drafts verifies them there)
+            if done or self._drafts_ready(chunks, done, k_next):  # the others take the launched run's tokens
+                # too, then `step` schedules anew (a request that found drafts verifies them there)
                 try:
                     rows = self.executor.collect_decodes(nxt)
                 except Exception as exc:
@@ -605,10 +608,18 @@ class Engine:
         return done
 
     @staticmethod
-    def _drafts_ready(chunks: Sequence[Any], done: set[int]) -> bool:
-        """Whether a speculating request of the run would draft now (`DraftControl.ready`)."""
-        return any(c.req.drafts is not None and c.req.drafts.ready(c.req.prompt, c.req.output)
-                   for i, c in enumerate(chunks) if i not in done)  # fmt: skip
+    def _drafts_ready(chunks: Sequence[Any], done: set[int], unread: int) -> bool:
+        """Whether to stop a chain of runs (the run just read taken, `unread` steps launched behind it) so
+        that `step` verifies drafts: a speculating request of the run, not in `done`, that will still have room
+        for a draft once it has taken the launched steps' tokens, asks for it (`DraftControl.stop_chain`)."""
+        for i, c in enumerate(chunks):
+            r = c.req
+            if i in done or r.drafts is None:
+                continue
+            left = min(r.max_new_tokens - len(r.output), r.context_length - r.num_tokens) - unread
+            if left >= 2 and r.drafts.stop_chain(r.prompt, r.output):  # a sample and at least one draft
+                return True
+        return False
 
     def _drain(self, run: Any) -> None:
         """Wait for a launched run whose tokens nobody takes (its positions lie past every context)."""

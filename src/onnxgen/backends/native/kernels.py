@@ -206,7 +206,8 @@ MERGE_VALUES = 32  # merged in the product only if a K tile of every split is at
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
-           residual: torch.Tensor | None = None, partials: Any = None) -> torch.Tensor:  # fmt: skip
+           residual: torch.Tensor | None = None, partials: Any = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype;
     `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T` (a skip-norm's sum formed by the
     product that feeds it), added to the float32 product before its one rounding by the Triton kernels; the
@@ -220,7 +221,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows.
     `partials` (`paged.Partials`, not with `silu_halves`): x is an attention output whose key splits are
     not merged yet; the GEMV merges them as it loads x (each row's merged x rounded to x's dtype, as the
-    combine kernel writes it), any other path merges them into x first."""
+    combine kernel writes it), any other path merges them into x first. `out_dtype` (not with
+    `silu_halves` or `residual`): the result, rounded to x's dtype, in that dtype (the GEMV writes it)."""
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
@@ -228,10 +230,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
         if partials is not None and partials.nsp * cfg[1] > MERGE_VALUES * 32 * cfg[2]:
             partials.finish()  # a K tile of every split would not fit in the program's registers
             partials = None
-        return _gemv(x, w, silu_halves, cfg, residual=residual, partials=partials)
+        return _gemv(x, w, silu_halves, cfg, residual=residual, partials=partials, out_dtype=out_dtype)
         # pragma: cuda-end
     if partials is not None:
         partials.finish()
+    if out_dtype is not None:
+        return linear(x, w, silu_halves, rowwise, residual).to(out_dtype)
     if 1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         cfg = _skinny_choice(x, w, silu_halves)
@@ -295,22 +299,24 @@ def _skinny_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, i
 
 
 def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
-               silu_halves: bool = False, rowwise: bool = False) -> tuple[torch.Tensor, Any]:  # fmt: skip
+               silu_halves: bool = False, rowwise: bool = False,
+               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Any]:  # fmt: skip
     """`linear(rms_norm(x, skip, nw, eps)[0], w, silu_halves)` and the residual sum `x + skip` (None without
     skip). A one-row product on a Triton device normalises inside the GEMV (no norm launch) where that
     measured faster, for this shape, than the norm kernel followed by `linear`: every GEMV program reduces
     the row itself, which costs more than the saved launch when programs are many (one row each).
-    `rowwise`: as `linear`'s (the one-row decision, each row computed as alone)."""
+    `rowwise`: as `linear`'s (the one-row decision, each row computed as alone); `out_dtype`: as
+    `linear`'s."""
     if (_as_one_rows(x, rowwise) and _gemv_ok(x, w) and x.is_contiguous()
             and (skip is None or (skip.is_contiguous() and skip.shape == x.shape))):  # fmt: skip
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         cfg = _rms_gemv_choice(_first_row(x), None if skip is None else _first_row(skip), nw, eps, w, silu_halves)
         if cfg is not None:
             s = torch.empty_like(x) if skip is not None else None
-            return _gemv(x, w, silu_halves, cfg, (skip, nw, eps, s)), s
+            return _gemv(x, w, silu_halves, cfg, (skip, nw, eps, s), out_dtype=out_dtype), s
         # pragma: cuda-end
     h, s = rms_norm(x, skip, nw, eps)
-    return linear(h, w, silu_halves, rowwise), s
+    return linear(h, w, silu_halves, rowwise, out_dtype=out_dtype), s
 
 
 def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
@@ -325,16 +331,19 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
           norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None,
-          residual: torch.Tensor | None = None, partials: Any = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+          residual: torch.Tensor | None = None, partials: Any = None,
+          out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
     x's rows of N added before the rounding (not with `silu` or `rope`); `partials` (`paged.Partials`, not
-    with `silu`, `norm` or `rope`): x's rows merged from an attention's key splits as they are loaded."""
+    with `silu`, `norm` or `rope`): x's rows merged from an attention's key splits as they are loaded;
+    `out_dtype` (not with `silu`, `rope` or `residual`): y in that dtype, each value rounded to x's first."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     r = x.numel() // k
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    assert out_dtype is None or not (silu or rope is not None or residual is not None)
+    y = torch.empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype, device=x.device)
     bn, bk, warps = cfg
     skip, nw, eps, s = norm if norm is not None else (None, x, 0.0, None)
     if rope is not None:

@@ -14,7 +14,9 @@ Passes, in order:
    products -> Int4LinearSiluMul, their packed tensors side by side, SiLU in the GEMV); an RMSNorm read
    only by a Linear / LinearSiluMul -> RmsLinear, normalised inside one-row products (packed int4: the
    skip-norm's residual sum formed by the packed product that feeds it, and RmsInt4Linear, normalised
-   inside the packed GEMV); the output projection merges its attention's key splits itself);
+   inside the packed GEMV), the final norm too once the cut before the lm_head is moved before it; the
+   output projection merges its attention's key splits itself; the lm_head writes float32 logits itself
+   instead of a Cast after it);
 6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
    stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
 """
@@ -151,9 +153,11 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     if fuse:
         nodes = _merge_gate_up(nodes, consts, device, on_device)
         _residual_into_product(nodes, spec.logits_name)
+        nodes = _cut_before_final_norm(nodes)
         nodes = _fuse_norm_linear(nodes, consts)
         _rope_into_qkv(nodes, consts, device)
         _combine_into_product(nodes, spec.logits_name)
+        nodes = _cast_into_product(nodes)
     nodes = _dce(nodes, [spec.logits_name])
 
     # Placement: every constant a step reads.
@@ -664,6 +668,51 @@ def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> l
                            "_transposed": int(lin.attrs.get("_transposed", 0))}))  # fmt: skip
         drop.add(id(lin))
     return out
+
+
+def _cut_before_final_norm(nodes: list[O.Node]) -> list[O.Node]:
+    """`SliceLast(SimplifiedLayerNormalization(x))` read only by a product (the lm_head after the final norm)
+    -> `SimplifiedLayerNormalization(SliceLast(x))`: the norm is per position, so the same rows, and the
+    norm then reads into the product alone (`_fuse_norm_linear` folds it: no norm launch in a decode
+    step; prefill normalises the last row only)."""
+    readers = _readers(nodes)
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    for cut in [n for n in nodes if n.op == "SliceLast" and n.domain == "onnxgen"]:
+        norm = producer.get(cut.inputs[0])
+        users = readers.get(cut.outputs[0], [])
+        if (norm is None or norm.op != "SimplifiedLayerNormalization" or norm.domain not in ("", "com.microsoft")
+                or int(norm.attr("axis", -1)) != -1 or len(readers.get(norm.outputs[0], [])) != 1
+                or any(readers.get(o) for o in norm.outputs[1:] if o) or len(users) != 1
+                or users[0].domain != "onnxgen" or users[0].op not in ("Linear", "Int4Linear")):  # fmt: skip
+            continue
+        sliced = cut.outputs[0]
+        cut.inputs, cut.outputs = [norm.inputs[0]], [norm.inputs[0] + "::last"]
+        norm.inputs = [cut.outputs[0], *norm.inputs[1:]]
+        norm.outputs = [sliced, *norm.outputs[1:]]  # the product reads the norm's output under the cut's name
+        nodes = [n for n in nodes if n is not cut]
+        at = next(i for i, n in enumerate(nodes) if n is norm)
+        nodes.insert(at, cut)
+    return nodes
+
+
+def _cast_into_product(nodes: list[O.Node]) -> list[O.Node]:
+    """`Cast(to=float)` of a bias-free, non-rotary Linear / RmsLinear (no SiLU) output that nothing else
+    reads (the lm_head's logits cast to float32) -> the product writes float32 itself (`_out_float`: each
+    value rounded to the product's dtype first, so the same values as the Cast), no cast launch."""
+    readers = _readers(nodes)
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    drop: set[int] = set()
+    for c in nodes:
+        if not (c.op == "Cast" and c.domain == "" and int(c.attr("to", 0)) == 1 and len(c.inputs) == 1):
+            continue
+        p = producer.get(c.inputs[0])
+        if p is None or p.domain != "onnxgen" or len(readers.get(c.inputs[0], [])) != 1 or "_rope" in p.attrs:
+            continue
+        if (p.op == "Linear" and len(p.inputs) == 2) or (p.op == "RmsLinear" and not p.attrs.get("silu")):
+            p.attrs["_out_float"] = 1
+            p.outputs = [c.outputs[0], *p.outputs[1:]]
+            drop.add(id(c))
+    return [n for n in nodes if id(n) not in drop]
 
 
 def _combine_into_product(nodes: list[O.Node], logits: str) -> None:

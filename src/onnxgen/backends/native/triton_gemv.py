@@ -235,7 +235,8 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     else:
         if HAS_RES:
             y += tl.load(RES + rn, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nmask)
+        # rounded to x's dtype (the product's), then stored as Y's (float32 logits: the lm_head's Cast)
+        tl.store(Y + rn, y.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=nmask)
 
 
 @triton.jit

@@ -54,7 +54,10 @@ class RunCtx:
         self.n = n  # tokens in this forward (static: the bucket size, padding included)
         self.positions = positions  # [n] int64 on the device: pos0 + arange(n) (paged: each token's own)
         self.past = past  # static only: [1] int64 on the device, the KV length before this forward
-        self.last = last  # int64 on the device: the tokens whose logits are wanted (None: the last)
+        # int64 on the device: the tokens whose logits are wanted, in increasing order, each once (None: the
+        # last); as many as the step's tokens means every token's (a captured verify step's padding rows
+        # repeat its last real row there: their logits are never read)
+        self.last = last
         self.paged = paged  # a ragged batch over the paged pool (`native.paged.PagedStep`), or None
         self.static = past is not None if static is None else static  # static shapes: a graph can capture it
         # every token computed exactly as a one-token step computes it (a verify step: `kernels.linear`'s

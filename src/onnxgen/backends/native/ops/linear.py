@@ -31,9 +31,11 @@ def _linear(node: Node) -> Fn:
     Input 5, a residual (the lowering's `_residual_into_product`; never with a bias or `_rope`): `residual
     + x @ W`, the sum formed before the product is rounded (`kernels.linear`). x may be an attention
     output whose key splits are still to be merged (the lowering's `_combine_into_product`,
-    `paged.take_partials`): the product merges them (`kernels.linear`'s `partials`)."""
+    `paged.take_partials`): the product merges them (`kernels.linear`'s `partials`). `_out_float` (the
+    lowering's `_cast_into_product`): the product's values, rounded to x's dtype, returned as float32."""
     transposed = bool(node.attr("_transposed", 0))
     qkv = node.attr("_rope", None)
+    out = torch.float32 if node.attr("_out_float", 0) else None
 
     def f(ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None,
           residual: Any = None) -> tuple[Any, ...]:  # fmt: skip
@@ -44,9 +46,10 @@ def _linear(node: Node) -> Fn:
         part = paged.take_partials(ctx.paged, x) if ctx is not None else None
         if part is not None:  # x is an attention's output whose key splits are not merged yet
             if transposed and bias is None and not _upcast_cpu_matmul(x):
-                return (kernels.linear(x, w, rowwise=is_rowwise(ctx), residual=residual, partials=part),)
+                return (kernels.linear(x, w, rowwise=is_rowwise(ctx), residual=residual, partials=part,
+                                       out_dtype=out),)  # fmt: skip
             part.finish()
-        return (_product(x, w, bias, transposed, is_rowwise(ctx), residual),)
+        return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out),)
 
     return f
 
@@ -67,21 +70,24 @@ def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any
     return out
 
 
-def _product(x: Any, w: Any, bias: Any, transposed: bool, rowwise: bool = False, residual: Any = None) -> Any:
+def _product(x: Any, w: Any, bias: Any, transposed: bool, rowwise: bool = False, residual: Any = None,
+             out_dtype: torch.dtype | None = None) -> Any:  # fmt: skip
     """`x @ W (+ bias) (+ residual)`: W `[N, K]` (`transposed`) or `[K, N]`; a residual (never with a bias)
-    is added to the product before it is rounded where the kernels can (`kernels.linear`)."""
+    is added to the product before it is rounded where the kernels can (`kernels.linear`); `out_dtype`: the
+    result (rounded to x's dtype first) in that dtype."""
     assert bias is None or residual is None
     if transposed and _upcast_cpu_matmul(x):
         y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
-        return (y if residual is None else y + residual.float()).to(x.dtype)
-    if transposed and bias is None:
-        return kernels.linear(x, w, rowwise=rowwise, residual=residual)
-    y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
-    if bias is not None and not transposed:
-        y = y + bias
-    if residual is not None:  # float32 here ([K, N] weights are the CPU's float32 layout)
-        y = (y.float() + residual.float()).to(y.dtype)
-    return y
+        y = (y if residual is None else y + residual.float()).to(x.dtype)
+    elif transposed and bias is None:
+        return kernels.linear(x, w, rowwise=rowwise, residual=residual, out_dtype=out_dtype)
+    else:
+        y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
+        if bias is not None and not transposed:
+            y = y + bias
+        if residual is not None:  # float32 here ([K, N] weights are the CPU's float32 layout)
+            y = (y.float() + residual.float()).to(y.dtype)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def _linear_silu_mul(node: Node) -> Fn:
@@ -106,6 +112,7 @@ def _rms_linear(node: Node) -> Fn:
     silu = bool(node.attr("silu", 0))
     eps = float(node.attr("epsilon", 1e-5))
     qkv = node.attr("_rope", None)
+    out = torch.float32 if node.attr("_out_float", 0) else None  # (never with silu)
 
     def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
         if qkv is not None and transposed:
@@ -113,9 +120,9 @@ def _rms_linear(node: Node) -> Fn:
             if done is not None:
                 return done
         if transposed and not _upcast_cpu_matmul(x):
-            return kernels.rms_linear(x, skip, nw, eps, w, silu, is_rowwise(ctx))
+            return kernels.rms_linear(x, skip, nw, eps, w, silu, is_rowwise(ctx), out_dtype=out)
         h, s = kernels.rms_norm(x, skip, nw, eps)
-        y = _product(h, w, None, transposed, is_rowwise(ctx))
+        y = _product(h, w, None, transposed, is_rowwise(ctx), out_dtype=out)
         return (kernels.silu_mul_halves(y) if silu else y), s
 
     return f

@@ -200,10 +200,13 @@ def _slice(node: Node) -> Fn:
 
 def _slice_last(node: Node) -> Fn:
     """Inserted by the lowering before the lm_head: keep only the last real position (`[B, 1, H]`;
-    in a padded static step its index comes from device memory)."""
+    in a padded static step its index comes from device memory), or the positions `ctx.last` lists — all
+    of them, as they are (no launch), when it lists as many rows as there are positions (`RunCtx.last`)."""
 
     def f(ctx: RunCtx, x: Any) -> tuple[Any, ...]:
         if ctx is not None and ctx.last is not None:
+            if ctx.last.numel() == x.shape[1]:  # every position is a logits row: a decode or verify step
+                return (x,)
             return (x.index_select(1, ctx.last),)
         return (x[:, -1:],)
 
