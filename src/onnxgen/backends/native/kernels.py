@@ -226,10 +226,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        cfg = _gemv_choice(_first_row(x), w, silu_halves)
-        if partials is not None and partials.nsp * cfg[1] > MERGE_VALUES * 32 * cfg[2]:
-            partials.finish()  # a K tile of every split would not fit in the program's registers
-            partials = None
+        cfg = _gemv_choice(_first_row(x), w, silu_halves) if partials is None else _merged_choice(x, w, partials)
+        if cfg is None:  # no configuration holds a K tile of every split in registers
+            partials.finish()
+            partials, cfg = None, _gemv_choice(_first_row(x), w, silu_halves)
         return _gemv(x, w, silu_halves, cfg, residual=residual, partials=partials, out_dtype=out_dtype)
         # pragma: cuda-end
     if partials is not None:
@@ -462,6 +462,17 @@ def _rope_gemv_choice(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, ro
         return y, s
 
     return choose_config(key, x1, w, ROPE_GEMV_CONFIGS, separate, fused1)
+
+
+def _merged_choice(x: torch.Tensor, w: torch.Tensor, partials: Any) -> tuple[int, int, int] | None:  # pragma: cuda
+    """The fastest GEMV configuration that merges `partials` as it loads x (timed with the merge), among
+    those whose K tile of every split fits `MERGE_VALUES` floats a thread; None if none does. The same for
+    a decode step's row and a verify step's rows (the key holds no row count: the same bits)."""
+    fits = tuple(c for c in GEMV_CONFIGS if partials.nsp * c[1] <= MERGE_VALUES * 32 * c[2])
+    if not fits:
+        return None
+    key = ("gemv_merged", tuple(w.shape), w.dtype, partials.nsp, partials.g, x.device)
+    return choose_config(key, x, w, fits, None, lambda wc, cfg: _gemv(x, wc, False, cfg, partials=partials))
 
 
 def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int]:  # pragma: cuda
