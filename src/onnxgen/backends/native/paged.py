@@ -269,6 +269,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages,
         **kernels.launch_options(q),
     )  # fmt: skip
+    ps.pending.pop(out.data_ptr(), None)  # (a forward that failed before its reader ran left it behind)
     if not direct:
         part = Partials(out, acc, ml, ps.q_starts_t, work, nsplit, hkv, n, g, d, dp, block_m)
         one_item_a_token = ps.per_token or ps.num_tokens == len(ps.seq_lens)
