@@ -126,12 +126,14 @@ def test_draft_control_is_hot_for_a_while_after_an_accepted_draft() -> None:
     assert c.hot(75)
 
 
-def test_draft_control_is_ready_only_with_a_budget_and_a_match() -> None:
+def test_draft_control_stops_a_chain_only_with_a_budget_and_a_match() -> None:
+    """Without `confirm` (the CPU's control) `stop_chain` asks for a budget and a match, nothing more."""
     c = DraftControl(k=1, cooldown=4)
     prompt = [5, 6, 7, 8]
-    assert not c.ready(prompt, []) and c.ready(prompt, [5])  # ...5 -> 6 seen before
+    assert not c.stop_chain(prompt, []) and c.stop_chain(prompt, [5])  # ...5 -> 6 seen before
     c.update(1, 0, 1)  # rejected: k is 0 until 4 more tokens of output
-    assert not c.ready(prompt, [5, 9, 6]) and not c.ready(prompt, [5, 9, 6, 7]) and c.ready(prompt, [5, 9, 6, 7, 5])
+    assert not c.stop_chain(prompt, [5, 9, 6]) and not c.stop_chain(prompt, [5, 9, 6, 7])
+    assert c.stop_chain(prompt, [5, 9, 6, 7, 5])
 
 
 def test_stop_chain_waits_for_a_match_to_prove_right_unless_copying() -> None:

@@ -170,14 +170,11 @@ class DraftControl:
             k = min(self.k_max, next((s - 1 for s in self.sizes if s >= k + 1), k))
         return k
 
-    def ready(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
-        """Whether the request would draft now (a budget and a match in its context)."""
-        return self.budget(len(output)) > 0 and bool(self.propose(prompt, output, 1))
-
     def stop_chain(self, prompt: Sequence[int], output: Sequence[int]) -> bool:
         """On reading a run of a chain of decode steps (`output`: every token read so far; the runs launched
         behind it not yet): whether to stop the chain so that a step verifies drafts. Without `confirm`:
-        whenever the request is `ready`. With it, a `ready` request stops at once only while `hot`; otherwise
+        whenever the request would draft now (a budget and a match in its context). With it, such a request
+        stops at once only while `hot`; otherwise
         only when the match seen at its previous call was right about the token that followed it (that
         token is read by now), and else the match's first token is kept for the next call to check
         (`watching` holds meanwhile). Why: a chain's runs are read one behind the launches, so a stop costs
