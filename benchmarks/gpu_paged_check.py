@@ -3,9 +3,9 @@
 
     PYTHONPATH=src:tests python3 benchmarks/gpu_paged_check.py
 
-For bfloat16 (float32 passes the GPU test), the decode tiles the kernel may take (`paged.tile_for`'s
-shapes, 2 and 3 stages), key splits None / 1 / 3, and the test's step shapes, windows and soft-capping: the relative error
-of the Triton kernel against `paged.attention_ref` (float64 norms). Prints each case over the test's
+For bfloat16 (float32 passes the GPU test), the decode tiles the kernel may take (`paged.tile_for`'s shapes, 2
+and 3 stages), key splits None / 1 / 3, and the test's step shapes, windows and soft-capping: the relative
+error of the Triton kernel against `paged.attention_ref` (float64 norms). Prints each case over the test's
 tolerance (1e-5 float32, 2e-2 bfloat16) and a count per tile last.
 """
 

@@ -129,8 +129,8 @@ class NativeDecoder:
         warm_s = self._warm_up() if self._use_graphs or self._static_steps else 0.0
         self.load_seconds = time.perf_counter() - t0
         self._described = describe(p)
-        self._load_info = {"int4": "dequantized at load" if int4 == "dense" else "packed", "load_s": round(self.load_seconds, 3),
-                           "warm_up_s": round(warm_s, 3)}  # fmt: skip
+        self._load_info = {"int4": "dequantized at load" if int4 == "dense" else "packed",
+                           "load_s": round(self.load_seconds, 3), "warm_up_s": round(warm_s, 3)}  # fmt: skip
         log.info("native decoder: %s (load %.2fs)", self._described, self.load_seconds)
 
     # --- the seam ------------------------------------------------------------------------------

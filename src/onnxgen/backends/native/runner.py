@@ -128,11 +128,12 @@ class NativeRunner:
 
     def __init__(self, spec: Any, device: str = "cpu", *, page_size: int = PAGE_SIZE, kv_bytes: int | None = None,
                  cuda_graphs: bool = True, max_batch: int = 64, int4: str | None = None) -> None:  # fmt: skip
-        """`kv_bytes`: the pool's size in bytes (default: `CPU_KV_BYTES` on the CPU, `GPU_KV_FRACTION` of
-        the free device memory on CUDA). `cuda_graphs`: replay decode steps of up to `max_batch` sequences
-        from CUDA graphs (captured at load). `int4`: MatMulNBits weights "dense" (dequantized at load) or
-        "packed" (kept packed, `ops.quant`'s Int4Linear); None: `device.int4_mode`'s default (dense). Raises `BackendUnavailable` when the package cannot be
-        batched, `DeviceOutOfMemory` when the pool cannot be allocated."""
+        """`kv_bytes`: the pool's size in bytes (default: `CPU_KV_BYTES` on the CPU, `GPU_KV_FRACTION` of the
+        free device memory on CUDA). `cuda_graphs`: replay decode steps of up to `max_batch` sequences from
+        CUDA graphs (captured at load). `int4`: MatMulNBits weights "dense" (dequantized at load) or "packed"
+        (kept packed, `ops.quant`'s Int4Linear); None: `device.int4_mode`'s default (dense). Raises
+        `BackendUnavailable` when the package cannot be batched, `DeviceOutOfMemory` when the pool cannot be
+        allocated."""
         t0 = time.perf_counter()
         self.spec = spec
         self.device = device

@@ -23,8 +23,8 @@ and the sums of the x elements read at each position. Its error against float64 
 `1 + q / 16`: eight shifts per word, float32's own error). Its contract is
 `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it under `TRITON_INTERPRET=1` on
 the CPU). Used by the lowering's `Int4Linear` with `int4="packed"` (`ops.quant`; not the default: steps of
-more than `GEMV_ROWS` rows dequantize per product, `device.int4_mode`). On an H100 (2026-12-05) the 8B's chain of products read 1.76 TB/s of packed bytes, 1.6x
-the N-major design (docs/benchmarks/decode-gpu.md).
+more than `GEMV_ROWS` rows dequantize per product, `device.int4_mode`). On an H100 (2026-12-05) the 8B's chain
+of products read 1.76 TB/s of packed bytes, 1.6x the N-major design (docs/benchmarks/decode-gpu.md).
 
 `int4_dequant` writes the dense weight K-major (`[K, N]`, one pass: each word's eight values to eight rows,
 stores contiguous along N) for products of more rows (prefill chunks), which then run as one dense matmul.

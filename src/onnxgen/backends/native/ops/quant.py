@@ -1,9 +1,10 @@
 """Int4 weights. By default (`int4="dense"`) dequantized once at load: MatMulNBits' B and
-GatherBlockQuantized's table to dense tensors, which the lowering then runs as a `Linear` and a `Gather`
-(see `linear` and `tensor`). With `int4="packed"` (`device.int4_mode`) MatMulNBits stays packed on the device as the lowering's `Int4Linear`, its bytes held
-K-major (`kmajor`, once at load: the same bytes, reordered for the GEMV's loads): decode rows (at most
-`GEMV_ROWS`) run the Triton GEMV on the packed words (`triton_int4`), longer chunks and the CPU dequantize
-the weight for that call (`dequant_kmajor`; the weight's memory stays the packed size)."""
+GatherBlockQuantized's table to dense tensors, which the lowering then runs as a `Linear` and a `Gather` (see
+`linear` and `tensor`). With `int4="packed"` (`device.int4_mode`) MatMulNBits stays packed on the device as
+the lowering's `Int4Linear`, its bytes held K-major (`kmajor`, once at load: the same bytes, reordered for the
+GEMV's loads): decode rows (at most `GEMV_ROWS`) run the Triton GEMV on the packed words (`triton_int4`),
+longer chunks and the CPU dequantize the weight for that call (`dequant_kmajor`; the weight's memory stays the
+packed size)."""
 
 from __future__ import annotations
 
