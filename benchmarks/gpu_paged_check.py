@@ -3,9 +3,10 @@
 
     PYTHONPATH=src:tests python3 benchmarks/gpu_paged_check.py
 
-For bfloat16 (float32 passes the GPU test), the decode tiles the kernel may take (`paged.tile_for`'s shapes, 2
-and 3 stages), key splits None / 1 / 3, and the test's step shapes, windows and soft-capping: the relative
-error of the Triton kernel against `paged.attention_ref` (float64 norms). Prints each case over the test's
+For bfloat16 (float32 passes the GPU test), the tiles the kernel may take (`paged.tile_for`'s decode shapes
+with 2 and 3 stages; the prefill chunks' 128 x 128 with 8 warps and 3 stages, and its neighbours), key splits
+None / 1 / 3, and the test's step shapes, windows and soft-capping: the relative error of the Triton kernel
+against `paged.attention_ref` (float64 norms). Prints each case over the test's
 tolerance (1e-5 float32, 2e-2 bfloat16) and a count per tile last.
 """
 
@@ -26,7 +27,8 @@ from test_paged_attention import SHAPES, P, _batch  # noqa: E402
 
 STEPS = ([*SHAPES, (700, 1), (64, 64), (1000, 1), (40, 60)], [(64, 64), (500, 17), (40, 60), (0, 130)],
          [(37, 5), (100, 8), (300, 3)], [(600, 3), (33, 2)])  # fmt: skip
-TILES = [None, (16, 64, 4, 2), (16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)]
+TILES = [None, (16, 64, 4, 2), (16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3),
+         (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 4, 3)]  # fmt: skip
 
 
 def main() -> int:
