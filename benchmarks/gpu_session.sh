@@ -23,6 +23,9 @@
 #   fold    the 0.5B and 1B decode graphs as they are, with every RMSNorm folded into its product (the
 #           per-shape timing not asked), with the output projection merging the key splits
 #           (kernels.COMBINE_IN_PRODUCT) and with both, interleaved twice; which products fold
+#   pick    after `fold`: the fastest of its variants (summed over both shapes) exported for the sections after
+#           it (ONNXGEN_FOLD_NORMS / ONNXGEN_COMBINE_IN_PRODUCT; benchmarks/pick_ablation.py)
+#   small   `decode` for the 0.5B and 1B shapes only
 #   partbits  the GPU tests of verify rows = decode bits and of the merged splits, with
 #           ONNXGEN_COMBINE_IN_PRODUCT=1
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
@@ -84,7 +87,11 @@ for section in "$@"; do
     argmax) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
               --ablations none,torchargmax,none,torchargmax 2>&1 | quiet | grep -v "^$" | tail -24 ;;
     fold) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-            --ablations none,fold,part,fold+part,none,fold,part,fold+part 2>&1 | quiet | grep -v "^$" | tail -36 ;;
+            --ablations none,fold,part,fold+part,none,fold,part,fold+part 2>&1 | quiet | grep -v "^$" \
+            | tee /tmp/fold.txt | tail -36 ;;
+    pick) best=$(python3 benchmarks/pick_ablation.py /tmp/fold.txt) && echo "picked: $best" && export $best ;;
+    small) timeout 240 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b --decode-steps 8 \
+             2>&1 | quiet | tail -30 ;;
     partbits) ONNXGEN_COMBINE_IN_PRODUCT=1 timeout 200 python3 -m pytest -q -m gpu -rf tests/test_native_runner.py \
                 tests/test_paged_attention.py -k "verify_rows or merges" 2>&1 | grep -E "^FAILED|passed|failed" | tail -8 ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;

@@ -195,6 +195,13 @@ winning for every product: 176 -> 152 kernels a step; benchmarks/gpu_decode_abla
 `ONNXGEN_NORM_LATE=0` turns it off. Read at each launch and part of the per-shape choice's key."""
 
 
+FOLD_ALWAYS = os.environ.get("ONNXGEN_FOLD_NORMS", "0") == "1"
+"""Whether every RMSNorm folds into the product after it without the per-shape timing against the norm
+kernel + plain product (`ONNXGEN_FOLD_NORMS=1`): timed alone, the separate norm kernel may look cheaper
+than it is inside a decode graph, where each launch also ends an overlap of programmatic dependent launch
+(the H200's 0.5B step kept 25 norm kernels, the H100's none). Read at each choice and part of its key."""
+
+
 COMBINE_IN_PRODUCT = os.environ.get("ONNXGEN_COMBINE_IN_PRODUCT", "0") == "1"
 """Whether a decode step's attention leaves its key splits unmerged for the output projection's GEMV to
 merge as it loads x (`paged.Partials`, `triton_gemv`'s `PART`): no combine launch per layer.
@@ -324,8 +331,9 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
     """The GEMV configuration that normalises inside for this shape, or None for the norm kernel followed
     by `linear` (the norm's cost included in both)."""
     s = torch.empty_like(x) if skip is not None else None
-    return choose_config(("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, NORM_LATE, x.device), x, w,
-                         GEMV_CONFIGS, lambda wc: linear(rms_norm(x, skip, nw, eps)[0], wc, silu),
+    key = ("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, NORM_LATE, FOLD_ALWAYS, x.device)
+    separate = None if FOLD_ALWAYS else lambda wc: linear(rms_norm(x, skip, nw, eps)[0], wc, silu)
+    return choose_config(key, x, w, GEMV_CONFIGS, separate,
                          lambda wc, cfg: _gemv(x, wc, silu, cfg, (skip, nw, eps, s)))  # fmt: skip
 
 
@@ -433,7 +441,8 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
         return None
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
-    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, x.device)
+    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, FOLD_ALWAYS,
+           x.device)  # fmt: skip
     cfg = CHOICES[key] if key in CHOICES else _rope_gemv_choice(key, x, w, rope, norm)
     if cfg is None:
         return None
@@ -461,7 +470,8 @@ def _rope_gemv_choice(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, ro
                        slots=rope1.slot)  # fmt: skip
         return y, s
 
-    return choose_config(key, x1, w, ROPE_GEMV_CONFIGS, separate, fused1)
+    fold = FOLD_ALWAYS and norm is not None
+    return choose_config(key, x1, w, ROPE_GEMV_CONFIGS, None if fold else separate, fused1)
 
 
 def _merged_choice(x: torch.Tensor, w: torch.Tensor, partials: Any) -> tuple[int, int, int] | None:  # pragma: cuda
