@@ -30,8 +30,6 @@
 #           ONNXGEN_COMBINE_IN_PRODUCT=1
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
 #           (gpu_paged_check.py): which cases exceed the GPU test's tolerance
-#   int4rows  packed int4 products of 1-64 rows on the 8B shapes: dense cuBLAS vs dequantize+cuBLAS vs the
-#           few-row GEMM (ops.quant.INT4_GEMM) vs the GEMV (gpu_int4_rows.py): can packed be the default?
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
 #           (kernels.NORM_LATE off), and
 #           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
@@ -95,7 +93,6 @@ for section in "$@"; do
     partbits) ONNXGEN_COMBINE_IN_PRODUCT=1 timeout 200 python3 -m pytest -q -m gpu -rf tests/test_native_runner.py \
                 tests/test_paged_attention.py -k "verify_rows or merges" 2>&1 | grep -E "^FAILED|passed|failed" | tail -8 ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
-    int4rows) timeout 240 python3 benchmarks/gpu_int4_rows.py 2>&1 | grep -v Warn | tail -24 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
     int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40

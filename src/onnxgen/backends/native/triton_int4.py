@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from onnxgen.backends.native.kernels import launch_options, residual_rows
-from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait, pdl_begin
+from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -287,56 +287,3 @@ def int4_dequant(words: torch.Tensor, scales: torch.Tensor, zero_points: torch.T
         words, scales, scales if zero_points is None else zero_points, out, k, n, words.shape[0], BLOCK=block, BLOCK_N=bn, BK8=bk8, ZP=zmode, num_warps=4,
     )  # fmt: skip
     return out
-
-
-@triton.jit
-def int4_gemm_kernel(X, W, S, Z, Y, M, K, N, sxm, sym, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BK8: tl.constexpr, ZP: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
-    """Program (i, j): `Y[rows j * BLOCK_M .., columns i * BLOCK_N ..] = X @ W` for the K-major words `W`
-    `[KW, N]`, each step of BK8 word rows dequantized in registers to `int4_dequant`'s values (`(q - z) * s`
-    rounded to X's dtype) and multiplied as eight `tl.dot`s: nibble t of word row r is row `8 r + t`, so the
-    t-th product takes x's columns `8 r + t`. The packed bytes are read once per block of rows."""
-    pdl_begin(PDL)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask = rm < M
-    nmask = rn < N
-    rr = tl.arange(0, BK8)
-    kw = (K + 7) // 8
-    xrow = X + rm[:, None].to(tl.int64) * sxm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, kw, BK8):
-        rw = r0 + rr
-        w, s, z = _word_tile(W, S, Z, rw, rn, (rw < kw)[:, None] & nmask[None, :], N, BLOCK, ZP)
-        for t in tl.static_range(8):
-            k = rw * 8 + t
-            xt = tl.load(xrow + k[None, :], mask=mmask[:, None] & (k < K)[None, :], other=0.0)
-            wt = _nibble_values(w, s, z, t).to(X.dtype.element_ty)
-            if IEEE:
-                acc += tl.dot(xt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, wt)
-    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])  # fmt: skip
-
-
-def int4_gemm(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int,
-              n: int, block: int) -> torch.Tensor:  # fmt: skip
-    """`x` `[M, K]` (a few rows: batched decode steps, short chunks) times the K-major packed weight of `n`
-    columns (`int4_dequant`'s operands) -> `[M, n]` in x's dtype, float32 accumulation, without a dense copy
-    of the weight: `torch.matmul(x, int4_dequant(...))`'s values up to the order of the sums."""
-    assert words.dtype == torch.int32 and block % 8 == 0 and words.shape[1] == n and x.shape[1] == k
-    m = x.shape[0]
-    xc = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bm = min(64, max(16, 1 << (m - 1).bit_length()))
-    # 64 columns a program where there are enough of them (the 8B's gate/up: 448 programs); 32 otherwise, so a
-    # 4096-column product still spreads over 128 programs
-    bn, bk8 = (64 if n >= 16384 else 32), 16
-    int4_gemm_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
-        xc, words, scales, scales if zero_points is None else zero_points, y, m, k, n, xc.stride(0), y.stride(0),
-        BLOCK=block, BLOCK_M=bm, BLOCK_N=bn, BK8=bk8, ZP=0 if zero_points is None else 1,
-        IEEE=x.dtype == torch.float32 or not x.is_cuda, num_warps=4, **launch_options(x),
-    )  # fmt: skip
-    return y

@@ -9,7 +9,6 @@ packed size)."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -95,11 +94,8 @@ def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Ten
 
 
 GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps); more: dequantize
-# steps of more rows, up to GEMM_ROWS, multiply the packed weight tile by tile (`triton_int4.int4_gemm`:
-# batched decode steps, short chunks) instead of dequantizing all of it first; ONNXGEN_INT4_GEMM=1, off until
-# timed on the GPU (`benchmarks/gpu_int4_rows.py`)
-GEMM_ROWS = 64
-INT4_GEMM = os.environ.get("ONNXGEN_INT4_GEMM", "0") == "1"
+# first, then one dense product (a few-row GEMM on the packed weight lost to that at every row count above 8
+# on the H200, up to 17x the dense product at 64 rows: docs/benchmarks/decode-gpu.md, sixth session; removed)
 
 
 INT4_CONFIGS = ((16, 64, 4), (32, 64, 4), (16, 128, 8), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2),
@@ -185,11 +181,7 @@ def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, bl
         h, total = kernels.rms_norm(x, *norm)
         return _packed_product(h, words, scales, zp, k, n, block, silu, rowwise=rowwise), total
     cols = 2 * n if silu else n
-    if kernels.use_triton(x) and INT4_GEMM and x.numel() // k <= GEMM_ROWS:  # tile by tile, no dense copy
-        from onnxgen.backends.native.triton_int4 import int4_gemm
-
-        y = int4_gemm(x.reshape(-1, k), words, scales, zp, k, cols, block).reshape(*x.shape[:-1], cols)
-    elif kernels.use_triton(x):  # one pass into a K-major dense weight, then one product
+    if kernels.use_triton(x):  # one pass into a K-major dense weight, then one product
         from onnxgen.backends.native.triton_int4 import int4_dequant
 
         y = torch.matmul(x, int4_dequant(words, scales, zp, k, cols, block, x.dtype))
