@@ -368,11 +368,11 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     res = residual_rows(residual, r, n, y)
     if part:
         assert partials.acc.shape[0] == r and partials.n * partials.d == k, (partials.acc.shape, r, k)
-        pa = (partials.acc, partials.ml, partials.nsplit, partials.hkv)
+        pa = (partials.acc, partials.ml, partials.live, partials.nsplit, partials.hkv)
         pc = {"G": partials.g, "HD": partials.d, "BM": partials.block_m, "DPA": partials.dp,
               "NSP": partials.nsp}  # fmt: skip
     else:
-        pa, pc = (y, y, 1, 1), {"G": 1, "HD": 1, "BM": 1, "DPA": 1, "NSP": 1}
+        pa, pc = (y, y, y, 1, 1), {"G": 1, "HD": 1, "BM": 1, "DPA": 1, "NSP": 1}
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
         s if s is not None else y, eps, *ra, res, *pa,

@@ -145,11 +145,13 @@ class Partials:
     head (`g` of them, `g <= block_m`). Row `t` of `out` viewed as `[N * D]` is then, at column
     `k = (h * g + r) * d + c`, the merge over splits `s` of `acc[t, h, s, r, c]` (`kernels.linear`'s
     `partials`, inside the product that reads it); `finish` writes it into `out` instead (the combine
-    kernel)."""
+    kernel). `live` (`[T]` int32, written by the attention when it defers): token t's splits from `live[t]`
+    on hold no keys, so a merge need not load them (and its loads then wait on no other load)."""
 
     out: torch.Tensor
     acc: torch.Tensor
     ml: torch.Tensor
+    live: torch.Tensor
     q_starts_t: torch.Tensor
     work: torch.Tensor
     nsplit: int
@@ -261,19 +263,21 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     direct = nsplit == 1
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
+    one_item_a_token = ps.per_token or ps.num_tokens == len(ps.seq_lens)
+    deferred = not direct and defer and kernels.COMBINE_IN_PRODUCT and one_item_a_token and g <= block_m
+    live = torch.empty(w, dtype=torch.int32, device=q.device) if deferred else ml
     tp.paged_attn_kernel[(w, hkv, nsplit)](
-        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
+        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml, live,
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, COUNT=deferred, num_warps=warps, num_stages=stages,
         **kernels.launch_options(q),
     )  # fmt: skip
     ps.pending.pop(out.data_ptr(), None)  # (a forward that failed before its reader ran left it behind)
     if not direct:
-        part = Partials(out, acc, ml, ps.q_starts_t, work, nsplit, hkv, n, g, d, dp, block_m)
-        one_item_a_token = ps.per_token or ps.num_tokens == len(ps.seq_lens)
-        if defer and kernels.COMBINE_IN_PRODUCT and one_item_a_token and g <= block_m:
+        part = Partials(out, acc, ml, live, ps.q_starts_t, work, nsplit, hkv, n, g, d, dp, block_m)
+        if deferred:
             assert w == ps.num_tokens, (w, ps.num_tokens)
             ps.pending[out.data_ptr()] = part
         else:

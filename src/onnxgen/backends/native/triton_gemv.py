@@ -84,37 +84,41 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
 
 
 @triton.jit
-def _x_merged(ACC, ML, row, k0, rk, K, NSPLIT, HKV, OUT_TY: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
-              BM: tl.constexpr, DPA: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+def _x_merged(ACC, ML, row, nlive, k0, rk, K, NSPLIT, HKV, OUT_TY: tl.constexpr, G: tl.constexpr,
+              HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
     """x[k0 : k0 + BLOCK_K] of row `row` in float32 (`[BLOCK_K]`) merged from a paged attention's key splits
     (`PART`, `paged.Partials`): column k is query head `k // HD` (KV head `h`, row `r` of its work item, the
-    item of token `row`), dimension `k % HD`. Every split of the tile is loaded at once (`[NSP, BLOCK_K]`,
-    NSP >= NSPLIT a power of two), an empty split's partial sums not at all (its maximum is -inf: it weighs
-    nothing); the merge is the combine kernel's (maxima in base 2), rounded to the output dtype as the
-    combine kernel writes it."""
+    item of token `row`), dimension `k % HD`. The tile of every split below `nlive` (the row's splits that
+    may hold keys: `paged.Partials.live`) is loaded at once (`[NSP, BLOCK_K]`, NSP >= NSPLIT a power of
+    two), maxima, sums and partial products together (no load waits for another); an empty split weighs
+    nothing (its maximum is -inf, its sums are zeros); the merge is the combine kernel's (maxima in base 2),
+    rounded to the output dtype as the combine kernel writes it."""
     kk = k0 + rk
     kmask = kk < K
     hq = kk // HD
     sp = tl.arange(0, NSP)
     it = ((row * HKV + hq // G) * NSPLIT)[None, :] + sp[:, None]  # [NSP, BLOCK_K]: each split's work item
     it = it * BM + (hq % G)[None, :]
-    m2 = (sp < NSPLIT)[:, None] & kmask[None, :]
+    m2 = (sp < nlive)[:, None] & kmask[None, :]
     m_s = tl.load(ML + 2 * it, mask=m2, other=float("-inf"))
+    l_s = tl.load(ML + 2 * it + 1, mask=m2, other=0.0)
+    a_s = tl.load(ACC + it * DPA + (kk % HD)[None, :], mask=m2, other=0.0)
     live = m2 & (m_s > float("-inf"))
     mx = tl.max(m_s, 0)
     wgt = tl.where(live, tl.exp2(m_s - mx[None, :]), 0.0)
-    den = tl.sum(wgt * tl.load(ML + 2 * it + 1, mask=live, other=0.0), 0)
-    num = tl.sum(wgt * tl.load(ACC + it * DPA + (kk % HD)[None, :], mask=live, other=0.0), 0)
+    den = tl.sum(wgt * l_s, 0)
+    num = tl.sum(wgt * a_s, 0)
     return (num / tl.where(den > 0, den, 1.0)).to(OUT_TY).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["R", "NSPLIT"])
 def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
-                cos_stride, NQ, NK, RES, ACC, ML, NSPLIT, HKV, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr,
-                HEAD: tl.constexpr, HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr,
-                X2D: tl.constexpr, HAS_RES: tl.constexpr, PART: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
-                BM: tl.constexpr, DPA: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                cos_stride, NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
+                ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr,
+                LATE: tl.constexpr, X2D: tl.constexpr, HAS_RES: tl.constexpr, PART: tl.constexpr, G: tl.constexpr,
+                HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr, NSP: tl.constexpr,
+                PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -145,15 +149,15 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
     for i in tl.static_range(RB):
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
-                      sv_h, sv_s, cos_stride, NQ, NK, RES, ACC, ML, NSPLIT, HKV, pid, rn, nmask, rk, wp, up, w0, u0,
-                      BLOCK_N, BLOCK_K, SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES, PART, G, HD, BM,
-                      DPA, NSP)  # fmt: skip
+                      sv_h, sv_s, cos_stride, NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, pid, rn, nmask, rk, wp, up, w0,
+                      u0, BLOCK_N, BLOCK_K, SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES, PART, G, HD,
+                      BM, DPA, NSP)  # fmt: skip
 
 
 @triton.jit
 def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
-              NQ, NK, RES, ACC, ML, NSPLIT, HKV, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
+              NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, pid, rn, nmask, rk, wp, up, w0, u0,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
               ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
               HAS_RES: tl.constexpr, PART: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr,
               DPA: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
@@ -193,7 +197,9 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
         rk2 = rk
         first = pid == 0
     if PART:
-        x = _x_merged(ACC, ML, row, 0, rk, K, NSPLIT, HKV, Y.dtype.element_ty, G, HD, BM, DPA, NSP)[None, :]
+        nlive = tl.load(NL + row)  # loaded once; each tile's merge loads then wait on nothing else
+        x = _x_merged(ACC, ML, row, nlive, 0, rk, K, NSPLIT, HKV, Y.dtype.element_ty, G, HD, BM, DPA,
+                      NSP)[None, :]  # fmt: skip
         raw = x
     else:
         x, raw = _x_tile(X, SKIP, NW, SUM, 0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D)
@@ -204,7 +210,8 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
         acc_u = u0.to(tl.float32) * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if PART:
-            x = _x_merged(ACC, ML, row, k0, rk, K, NSPLIT, HKV, Y.dtype.element_ty, G, HD, BM, DPA, NSP)[None, :]
+            x = _x_merged(ACC, ML, row, nlive, k0, rk, K, NSPLIT, HKV, Y.dtype.element_ty, G, HD, BM, DPA,
+                          NSP)[None, :]  # fmt: skip
             raw = x
         else:
             x, raw = _x_tile(X, SKIP, NW, SUM, k0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE,
