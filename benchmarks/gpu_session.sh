@@ -23,6 +23,7 @@
 #   fold    the 0.5B and 1B decode graphs as they are, with every RMSNorm folded into its product (the
 #           per-shape timing not asked), with the output projection merging the key splits
 #           (kernels.COMBINE_IN_PRODUCT) and with both, interleaved twice; which products fold
+#           (FOLD_ABLATIONS=none,fold+part,... another list)
 #   pick    after `fold`: the fastest of its variants (summed over both shapes) exported for the sections after
 #           it (ONNXGEN_FOLD_NORMS / ONNXGEN_COMBINE_IN_PRODUCT; benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
@@ -85,7 +86,7 @@ for section in "$@"; do
     argmax) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
               --ablations none,torchargmax,none,torchargmax 2>&1 | quiet | grep -v "^$" | tail -24 ;;
     fold) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-            --ablations none,fold,part,fold+part,none,fold,part,fold+part 2>&1 | quiet | grep -v "^$" \
+            --ablations ${FOLD_ABLATIONS:-none,fold,part,fold+part,none,fold,part,fold+part} 2>&1 | quiet | grep -v "^$" \
             | tee /tmp/fold.txt | tail -36 ;;
     pick) best=$(python3 benchmarks/pick_ablation.py /tmp/fold.txt) && echo "picked: $best" && export $best ;;
     small) timeout 240 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b --decode-steps 8 \
