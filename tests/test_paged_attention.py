@@ -101,10 +101,11 @@ def test_write_kv_lands_at_each_tokens_slot() -> None:
 
 def _triton_equals_torch(device: str, dt: torch.dtype, nsplit: int | None) -> None:
     """Decodes, chunks over cached pages and a 64-token prefill in one ragged step (the decode-size tile, 64
-    rows), prefill chunks only (the large tile), and short chunks only (16- and 32-row tiles, as speculative
-    verify steps have): unmasked key blocks, masked tails, windows, soft-capping, split and unsplit."""
+    rows), prefill chunks only (the large tile), short chunks only (16- and 32-row tiles, as speculative
+    verify steps have), and decodes only (one token a sequence: the kernels read no work items, `ONE`):
+    unmasked key blocks, masked tails, windows, soft-capping, split and unsplit."""
     for shapes in ([*SHAPES, (700, 1), (64, 64), (1000, 1), (40, 60)], [(64, 64), (500, 17), (40, 60), (0, 130)],
-                   [(37, 5), (100, 8), (300, 3)], [(600, 3), (33, 2)]):  # fmt: skip
+                   [(37, 5), (100, 8), (300, 3)], [(600, 3), (33, 2)], [(600, 1), (33, 1), (5, 1)]):  # fmt: skip
         st, step, q = _batch(device, dt, shapes, seed=3)
         ps = paged.build_step(step, st, P, torch.device(device))
         for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):

@@ -161,6 +161,7 @@ class Partials:
     d: int
     dp: int
     block_m: int
+    one: bool = False  # item t is sequence t's one token (`triton_paged`'s ONE): no work items read
 
     @property
     def nsp(self) -> int:
@@ -174,7 +175,8 @@ class Partials:
 
         tp.paged_combine_kernel[(self.work.shape[0], self.hkv, self.block_m)](
             self.acc, self.ml, self.q_starts_t, self.work, self.out, self.nsplit, self.hkv, N=self.n, G=self.g,
-            D=self.d, DP=self.dp, BLOCK_M=self.block_m, NSP=self.nsp, num_warps=1, **kernels.launch_options(self.out),
+            D=self.d, DP=self.dp, BLOCK_M=self.block_m, NSP=self.nsp, ONE=self.one, num_warps=1,
+            **kernels.launch_options(self.out),
         )  # fmt: skip
         return self.out
 
@@ -264,6 +266,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
     one_item_a_token = ps.per_token or ps.num_tokens == len(ps.seq_lens)
+    one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
     deferred = not direct and defer and kernels.COMBINE_IN_PRODUCT and one_item_a_token and g <= block_m
     live = torch.empty(w, dtype=torch.int32, device=q.device) if deferred else ml
     tp.paged_attn_kernel[(w, hkv, nsplit)](
@@ -271,12 +274,13 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, COUNT=deferred, num_warps=warps, num_stages=stages,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, COUNT=deferred, ONE=one, num_warps=warps,
+        num_stages=stages,
         **kernels.launch_options(q),
     )  # fmt: skip
     ps.pending.pop(out.data_ptr(), None)  # (a forward that failed before its reader ran left it behind)
     if not direct:
-        part = Partials(out, acc, ml, live, ps.q_starts_t, work, nsplit, hkv, n, g, d, dp, block_m)
+        part = Partials(out, acc, ml, live, ps.q_starts_t, work, nsplit, hkv, n, g, d, dp, block_m, one)
         if deferred:
             assert w == ps.num_tokens, (w, ps.num_tokens)
             ps.pending[out.data_ptr()] = part

@@ -36,16 +36,23 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, NL, qk_scale, sof
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr,
-                      PDL: tl.constexpr):  # fmt: skip
+                      ONE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
     sp = tl.program_id(2)  # split of the keys
-    b = tl.load(WORK + 3 * w)
-    r0 = tl.load(WORK + 3 * w + 1)
-    r1 = tl.load(WORK + 3 * w + 2)  # the item's end row (one token's rows when items are per token)
-    qs = tl.load(QS + b)
-    m = tl.load(QS + b + 1) - qs
+    if ONE:  # every sequence feeds one token, its rows one item: item w is sequence w's token w, rows 0..G
+        b = w
+        r0 = 0
+        r1 = G
+        qs = w
+        m = 1
+    else:
+        b = tl.load(WORK + 3 * w)
+        r0 = tl.load(WORK + 3 * w + 1)
+        r1 = tl.load(WORK + 3 * w + 2)  # the item's end row (one token's rows when items are per token)
+        qs = tl.load(QS + b)
+        m = tl.load(QS + b + 1) - qs
     seq_len = tl.load(SL + b)
     rows = r0 + tl.arange(0, BLOCK_M)
     tok = rows // G
@@ -97,16 +104,24 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, NL, qk_scale, sof
 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                         DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                         DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, ONE: tl.constexpr,
+                         PDL: tl.constexpr):  # fmt: skip
     pdl_begin(PDL)
     w = tl.program_id(0)
     h = tl.program_id(1)
     r = tl.program_id(2)  # row within the work item's block
-    b = tl.load(WORK + 3 * w)
-    row = tl.load(WORK + 3 * w + 1) + r
-    qs = tl.load(QS + b)
-    m = tl.load(QS + b + 1) - qs
-    if (row < G * m) & (row < tl.load(WORK + 3 * w + 2)):
+    if ONE:  # `paged_attn_kernel`'s ONE: item w is token w, rows 0..G
+        row = r
+        qs = w
+        m = 1
+        r1 = G
+    else:
+        b = tl.load(WORK + 3 * w)
+        row = tl.load(WORK + 3 * w + 1) + r
+        qs = tl.load(QS + b)
+        m = tl.load(QS + b + 1) - qs
+        r1 = tl.load(WORK + 3 * w + 2)
+    if (row < G * m) & (row < r1):
         sp = tl.arange(0, NSP)
         smask = sp < NSPLIT
         dcol = tl.arange(0, DP)
