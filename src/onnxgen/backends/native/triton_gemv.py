@@ -115,10 +115,10 @@ def _x_merged(ACC, ML, row, nlive, k0, rk, K, NSPLIT, HKV, OUT_TY: tl.constexpr,
 def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
                 cos_stride, NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
-                ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr,
-                LATE: tl.constexpr, X2D: tl.constexpr, HAS_RES: tl.constexpr, PART: tl.constexpr, G: tl.constexpr,
-                HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr, NSP: tl.constexpr,
-                PDL: tl.constexpr):  # fmt: skip
+                ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr, RB: tl.constexpr,
+                ONE: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr, HAS_RES: tl.constexpr,
+                PART: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr,
+                NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -149,18 +149,19 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
     for i in tl.static_range(RB):
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
-                      sv_h, sv_s, cos_stride, NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, pid, rn, nmask, rk, wp, up, w0,
-                      u0, BLOCK_N, BLOCK_K, SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES, PART, G, HD,
-                      BM, DPA, NSP)  # fmt: skip
+                      sv_h, sv_s, cos_stride, NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, pid, rn, nmask, rk, wp,
+                      up, w0, u0, BLOCK_N, BLOCK_K, SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D,
+                      HAS_RES, PART, G, HD, BM, DPA, NSP)  # fmt: skip
 
 
 @triton.jit
 def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
               NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, pid, rn, nmask, rk, wp, up, w0, u0,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
-              ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
-              HAS_RES: tl.constexpr, PART: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr,
-              DPA: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
+              HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr,
+              LATE: tl.constexpr, X2D: tl.constexpr, HAS_RES: tl.constexpr, PART: tl.constexpr,
+              G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr,
+              NSP: tl.constexpr):  # fmt: skip
     """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
     weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
     pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row. With `NORM` and `LATE` nothing
