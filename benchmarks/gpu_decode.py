@@ -112,9 +112,9 @@ def kernels(runner: Any, reps: int = 20) -> dict[str, Any]:
     }
 
 
-def hf_tps(hf: Path | None, name: str, prompt: list[int], n: int = 64) -> float:
-    """transformers eager decode tok/s (batch 1, greedy, one token read per step): the checkpoint `hf`, or
-    random weights of the shape."""
+def hf_tps(hf: Path | None, name: str, prompt: list[int], n: int = 64) -> tuple[float, list[int]]:
+    """transformers eager decode tok/s (batch 1, greedy, one token read per step) and its greedy tokens: the
+    checkpoint `hf`, or random weights of the shape."""
     from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -140,16 +140,18 @@ def hf_tps(hf: Path | None, name: str, prompt: list[int], n: int = 64) -> float:
         cache = DynamicCache()
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens = [int(tok)]
         for i in range(n + 4):
             if i == 4:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
             out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            tok = torch.tensor([[int(out.logits[0, -1].argmax())]], device="cuda")
+            tokens.append(int(out.logits[0, -1].argmax()))
+            tok = torch.tensor([[tokens[-1]]], device="cuda")
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     del model, cache
-    return n / dt
+    return n / dt, tokens
 
 
 def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], with_hf: bool) -> dict[str, Any]:
@@ -175,6 +177,7 @@ def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], wi
         for _ in range(5):
             c0 = time.process_time()
             res = m.generate(prompt, max_new_tokens=128, reuse=False, stop=[], temperature=0)
+            r["tokens"] = list(res.tokens)
             cpu.append((time.process_time() - c0) / res.stats.generated_tokens * 1e3)
             tps.append(res.stats.decode_tok_s)
         r[f"tps_{k}"] = statistics.median(tps)
@@ -191,8 +194,13 @@ def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], wi
     gc.collect()
     torch.cuda.empty_cache()
     if with_hf:
-        r["hf_tps"] = hf_tps(hf, name, prompt)
+        r["hf_tps"], hf_tokens = hf_tps(hf, name, prompt)
         log(name, f"transformers eager {r['hf_tps']:.1f} tok/s")
+        if hf is not None:  # the same checkpoint: a wrong kernel differs from the first token
+            n = min(len(r["tokens"]), len(hf_tokens))
+            r["same_as_hf"] = next((i for i in range(n) if r["tokens"][i] != hf_tokens[i]), n)
+            log(name, f"greedy tokens equal to transformers' for the first {r['same_as_hf']} of {n} (random "
+                "weights: small margins)")  # fmt: skip
         gc.collect()
         torch.cuda.empty_cache()
     return r
