@@ -29,6 +29,8 @@
 #   small   `decode` for the 0.5B and 1B shapes only
 #   partbits  the GPU tests of verify rows = decode bits and of the merged splits, with
 #           ONNXGEN_COMBINE_IN_PRODUCT=1
+#   pagedbits  the paged attention's GPU tests: against the torch path (every step kind, splits), verify rows =
+#           decode bits, splits merged in the product; each failure's name
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
 #           (gpu_paged_check.py): which cases exceed the GPU test's tolerance
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
@@ -93,6 +95,9 @@ for section in "$@"; do
              2>&1 | quiet | tail -30 ;;
     partbits) ONNXGEN_COMBINE_IN_PRODUCT=1 timeout 200 python3 -m pytest -q -m gpu -rf tests/test_native_runner.py \
                 tests/test_paged_attention.py -k "verify_rows or merges" 2>&1 | grep -E "^FAILED|passed|failed" | tail -8 ;;
+    pagedbits) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_paged_attention.py \
+                 -k "cuda_triton_kernel_equals or cuda_per_token or merges" 2>&1 | grep -E "^FAILED|passed|failed" \
+                 | cut -c1-160 | tail -8 ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
