@@ -23,9 +23,11 @@
 #   fold    the 0.5B and 1B decode graphs as they are, with every RMSNorm folded into its product (the
 #           per-shape timing not asked), with the output projection merging the key splits
 #           (kernels.COMBINE_IN_PRODUCT) and with both, interleaved twice; which products fold
-#           (FOLD_ABLATIONS=none,fold+part,... another list)
+#           (FOLD_ABLATIONS=none,fold+part,fold+part+minsplit256,... another list; minsplitN: key splits of at
+#           least N keys, kernels.SPLIT_KEYS_MIN)
 #   pick    after `fold`: the fastest of its variants (summed over both shapes) exported for the sections after
-#           it (ONNXGEN_FOLD_NORMS / ONNXGEN_COMBINE_IN_PRODUCT; benchmarks/pick_ablation.py)
+#           it (ONNXGEN_FOLD_NORMS / ONNXGEN_COMBINE_IN_PRODUCT / ONNXGEN_SPLIT_KEYS_MIN;
+#           benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
 #   partbits  the GPU tests of verify rows = decode bits and of the merged splits, with
 #           ONNXGEN_COMBINE_IN_PRODUCT=1
@@ -87,7 +89,7 @@ for section in "$@"; do
              2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
     argmax) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
               --ablations none,torchargmax,none,torchargmax 2>&1 | quiet | grep -v "^$" | tail -24 ;;
-    fold) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
+    fold) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
             --ablations ${FOLD_ABLATIONS:-none,fold,part,fold+part,none,fold,part,fold+part} 2>&1 | quiet | grep -v "^$" \
             | tee /tmp/fold.txt | tail -36 ;;
     pick) best=$(python3 benchmarks/pick_ablation.py /tmp/fold.txt) && echo "picked: $best" && export $best ;;
@@ -96,7 +98,7 @@ for section in "$@"; do
     partbits) ONNXGEN_COMBINE_IN_PRODUCT=1 timeout 200 python3 -m pytest -q -m gpu -rf tests/test_native_runner.py \
                 tests/test_paged_attention.py -k "verify_rows or merges" 2>&1 | grep -E "^FAILED|passed|failed" | tail -8 ;;
     pagedbits) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_paged_attention.py \
-                 -k "cuda_triton_kernel_equals or cuda_per_token or merges" 2>&1 | grep -E "^FAILED|passed|failed" \
+                 -k "cuda_triton_kernel_equals or cuda_per_token or merges or split_floor" 2>&1 | grep -E "^FAILED|passed|failed" \
                  | cut -c1-160 | tail -8 ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \

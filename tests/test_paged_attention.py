@@ -4,6 +4,7 @@ kernel against the torch path on the GPU."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -165,6 +166,50 @@ def test_interpreted_per_token_rows_are_the_bits_of_decode_steps() -> None:
         pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
     pytest.importorskip("triton")
     _per_token_rows_are_decode_bits("cpu", torch.float32)
+
+
+def _split_floor(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kernels.SPLIT_KEYS_MIN`: each item's key splits hold at least that many keys (whole blocks), so a
+    decode graph planned for a long context runs few live splits at short lengths (the attention's live
+    counts; without the floor, one key block a split) — and still equals the torch path and gives verify
+    rows the bits of decode steps."""
+    from onnxgen.backends.native import kernels
+
+    monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", True)
+    lives = {}
+    for floor in (0, 256):
+        monkeypatch.setattr(kernels, "SPLIT_KEYS_MIN", floor)
+        st, step, q = _batch(device, dt, [(600, 1), (33, 1), (1300, 1)], seed=5)
+        ps = paged.build_step(step, st, P, torch.device(device))
+        ps.plan_len = 4096
+        out = paged.attention_triton(ps, 1, q, 0.2, defer=True)
+        part = paged.take_partials(ps, out.view(-1, N * D))
+        assert part is not None
+        nsplit, block_n = part.nsplit, paged.tile_for(N // HKV, N // HKV, N // HKV, D, dt == torch.float32)[1]
+        split = [max(math.ceil(math.ceil(n / nsplit) / block_n) * block_n, floor) for n in (601, 34, 1301)]
+        lives[floor] = part.live.tolist()
+        assert lives[floor] == [-(-n // s) for n, s in zip((601, 34, 1301), split, strict=True)], (floor, nsplit)
+        want = paged.attention_ref(ps, 1, q, 0.2).double()
+        got = part.finish().double()
+        assert float((got - want).norm() / want.norm()) < (1e-5 if dt == torch.float32 else 2e-2), floor
+    assert lives[256] == [3, 1, 6] and lives[0][0] > 3, lives
+    monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", False)
+    _triton_equals_torch(device, dt, None)
+    _per_token_rows_are_decode_bits(device, dt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_split_floor_keeps_values_and_decode_bits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _split_floor("cuda", getattr(torch, dtype), monkeypatch)
+
+
+def test_interpreted_split_floor_keeps_values_and_decode_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
+    pytest.importorskip("triton")
+    _split_floor("cpu", torch.float32, monkeypatch)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -211,6 +211,14 @@ while few splits hold keys (short contexts: a decode graph plans 32 splits for t
 empty ones cost no loads)."""
 MERGE_VALUES = 32  # merged in the product only if a K tile of every split is at most this many floats a thread
 
+SPLIT_KEYS_MIN = int(os.environ.get("ONNXGEN_SPLIT_KEYS_MIN", "0"))
+"""The fewest keys a paged attention's key split takes (`ONNXGEN_SPLIT_KEYS_MIN`, rounded up to whole key
+blocks; 0: none). Each work item cuts its own keys into the step's planned splits (a decode graph plans them
+for the whole context), so a short context otherwise gets many splits of one key block each (at 528 keys, 9
+live splits of 64): more partials to combine or merge. A floor from the item's own length keeps a sequence's
+split the same in any step (batch invariance, verify rows = decode bits). Off until timed on the GPU
+(benchmarks/gpu_decode_ablation.py `minsplit256`). Read at each launch."""
+
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
            residual: torch.Tensor | None = None, partials: Any = None,

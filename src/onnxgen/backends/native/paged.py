@@ -272,7 +272,8 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     tp.paged_attn_kernel[(w, hkv, nsplit)](
         qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml, live,
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
-        kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
+        -(-kernels.SPLIT_KEYS_MIN // block_n) * block_n, kpool.stride(0), kpool.stride(1), vpool.stride(0),
+        vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32 or not q.is_cuda, COUNT=deferred, ONE=one, num_warps=warps,
         num_stages=stages,
