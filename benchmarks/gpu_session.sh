@@ -33,6 +33,8 @@
 #           ONNXGEN_COMBINE_IN_PRODUCT=1
 #   pagedbits  the paged attention's GPU tests: against the torch path (every step kind, splits), verify rows =
 #           decode bits, splits merged in the product; each failure's name
+#   parity  the bf16 GPU parity test (builder-made package vs transformers fp32/bf16 to 8k tokens) and the
+#           decode runs' GPU tests; each failure's name
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
 #           (gpu_paged_check.py): which cases exceed the GPU test's tolerance
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
@@ -100,6 +102,8 @@ for section in "$@"; do
     pagedbits) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_paged_attention.py \
                  -k "cuda_triton_kernel_equals or cuda_per_token or merges or split_floor" 2>&1 | grep -E "^FAILED|passed|failed" \
                  | cut -c1-160 | tail -8 ;;
+    parity) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_parity_bf16.py \
+              tests/test_decode_runs.py 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200 | tail -8 ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
