@@ -12,9 +12,7 @@ kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded no
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
 shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
-asking the per-shape timing (which may pick the norm kernel and the plain product); `part`: the output
-projection's GEMV merges its attention's key splits, `kernels.COMBINE_IN_PRODUCT`; `minsplitN`: key
-splits of at least N keys each, `kernels.SPLIT_KEYS_MIN`; `torchargmax`: the
+asking the per-shape timing (which may pick the norm kernel and the plain product); `torchargmax`: the
 decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick inside the advance
 kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
 (captures and per-shape choices happen as usual), then the batch-1 decode graph is replayed 200 times (CUDA
@@ -82,13 +80,6 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     if "fold" in parts:  # every RMSNorm folded into the product after it (its per-shape timing not asked)
         saved.append((kernels, "FOLD_ALWAYS", kernels.FOLD_ALWAYS))
         kernels.FOLD_ALWAYS = True
-    if "part" in parts:  # the output projection merges its attention's key splits (no combine launch)
-        saved.append((kernels, "COMBINE_IN_PRODUCT", kernels.COMBINE_IN_PRODUCT))
-        kernels.COMBINE_IN_PRODUCT = True
-    for part in parts:
-        if part.startswith("minsplit"):  # key splits of at least this many keys (`minsplit256`)
-            saved.append((kernels, "SPLIT_KEYS_MIN", kernels.SPLIT_KEYS_MIN))
-            kernels.SPLIT_KEYS_MIN = int(part.removeprefix("minsplit"))
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

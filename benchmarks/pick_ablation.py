@@ -1,10 +1,10 @@
 """The fastest variant of a `gpu_decode_ablation.py` run, as environment settings for the runs after it.
 
-    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1 ONNXGEN_COMBINE_IN_PRODUCT=0 ONNXGEN_SPLIT_KEYS_MIN=0
+    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1
 
 Reads the run's table (`| shape | removed | decode graph ms | ...`), takes each variant's median graph time
-per shape, sums them over the shapes and prints the settings of the variant with the least (`none`, `fold`,
-`part`, `minsplitN` or a `+` of them; `gpu_session.sh pick`). Exits 1 when the table has no `none` row.
+per shape, sums them over the shapes and prints the settings of the variant with the least (`none` or `fold`;
+`gpu_session.sh pick`). Exits 1 when the table has no `none` row.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-SETTINGS = {"fold": "ONNXGEN_FOLD_NORMS", "part": "ONNXGEN_COMBINE_IN_PRODUCT"}
+SETTINGS = {"fold": "ONNXGEN_FOLD_NORMS"}
 
 
 def pick(lines: list[str]) -> str | None:
@@ -32,9 +32,7 @@ def pick(lines: list[str]) -> str | None:
     total = {v: sum(statistics.median(t[s]) for s in shapes) for v, t in times.items() if set(t) >= shapes}
     best = min(total, key=lambda v: total[v])
     parts = set(best.split("+"))
-    floor = next((int(p.removeprefix("minsplit")) for p in parts if p.startswith("minsplit")), 0)
-    settings = [f"{env}={int(name in parts)}" for name, env in SETTINGS.items()]
-    return " ".join([*settings, f"ONNXGEN_SPLIT_KEYS_MIN={floor}"])
+    return " ".join(f"{env}={int(name in parts)}" for name, env in SETTINGS.items())
 
 
 def main() -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -140,28 +139,6 @@ def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) ->
     if not kernels.FORCE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels on the CPU only under TRITON_INTERPRET=1 and ONNXGEN_FORCE_TRITON=1")
     _verify_rows_are_decode_bits("cpu", "bfloat16", tmp_path, graphs=False)  # (float32 on the CPU: [K, N] torch products)
-
-
-def test_interpreted_verify_rows_are_decode_bits_with_splits_merged_in_the_product(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The same with `kernels.COMBINE_IN_PRODUCT` (each layer's output projection merges its attention's key
-    splits, in decode and verify steps alike: checked to happen); skipped as the test above."""
-    from onnxgen.backends.native import kernels, paged
-
-    if not kernels.FORCE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the Triton kernels on the CPU only under TRITON_INTERPRET=1 and ONNXGEN_FORCE_TRITON=1")
-    monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", True)
-    taken = []
-    take = paged.take_partials
-
-    def counted(ps: Any, x: Any) -> Any:
-        part = take(ps, x)
-        taken.append(part is not None)
-        return part
-
-    monkeypatch.setattr(paged, "take_partials", counted)
-    _verify_rows_are_decode_bits("cpu", "bfloat16", tmp_path, graphs=False)
-    assert sum(taken) == 2 * (12 + 3)  # both layers of the 12 decode steps and the 3 verify steps
 
 
 # --- GPU ----------------------------------------------------------------------------------------------

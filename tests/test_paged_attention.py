@@ -4,7 +4,6 @@ kernel against the torch path on the GPU."""
 
 from __future__ import annotations
 
-import math
 import os
 import random
 
@@ -168,50 +167,6 @@ def test_interpreted_per_token_rows_are_the_bits_of_decode_steps() -> None:
     _per_token_rows_are_decode_bits("cpu", torch.float32)
 
 
-def _split_floor(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kernels.SPLIT_KEYS_MIN`: each item's key splits hold at least that many keys (whole blocks), so a
-    decode graph planned for a long context runs few live splits at short lengths (the attention's live
-    counts; without the floor, one key block a split) — and still equals the torch path and gives verify
-    rows the bits of decode steps."""
-    from onnxgen.backends.native import kernels
-
-    monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", True)
-    lives = {}
-    for floor in (0, 256):
-        monkeypatch.setattr(kernels, "SPLIT_KEYS_MIN", floor)
-        st, step, q = _batch(device, dt, [(600, 1), (33, 1), (1300, 1)], seed=5)
-        ps = paged.build_step(step, st, P, torch.device(device))
-        ps.plan_len = 4096
-        out = paged.attention_triton(ps, 1, q, 0.2, defer=True)
-        part = paged.take_partials(ps, out.view(-1, N * D))
-        assert part is not None
-        nsplit, block_n = part.nsplit, paged.tile_for(N // HKV, N // HKV, N // HKV, D, dt == torch.float32)[1]
-        split = [max(math.ceil(math.ceil(n / nsplit) / block_n) * block_n, floor) for n in (601, 34, 1301)]
-        lives[floor] = part.live.tolist()
-        assert lives[floor] == [-(-n // s) for n, s in zip((601, 34, 1301), split, strict=True)], (floor, nsplit)
-        want = paged.attention_ref(ps, 1, q, 0.2).double()
-        got = part.finish().double()
-        assert float((got - want).norm() / want.norm()) < (1e-5 if dt == torch.float32 else 2e-2), floor
-    assert lives[256] == [3, 1, 6] and lives[0][0] > 3, lives
-    monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", False)
-    _triton_equals_torch(device, dt, None)
-    _per_token_rows_are_decode_bits(device, dt)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_split_floor_keeps_values_and_decode_bits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _split_floor("cuda", getattr(torch, dtype), monkeypatch)
-
-
-def test_interpreted_split_floor_keeps_values_and_decode_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
-    pytest.importorskip("triton")
-    _split_floor("cpu", torch.float32, monkeypatch)
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_rotary_write_gives_q_in_the_token_major_layout_paged_attention_reads(device: str) -> None:
     """`rope_qkv_write(..., token_major=True)` returns the same rotated q as the head-major layout, as a view
@@ -268,52 +223,3 @@ def test_per_token_work_items_cut_each_token_as_a_decode_step() -> None:
     assert one.work(72, 64).tolist() == [[0, 0, 64], [0, 64, 72]]  # token 1's cut, as a decode step's
 
 
-def _merged_in_product(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kernels.COMBINE_IN_PRODUCT`: an attention that defers its key splits (`defer=True`) leaves them in
-    `ps.pending` for its reader, and the output projection's GEMV merging them as it loads x gives what the
-    combine kernel followed by the GEMV gives — a decode step of several sequences (one row each, the
-    residual added) and a verify step attended per token (rowwise rows); steps that are not one item a
-    token (a prefill chunk) merge at once; with the option off nothing is deferred."""
-    from onnxgen.backends.native import kernels
-
-    g = torch.Generator().manual_seed(7)
-    w = (torch.randn(48, N * D, generator=g) / 8).to(device=device, dtype=dt)
-    tol = 1e-6 if dt == torch.float32 else 1e-2
-    for shapes, per_token in (([(37, 1), (300, 1), (5, 1)], False), ([(250, 3)], True), ([(40, 1)], False)):
-        st, step, q = _batch(device, dt, shapes, seed=9)
-        res = torch.randn(step.num_tokens, 48, generator=g).to(device=device, dtype=dt)
-        for window, softcap in ((-1, 0.0), (8, 0.0), (-1, 4.0)):
-            ps = paged.build_step(step, st, P, torch.device(device))
-            ps.per_token, ps.plan_len = per_token, 512
-            monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", False)
-            plain = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=3, defer=True)
-            assert not ps.pending
-            want = kernels.linear(plain.view(-1, N * D), w, rowwise=True, residual=res)
-            monkeypatch.setattr(kernels, "COMBINE_IN_PRODUCT", True)
-            out = paged.attention_triton(ps, 1, q, 0.2, softcap, window, nsplit=3, defer=True)
-            x = out.view(-1, N * D)
-            part = paged.take_partials(ps, x)
-            assert part is not None and not ps.pending
-            got = kernels.linear(x, w, rowwise=True, residual=res, partials=part)
-            err = float((got.double() - want.double()).norm() / want.double().norm())
-            assert err < tol, (shapes, window, softcap, err)
-            assert torch.equal(part.finish(), plain)  # what the combine writes is what the product merged
-    st, step, q = _batch(device, dt, [(37, 5), (300, 1)], seed=9)  # a chunk of 5 tokens: merged at once
-    ps = paged.build_step(step, st, P, torch.device(device))
-    out = paged.attention_triton(ps, 1, q, 0.2, nsplit=3, defer=True)
-    assert not ps.pending
-    assert float((out.double() - paged.attention_ref(ps, 1, q, 0.2).double()).norm()) < 1e-2 * out.numel() ** 0.5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_output_projection_merges_the_key_splits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _merged_in_product("cuda", getattr(torch, dtype), monkeypatch)
-
-
-def test_interpreted_output_projection_merges_the_key_splits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
-    pytest.importorskip("triton")
-    _merged_in_product("cpu", torch.float32, monkeypatch)

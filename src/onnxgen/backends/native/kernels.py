@@ -202,26 +202,8 @@ than it is inside a decode graph, where each launch also ends an overlap of prog
 (the H200's 0.5B step kept 25 norm kernels, the H100's none). Read at each choice and part of its key."""
 
 
-COMBINE_IN_PRODUCT = os.environ.get("ONNXGEN_COMBINE_IN_PRODUCT", "0") == "1"
-"""Whether a decode step's attention leaves its key splits unmerged for the output projection's GEMV to
-merge as it loads x (`paged.Partials`, `triton_gemv`'s `PART`): no combine launch per layer.
-`ONNXGEN_COMBINE_IN_PRODUCT=1`; off until timed on the GPU (benchmarks/gpu_decode_ablation.py `part`).
-Every program of the product merges the whole row (the combine kernel merges it once): it can pay only
-while few splits hold keys (short contexts: a decode graph plans 32 splits for the whole context, and
-empty ones cost no loads)."""
-MERGE_VALUES = 32  # merged in the product only if a K tile of every split is at most this many floats a thread
-
-SPLIT_KEYS_MIN = int(os.environ.get("ONNXGEN_SPLIT_KEYS_MIN", "0"))
-"""The fewest keys a paged attention's key split takes (`ONNXGEN_SPLIT_KEYS_MIN`, rounded up to whole key
-blocks; 0: none). Each work item cuts its own keys into the step's planned splits (a decode graph plans them
-for the whole context), so a short context otherwise gets many splits of one key block each (at 528 keys, 9
-live splits of 64): more partials to combine or merge. A floor from the item's own length keeps a sequence's
-split the same in any step (batch invariance, verify rows = decode bits). Off until timed on the GPU
-(benchmarks/gpu_decode_ablation.py `minsplit256`). Read at each launch."""
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
-           residual: torch.Tensor | None = None, partials: Any = None,
+           residual: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype;
     `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T` (a skip-norm's sum formed by the
@@ -234,21 +216,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     than cuBLAS; everything else is `F.linear` (+ `silu_mul_halves`). `rowwise` (a verify step's rows, up to
     `ROWWISE_ROWS`, on a Triton device): every row is computed exactly as a one-row product of this shape is
     (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows.
-    `partials` (`paged.Partials`, not with `silu_halves`): x is an attention output whose key splits are
-    not merged yet; the GEMV merges them as it loads x (each row's merged x rounded to x's dtype, as the
-    combine kernel writes it), any other path merges them into x first. `out_dtype` (not with
+    `out_dtype` (not with
     `silu_halves` or `residual`): the result, rounded to x's dtype, in that dtype (the GEMV writes it)."""
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        cfg = _gemv_choice(_first_row(x), w, silu_halves) if partials is None else _merged_choice(x, w, partials)
-        if cfg is None:  # no configuration holds a K tile of every split in registers
-            partials.finish()
-            partials, cfg = None, _gemv_choice(_first_row(x), w, silu_halves)
-        return _gemv(x, w, silu_halves, cfg, residual=residual, partials=partials, out_dtype=out_dtype)
+        cfg = _gemv_choice(_first_row(x), w, silu_halves)
+        return _gemv(x, w, silu_halves, cfg, residual=residual, out_dtype=out_dtype)
         # pragma: cuda-end
-    if partials is not None:
-        partials.finish()
     if out_dtype is not None:
         return linear(x, w, silu_halves, rowwise, residual).to(out_dtype)
     if 1 < rows <= SKINNY_ROWS and x.dtype in (torch.bfloat16, torch.float16) and _gemv_ok(x, w):
@@ -347,14 +322,12 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
           norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None,
-          residual: torch.Tensor | None = None, partials: Any = None,
+          residual: torch.Tensor | None = None,
           out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
-    x's rows of N added before the rounding (not with `silu` or `rope`); `partials` (`paged.Partials`, not
-    with `silu`, `norm` or `rope`): x's rows merged from an attention's key splits as they are loaded;
-    `out_dtype` (not with `silu`, `rope` or `residual`): y in that dtype, each value rounded to x's first."""
+    x's rows of N added before the rounding (not with `silu` or `rope`); `out_dtype` (not with `silu`, `rope` or `residual`): y in that dtype, each value rounded to x's first."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     r = x.numel() // k
@@ -369,24 +342,15 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     else:
         ra = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
     rb = min(r, ROWS_PER_PROGRAM)
-    part = partials is not None
-    x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE) and not part
+    x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE)
     assert residual is None or not (silu or rope is not None)
-    assert not part or not (silu or norm is not None or rope is not None)
     res = residual_rows(residual, r, n, y)
-    if part:
-        assert partials.acc.shape[0] == r and partials.n * partials.d == k, (partials.acc.shape, r, k)
-        pa = (partials.acc, partials.ml, partials.live, partials.nsplit, partials.hkv)
-        pc = {"G": partials.g, "HD": partials.d, "BM": partials.block_m, "DPA": partials.dp,
-              "NSP": partials.nsp}  # fmt: skip
-    else:
-        pa, pc = (y, y, y, 1, 1), {"G": 1, "HD": 1, "BM": 1, "DPA": 1, "NSP": 1}
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
-        s if s is not None else y, eps, *ra, res, *pa,
+        s if s is not None else y, eps, *ra, res,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None, PART=part, **pc,
+        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
@@ -480,17 +444,6 @@ def _rope_gemv_choice(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, ro
 
     fold = FOLD_ALWAYS and norm is not None
     return choose_config(key, x1, w, ROPE_GEMV_CONFIGS, None if fold else separate, fused1)
-
-
-def _merged_choice(x: torch.Tensor, w: torch.Tensor, partials: Any) -> tuple[int, int, int] | None:  # pragma: cuda
-    """The fastest GEMV configuration that merges `partials` as it loads x (timed with the merge), among
-    those whose K tile of every split fits `MERGE_VALUES` floats a thread; None if none does. The same for
-    a decode step's row and a verify step's rows (the key holds no row count: the same bits)."""
-    fits = tuple(c for c in GEMV_CONFIGS if partials.nsp * c[1] <= MERGE_VALUES * 32 * c[2])
-    if not fits:
-        return None
-    key = ("gemv_merged", tuple(w.shape), w.dtype, partials.nsp, partials.g, x.device)
-    return choose_config(key, x, w, fits, None, lambda wc, cfg: _gemv(x, wc, False, cfg, partials=partials))
 
 
 def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int]:  # pragma: cuda

@@ -15,8 +15,7 @@ Passes, in order:
    only by a Linear / LinearSiluMul -> RmsLinear, normalised inside one-row products (packed int4: the
    skip-norm's residual sum formed by the packed product that feeds it, and RmsInt4Linear, normalised
    inside the packed GEMV), the final norm too once the cut before the lm_head is moved before it; the
-   output projection merges its attention's key splits itself; the lm_head writes float32 logits itself
-   instead of a Cast after it);
+   lm_head writes float32 logits itself instead of a Cast after it);
 6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
    stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
 """
@@ -156,7 +155,6 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
         nodes = _cut_before_final_norm(nodes)
         nodes = _fuse_norm_linear(nodes, consts)
         _rope_into_qkv(nodes, consts, device)
-        _combine_into_product(nodes, spec.logits_name)
         nodes = _cast_into_product(nodes)
     nodes = _dce(nodes, [spec.logits_name])
 
@@ -713,23 +711,6 @@ def _cast_into_product(nodes: list[O.Node]) -> list[O.Node]:
             p.outputs = [c.outputs[0], *p.outputs[1:]]
             drop.add(id(c))
     return [n for n in nodes if id(n) not in drop]
-
-
-def _combine_into_product(nodes: list[O.Node], logits: str) -> None:
-    """GroupQueryAttention whose output only a bias-free, non-rotary Linear reads (the output projection)
-    -> `_defer_combine`: on the paged Triton path the attention may leave its key splits unmerged and that
-    product merges them as it loads its x (`paged.take_partials`, `kernels.linear`'s `partials`), so a
-    decode step launches no combine kernel per layer. In place."""
-    readers = _readers(nodes)
-    for g in nodes:
-        if not (g.op == "GroupQueryAttention" and g.domain == "com.microsoft" and g.outputs and g.outputs[0]
-                and g.outputs[0] != logits):  # fmt: skip
-            continue
-        r = readers.get(g.outputs[0], [])
-        p = r[0] if len(r) == 1 else None
-        if (p is not None and p.domain == "onnxgen" and p.op == "Linear" and p.inputs[0] == g.outputs[0]
-                and not (len(p.inputs) > 2 and p.inputs[2]) and "_rope" not in p.attrs):  # fmt: skip
-            g.attrs["_defer_combine"] = 1
 
 
 def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device) -> None:

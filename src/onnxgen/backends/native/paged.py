@@ -45,9 +45,6 @@ class PagedStep:
     # every token its own work item, attended exactly as a one-token step of its sequence would (the decode
     # tile, a batch-1 decode's key splits): a verify step whose rows must equal plain decoding's bits
     per_token: bool = False
-    # attention outputs whose key splits the product that reads them merges (`attention_triton`'s `defer`),
-    # by the output's data pointer: `take_partials` hands each to its reader
-    pending: dict[int, Partials] = field(default_factory=dict)
     _work: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -125,69 +122,15 @@ def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> Non
 
 
 def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
-              window: int = -1, defer: bool = False) -> torch.Tensor:  # fmt: skip
+              window: int = -1) -> torch.Tensor:  # fmt: skip
     """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
     this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
-    torch reference elsewhere. `defer`: the output's only reader is a product that takes `take_partials`
-    (`attention_triton`)."""
+    torch reference elsewhere."""
     from onnxgen.backends.native import kernels
 
     if kernels.use_triton(q):
-        return attention_triton(ps, layer, q, scale, softcap, window, defer=defer)
+        return attention_triton(ps, layer, q, scale, softcap, window)
     return attention_ref(ps, layer, q, scale, softcap, window)
-
-
-@dataclass
-class Partials:
-    """A paged attention's key splits not yet merged into its output `out` (`[T, N, D]`): `acc` (`[T, HKV,
-    nsplit, block_m, dp]` float32, unnormalised) and `ml` (the same with 2: each row's running maximum, base
-    2, and sum of exponentials), one work item per token whose rows are that token's query heads of one KV
-    head (`g` of them, `g <= block_m`). Row `t` of `out` viewed as `[N * D]` is then, at column
-    `k = (h * g + r) * d + c`, the merge over splits `s` of `acc[t, h, s, r, c]` (`kernels.linear`'s
-    `partials`, inside the product that reads it); `finish` writes it into `out` instead (the combine
-    kernel). `live` (`[T]` int32, written by the attention when it defers): token t's splits from `live[t]`
-    on hold no keys, so a merge need not load them (and its loads then wait on no other load)."""
-
-    out: torch.Tensor
-    acc: torch.Tensor
-    ml: torch.Tensor
-    live: torch.Tensor
-    q_starts_t: torch.Tensor
-    work: torch.Tensor
-    nsplit: int
-    hkv: int
-    n: int
-    g: int
-    d: int
-    dp: int
-    block_m: int
-    one: bool = False  # item t is sequence t's one token (`triton_paged`'s ONE): no work items read
-
-    @property
-    def nsp(self) -> int:
-        """The splits rounded up to a power of two (at least 2): the tile the merges load at once."""
-        return max(2, 1 << (self.nsplit - 1).bit_length())
-
-    def finish(self) -> torch.Tensor:
-        """Merge the splits into `out` (one launch) and return it."""
-        from onnxgen.backends.native import kernels
-        from onnxgen.backends.native import triton_paged as tp
-
-        tp.paged_combine_kernel[(self.work.shape[0], self.hkv, self.block_m)](
-            self.acc, self.ml, self.q_starts_t, self.work, self.out, self.nsplit, self.hkv, N=self.n, G=self.g,
-            D=self.d, DP=self.dp, BLOCK_M=self.block_m, NSP=self.nsp, ONE=self.one, num_warps=1,
-            **kernels.launch_options(self.out),
-        )  # fmt: skip
-        return self.out
-
-
-def take_partials(ps: PagedStep | None, x: torch.Tensor) -> Partials | None:
-    """The unmerged key splits of the attention output `x` (a view of it) if its attention deferred them
-    (`attention_triton`'s `defer`), removed from `ps.pending`: the caller merges them, in its product or
-    with `Partials.finish`."""
-    if ps is None or not ps.pending:
-        return None
-    return ps.pending.pop(x.data_ptr(), None)
 
 
 _LOG2E = 1.4426950408889634
@@ -233,15 +176,14 @@ def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> 
 
 
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
-                     window: int = -1, nsplit: int | None = None, tile: Tile | None = None,
-                     defer: bool = False) -> torch.Tensor:  # fmt: skip
+                     window: int = -1, nsplit: int | None = None,
+                     tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
     """The Triton path of `attention`. `nsplit` (tests, benchmarks): the number of key splits; by default
     `splits_for`'s over `ps.plan_len` (a captured step's host shapes: the whole context). Each work item
     splits its own keys (the longest of its rows) into `nsplit` parts of whole key blocks, on the device:
     a sequence's split depends on its own length only. `tile` (benchmarks): the kernel's tile instead of
-    `tile_for`'s. `defer` (with `kernels.COMBINE_IN_PRODUCT`): when there are several splits and every
-    token is one work item (a decode step, or per token), the combine is not launched: the splits go to
-    `ps.pending` under the returned tensor (unwritten until merged) for its reader (`take_partials`)."""
+    `tile_for`'s. Several splits: their partial results go to scratch buffers and a second launch
+    (`triton_paged.paged_combine_kernel`) merges them into the output."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
@@ -265,28 +207,21 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     direct = nsplit == 1
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
-    one_item_a_token = ps.per_token or ps.num_tokens == len(ps.seq_lens)
     one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
-    deferred = not direct and defer and kernels.COMBINE_IN_PRODUCT and one_item_a_token and g <= block_m
-    live = torch.empty(w, dtype=torch.int32, device=q.device) if deferred else ml
     tp.paged_attn_kernel[(w, hkv, nsplit)](
-        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml, live,
+        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
-        -(-kernels.SPLIT_KEYS_MIN // block_n) * block_n, kpool.stride(0), kpool.stride(1), vpool.stride(0),
-        vpool.stride(1), N=n, G=g, D=d, DP=dp,
+        kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, COUNT=deferred, ONE=one, num_warps=warps,
-        num_stages=stages,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, num_warps=warps, num_stages=stages,
         **kernels.launch_options(q),
     )  # fmt: skip
-    ps.pending.pop(out.data_ptr(), None)  # (a forward that failed before its reader ran left it behind)
     if not direct:
-        part = Partials(out, acc, ml, live, ps.q_starts_t, work, nsplit, hkv, n, g, d, dp, block_m, one)
-        if deferred:
-            assert w == ps.num_tokens, (w, ps.num_tokens)
-            ps.pending[out.data_ptr()] = part
-        else:
-            part.finish()
+        nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits a combine program loads at once
+        tp.paged_combine_kernel[(w, hkv, block_m)](
+            acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m, NSP=nsp,
+            ONE=one, num_warps=1, **kernels.launch_options(out),
+        )  # fmt: skip
     return out
 
 

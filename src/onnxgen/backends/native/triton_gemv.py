@@ -83,42 +83,12 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
     tl.store(VB + (vv // HEAD).to(tl.int64) * sv_h + slot * sv_s + vv % HEAD, y, mask=nmask & (vv >= 0))
 
 
-@triton.jit
-def _x_merged(ACC, ML, row, nlive, k0, rk, K, NSPLIT, HKV, OUT_TY: tl.constexpr, G: tl.constexpr,
-              HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
-    """x[k0 : k0 + BLOCK_K] of row `row` in float32 (`[BLOCK_K]`) merged from a paged attention's key splits
-    (`PART`, `paged.Partials`): column k is query head `k // HD` (KV head `h`, row `r` of its work item, the
-    item of token `row`), dimension `k % HD`. The tile of every split below `nlive` (the row's splits that
-    may hold keys: `paged.Partials.live`) is loaded at once (`[NSP, BLOCK_K]`, NSP >= NSPLIT a power of
-    two), maxima, sums and partial products together (no load waits for another); an empty split weighs
-    nothing (its maximum is -inf, its sums are zeros); the merge is the combine kernel's (maxima in base 2),
-    rounded to the output dtype as the combine kernel writes it."""
-    kk = k0 + rk
-    kmask = kk < K
-    hq = kk // HD
-    sp = tl.arange(0, NSP)
-    it = ((row * HKV + hq // G) * NSPLIT)[None, :] + sp[:, None]  # [NSP, BLOCK_K]: each split's work item
-    it = it * BM + (hq % G)[None, :]
-    m2 = (sp < nlive)[:, None] & kmask[None, :]
-    m_s = tl.load(ML + 2 * it, mask=m2, other=float("-inf"))
-    l_s = tl.load(ML + 2 * it + 1, mask=m2, other=0.0)
-    a_s = tl.load(ACC + it * DPA + (kk % HD)[None, :], mask=m2, other=0.0)
-    live = m2 & (m_s > float("-inf"))
-    mx = tl.max(m_s, 0)
-    wgt = tl.where(live, tl.exp2(m_s - mx[None, :]), 0.0)
-    den = tl.sum(wgt * l_s, 0)
-    num = tl.sum(wgt * a_s, 0)
-    return (num / tl.where(den > 0, den, 1.0)).to(OUT_TY).to(tl.float32)
-
-
-@triton.jit(do_not_specialize=["R", "NSPLIT"])
+@triton.jit(do_not_specialize=["R"])
 def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
-                cos_stride, NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr,
-                ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr, RB: tl.constexpr,
-                ONE: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr, HAS_RES: tl.constexpr,
-                PART: tl.constexpr, G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr,
-                NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                cos_stride, NQ, NK, RES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
+                HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
+                HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -149,19 +119,16 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
     for i in tl.static_range(RB):
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
-                      sv_h, sv_s, cos_stride, NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, pid, rn, nmask, rk, wp,
-                      up, w0, u0, BLOCK_N, BLOCK_K, SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D,
-                      HAS_RES, PART, G, HD, BM, DPA, NSP)  # fmt: skip
+                      sv_h, sv_s, cos_stride, NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K,
+                      SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES)  # fmt: skip
 
 
 @triton.jit
 def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
-              NQ, NK, RES, ACC, ML, NL, NSPLIT, HKV, pid, rn, nmask, rk, wp, up, w0, u0,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
-              HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr,
-              LATE: tl.constexpr, X2D: tl.constexpr, HAS_RES: tl.constexpr, PART: tl.constexpr,
-              G: tl.constexpr, HD: tl.constexpr, BM: tl.constexpr, DPA: tl.constexpr,
-              NSP: tl.constexpr):  # fmt: skip
+              NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr,
+              HEAD: tl.constexpr, HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
+              HAS_RES: tl.constexpr):  # fmt: skip
     """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
     weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
     pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row. With `NORM` and `LATE` nothing
@@ -171,8 +138,7 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     separate norm, not the same bits). `X2D` (tiles whose warps are not all along K, `kernels.x_in_tile`): x
     is loaded as `[BLOCK_N, BLOCK_K]` with its columns broadcast over the rows, i.e. in the weight tile's own
     layout, instead of as `[BLOCK_K]` converted through shared memory (with barriers) at every K step — the
-    same values and sums, so the same bits. `HAS_RES`: `RES` (rows of N) added before the rounding. `PART`
-    (not with NORM or X2D): x is merged from an attention's key splits as it is loaded (`_x_merged`)."""
+    same values and sums, so the same bits. `HAS_RES`: `RES` (rows of N) added before the rounding."""
     X += row * K
     Y += row * N
     RES += row * N
@@ -197,26 +163,15 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     else:
         rk2 = rk
         first = pid == 0
-    if PART:
-        nlive = tl.load(NL + row)  # loaded once; each tile's merge loads then wait on nothing else
-        x = _x_merged(ACC, ML, row, nlive, 0, rk, K, NSPLIT, HKV, Y.dtype.element_ty, G, HD, BM, DPA,
-                      NSP)[None, :]  # fmt: skip
-        raw = x
-    else:
-        x, raw = _x_tile(X, SKIP, NW, SUM, 0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D)
+    x, raw = _x_tile(X, SKIP, NW, SUM, 0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D)
     if NORM and LATE:
         ss = raw * raw
     acc = w0.to(tl.float32) * x
     if SILU:
         acc_u = u0.to(tl.float32) * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        if PART:
-            x = _x_merged(ACC, ML, row, nlive, k0, rk, K, NSPLIT, HKV, Y.dtype.element_ty, G, HD, BM, DPA,
-                          NSP)[None, :]  # fmt: skip
-            raw = x
-        else:
-            x, raw = _x_tile(X, SKIP, NW, SUM, k0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE,
-                             X2D)  # fmt: skip
+        x, raw = _x_tile(X, SKIP, NW, SUM, k0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE,
+                         X2D)  # fmt: skip
         if NORM and LATE:
             ss += raw * raw
         m2 = nmask[:, None] & ((k0 + rk) < K)[None, :]

@@ -31,12 +31,12 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
                          MASKED, SOFTCAP, IEEE)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["NSPLIT", "MAXP", "MINSPLIT"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, NL, qk_scale, softcap, window, MAXP, NSPLIT,
-                      MINSPLIT, sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+@triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
+                      sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, COUNT: tl.constexpr,
-                      ONE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
+                      PDL: tl.constexpr):  # fmt: skip
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -65,10 +65,7 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, NL, qk_scale, sof
     q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
     item_hi = tl.max(tl.where(rmask, limit, 0), 0)  # the keys this item's rows see
     # keys per split, whole blocks, from this item's own length: a sequence splits the same in any step
-    # (at least MINSPLIT keys, whole blocks: the later splits then hold none)
-    split = tl.maximum(((item_hi + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N, MINSPLIT)
-    if COUNT:  # the splits that may hold keys, a prefix of them (the rest are empty), for the merge's loads
-        tl.store(NL + w, (item_hi + split - 1) // tl.maximum(split, 1), mask=(sp == 0) & (h == 0))
+    split = ((item_hi + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = sp * split
     hi = tl.minimum(lo + split, item_hi)
     if window > 0:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onnxgen.backends.native import kernels, paged
+from onnxgen.backends.native import kernels
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
 
 
@@ -29,9 +29,7 @@ def _linear(node: Node) -> Fn:
     `_rope` (the lowering's `_rope_into_qkv`: a layer's packed QKV, rotation pairs in adjacent rows; inputs
     3 and 4 the rotary tables) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`).
     Input 5, a residual (the lowering's `_residual_into_product`; never with a bias or `_rope`): `residual
-    + x @ W`, the sum formed before the product is rounded (`kernels.linear`). x may be an attention
-    output whose key splits are still to be merged (the lowering's `_combine_into_product`,
-    `paged.take_partials`): the product merges them (`kernels.linear`'s `partials`). `_out_float` (the
+    + x @ W`, the sum formed before the product is rounded (`kernels.linear`). `_out_float` (the
     lowering's `_cast_into_product`): the product's values, rounded to x's dtype, returned as float32."""
     transposed = bool(node.attr("_transposed", 0))
     qkv = node.attr("_rope", None)
@@ -43,12 +41,6 @@ def _linear(node: Node) -> Fn:
             done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
             if done is not None:
                 return (done[0],)
-        part = paged.take_partials(ctx.paged, x) if ctx is not None else None
-        if part is not None:  # x is an attention's output whose key splits are not merged yet
-            if transposed and bias is None and not _upcast_cpu_matmul(x):
-                return (kernels.linear(x, w, rowwise=is_rowwise(ctx), residual=residual, partials=part,
-                                       out_dtype=out),)  # fmt: skip
-            part.finish()
         return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out),)
 
     return f
