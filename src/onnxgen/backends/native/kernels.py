@@ -202,6 +202,14 @@ than it is inside a decode graph, where each launch also ends an overlap of prog
 (the H200's 0.5B step kept 25 norm kernels, the H100's none). Read at each choice and part of its key."""
 
 
+MERGE_IN_ATTENTION = os.environ.get("ONNXGEN_MERGE_IN_ATTENTION", "0") == "1"
+"""Whether, in steps of one work item a token (decodes, verify rows), the paged attention's last key split
+of each item to finish merges the splits itself (an atomic count per item and KV head) instead of a
+combine launch after it (`ONNXGEN_MERGE_IN_ATTENTION=1`; off until timed on the GPU:
+benchmarks/gpu_decode_ablation.py `lastmerge`). The merge is the combine kernel's code, row by row, so
+verify rows keep decode steps' bits either way. Read at each launch."""
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
            residual: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip

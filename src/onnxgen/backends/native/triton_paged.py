@@ -32,11 +32,15 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, softcap, window, MAXP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      PDL: tl.constexpr):  # fmt: skip
+                      MERGE: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
+    writes the output; otherwise the split's partial results go to ACC / ML, and with `MERGE` the item's
+    last split to finish (counted in `CTR[w, h]`, which it resets to 0) merges them into the output, row by
+    row as `paged_combine_kernel` would (`_merge_row`): no second launch."""
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -98,6 +102,17 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
         tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc)
         tl.store(ML + 2 * (item + r), m_i)
         tl.store(ML + 2 * (item + r) + 1, l_i)
+        if MERGE:
+            tl.debug_barrier()  # every thread's partials stored before the count releases them
+            ctr = CTR + w * tl.num_programs(1) + h
+            if tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:  # the last split of (w, h)
+                tl.debug_barrier()
+                tl.store(ctr, 0)
+                base = (w * tl.num_programs(1) + h).to(tl.int64) * NSPLIT * BLOCK_M
+                for rr in range(0, tl.minimum(r1, G * m) - r0):
+                    row = r0 + rr
+                    _merge_row(ACC, ML, OUT, base + rr, NSPLIT, ((qs + row // G) * N + h * G + row % G).to(tl.int64),
+                               D, DP, BLOCK_M, NSP, True)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
@@ -120,16 +135,31 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
         m = tl.load(QS + b + 1) - qs
         r1 = tl.load(WORK + 3 * w + 2)
     if (row < G * m) & (row < r1):
-        sp = tl.arange(0, NSP)
-        smask = sp < NSPLIT
-        dcol = tl.arange(0, DP)
-        item = ((w * HKV + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M + r
-        mx_s = tl.load(ML + 2 * item, mask=smask, other=float("-inf"))
-        l_s = tl.load(ML + 2 * item + 1, mask=smask, other=0.0)
-        mx = tl.max(mx_s, 0)
-        wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)  # maxima are in base 2
-        den = tl.sum(wgt * l_s, 0)
-        acc = tl.load(ACC + item[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
-        o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
-        qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
-        tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
+        item = (w * HKV + h).to(tl.int64) * NSPLIT * BLOCK_M + r
+        _merge_row(ACC, ML, OUT, item, NSPLIT, ((qs + row // G) * N + h * G + row % G).to(tl.int64), D, DP,
+                   BLOCK_M, NSP, False)  # fmt: skip
+
+
+@triton.jit
+def _merge_row(ACC, ML, OUT, item, NSPLIT, qrow, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+               NSP: tl.constexpr, L2: tl.constexpr):  # fmt: skip
+    """Merge one row's key splits (partials at `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2) and
+    write it at output row `qrow`. `L2`: load through the L2 only (partials other programs of the same
+    launch wrote: `paged_attn_kernel`'s `MERGE`)."""
+    sp = tl.arange(0, NSP)
+    smask = sp < NSPLIT
+    dcol = tl.arange(0, DP)
+    it = item + sp.to(tl.int64) * BLOCK_M
+    if L2:
+        mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0, cache_modifier=".cg")
+        acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"))
+        l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0)
+        acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
+    mx = tl.max(mx_s, 0)
+    wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)
+    den = tl.sum(wgt * l_s, 0)
+    o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
