@@ -110,9 +110,7 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                 tl.store(ctr, 0)
                 base = (w * tl.num_programs(1) + h).to(tl.int64) * NSPLIT * BLOCK_M
                 for rr in range(0, tl.minimum(r1, G * m) - r0):
-                    row = r0 + rr
-                    _merge_row(ACC, ML, OUT, base + rr, NSPLIT, ((qs + row // G) * N + h * G + row % G).to(tl.int64),
-                               D, DP, BLOCK_M, NSP, True)  # fmt: skip
+                    _merge_row(ACC, ML, OUT, base + rr, NSPLIT, qs, r0 + rr, h, N, G, D, DP, BLOCK_M, NSP, ".cg")
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
@@ -136,28 +134,24 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
         r1 = tl.load(WORK + 3 * w + 2)
     if (row < G * m) & (row < r1):
         item = (w * HKV + h).to(tl.int64) * NSPLIT * BLOCK_M + r
-        _merge_row(ACC, ML, OUT, item, NSPLIT, ((qs + row // G) * N + h * G + row % G).to(tl.int64), D, DP,
-                   BLOCK_M, NSP, False)  # fmt: skip
+        _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N, G, D, DP, BLOCK_M, NSP, "")
 
 
 @triton.jit
-def _merge_row(ACC, ML, OUT, item, NSPLIT, qrow, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-               NSP: tl.constexpr, L2: tl.constexpr):  # fmt: skip
-    """Merge one row's key splits (partials at `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2) and
-    write it at output row `qrow`. `L2`: load through the L2 only (partials other programs of the same
-    launch wrote: `paged_attn_kernel`'s `MERGE`)."""
+def _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """Merge row `row` of KV head `h` of a work item whose sequence's tokens start at `qs` (partials at
+    `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2) and write it into the output. `CACHE`: the
+    loads' cache modifier (".cg", through the L2 only, for partials other programs of the same launch
+    wrote: `paged_attn_kernel`'s `MERGE`; "" otherwise)."""
     sp = tl.arange(0, NSP)
     smask = sp < NSPLIT
     dcol = tl.arange(0, DP)
     it = item + sp.to(tl.int64) * BLOCK_M
-    if L2:
-        mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0, cache_modifier=".cg")
-        acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"))
-        l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0)
-        acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
+    mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"), cache_modifier=CACHE)
+    l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
+    qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
     mx = tl.max(mx_s, 0)
     wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)
     den = tl.sum(wgt * l_s, 0)
