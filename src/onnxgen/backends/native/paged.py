@@ -230,13 +230,15 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     # rows keep decode steps' bits)
     merge = not direct and kernels.MERGE_IN_ATTENTION and (ps.per_token or ps.num_tokens == len(ps.seq_lens))
     ctr = _counters(ps.storage, w * hkv, q.device) if merge else ml
+    mr = min(block_m, 1 << (g - 1).bit_length()) if merge else 1  # an item's rows: one token's, at most a tile
+    msc = max(1, min(nsp, 4096 // (mr * dp)))  # splits merged at a time: 4,096 floats of partials a chunk
     tp.paged_attn_kernel[(w, hkv, nsplit)](
         qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml, ctr,
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, NSP=nsp, num_warps=warps,
-        num_stages=stages, **kernels.launch_options(q),
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, NSP=nsp, MR=mr, MSC=msc,
+        num_warps=warps, num_stages=stages, **kernels.launch_options(q),
     )  # fmt: skip
     if not direct and not merge:
         tp.paged_combine_kernel[(w, hkv, block_m)](

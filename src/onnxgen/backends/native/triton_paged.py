@@ -36,11 +36,13 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      MERGE: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      MERGE: tl.constexpr, NSP: tl.constexpr, MR: tl.constexpr, MSC: tl.constexpr,
+                      PDL: tl.constexpr):  # fmt: skip
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
     writes the output; otherwise the split's partial results go to ACC / ML, and with `MERGE` the item's
-    last split to finish (counted in `CTR[w, h]`, which it resets to 0) merges them into the output, row by
-    row as `paged_combine_kernel` would (`_merge_row`): no second launch."""
+    last split to finish (counted in `CTR[w, h]`, which it resets to 0) merges them into the output
+    (`_merge_rows`: all of the item's rows at once, `MR` of them at most, the splits that hold keys `MSC` at
+    a time): no second launch."""
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -109,14 +111,16 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                 tl.debug_barrier()
                 tl.store(ctr, 0)
                 base = (w * tl.num_programs(1) + h).to(tl.int64) * NSPLIT * BLOCK_M
-                for rr in range(0, tl.minimum(r1, G * m) - r0):
-                    _merge_row(ACC, ML, OUT, base + rr, NSPLIT, qs, r0 + rr, h, N, G, D, DP, BLOCK_M, NSP, ".cg")
+                live = tl.minimum((item_hi + split - 1) // split, NSPLIT)  # the later splits hold no keys
+                _merge_rows(ACC, ML, OUT, base, live, qs, r0, tl.minimum(r1, G * m) - r0, h, N, G, D, DP, BLOCK_M,
+                            MR, NSP, MSC, ".cg")  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, ONE: tl.constexpr,
                          PDL: tl.constexpr):  # fmt: skip
+    """One program a row of a work item's block: its partials over every split merged into the output."""
     pdl_begin(PDL)
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -134,26 +138,42 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
         r1 = tl.load(WORK + 3 * w + 2)
     if (row < G * m) & (row < r1):
         item = (w * HKV + h).to(tl.int64) * NSPLIT * BLOCK_M + r
-        _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N, G, D, DP, BLOCK_M, NSP, "")
+        _merge_rows(ACC, ML, OUT, item, NSPLIT, qs, row, 1, h, N, G, D, DP, BLOCK_M, 1, NSP, NSP, "")
 
 
 @triton.jit
-def _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """Merge row `row` of KV head `h` of a work item whose sequence's tokens start at `qs` (partials at
-    `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2) and write it into the output. `CACHE`: the
-    loads' cache modifier (".cg", through the L2 only, for partials other programs of the same launch
-    wrote: `paged_attn_kernel`'s `MERGE`; "" otherwise)."""
+def _merge_rows(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                DP: tl.constexpr, BLOCK_M: tl.constexpr, MR: tl.constexpr, NSP: tl.constexpr, SC: tl.constexpr,
+                CACHE: tl.constexpr):  # fmt: skip
+    """Merge rows `r0 .. r0 + nrow` (`nrow <= MR`; rows of KV head `h` of a work item whose sequence's
+    tokens start at `qs`) over splits `0 .. live` (the others hold no keys; `live <= NSP`) and write them
+    into the output. Row `r0 + i`'s partial of split s is at `base + s * BLOCK_M + i` (maxima in base 2).
+    Every row at once, `SC` splits at a time: the loads of a chunk are independent of the sums before them,
+    so the merge waits on the L2 about once, not once a row. `CACHE`: the loads' cache modifier (".cg",
+    through the L2 only, for partials other programs of the same launch wrote: `paged_attn_kernel`'s
+    `MERGE`; "" otherwise)."""
+    r = tl.arange(0, MR)
+    rmask = r < nrow
     sp = tl.arange(0, NSP)
-    smask = sp < NSPLIT
     dcol = tl.arange(0, DP)
-    it = item + sp.to(tl.int64) * BLOCK_M
-    mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-    l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
+    mx_s = tl.load(ML + 2 * (base + sp[None, :].to(tl.int64) * BLOCK_M + r[:, None]),
+                   mask=rmask[:, None] & (sp < live)[None, :], other=float("-inf"), cache_modifier=CACHE)  # fmt: skip
+    mx = tl.max(mx_s, 1)  # [MR]: each row's maximum over the splits
+    den = tl.zeros([MR], tl.float32)
+    o = tl.zeros([MR, DP], tl.float32)
+    for c in tl.static_range(0, NSP, SC):
+        s = c + tl.arange(0, SC)
+        it = base + s[:, None].to(tl.int64) * BLOCK_M + r[None, :]  # [SC, MR]
+        msk = (s < live)[:, None] & rmask[None, :]
+        m_s = tl.load(ML + 2 * it, mask=msk, other=float("-inf"), cache_modifier=CACHE)
+        l_s = tl.load(ML + 2 * it + 1, mask=msk, other=0.0, cache_modifier=CACHE)
+        acc = tl.load(ACC + it[:, :, None] * DP + dcol[None, None, :], mask=msk[:, :, None], other=0.0,
+                      cache_modifier=CACHE)  # fmt: skip
+        wgt = tl.where(msk & (m_s > float("-inf")), tl.exp2(m_s - mx[None, :]), 0.0)
+        den += tl.sum(wgt * l_s, 0)
+        o += tl.sum(acc * wgt[:, :, None], 0)
+    o = o / tl.where(den > 0, den, 1.0)[:, None]
+    row = r0 + r
     qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
-    mx = tl.max(mx_s, 0)
-    wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)
-    den = tl.sum(wgt * l_s, 0)
-    o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
+    tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
+             mask=rmask[:, None] & (dcol < D)[None, :])  # fmt: skip
