@@ -101,9 +101,12 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
     else:
         item = ((w * tl.num_programs(1) + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M
         r = tl.arange(0, BLOCK_M)
-        tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc)
-        tl.store(ML + 2 * (item + r), m_i)
-        tl.store(ML + 2 * (item + r) + 1, l_i)
+        wr = r >= 0
+        if MERGE:  # the merge reads only the splits below the item's last key: the others store nothing
+            wr = wr & (sp * split < item_hi)
+        tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc, mask=wr[:, None])
+        tl.store(ML + 2 * (item + r), m_i, mask=wr)
+        tl.store(ML + 2 * (item + r) + 1, l_i, mask=wr)
         if MERGE:
             tl.debug_barrier()  # every thread's partials stored before the count releases them
             ctr = CTR + w * tl.num_programs(1) + h
