@@ -223,21 +223,22 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     out = torch.empty_like(qc)
     direct = nsplit == 1
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
-    ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
     one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
     nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits a merge loads at once
     # one item a token (decodes, verify rows): the last split merges (the same code for both, so verify
     # rows keep decode steps' bits)
     merge = not direct and kernels.MERGE_IN_ATTENTION and (ps.per_token or ps.num_tokens == len(ps.seq_lens))
+    # maxima and sums of the partials (with `merge` each repeated along a row of dp: `triton_paged`)
+    ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2 * (dp if merge else 1)), dtype=torch.float32,
+                                       device=q.device)  # fmt: skip
     ctr = _counters(ps.storage, w * hkv, q.device) if merge else ml
     mr = min(block_m, 1 << (g - 1).bit_length()) if merge else 1  # an item's rows: one token's, at most a tile
-    msc = max(1, min(nsp, 4096 // (mr * dp)))  # splits merged at a time: 4,096 floats of partials a chunk
     tp.paged_attn_kernel[(w, hkv, nsplit)](
         qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml, ctr,
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, NSP=nsp, MR=mr, MSC=msc,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, NSP=nsp, MR=mr,
         num_warps=warps, num_stages=stages, **kernels.launch_options(q),
     )  # fmt: skip
     if not direct and not merge:

@@ -36,13 +36,11 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      MERGE: tl.constexpr, NSP: tl.constexpr, MR: tl.constexpr, MSC: tl.constexpr,
-                      PDL: tl.constexpr):  # fmt: skip
+                      MERGE: tl.constexpr, NSP: tl.constexpr, MR: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
     writes the output; otherwise the split's partial results go to ACC / ML, and with `MERGE` the item's
     last split to finish (counted in `CTR[w, h]`, which it resets to 0) merges them into the output
-    (`_merge_rows`: all of the item's rows at once, `MR` of them at most, the splits that hold keys `MSC` at
-    a time): no second launch."""
+    (`_merge_streamed`: all of the item's rows at once, `MR` of them at most): no second launch."""
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -105,8 +103,13 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
         if MERGE:  # the merge reads only the splits below the item's last key: the others store nothing
             wr = wr & (sp * split < item_hi)
         tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc, mask=wr[:, None])
-        tl.store(ML + 2 * (item + r), m_i, mask=wr)
-        tl.store(ML + 2 * (item + r) + 1, l_i, mask=wr)
+        if MERGE:  # maxima and sums repeated along a row of DP: the merge loads them as it loads ACC
+            at = (2 * (item + r))[:, None] * DP + dcol[None, :]
+            tl.store(ML + at, tl.broadcast_to(m_i[:, None], (BLOCK_M, DP)), mask=wr[:, None])
+            tl.store(ML + at + DP, tl.broadcast_to(l_i[:, None], (BLOCK_M, DP)), mask=wr[:, None])
+        else:
+            tl.store(ML + 2 * (item + r), m_i, mask=wr)
+            tl.store(ML + 2 * (item + r) + 1, l_i, mask=wr)
         if MERGE:
             tl.debug_barrier()  # every thread's partials stored before the count releases them
             ctr = CTR + w * tl.num_programs(1) + h
@@ -115,15 +118,14 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                 tl.store(ctr, 0)
                 base = (w * tl.num_programs(1) + h).to(tl.int64) * NSPLIT * BLOCK_M
                 live = tl.minimum((item_hi + split - 1) // split, NSPLIT)  # the later splits hold no keys
-                _merge_rows(ACC, ML, OUT, base, live, qs, r0, tl.minimum(r1, G * m) - r0, h, N, G, D, DP, BLOCK_M,
-                            MR, NSP, MSC, ".cg")  # fmt: skip
+                _merge_streamed(ACC, ML, OUT, base, live, qs, r0, tl.minimum(r1, G * m) - r0, h, N, G, D, DP,
+                                BLOCK_M, MR, 8)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                          DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, ONE: tl.constexpr,
                          PDL: tl.constexpr):  # fmt: skip
-    """One program a row of a work item's block: its partials over every split merged into the output."""
     pdl_begin(PDL)
     w = tl.program_id(0)
     h = tl.program_id(1)
@@ -141,42 +143,65 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
         r1 = tl.load(WORK + 3 * w + 2)
     if (row < G * m) & (row < r1):
         item = (w * HKV + h).to(tl.int64) * NSPLIT * BLOCK_M + r
-        _merge_rows(ACC, ML, OUT, item, NSPLIT, qs, row, 1, h, N, G, D, DP, BLOCK_M, 1, NSP, NSP, "")
+        _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N, G, D, DP, BLOCK_M, NSP, "")
 
 
 @triton.jit
-def _merge_rows(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                DP: tl.constexpr, BLOCK_M: tl.constexpr, MR: tl.constexpr, NSP: tl.constexpr, SC: tl.constexpr,
-                CACHE: tl.constexpr):  # fmt: skip
-    """Merge rows `r0 .. r0 + nrow` (`nrow <= MR`; rows of KV head `h` of a work item whose sequence's
-    tokens start at `qs`) over splits `0 .. live` (the others hold no keys; `live <= NSP`) and write them
-    into the output. Row `r0 + i`'s partial of split s is at `base + s * BLOCK_M + i` (maxima in base 2).
-    Every row at once, `SC` splits at a time: the loads of a chunk are independent of the sums before them,
-    so the merge waits on the L2 about once, not once a row. `CACHE`: the loads' cache modifier (".cg",
-    through the L2 only, for partials other programs of the same launch wrote: `paged_attn_kernel`'s
-    `MERGE`; "" otherwise)."""
-    r = tl.arange(0, MR)
-    rmask = r < nrow
+def _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """Merge row `row` of KV head `h` of a work item whose sequence's tokens start at `qs` (partials at
+    `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2) and write it into the output. `CACHE`: the
+    loads' cache modifier (".cg", through the L2 only, for partials other programs of the same launch
+    wrote: `paged_attn_kernel`'s `MERGE`; "" otherwise)."""
     sp = tl.arange(0, NSP)
+    smask = sp < NSPLIT
     dcol = tl.arange(0, DP)
-    mx_s = tl.load(ML + 2 * (base + sp[None, :].to(tl.int64) * BLOCK_M + r[:, None]),
-                   mask=rmask[:, None] & (sp < live)[None, :], other=float("-inf"), cache_modifier=CACHE)  # fmt: skip
-    mx = tl.max(mx_s, 1)  # [MR]: each row's maximum over the splits
-    den = tl.zeros([MR], tl.float32)
-    o = tl.zeros([MR, DP], tl.float32)
-    for c in tl.static_range(0, NSP, SC):
-        s = c + tl.arange(0, SC)
-        it = base + s[:, None].to(tl.int64) * BLOCK_M + r[None, :]  # [SC, MR]
-        msk = (s < live)[:, None] & rmask[None, :]
-        m_s = tl.load(ML + 2 * it, mask=msk, other=float("-inf"), cache_modifier=CACHE)
-        l_s = tl.load(ML + 2 * it + 1, mask=msk, other=0.0, cache_modifier=CACHE)
-        acc = tl.load(ACC + it[:, :, None] * DP + dcol[None, None, :], mask=msk[:, :, None], other=0.0,
-                      cache_modifier=CACHE)  # fmt: skip
-        wgt = tl.where(msk & (m_s > float("-inf")), tl.exp2(m_s - mx[None, :]), 0.0)
-        den += tl.sum(wgt * l_s, 0)
-        o += tl.sum(acc * wgt[:, :, None], 0)
-    o = o / tl.where(den > 0, den, 1.0)[:, None]
-    row = r0 + r
+    it = item + sp.to(tl.int64) * BLOCK_M
+    mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"), cache_modifier=CACHE)
+    l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0, cache_modifier=CACHE)
+    acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
     qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
-    tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
-             mask=rmask[:, None] & (dcol < D)[None, :])  # fmt: skip
+    mx = tl.max(mx_s, 0)
+    wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)
+    den = tl.sum(wgt * l_s, 0)
+    o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
+
+
+@triton.jit
+def _merge_streamed(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    DP: tl.constexpr, BLOCK_M: tl.constexpr, MR: tl.constexpr, U: tl.constexpr):  # fmt: skip
+    """`paged_attn_kernel`'s `MERGE`: one program merges rows `r0 .. r0 + nrow` (`nrow <= MR`) over splits
+    `0 .. live` (partial of split s, row `r0 + i` at `base + s * BLOCK_M + i`: its maximum and sum repeated
+    `DP` times, so that they load in the layout of ACC's rows; written by the other programs of the launch:
+    loaded through the L2 only) and writes them into the output. Small code on purpose: it
+    runs once per item and layer on a multiprocessor whose instruction cache has never seen it (the
+    all-splits-at-once merge of `_merge_row`, reduced across threads for every row, compiled to 2,300
+    instructions and cost 4-7 µs a layer on an H100). Here every thread keeps its own `[MR, DP]` elements
+    and folds the splits in one after another as flash attention folds key blocks (running maximum, rescaled
+    sums): no shuffles, no shared memory; the splits are loaded `U` at a time (unrolled: their loads are
+    issued together), so the merge waits on the L2 once per `U` splits."""
+    dcol = tl.arange(0, DP)
+    rr = tl.arange(0, MR)[:, None] + 0 * dcol[None, :]  # [MR, DP]: each element's row
+    rmask = rr < nrow
+    mx = tl.full([MR, DP], float("-inf"), tl.float32)
+    den = tl.zeros([MR, DP], tl.float32)
+    o = tl.zeros([MR, DP], tl.float32)
+    for c in range(0, live, U):
+        for u in tl.static_range(U):
+            it = base + (c + u) * BLOCK_M + rr  # base: int64
+            msk = rmask & (c + u < live)
+            at = it * DP + dcol[None, :]
+            a = tl.load(ACC + at, mask=msk, other=0.0, cache_modifier=".cg")
+            m_s = tl.load(ML + at + it * DP, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(ML + at + it * DP + DP, mask=msk, other=0.0, cache_modifier=".cg")
+            new = tl.maximum(mx, m_s)
+            alpha = tl.where(new > float("-inf"), tl.exp2(mx - new), 0.0)
+            beta = tl.where(m_s > float("-inf"), tl.exp2(m_s - new), 0.0)
+            den = den * alpha + l_s * beta
+            o = o * alpha + a * beta
+            mx = new
+    o = o / tl.where(den > 0, den, 1.0)
+    row = r0 + rr
+    qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
+    tl.store(OUT + qrow * D + dcol[None, :], o.to(OUT.dtype.element_ty), mask=rmask & (dcol < D)[None, :])
