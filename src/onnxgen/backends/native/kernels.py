@@ -206,8 +206,9 @@ MERGE_IN_ATTENTION = os.environ.get("ONNXGEN_MERGE_IN_ATTENTION", "0") == "1"
 """Whether, in steps of one work item a token (decodes, verify rows), the paged attention's last key split
 of each item to finish merges the splits itself (an atomic count per item and KV head) instead of a
 combine launch after it (`ONNXGEN_MERGE_IN_ATTENTION=1`; off until timed on the GPU:
-benchmarks/gpu_decode_ablation.py `lastmerge`). The merge is the combine kernel's code, row by row, so
-verify rows keep decode steps' bits either way. Read at each launch."""
+benchmarks/gpu_decode_ablation.py `lastmerge`). The merge (`triton_paged._merge_streamed`) is the same
+code in decode steps and verify rows, so verify rows keep decode steps' bits either way. Read at each
+launch."""
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
