@@ -5,7 +5,7 @@ program handles one work item (a sequence and a block of its query rows: token-m
 heads that share KV head `h`, so a decode packs the whole group into one tile) against one split of that
 sequence's keys, reading them page by page through the page table. Scores are kept in base 2
 (`qk_scale` includes log2(e)). With several splits, partial results go to a scratch buffer and
-`paged_combine_kernel` merges them.
+`paged_combine_kernel` merges them, or (`MERGE`, off by default) the item's last split to finish does.
 """
 
 import triton
@@ -143,23 +143,22 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
         r1 = tl.load(WORK + 3 * w + 2)
     if (row < G * m) & (row < r1):
         item = (w * HKV + h).to(tl.int64) * NSPLIT * BLOCK_M + r
-        _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N, G, D, DP, BLOCK_M, NSP, "")
+        _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N, G, D, DP, BLOCK_M, NSP)
 
 
 @triton.jit
 def _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
-    """Merge row `row` of KV head `h` of a work item whose sequence's tokens start at `qs` (partials at
-    `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2) and write it into the output. `CACHE`: the
-    loads' cache modifier (".cg", through the L2 only, for partials other programs of the same launch
-    wrote: `paged_attn_kernel`'s `MERGE`; "" otherwise)."""
+               DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
+    """`paged_combine_kernel`'s merge: row `row` of KV head `h` of a work item whose sequence's tokens start
+    at `qs` (partials at `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2), every split loaded at
+    once, written into the output."""
     sp = tl.arange(0, NSP)
     smask = sp < NSPLIT
     dcol = tl.arange(0, DP)
     it = item + sp.to(tl.int64) * BLOCK_M
-    mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-    l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0, cache_modifier=CACHE)
-    acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0, cache_modifier=CACHE)
+    mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"))
+    l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0)
+    acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
     qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
     mx = tl.max(mx_s, 0)
     wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)
@@ -174,10 +173,11 @@ def _merge_streamed(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, 
     """`paged_attn_kernel`'s `MERGE`: one program merges rows `r0 .. r0 + nrow` (`nrow <= MR`) over splits
     `0 .. live` (partial of split s, row `r0 + i` at `base + s * BLOCK_M + i`: its maximum and sum repeated
     `DP` times, so that they load in the layout of ACC's rows; written by the other programs of the launch:
-    loaded through the L2 only) and writes them into the output. Small code on purpose: it
-    runs once per item and layer on a multiprocessor whose instruction cache has never seen it (the
-    all-splits-at-once merge of `_merge_row`, reduced across threads for every row, compiled to 2,300
-    instructions and cost 4-7 µs a layer on an H100). Here every thread keeps its own `[MR, DP]` elements
+    loaded through the L2 only) and writes them into the output. Small code on purpose: it runs once per
+    item and layer, in one program, after every other split (the step's critical path), on a multiprocessor
+    whose instruction cache has never held it — the first version, which reduced `[splits, rows, DP]`
+    partials across threads, added 2,300 instructions to the kernel and cost 4-7 µs a layer on an H100
+    (docs/benchmarks/decode-gpu.md, ninth session). Here every thread keeps its own `[MR, DP]` elements
     and folds the splits in one after another as flash attention folds key blocks (running maximum, rescaled
     sums): no shuffles, no shared memory; the splits are loaded `U` at a time (unrolled: their loads are
     issued together), so the merge waits on the L2 once per `U` splits."""
