@@ -228,9 +228,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     # one item a token (decodes, verify rows): the last split merges (the same code for both, so verify
     # rows keep decode steps' bits)
     merge = not direct and kernels.MERGE_IN_ATTENTION and (ps.per_token or ps.num_tokens == len(ps.seq_lens))
-    # maxima and sums of the partials (with `merge` each repeated along a row of dp: `triton_paged`)
-    ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2 * (dp if merge else 1)), dtype=torch.float32,
-                                       device=q.device)  # fmt: skip
+    ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
     ctr = _counters(ps.storage, w * hkv, q.device) if merge else ml
     mr = min(block_m, 1 << (g - 1).bit_length()) if merge else 1  # an item's rows: one token's, at most a tile
     tp.paged_attn_kernel[(w, hkv, nsplit)](

@@ -103,13 +103,8 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
         if MERGE:  # the merge reads only the splits below the item's last key: the others store nothing
             wr = wr & (sp * split < item_hi)
         tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc, mask=wr[:, None])
-        if MERGE:  # maxima and sums repeated along a row of DP: the merge loads them as it loads ACC
-            at = (2 * (item + r))[:, None] * DP + dcol[None, :]
-            tl.store(ML + at, tl.broadcast_to(m_i[:, None], (BLOCK_M, DP)), mask=wr[:, None])
-            tl.store(ML + at + DP, tl.broadcast_to(l_i[:, None], (BLOCK_M, DP)), mask=wr[:, None])
-        else:
-            tl.store(ML + 2 * (item + r), m_i, mask=wr)
-            tl.store(ML + 2 * (item + r) + 1, l_i, mask=wr)
+        tl.store(ML + 2 * (item + r), m_i, mask=wr)
+        tl.store(ML + 2 * (item + r) + 1, l_i, mask=wr)
         if MERGE:
             tl.debug_barrier()  # every thread's partials stored before the count releases them
             ctr = CTR + w * tl.num_programs(1) + h
@@ -171,21 +166,21 @@ def _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N: tl.constexpr, G: tl.co
 def _merge_streamed(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     DP: tl.constexpr, BLOCK_M: tl.constexpr, MR: tl.constexpr, U: tl.constexpr):  # fmt: skip
     """`paged_attn_kernel`'s `MERGE`: one program merges rows `r0 .. r0 + nrow` (`nrow <= MR`) over splits
-    `0 .. live` (partial of split s, row `r0 + i` at `base + s * BLOCK_M + i`: its maximum and sum repeated
-    `DP` times, so that they load in the layout of ACC's rows; written by the other programs of the launch:
-    loaded through the L2 only) and writes them into the output. Small code on purpose: it runs once per
-    item and layer, in one program, after every other split (the step's critical path), on a multiprocessor
-    whose instruction cache has never held it — the first version, which reduced `[splits, rows, DP]`
-    partials across threads, added 2,300 instructions to the kernel and cost 4-7 µs a layer on an H100
-    (docs/benchmarks/decode-gpu.md, ninth session). Here every thread keeps its own `[MR, DP]` elements
-    and folds the splits in one after another as flash attention folds key blocks (running maximum, rescaled
-    sums): no shuffles, no shared memory; the splits are loaded `U` at a time (unrolled: their loads are
+    `0 .. live` (partial of split s, row `r0 + i` at `base + s * BLOCK_M + i`, written by the other programs
+    of the launch: loaded through the L2 only) and writes them into the output. Small code on purpose: it
+    runs once per item and layer, in one program, after every other split (the step's critical path), on a
+    multiprocessor whose instruction cache has never held it — the first version, which reduced
+    `[splits, rows, DP]` partials across threads, added 2,300 instructions to the kernel and cost 4-7 µs a layer on an H100
+    (docs/benchmarks/decode-gpu.md, ninth session); this one adds about 550. Every thread keeps its own
+    elements of the `[MR, DP]` rows (maxima and sums as `[MR, 1]`, in the same layout) and folds the splits
+    in one after another as flash attention folds key blocks (running maximum, rescaled sums): no shuffles,
+    no shared memory, no layout conversion; the splits are loaded `U` at a time (unrolled: their loads are
     issued together), so the merge waits on the L2 once per `U` splits."""
     dcol = tl.arange(0, DP)
-    rr = tl.arange(0, MR)[:, None] + 0 * dcol[None, :]  # [MR, DP]: each element's row
+    rr = tl.arange(0, MR)[:, None]  # [MR, 1]
     rmask = rr < nrow
-    mx = tl.full([MR, DP], float("-inf"), tl.float32)
-    den = tl.zeros([MR, DP], tl.float32)
+    mx = tl.full([MR, 1], float("-inf"), tl.float32)
+    den = tl.zeros([MR, 1], tl.float32)
     o = tl.zeros([MR, DP], tl.float32)
     for c in range(0, live, U):
         for u in tl.static_range(U):
@@ -193,8 +188,8 @@ def _merge_streamed(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, 
             msk = rmask & (c + u < live)
             at = it * DP + dcol[None, :]
             a = tl.load(ACC + at, mask=msk, other=0.0, cache_modifier=".cg")
-            m_s = tl.load(ML + at + it * DP, mask=msk, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(ML + at + it * DP + DP, mask=msk, other=0.0, cache_modifier=".cg")
+            m_s = tl.load(ML + 2 * it, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(ML + 2 * it + 1, mask=msk, other=0.0, cache_modifier=".cg")
             new = tl.maximum(mx, m_s)
             alpha = tl.where(new > float("-inf"), tl.exp2(mx - new), 0.0)
             beta = tl.where(m_s > float("-inf"), tl.exp2(m_s - new), 0.0)
