@@ -224,7 +224,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     direct = nsplit == 1
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
     one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
-    nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits a merge loads at once
+    nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits the combine loads at once
     # one item a token (decodes, verify rows): the last split merges (the same code for both, so verify
     # rows keep decode steps' bits)
     merge = not direct and kernels.MERGE_IN_ATTENTION and (ps.per_token or ps.num_tokens == len(ps.seq_lens))
@@ -236,7 +236,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, NSP=nsp, MR=mr,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, MR=mr,
         num_warps=warps, num_stages=stages, **kernels.launch_options(q),
     )  # fmt: skip
     if not direct and not merge:

@@ -36,7 +36,7 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      MERGE: tl.constexpr, NSP: tl.constexpr, MR: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      MERGE: tl.constexpr, MR: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
     writes the output; otherwise the split's partial results go to ACC / ML, and with `MERGE` the item's
     last split to finish (counted in `CTR[w, h]`, which it resets to 0) merges them into the output
@@ -137,29 +137,19 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
         m = tl.load(QS + b + 1) - qs
         r1 = tl.load(WORK + 3 * w + 2)
     if (row < G * m) & (row < r1):
-        item = (w * HKV + h).to(tl.int64) * NSPLIT * BLOCK_M + r
-        _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N, G, D, DP, BLOCK_M, NSP)
-
-
-@triton.jit
-def _merge_row(ACC, ML, OUT, item, NSPLIT, qs, row, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr):  # fmt: skip
-    """`paged_combine_kernel`'s merge: row `row` of KV head `h` of a work item whose sequence's tokens start
-    at `qs` (partials at `item + s * BLOCK_M`, split s < NSPLIT; maxima in base 2), every split loaded at
-    once, written into the output."""
-    sp = tl.arange(0, NSP)
-    smask = sp < NSPLIT
-    dcol = tl.arange(0, DP)
-    it = item + sp.to(tl.int64) * BLOCK_M
-    mx_s = tl.load(ML + 2 * it, mask=smask, other=float("-inf"))
-    l_s = tl.load(ML + 2 * it + 1, mask=smask, other=0.0)
-    acc = tl.load(ACC + it[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
-    qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
-    mx = tl.max(mx_s, 0)
-    wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)
-    den = tl.sum(wgt * l_s, 0)
-    o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
+        sp = tl.arange(0, NSP)
+        smask = sp < NSPLIT
+        dcol = tl.arange(0, DP)
+        item = ((w * HKV + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M + r
+        mx_s = tl.load(ML + 2 * item, mask=smask, other=float("-inf"))
+        l_s = tl.load(ML + 2 * item + 1, mask=smask, other=0.0)
+        mx = tl.max(mx_s, 0)
+        wgt = tl.where(smask & (mx_s > float("-inf")), tl.exp2(mx_s - mx), 0.0)  # maxima are in base 2
+        den = tl.sum(wgt * l_s, 0)
+        acc = tl.load(ACC + item[:, None] * DP + dcol[None, :], mask=smask[:, None], other=0.0)
+        o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
+        qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
+        tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
 
 
 @triton.jit
@@ -170,12 +160,12 @@ def _merge_streamed(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, 
     of the launch: loaded through the L2 only) and writes them into the output. Small code on purpose: it
     runs once per item and layer, in one program, after every other split (the step's critical path), on a
     multiprocessor whose instruction cache has never held it — the first version, which reduced
-    `[splits, rows, DP]` partials across threads, added 2,300 instructions to the kernel and cost 4-7 µs a layer on an H100
-    (docs/benchmarks/decode-gpu.md, ninth session); this one adds about 550. Every thread keeps its own
-    elements of the `[MR, DP]` rows (maxima and sums as `[MR, 1]`, in the same layout) and folds the splits
-    in one after another as flash attention folds key blocks (running maximum, rescaled sums): no shuffles,
-    no shared memory, no layout conversion; the splits are loaded `U` at a time (unrolled: their loads are
-    issued together), so the merge waits on the L2 once per `U` splits."""
+    `[splits, rows, DP]` partials across threads, added 2,300 instructions to the kernel and cost 4-7 µs a
+    layer on an H100 (docs/benchmarks/decode-gpu.md, ninth session); this one adds about 550. Every thread
+    keeps its own elements of the `[MR, DP]` rows (maxima and sums as `[MR, 1]`, in the same layout) and
+    folds the splits in one after another as flash attention folds key blocks (running maximum, rescaled
+    sums): no shuffles, no shared memory, no layout conversion; the splits are loaded `U` at a time
+    (unrolled: their loads are issued together), so the merge waits on the L2 once per `U` splits."""
     dcol = tl.arange(0, DP)
     rr = tl.arange(0, MR)[:, None]  # [MR, 1]
     rmask = rr < nrow
