@@ -1,7 +1,8 @@
 """Probe (issue 13): why the attention's last-split merge (`kernels.MERGE_IN_ATTENTION`) is slower than the
 combine launch it replaces. A batch-1 decode step of the 0.5B and 1B shapes, splits planned for a 16k context
 as a captured decode graph plans them, GPU µs per layer (8 layers of distinct KV, CUDA-graph replays) with the
-merge off and on, and the registers / spills of each compiled attention kernel.
+merge off and on (8 and 16 splits' partials loaded at once), and the registers / spills of each compiled
+attention kernel.
 
     PYTHONPATH=src python3 benchmarks/gpu_merge_probe.py
 """
@@ -36,24 +37,27 @@ def compiled(fn) -> list[str]:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    print("| shape | keys | merge off µs/layer | merge on µs/layer | rel diff off/on |")
-    print("|---|---|---|---|---|")
+    print("| shape | keys | merge off µs/layer | merge on, 8 splits a load µs/layer | 16 a load | rel diff off/on |"
+          " 8 vs 16 |")
+    print("|---|---|---|---|---|---|---|")
     for name, n, hkv, d in (("0.5b", 14, 2, 64), ("1b", 32, 8, 64)):
         for length in (528, 4096):
             _st, ps = setup([(length - 1, 1)], hkv=hkv, d=d)
             g = dataclasses.replace(ps, plan_len=16384, _work={})
             q = torch.randn(1, n, d, device="cuda", dtype=DT)
-            res = {}
-            for merge in (False, True, False, True):
-                kernels.MERGE_IN_ATTENTION = merge
+            res: dict[int, list] = {}
+            for unroll in (0, 8, 16, 0, 8, 16):  # 0: the merge off (the combine launch)
+                kernels.MERGE_IN_ATTENTION = unroll > 0
+                kernels.MERGE_UNROLL = unroll or 8
                 ms, out = per_layer(lambda layer: paged.attention_triton(g, layer, q, d**-0.5))
-                res.setdefault(merge, []).append((ms, out))
-            off = min(r[0] for r in res[False]) * 1e3
-            on = min(r[0] for r in res[True]) * 1e3
-            a, b = res[False][0][1].float(), res[True][0][1].float()
+                res.setdefault(unroll, []).append((ms, out))
+            best = {u: min(r[0] for r in rs) * 1e3 for u, rs in res.items()}
+            a, b, c = (res[u][0][1].float() for u in (0, 8, 16))
             diff = float((a - b).norm() / a.norm())
-            print(f"| {name} | {length} | {off:.2f} | {on:.2f} | {diff:.1e} |")
+            same = "same bits" if torch.equal(b, c) else f"{float((b - c).norm() / b.norm()):.1e}"
+            print(f"| {name} | {length} | {best[0]:.2f} | {best[8]:.2f} | {best[16]:.2f} | {diff:.1e} | {same} |")
     kernels.MERGE_IN_ATTENTION = False
+    kernels.MERGE_UNROLL = 8
     print("paged_attn_kernel:", *compiled(tp.paged_attn_kernel), sep="\n  ")
     print("paged_combine_kernel:", *compiled(tp.paged_combine_kernel), sep="\n  ")
 

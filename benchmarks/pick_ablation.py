@@ -1,10 +1,11 @@
 """The fastest variant of a `gpu_decode_ablation.py` run, as environment settings for the runs after it.
 
-    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1 ONNXGEN_MERGE_IN_ATTENTION=0
+    python3 benchmarks/pick_ablation.py ablation_output.txt
+        ->   ONNXGEN_FOLD_NORMS=1 ONNXGEN_MERGE_IN_ATTENTION=0 ONNXGEN_MERGE_UNROLL=8
 
 Reads the run's table (`| shape | removed | decode graph ms | ...`), takes each variant's median graph time
 per shape, sums them over the shapes and prints the settings of the variant with the least (`none`, `fold`,
-`lastmerge` or `fold+lastmerge`; `gpu_session.sh pick`). Exits 1 when the table has no `none` row.
+`lastmerge`, `lastmerge+u16`, ...; `gpu_session.sh pick`). Exits 1 when the table has no `none` row.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import statistics
 import sys
 from collections import defaultdict
 
-SETTINGS = {"fold": "ONNXGEN_FOLD_NORMS", "lastmerge": "ONNXGEN_MERGE_IN_ATTENTION"}
+SETTINGS = {"fold": ("ONNXGEN_FOLD_NORMS", "1", "0"), "lastmerge": ("ONNXGEN_MERGE_IN_ATTENTION", "1", "0"),
+            "u16": ("ONNXGEN_MERGE_UNROLL", "16", "8")}  # a part's setting with it and without it
 
 
 def pick(lines: list[str]) -> str | None:
@@ -32,7 +34,7 @@ def pick(lines: list[str]) -> str | None:
     total = {v: sum(statistics.median(t[s]) for s in shapes) for v, t in times.items() if set(t) >= shapes}
     best = min(total, key=lambda v: total[v])
     parts = set(best.split("+"))
-    return " ".join(f"{env}={int(name in parts)}" for name, env in SETTINGS.items())
+    return " ".join(f"{env}={on if name in parts else off}" for name, (env, on, off) in SETTINGS.items())
 
 
 def main() -> int:

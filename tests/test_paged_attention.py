@@ -171,8 +171,9 @@ def test_interpreted_per_token_rows_are_the_bits_of_decode_steps() -> None:
 def _last_split_merges(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """`kernels.MERGE_IN_ATTENTION`: in steps of one work item a token the attention's last key split merges
     the splits (no combine launch: counted), the results equal the torch path (every step kind of
-    `_triton_equals_torch`: the others still combine), verify rows keep decode steps' bits, and every
-    count is back to zero after each launch (else the next launch would never find its last split)."""
+    `_triton_equals_torch`: the others still combine), verify rows keep decode steps' bits, the bits do not
+    depend on how many splits are loaded at once, and every count is back to zero after each launch (else
+    the next launch would never find its last split)."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
@@ -195,6 +196,10 @@ def _last_split_merges(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyP
         assert float((got - want).norm() / want.norm()) < (1e-5 if dt == torch.float32 else 2e-2)
     assert not launches
     assert not paged._counters(st, 1, torch.device(device)).any()
+    base = paged.attention_triton(ps, 1, q, 0.2)
+    monkeypatch.setattr(kernels, "MERGE_UNROLL", 3)  # the splits' loads grouped otherwise: the same fold order
+    assert torch.equal(paged.attention_triton(ps, 1, q, 0.2), base)
+    monkeypatch.setattr(kernels, "MERGE_UNROLL", 8)
     _triton_equals_torch(device, dt, None)
     _triton_equals_torch(device, dt, 3)
     assert launches  # the steps with several tokens a sequence combine in a second launch

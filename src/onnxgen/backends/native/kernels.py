@@ -209,6 +209,10 @@ combine launch after it (`ONNXGEN_MERGE_IN_ATTENTION=1`; off until timed on the 
 benchmarks/gpu_decode_ablation.py `lastmerge`). The merge (`triton_paged._merge_streamed`) is the same
 code in decode steps and verify rows, so verify rows keep decode steps' bits either way. Read at each
 launch."""
+MERGE_UNROLL = int(os.environ.get("ONNXGEN_MERGE_UNROLL", "8"))
+"""Splits whose partials the last split's merge loads at once (`triton_paged._merge_streamed`'s `U`: one L2
+wait per this many live splits; a decode at 528 keys has 9). The fold order is the same for any value, so
+the bits are too (benchmarks/gpu_merge_probe.py times 8 against 16). Read at each launch."""
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,

@@ -237,6 +237,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
         IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, MR=mr,
+        MU=kernels.MERGE_UNROLL if merge else 1,
         num_warps=warps, num_stages=stages, **kernels.launch_options(q),
     )  # fmt: skip
     if not direct and not merge:

@@ -36,11 +36,12 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      MERGE: tl.constexpr, MR: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      MERGE: tl.constexpr, MR: tl.constexpr, MU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
     writes the output; otherwise the split's partial results go to ACC / ML, and with `MERGE` the item's
     last split to finish (counted in `CTR[w, h]`, which it resets to 0) merges them into the output
-    (`_merge_streamed`: all of the item's rows at once, `MR` of them at most): no second launch."""
+    (`_merge_streamed`: all of the item's rows at once, `MR` of them at most, `MU` splits' loads at a
+    time): no second launch."""
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -114,7 +115,7 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
                 base = (w * tl.num_programs(1) + h).to(tl.int64) * NSPLIT * BLOCK_M
                 live = tl.minimum((item_hi + split - 1) // split, NSPLIT)  # the later splits hold no keys
                 _merge_streamed(ACC, ML, OUT, base, live, qs, r0, tl.minimum(r1, G * m) - r0, h, N, G, D, DP,
-                                BLOCK_M, MR, 8)  # fmt: skip
+                                BLOCK_M, MR, MU)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
