@@ -12,9 +12,8 @@ kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded no
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
 shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
-asking the per-shape timing (which may pick the norm kernel and the plain product); `lastmerge`: the paged
-attention's last key split of each item merges the splits, `kernels.MERGE_IN_ATTENTION` (`u16`: loading 16
-splits at once, `kernels.MERGE_UNROLL`); `torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick inside the advance
+asking the per-shape timing (which may pick the norm kernel and the plain product); `torchargmax`: the
+decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick inside the advance
 kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
 (captures and per-shape choices happen as usual), then the batch-1 decode graph is replayed 200 times (CUDA
 events) and its kernels counted (torch.profiler). The outputs are garbage in every ablation but the variants:
@@ -81,12 +80,6 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     if "fold" in parts:  # every RMSNorm folded into the product after it (its per-shape timing not asked)
         saved.append((kernels, "FOLD_ALWAYS", kernels.FOLD_ALWAYS))
         kernels.FOLD_ALWAYS = True
-    if "lastmerge" in parts:  # the attention's last key split merges the splits (no combine launch)
-        saved.append((kernels, "MERGE_IN_ATTENTION", kernels.MERGE_IN_ATTENTION))
-        kernels.MERGE_IN_ATTENTION = True
-    if "u16" in parts:  # with lastmerge: 16 splits' partials loaded at once, not 8
-        saved.append((kernels, "MERGE_UNROLL", kernels.MERGE_UNROLL))
-        kernels.MERGE_UNROLL = 16
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

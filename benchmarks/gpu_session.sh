@@ -20,14 +20,13 @@
 #           failure's name
 #   argmax  the 0.5B and 1B decode graphs as they are and with torch.argmax instead of the greedy choice in
 #           the advance kernel (kernels.GREEDY_IN_ADVANCE off), interleaved twice
-#   fold    the 0.5B and 1B decode graphs as they are, with every RMSNorm folded into its product (the
-#           per-shape timing not asked), with the attention's last split merging the splits
-#           (kernels.MERGE_IN_ATTENTION) and with both, interleaved twice (FOLD_ABLATIONS=... another list)
-#   pick    after `fold`: the fastest of its variants (summed over both shapes) exported for the sections after
-#           it (ONNXGEN_FOLD_NORMS, ONNXGEN_MERGE_IN_ATTENTION; benchmarks/pick_ablation.py)
+#   fold    the 0.5B and 1B decode graphs as they are and with every RMSNorm folded into its product (the
+#           per-shape timing not asked), interleaved three times (FOLD_ABLATIONS=none,fold,... another list)
+#   pick    after `fold`: the faster of its variants (summed over both shapes) exported for the sections after
+#           it (ONNXGEN_FOLD_NORMS; benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
 #   pagedbits  the paged attention's GPU tests: against the torch path (every step kind, splits), verify rows =
-#           decode bits, the last split merging; each failure's name
+#           decode bits; each failure's name
 #   parity  the bf16 GPU parity test (builder-made package vs transformers fp32/bf16 to 8k tokens) and the
 #           decode runs' GPU tests; each failure's name
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
@@ -87,13 +86,13 @@ for section in "$@"; do
     argmax) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
               --ablations none,torchargmax,none,torchargmax 2>&1 | quiet | grep -v "^$" | tail -24 ;;
     fold) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-            --ablations ${FOLD_ABLATIONS:-none,fold,lastmerge,fold+lastmerge,none,fold,lastmerge,fold+lastmerge} 2>&1 | quiet | grep -v "^$" \
+            --ablations ${FOLD_ABLATIONS:-none,fold,none,fold,none,fold} 2>&1 | quiet | grep -v "^$" \
             | tee /tmp/fold.txt | tail -36 ;;
     pick) best=$(python3 benchmarks/pick_ablation.py /tmp/fold.txt) && echo "picked: $best" && export $best ;;
     small) timeout 240 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b --decode-steps 8 \
              2>&1 | quiet | tail -30 ;;
     pagedbits) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_paged_attention.py \
-                 -k "cuda_triton_kernel_equals or cuda_per_token or last_split" 2>&1 | grep -E "^FAILED|passed|failed" \
+                 -k "cuda_triton_kernel_equals or cuda_per_token" 2>&1 | grep -E "^FAILED|passed|failed" \
                  | cut -c1-160 | tail -8 ;;
     parity) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_parity_bf16.py \
               tests/test_decode_runs.py 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200 | tail -8 ;;

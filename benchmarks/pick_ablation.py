@@ -1,11 +1,10 @@
 """The fastest variant of a `gpu_decode_ablation.py` run, as environment settings for the runs after it.
 
-    python3 benchmarks/pick_ablation.py ablation_output.txt
-        ->   ONNXGEN_FOLD_NORMS=1 ONNXGEN_MERGE_IN_ATTENTION=0 ONNXGEN_MERGE_UNROLL=8
+    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1
 
 Reads the run's table (`| shape | removed | decode graph ms | ...`), takes each variant's median graph time
-per shape, sums them over the shapes and prints the settings of the variant with the least (`none`, `fold`,
-`lastmerge`, `lastmerge+u16`, ...; `gpu_session.sh pick`). Exits 1 when the table has no `none` row.
+per shape, sums them over the shapes and prints the settings of the variant with the least (`none` or `fold`;
+`gpu_session.sh pick`). Exits 1 when the table has no `none` row.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-SETTINGS = {"fold": ("ONNXGEN_FOLD_NORMS", "1", "0"), "lastmerge": ("ONNXGEN_MERGE_IN_ATTENTION", "1", "0"),
-            "u16": ("ONNXGEN_MERGE_UNROLL", "16", "8")}  # a part's setting with it and without it
+SETTINGS = {"fold": "ONNXGEN_FOLD_NORMS"}
 
 
 def pick(lines: list[str]) -> str | None:
@@ -34,7 +32,7 @@ def pick(lines: list[str]) -> str | None:
     total = {v: sum(statistics.median(t[s]) for s in shapes) for v, t in times.items() if set(t) >= shapes}
     best = min(total, key=lambda v: total[v])
     parts = set(best.split("+"))
-    return " ".join(f"{env}={on if name in parts else off}" for name, (env, on, off) in SETTINGS.items())
+    return " ".join(f"{env}={int(name in parts)}" for name, env in SETTINGS.items())
 
 
 def main() -> int:

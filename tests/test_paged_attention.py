@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
 
 import pytest
 
@@ -166,59 +165,6 @@ def test_interpreted_per_token_rows_are_the_bits_of_decode_steps() -> None:
         pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
     pytest.importorskip("triton")
     _per_token_rows_are_decode_bits("cpu", torch.float32)
-
-
-def _last_split_merges(device: str, dt: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`kernels.MERGE_IN_ATTENTION`: in steps of one work item a token the attention's last key split merges
-    the splits (no combine launch: counted), the results equal the torch path (every step kind of
-    `_triton_equals_torch`: the others still combine), verify rows keep decode steps' bits, the bits do not
-    depend on how many splits are loaded at once, and every count is back to zero after each launch (else
-    the next launch would never find its last split)."""
-    from onnxgen.backends.native import kernels
-    from onnxgen.backends.native import triton_paged as tp
-
-    monkeypatch.setattr(kernels, "MERGE_IN_ATTENTION", True)
-    launches = []
-    combine = tp.paged_combine_kernel
-
-    class Counted:
-        def __getitem__(self, grid: Any) -> Any:
-            launches.append(grid)
-            return combine[grid]
-
-    monkeypatch.setattr(tp, "paged_combine_kernel", Counted())
-    st, step, q = _batch(device, dt, [(600, 1), (33, 1), (1300, 1)], seed=5)
-    ps = paged.build_step(step, st, P, torch.device(device))
-    ps.plan_len = 4096
-    want = paged.attention_ref(ps, 1, q, 0.2).double()
-    for _ in range(2):  # the counts reset: a second launch merges too
-        got = paged.attention_triton(ps, 1, q, 0.2).double()
-        assert float((got - want).norm() / want.norm()) < (1e-5 if dt == torch.float32 else 2e-2)
-    assert not launches
-    assert not paged._counters(st, 1, torch.device(device)).any()
-    base = paged.attention_triton(ps, 1, q, 0.2)
-    monkeypatch.setattr(kernels, "MERGE_UNROLL", 3)  # the splits' loads grouped otherwise: the same fold order
-    assert torch.equal(paged.attention_triton(ps, 1, q, 0.2), base)
-    monkeypatch.setattr(kernels, "MERGE_UNROLL", 8)
-    _triton_equals_torch(device, dt, None)
-    _triton_equals_torch(device, dt, 3)
-    assert launches  # the steps with several tokens a sequence combine in a second launch
-    _per_token_rows_are_decode_bits(device, dt)
-    assert not paged._counters(st, 1, torch.device(device)).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_last_split_merges_the_splits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    _last_split_merges("cuda", getattr(torch, dtype), monkeypatch)
-
-
-def test_interpreted_last_split_merges_the_splits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same under `TRITON_INTERPRET=1` (skipped where Triton is not installed or not interpreted)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1")
-    pytest.importorskip("triton")
-    _last_split_merges("cpu", torch.float32, monkeypatch)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

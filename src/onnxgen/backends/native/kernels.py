@@ -202,19 +202,6 @@ than it is inside a decode graph, where each launch also ends an overlap of prog
 (the H200's 0.5B step kept 25 norm kernels, the H100's none). Read at each choice and part of its key."""
 
 
-MERGE_IN_ATTENTION = os.environ.get("ONNXGEN_MERGE_IN_ATTENTION", "0") == "1"
-"""Whether, in steps of one work item a token (decodes, verify rows), the paged attention's last key split
-of each item to finish merges the splits itself (an atomic count per item and KV head) instead of a
-combine launch after it (`ONNXGEN_MERGE_IN_ATTENTION=1`; off until timed on the GPU:
-benchmarks/gpu_decode_ablation.py `lastmerge`). The merge (`triton_paged._merge_streamed`) is the same
-code in decode steps and verify rows, so verify rows keep decode steps' bits either way. Read at each
-launch."""
-MERGE_UNROLL = int(os.environ.get("ONNXGEN_MERGE_UNROLL", "8"))
-"""Splits whose partials the last split's merge loads at once (`triton_paged._merge_streamed`'s `U`: one L2
-wait per this many live splits; a decode at 528 keys has 9). The fold order is the same for any value, so
-the bits are too (benchmarks/gpu_merge_probe.py times 8 against 16). Read at each launch."""
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
            residual: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
@@ -229,8 +216,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     than cuBLAS; everything else is `F.linear` (+ `silu_mul_halves`). `rowwise` (a verify step's rows, up to
     `ROWWISE_ROWS`, on a Triton device): every row is computed exactly as a one-row product of this shape is
     (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows.
-    `out_dtype` (not with `silu_halves` or `residual`): the result, rounded to x's dtype, in that dtype (the
-    GEMV writes it)."""
+    `out_dtype` (not with
+    `silu_halves` or `residual`): the result, rounded to x's dtype, in that dtype (the GEMV writes it)."""
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
@@ -340,8 +327,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
-    x's rows of N added before the rounding (not with `silu` or `rope`); `out_dtype` (not with `silu`, `rope`
-    or `residual`): y in that dtype, each value rounded to x's first."""
+    x's rows of N added before the rounding (not with `silu` or `rope`); `out_dtype` (not with `silu`, `rope` or `residual`): y in that dtype, each value rounded to x's first."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     r = x.numel() // k

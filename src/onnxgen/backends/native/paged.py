@@ -18,7 +18,6 @@ pages into contiguous keys and values and compute in float32, rounding the outpu
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,20 +175,6 @@ def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> 
     return max(1, min(n, longest // 256, _MAX_SPLITS))
 
 
-_COUNTERS: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
-
-
-def _counters(storage: Any, n: int, device: torch.device) -> torch.Tensor:
-    """At least `n` int32 zeros, one a (work item, KV head) of a step over `storage`'s pool: how many of its
-    key splits have finished (`triton_paged`'s `MERGE`; the last resets its count, so they are zeros again
-    after every launch and one buffer serves every layer and step of the pool's engine, eager or captured).
-    Buffers are never freed while the pool lives: a captured graph keeps the address it was captured with."""
-    bufs = _COUNTERS.setdefault(storage, [])
-    if not bufs or bufs[-1].numel() < n:
-        bufs.append(torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device))
-    return bufs[-1]
-
-
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
                      window: int = -1, nsplit: int | None = None,
                      tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
@@ -198,9 +183,7 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     splits its own keys (the longest of its rows) into `nsplit` parts of whole key blocks, on the device:
     a sequence's split depends on its own length only. `tile` (benchmarks): the kernel's tile instead of
     `tile_for`'s. Several splits: their partial results go to scratch buffers and a second launch
-    (`triton_paged.paged_combine_kernel`) merges them into the output — or, with
-    `kernels.MERGE_IN_ATTENTION` in steps of one work item a token, the last split of each item to finish
-    does (`_counters`)."""
+    (`triton_paged.paged_combine_kernel`) merges them into the output."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
@@ -223,24 +206,18 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     out = torch.empty_like(qc)
     direct = nsplit == 1
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
-    one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
-    nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits the combine loads at once
-    # one item a token (decodes, verify rows): the last split merges (the same code for both, so verify
-    # rows keep decode steps' bits)
-    merge = not direct and kernels.MERGE_IN_ATTENTION and (ps.per_token or ps.num_tokens == len(ps.seq_lens))
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
-    ctr = _counters(ps.storage, w * hkv, q.device) if merge else ml
-    mr = min(block_m, 1 << (g - 1).bit_length()) if merge else 1  # an item's rows: one token's, at most a tile
+    one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
     tp.paged_attn_kernel[(w, hkv, nsplit)](
-        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml, ctr,
+        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
         float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
         kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
         PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, MERGE=merge, MR=mr,
-        MU=kernels.MERGE_UNROLL if merge else 1,
-        num_warps=warps, num_stages=stages, **kernels.launch_options(q),
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, num_warps=warps, num_stages=stages,
+        **kernels.launch_options(q),
     )  # fmt: skip
-    if not direct and not merge:
+    if not direct:
+        nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits a combine program loads at once
         tp.paged_combine_kernel[(w, hkv, block_m)](
             acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m, NSP=nsp,
             ONE=one, num_warps=1, **kernels.launch_options(out),

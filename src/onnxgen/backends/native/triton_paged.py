@@ -5,7 +5,7 @@ program handles one work item (a sequence and a block of its query rows: token-m
 heads that share KV head `h`, so a decode packs the whole group into one tile) against one split of that
 sequence's keys, reading them page by page through the page table. Scores are kept in base 2
 (`qk_scale` includes log2(e)). With several splits, partial results go to a scratch buffer and
-`paged_combine_kernel` merges them, or (`MERGE`, off by default) the item's last split to finish does.
+`paged_combine_kernel` merges them.
 """
 
 import triton
@@ -32,16 +32,13 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, softcap, window, MAXP, NSPLIT,
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      MERGE: tl.constexpr, MR: tl.constexpr, MU: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      PDL: tl.constexpr):  # fmt: skip
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
-    writes the output; otherwise the split's partial results go to ACC / ML, and with `MERGE` the item's
-    last split to finish (counted in `CTR[w, h]`, which it resets to 0) merges them into the output
-    (`_merge_streamed`: all of the item's rows at once, `MR` of them at most, `MU` splits' loads at a
-    time): no second launch."""
+    writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`."""
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -100,22 +97,9 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, CTR, qk_scale, so
     else:
         item = ((w * tl.num_programs(1) + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M
         r = tl.arange(0, BLOCK_M)
-        wr = r >= 0
-        if MERGE:  # the merge reads only the splits below the item's last key: the others store nothing
-            wr = wr & (sp * split < item_hi)
-        tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc, mask=wr[:, None])
-        tl.store(ML + 2 * (item + r), m_i, mask=wr)
-        tl.store(ML + 2 * (item + r) + 1, l_i, mask=wr)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partials stored before the count releases them
-            ctr = CTR + w * tl.num_programs(1) + h
-            if tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:  # the last split of (w, h)
-                tl.debug_barrier()
-                tl.store(ctr, 0)
-                base = (w * tl.num_programs(1) + h).to(tl.int64) * NSPLIT * BLOCK_M
-                live = tl.minimum((item_hi + split - 1) // split, NSPLIT)  # the later splits hold no keys
-                _merge_streamed(ACC, ML, OUT, base, live, qs, r0, tl.minimum(r1, G * m) - r0, h, N, G, D, DP,
-                                BLOCK_M, MR, MU)  # fmt: skip
+        tl.store(ACC + (item + r)[:, None] * DP + dcol[None, :], acc)
+        tl.store(ML + 2 * (item + r), m_i)
+        tl.store(ML + 2 * (item + r) + 1, l_i)
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
@@ -151,43 +135,3 @@ def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G
         o = tl.sum(acc * wgt[:, None], 0) / tl.where(den > 0, den, 1.0)
         qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
         tl.store(OUT + qrow * D + dcol, o.to(OUT.dtype.element_ty), mask=dcol < D)
-
-
-@triton.jit
-def _merge_streamed(ACC, ML, OUT, base, live, qs, r0, nrow, h, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    DP: tl.constexpr, BLOCK_M: tl.constexpr, MR: tl.constexpr, U: tl.constexpr):  # fmt: skip
-    """`paged_attn_kernel`'s `MERGE`: one program merges rows `r0 .. r0 + nrow` (`nrow <= MR`) over splits
-    `0 .. live` (partial of split s, row `r0 + i` at `base + s * BLOCK_M + i`, written by the other programs
-    of the launch: loaded through the L2 only) and writes them into the output. Small code on purpose: it
-    runs once per item and layer, in one program, after every other split (the step's critical path), on a
-    multiprocessor whose instruction cache has never held it — the first version, which reduced
-    `[splits, rows, DP]` partials across threads, added 2,300 instructions to the kernel and cost 4-7 µs a
-    layer on an H100 (docs/benchmarks/decode-gpu.md, ninth session); this one adds about 550. Every thread
-    keeps its own elements of the `[MR, DP]` rows (maxima and sums as `[MR, 1]`, in the same layout) and
-    folds the splits in one after another as flash attention folds key blocks (running maximum, rescaled
-    sums): no shuffles, no shared memory, no layout conversion; the splits are loaded `U` at a time
-    (unrolled: their loads are issued together), so the merge waits on the L2 once per `U` splits."""
-    dcol = tl.arange(0, DP)
-    rr = tl.arange(0, MR)[:, None]  # [MR, 1]
-    rmask = rr < nrow
-    mx = tl.full([MR, 1], float("-inf"), tl.float32)
-    den = tl.zeros([MR, 1], tl.float32)
-    o = tl.zeros([MR, DP], tl.float32)
-    for c in range(0, live, U):
-        for u in tl.static_range(U):
-            it = base + (c + u) * BLOCK_M + rr  # base: int64
-            msk = rmask & (c + u < live)
-            at = it * DP + dcol[None, :]
-            a = tl.load(ACC + at, mask=msk, other=0.0, cache_modifier=".cg")
-            m_s = tl.load(ML + 2 * it, mask=msk, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(ML + 2 * it + 1, mask=msk, other=0.0, cache_modifier=".cg")
-            new = tl.maximum(mx, m_s)
-            alpha = tl.where(new > float("-inf"), tl.exp2(mx - new), 0.0)
-            beta = tl.where(m_s > float("-inf"), tl.exp2(m_s - new), 0.0)
-            den = den * alpha + l_s * beta
-            o = o * alpha + a * beta
-            mx = new
-    o = o / tl.where(den > 0, den, 1.0)
-    row = r0 + rr
-    qrow = ((qs + row // G) * N + h * G + row % G).to(tl.int64)
-    tl.store(OUT + qrow * D + dcol[None, :], o.to(OUT.dtype.element_ty), mask=rmask & (dcol < D)[None, :])
