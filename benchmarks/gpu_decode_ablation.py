@@ -12,10 +12,9 @@ kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded no
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
 shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
-asking the per-shape timing (which may pick the norm kernel and the plain product); `nogamma`: folded
-norms without their weight (the GEMV loads none: the cost of a fold whose weight is in the product's);
-`torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick
-inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
+asking the per-shape timing (which may pick the norm kernel and the plain product); `torchargmax`: the
+decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick inside the advance
+kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
 (captures and per-shape choices happen as usual), then the batch-1 decode graph is replayed 200 times (CUDA
 events) and its kernels counted (torch.profiler). The outputs are garbage in every ablation but the variants:
 only the times mean something. An ablation may be named more than once (`none,late,none,late`: interleaved);
@@ -81,14 +80,6 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     if "fold" in parts:  # every RMSNorm folded into the product after it (its per-shape timing not asked)
         saved.append((kernels, "FOLD_ALWAYS", kernels.FOLD_ALWAYS))
         kernels.FOLD_ALWAYS = True
-    if "nogamma" in parts:  # folded norms load and apply no weight: what folding it into the products' costs
-        real = kernels._gemv
-
-        def no_gamma(x: Any, w: Any, silu: bool, cfg: Any, norm: Any = None, *a: Any, **k: Any) -> Any:
-            return real(x, w, silu, cfg, None if norm is None else (norm[0], None, *norm[2:]), *a, **k)
-
-        saved.append((kernels, "_gemv", real))
-        kernels._gemv = no_gamma
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

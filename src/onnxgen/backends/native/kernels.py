@@ -325,7 +325,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
           residual: torch.Tensor | None = None,
           out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
-    (skip or None, norm weight or None (a unit weight: none loaded), eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
+    (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
     x's rows of N added before the rounding (not with `silu` or `rope`); `out_dtype` (not with `silu`, `rope` or `residual`): y in that dtype, each value rounded to x's first."""
     n = w.shape[0] // 2 if silu else w.shape[0]
@@ -346,11 +346,11 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     assert residual is None or not (silu or rope is not None)
     res = residual_rows(residual, r, n, y)
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
-        x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw if nw is not None else x,
+        x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
         s if s is not None else y, eps, *ra, res,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None, GAMMA=nw is not None,
+        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y

@@ -32,7 +32,7 @@ from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wa
 
 @triton.jit
 def _x_tile(X, SKIP, NW, SUM, k0, rk, first, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr,
-            HAS_SKIP: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr, GAMMA: tl.constexpr):  # fmt: skip
+            HAS_SKIP: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr):  # fmt: skip
     """x[k0 : k0 + BLOCK_K] in float32, ready to multiply the weight tile (`[1, BLOCK_K]`, or with `X2D` the
     columns `rk` broadcast to `[BLOCK_N, BLOCK_K]`), and the row before any norm (`x (+ skip)`, in `rk`'s
     shape). With NORM the normalised row, rounded as the separate RMSNorm would write it; with LATE (the
@@ -45,17 +45,13 @@ def _x_tile(X, SKIP, NW, SUM, k0, rk, first, K, rstd, OUT_TY: tl.constexpr, NORM
         if HAS_SKIP:
             x += tl.load(SKIP + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
         raw = x
-        if GAMMA:
-            nw = tl.load(NW + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
+        nw = tl.load(NW + k0 + rk, mask=kmask, other=0.0).to(tl.float32)
         if LATE:
-            if GAMMA:
-                x = x * nw
+            x = x * nw
             if HAS_SKIP:
                 tl.store(SUM + k0 + rk, raw.to(SUM.dtype.element_ty), mask=kmask & first)
-        elif GAMMA:
-            x = (x * rstd * nw).to(OUT_TY).to(tl.float32)
         else:
-            x = (x * rstd).to(OUT_TY).to(tl.float32)
+            x = (x * rstd * nw).to(OUT_TY).to(tl.float32)
     if not X2D:
         x = x[None, :]
     return x, raw
@@ -92,7 +88,7 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
                 cos_stride, NQ, NK, RES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                 NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
                 HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
-                HAS_RES: tl.constexpr, GAMMA: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -124,7 +120,7 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
         if r0 + i < R:
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
                       sv_h, sv_s, cos_stride, NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K,
-                      SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES, GAMMA)  # fmt: skip
+                      SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES)  # fmt: skip
 
 
 @triton.jit
@@ -132,7 +128,7 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
               NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr,
               HEAD: tl.constexpr, HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
-              HAS_RES: tl.constexpr, GAMMA: tl.constexpr):  # fmt: skip
+              HAS_RES: tl.constexpr):  # fmt: skip
     """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
     weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
     pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row. With `NORM` and `LATE` nothing
@@ -167,8 +163,7 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     else:
         rk2 = rk
         first = pid == 0
-    x, raw = _x_tile(X, SKIP, NW, SUM, 0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D,
-                     GAMMA)  # fmt: skip
+    x, raw = _x_tile(X, SKIP, NW, SUM, 0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D)
     if NORM and LATE:
         ss = raw * raw
     acc = w0.to(tl.float32) * x
@@ -176,7 +171,7 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
         acc_u = u0.to(tl.float32) * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
         x, raw = _x_tile(X, SKIP, NW, SUM, k0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE,
-                         X2D, GAMMA)  # fmt: skip
+                         X2D)  # fmt: skip
         if NORM and LATE:
             ss += raw * raw
         m2 = nmask[:, None] & ((k0 + rk) < K)[None, :]
