@@ -12,7 +12,8 @@ kernel; `late`, `early`, `nores` and `x1d` are variants, not removals: folded no
 the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no residual added by the
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
 shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
-asking the per-shape timing (which may pick the norm kernel and the plain product); `torchargmax`: the
+asking the per-shape timing (which may pick the norm kernel and the plain product); `pipelined`: decode
+attention two pipeline stages deep however short its key splits (`paged.SHORT_BLOCKS` 0; the same bits); `torchargmax`: the
 decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick inside the advance
 kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
 (captures and per-shape choices happen as usual), then the batch-1 decode graph is replayed 200 times (CUDA
@@ -80,6 +81,11 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     if "fold" in parts:  # every RMSNorm folded into the product after it (its per-shape timing not asked)
         saved.append((kernels, "FOLD_ALWAYS", kernels.FOLD_ALWAYS))
         kernels.FOLD_ALWAYS = True
+    if "pipelined" in parts:  # decode attention always two pipeline stages deep (as before SHORT_BLOCKS)
+        from onnxgen.backends.native import paged
+
+        saved.append((paged, "SHORT_BLOCKS", paged.SHORT_BLOCKS))
+        paged.SHORT_BLOCKS = 0
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

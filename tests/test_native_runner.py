@@ -131,6 +131,32 @@ def test_verify_steps_and_only_they_are_computed_rowwise(monkeypatch: pytest.Mon
     assert not rmod._rowwise(BatchStep((verify,)))
 
 
+def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_keys(tmp_path: Path) -> None:
+    """`NativeRunner._decode_graph`: a run of k decode steps replays its batch bucket's short-context graph
+    (unpipelined attention, `paged.short_keys`) only while every sequence's KV length stays within that
+    graph's `keys` through the run's last step; otherwise, and for buckets without one, the graph for any
+    length. (Which graph is chosen; the graphs themselves are GPU-tested.)"""
+    from types import SimpleNamespace
+
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    spec = load_spec(write_package(tmp_path / "pkg", SyntheticConfig(num_layers=1, context_length=512)))
+    runner = NativeRunner(spec, "cpu", kv_bytes=8 << 20, cuda_graphs=False)
+    long1, long2, short1 = SimpleNamespace(keys=0), SimpleNamespace(keys=0), SimpleNamespace(keys=100)
+    runner._graph_batches = [1, 2]
+    runner._graphs = {(1, 1): long1, (2, 1): long2}
+    runner._short = {1: short1}
+
+    def step(*starts: int) -> BatchStep:
+        return BatchStep(tuple(SeqChunk([1], s, [0]) for s in starts))
+
+    assert runner._decode_graph(step(90), 10) is short1  # KV lengths 91..100 within 100
+    assert runner._decode_graph(step(90), 11) is long1  # the run's last step reaches 101
+    assert runner._decode_graph(step(99), 1) is short1 and runner._decode_graph(step(100), 1) is long1
+    assert runner._decode_graph(step(5, 6), 1) is long2  # bucket 2 has no short graph
+    assert runner._decode_graph(step(1, 2, 3), 1) is None  # no bucket that large
+
+
 def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) -> None:
     """The same on the CPU through the Triton kernels (`ONNXGEN_FORCE_TRITON=1` under `TRITON_INTERPRET=1`;
     skipped elsewhere: the CPU's torch path makes no such promise in low precision)."""
@@ -142,6 +168,31 @@ def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) ->
 
 
 # --- GPU ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_short_context_decode_graph_gives_the_bits_of_the_graph_for_any_length(tmp_path: Path) -> None:
+    """The short-context decode graph (its attention unpipelined) gives the bits of the graph for any length
+    at every position it may run, and `run` switches from it to that graph as the KV grows past its keys."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    cfg = SyntheticConfig(num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,
+                          vocab_size=384, dtype="bfloat16", context_length=4096)  # fmt: skip
+    spec = load_spec(write_package(tmp_path / "pkg", cfg))
+    gpu = NativeRunner(spec, "cuda", kv_bytes=32 << 20, max_batch=2)
+    short, full = gpu._short[1], gpu._graphs[(1, 1)]
+    assert 1024 <= short.keys < spec.context_length
+    n = short.keys - 3
+    toks = _tokens(n + 6, 7, spec.vocab_size)
+    pages = list(range(-(-(n + 6) // gpu.page_size)))
+    gpu.run(BatchStep((SeqChunk(toks[:n], 0, pages),)))  # the prompt, eagerly
+    for p in range(n, n + 6):  # KV lengths short.keys - 2 .. short.keys + 3
+        step = BatchStep((SeqChunk([toks[p]], p, pages),))
+        assert gpu._graph_for(step) is (short if p + 1 <= short.keys else full)
+        want = gpu._run_graph(full, step)[0].clone()
+        if p + 1 <= short.keys:
+            assert torch.equal(gpu._run_graph(short, step)[0], want), p
+        assert torch.equal(gpu.run(step)[0], want), p
 
 
 @pytest.mark.gpu

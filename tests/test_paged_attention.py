@@ -4,6 +4,7 @@ kernel against the torch path on the GPU."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -223,3 +224,25 @@ def test_per_token_work_items_cut_each_token_as_a_decode_step() -> None:
     assert one.work(72, 64).tolist() == [[0, 0, 64], [0, 64, 72]]  # token 1's cut, as a decode step's
 
 
+
+
+@pytest.mark.parametrize(("items", "group", "d", "plan"), [(2, 7, 64, 32768), (8, 4, 64, 131072), (8, 4, 128, 16384),
+                                                           (512, 4, 64, 8192), (2, 4, 32, 4096), (16, 8, 64, 1024)])  # fmt: skip
+def test_short_keys_is_the_longest_kv_length_whose_key_splits_stay_short(items: int, group: int, d: int,
+                                                                           plan: int) -> None:  # fmt: skip
+    """`short_keys` (which decode graph the runner replays) agrees with the launch's own choice (`is_short`
+    over the planned splits): up to it every split a sequence cuts holds at most `SHORT_BLOCKS` key blocks,
+    one key more and the longest sequence's splits hold more."""
+    cpu = torch.device("cpu")
+    bm, bn, _, stages = paged.tile_for(group, group, group, d)
+    nsplit = paged.plan_splits(items, plan, bm, bn, cpu)
+    keys = paged.short_keys(items, group, d, plan, cpu)
+    assert stages == 2 and 0 < keys <= plan
+    assert paged.is_short(keys, nsplit, bn)
+    def blocks(n: int) -> int:  # key blocks a split of a sequence of n keys holds, as the kernel cuts it
+        return math.ceil(math.ceil(n / nsplit) / bn)
+
+    assert blocks(keys) <= paged.SHORT_BLOCKS
+    if keys < plan:
+        assert not paged.is_short(keys + 1, nsplit, bn)
+        assert blocks(keys + 1) > paged.SHORT_BLOCKS

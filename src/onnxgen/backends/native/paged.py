@@ -175,6 +175,38 @@ def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> 
     return max(1, min(n, longest // 256, _MAX_SPLITS))
 
 
+SHORT_BLOCKS = 2
+"""Decode-size work items (one token's query rows) whose key splits hold at most this many key blocks at the
+longest KV length a launch may see (`PagedStep.seq_lens`: a captured step's bound) run the attention with one
+software-pipeline stage instead of two: the same bits, less latency for splits of one or two blocks; longer
+splits keep the pipeline (H100, 2026-12-06, docs/benchmarks/decode-gpu.md: the 1B decode graph 0.920 ->
+0.904 ms at 528 keys; the attention alone 0.2-1.5 us a layer faster up to 4,096 keys, 1.5 us slower with 8
+blocks a split, the 8B shape at 16,000 keys)."""
+
+
+def plan_splits(items: int, plan: int, block_m: int, block_n: int, device: torch.device,
+                nsplit: int | None = None) -> int:  # fmt: skip
+    """The key splits of an attention launch over `plan` keys: `nsplit`, or by default `splits_for`'s count,
+    made whole key blocks each and none empty at the plan's length. A work item cuts its own keys into that
+    many parts (on the device, from its own length)."""
+    n = splits_for(items, plan, block_m, device) if nsplit is None else nsplit
+    per = -(-plan // n)
+    split = -(-per // block_n) * block_n  # whole key blocks
+    return -(-plan // split)
+
+
+def is_short(longest: int, nsplit: int, block_n: int) -> bool:
+    """Whether every one of `nsplit` key splits of up to `longest` keys holds at most `SHORT_BLOCKS` blocks."""
+    return -(-longest // nsplit) <= SHORT_BLOCKS * block_n
+
+
+def short_keys(items: int, group: int, d: int, plan: int, device: torch.device) -> int:
+    """The longest KV length up to which a decode step of `items` (sequences x KV heads) runs its attention
+    unpipelined (`is_short`), with the decode tile of `group` query heads of size `d` (half precision)."""
+    block_m, block_n, _, _ = tile_for(group, group, group, d)
+    return min(plan, SHORT_BLOCKS * block_n * plan_splits(items, plan, block_m, block_n, device))
+
+
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
                      window: int = -1, nsplit: int | None = None,
                      tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
@@ -197,11 +229,10 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     work = ps.work(g, block_m)
     w = work.shape[0]
     plan = ps.plan_len or max(ps.seq_lens)
-    if nsplit is None:  # per token: planned as one decode (one item per KV head)
-        nsplit = splits_for((1 if ps.per_token else w) * hkv, plan, block_m, q.device)
-    per = -(-plan // nsplit)
-    split = -(-per // block_n) * block_n  # whole key blocks
-    nsplit = -(-plan // split)  # none empty at the plan's length
+    # per token: planned as one decode (one item per KV head)
+    nsplit = plan_splits((1 if ps.per_token else w) * hkv, plan, block_m, block_n, q.device, nsplit)
+    if tile is None and is_short(max(ps.seq_lens), nsplit, block_n) and max(rows) <= g and q.dtype != torch.float32:
+        stages = 1  # decode-size items, short splits: no software pipeline (`SHORT_BLOCKS`)
     qc = q.contiguous()
     out = torch.empty_like(qc)
     direct = nsplit == 1

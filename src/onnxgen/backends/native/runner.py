@@ -63,6 +63,9 @@ GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode st
 PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1024)
 VERIFY_GRAPH_TOKENS = (4, 8, 16)  # one sequence's last sample + drafts, a logits row per position
 RUN_TOKENS = 32  # a decode graph records the chosen tokens of this many consecutive replays
+# a batch size whose attention runs unpipelined up to at least this many keys (`paged.short_keys`) gets a
+# second decode graph, replayed while its sequences stay that short
+SHORT_GRAPH_KEYS = 1024
 
 
 # verify steps computed rowwise (the default); ONNXGEN_ROWWISE=0 lets benchmarks time what exactness costs
@@ -109,6 +112,7 @@ class _Graph:
     out: Any = None  # the program's logits output [1, batch, vocab]
     step: Any = None  # the step's attention metadata (NOTE: the graph reads its tensors: keep them alive)
     toks: Any = None  # decode graphs: [RUN_TOKENS, batch] int64, each replay's greedy tokens (`decode_advance`)
+    keys: int = 0  # the longest KV length its steps may reach (0: the context; `paged.SHORT_BLOCKS`)
 
 
 @dataclass
@@ -171,6 +175,7 @@ class NativeRunner:
         self._pos_dtype = input_dtype(spec, spec.position_ids_name, torch.int64)
         self._max_pages = -(-spec.context_length // page_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._short: dict[int, _Graph] = {}  # decode graphs by batch for KV lengths up to their `keys`
         self._verify: dict[int, _Graph | None] = {}  # verify steps by padded length (None: its capture failed)
         self._pool: Any = None
         on = cuda_graphs and self._dev.type == "cuda"
@@ -184,6 +189,14 @@ class NativeRunner:
                 if not self.cuda_graphs:  # a capture failed: graphs are off
                     break
                 self._capture(*key)
+            for b in self._graph_batches:  # decode graphs for short contexts: unpipelined attention
+                keys = paged.short_keys(b * spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_size,
+                                        spec.context_length, self._dev)  # fmt: skip
+                if not self.cuda_graphs or keys < SHORT_GRAPH_KEYS or keys >= spec.context_length:
+                    continue
+                g = self._capture(b, 1, keys=keys)
+                if g is not None:
+                    self._short[b] = g
         self.load_seconds = time.perf_counter() - t0
 
     @property
@@ -207,14 +220,22 @@ class NativeRunner:
         if any(s.logits > 1 for s in seqs):  # draft verification: one sequence's rows from a verify graph
             return self._verify_graph(step)
         if all(len(s.tokens) == 1 for s in seqs):
-            bucket = next((b for b in self._graph_batches if b >= len(seqs)), 0)
-            return self._graphs.get((bucket, 1))
+            return self._decode_graph(step, 1)
         if len(seqs) == 1:
             n = len(seqs[0].tokens)
             m = next((x for x in self._graph_chunks if x >= n), 0)
             if m and seqs[0].start + m <= self.spec.context_length:
                 return self._graphs.get((1, m))
         return None
+
+    def _decode_graph(self, step: BatchStep, k: int) -> _Graph | None:
+        """The decode graph for `k` decode steps of `step`'s sequences: its batch padded up to a captured one,
+        the short-context graph while every sequence's KV stays within its `keys`."""
+        bucket = next((b for b in self._graph_batches if b >= len(step.seqs)), 0)
+        short = self._short.get(bucket)
+        if short is not None and max(s.start for s in step.seqs) + k <= short.keys:
+            return short
+        return self._graphs.get((bucket, 1))
 
     def _verify_graph(self, step: BatchStep) -> _Graph | None:  # pragma: cuda
         """The verify graph for a step of one sequence whose every fed position wants logits, captured the
@@ -250,8 +271,7 @@ class NativeRunner:
         first = after.toks[-1] if after is not None else None  # the previous run's last tokens: our first ids
         try:
             with self.device_lock:
-                bucket = next((x for x in self._graph_batches if x >= b), 0)
-                g = self._graphs.get((bucket, 1))
+                g = self._decode_graph(step, k)
                 if g is not None:  # pragma: cuda
                     toks = self._graph_decodes(g, step, k, choose, first, offset)
                     host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
@@ -384,15 +404,16 @@ class NativeRunner:
 
     def _graph_step(self, g: _Graph) -> paged.PagedStep:  # pragma: cuda
         """The attention metadata of a graph's step: views of its device buffers, and host shapes sized for
-        any KV length up to the context (so the kernels' split of the keys is fixed at capture); a verify
-        step's tokens are attended one by one, as decode steps (`_rowwise`)."""
+        any KV length up to the graph's `keys` (by default the context), the key splits planned for the whole
+        context either way (so a sequence splits alike in every step); a verify step's tokens are attended
+        one by one, as decode steps (`_rowwise`)."""
         bm, m, t, mp = g.batch, g.tokens, g.batch * g.tokens, self._max_pages
         return paged.PagedStep(
             self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
             last=g.wide[3 * t : 3 * t + g.rows], page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
             q_starts_t=g.narrow[bm * (1 + mp) :], seq_lens_t=g.narrow[:bm],
-            q_starts=list(range(0, t + 1, m)), seq_lens=[self.spec.context_length] * bm,
-            per_token=ROWWISE and g.rows > bm,
+            q_starts=list(range(0, t + 1, m)), seq_lens=[g.keys or self.spec.context_length] * bm,
+            plan_len=self.spec.context_length, per_token=ROWWISE and g.rows > bm,
         )  # fmt: skip
 
     def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
@@ -414,10 +435,11 @@ class NativeRunner:
                            self.page_size)  # fmt: skip
         return out
 
-    def _capture(self, batch: int, tokens: int, rows: int | None = None,
-                 disable_on_failure: bool = True) -> _Graph | None:  # fmt: skip  # pragma: cuda
+    def _capture(self, batch: int, tokens: int, rows: int | None = None, disable_on_failure: bool = True,
+                 keys: int = 0) -> _Graph | None:  # fmt: skip  # pragma: cuda
         """Capture the step of `batch` sequences of `tokens` positions returning `rows` logits rows (default:
-        one per sequence; all padding: harmless to run). On failure repair what a broken capture leaves
+        one per sequence; all padding: harmless to run); `keys`: a decode graph for KV lengths up to that
+        (`_short`: kept apart from the graph for any length). On failure repair what a broken capture leaves
         behind and, with `disable_on_failure`, turn graphs off for this runner; return None. Without it (verify
         graphs) the graph gets a memory pool of its own, so a failure leaves the other graphs' pool alone."""
         t, mp, P = batch * tokens, self._max_pages, self.page_size
@@ -431,7 +453,7 @@ class NativeRunner:
         w[3 * t : 3 * t + rows] = np.arange(batch) * tokens + tokens - 1 if rows == batch else np.arange(rows)
         host_narrow.numpy()[:batch] = tokens
         g = _Graph(batch, tokens, rows, host_wide.to(self._dev), host_narrow.to(self._dev), host_wide,
-                   host_narrow, torch.cuda.Event())  # fmt: skip
+                   host_narrow, torch.cuda.Event(), keys=keys)  # fmt: skip
         g.uploaded.record()
         if tokens == 1 and rows == batch:  # a decode step: its replays can follow each other (`launch_decodes`)
             g.toks = torch.zeros((RUN_TOKENS, batch), dtype=torch.int64, device=self._dev)
@@ -449,7 +471,7 @@ class NativeRunner:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 g.out = self._graph_body(g, ps)
             g.graph, g.step = graph, ps
-            if rows == batch:
+            if rows == batch and not keys:
                 self._graphs[(batch, tokens)] = g
             return g
         except (NotCapturable, RuntimeError) as exc:
@@ -459,6 +481,7 @@ class NativeRunner:
                 self._graph_batches = []
                 self._graph_chunks = []
                 self._graphs.clear()
+                self._short.clear()
                 self._pool = None
             repair_after_failed_capture(self._dev)
             return None
