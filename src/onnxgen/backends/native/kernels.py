@@ -216,8 +216,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     than cuBLAS; everything else is `F.linear` (+ `silu_mul_halves`). `rowwise` (a verify step's rows, up to
     `ROWWISE_ROWS`, on a Triton device): every row is computed exactly as a one-row product of this shape is
     (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows.
-    `out_dtype` (not with
-    `silu_halves` or `residual`): the result, rounded to x's dtype, in that dtype (the GEMV writes it)."""
+    `out_dtype` (not with `silu_halves` or `residual`): the result, rounded to x's dtype, in that dtype (the
+    GEMV writes it)."""
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
@@ -327,7 +327,8 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
-    x's rows of N added before the rounding (not with `silu` or `rope`); `out_dtype` (not with `silu`, `rope` or `residual`): y in that dtype, each value rounded to x's first."""
+    x's rows of N added before the rounding (not with `silu` or `rope`); `out_dtype` (not with `silu`, `rope`
+    or `residual`): y in that dtype, each value rounded to x's first."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     r = x.numel() // k
