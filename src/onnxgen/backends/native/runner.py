@@ -112,7 +112,8 @@ class _Graph:
     out: Any = None  # the program's logits output [1, batch, vocab]
     step: Any = None  # the step's attention metadata (NOTE: the graph reads its tensors: keep them alive)
     toks: Any = None  # decode graphs: [RUN_TOKENS, batch] int64, each replay's greedy tokens (`decode_advance`)
-    keys: int = 0  # the longest KV length its steps may reach (0: the context; `paged.SHORT_BLOCKS`)
+    keys: int = 0  # the KV length its attention's pipeline depth is chosen for (0: the context;
+    #                `paged.SHORT_BLOCKS`); the key splits are the context's either way, so it is right for any length
 
 
 @dataclass
@@ -230,7 +231,8 @@ class NativeRunner:
 
     def _decode_graph(self, step: BatchStep, k: int) -> _Graph | None:
         """The decode graph for `k` decode steps of `step`'s sequences: its batch padded up to a captured one,
-        the short-context graph while every sequence's KV stays within its `keys`."""
+        the short-context graph while every sequence's KV stays within its `keys` (it would compute longer
+        ones right too, only slower: its attention unpipelined over longer splits)."""
         bucket = next((b for b in self._graph_batches if b >= len(step.seqs)), 0)
         short = self._short.get(bucket)
         if short is not None and max(s.start for s in step.seqs) + k <= short.keys:
