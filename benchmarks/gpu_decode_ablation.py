@@ -13,9 +13,9 @@ the end or normalise x first, `kernels.NORM_LATE`; the skip-norms kept, with no 
 products before them, `lowering._residual_into_product`; the GEMV loads x as a vector converted through
 shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
 asking the per-shape timing (which may pick the norm kernel and the plain product); `pipelined`: decode
-attention two pipeline stages deep however short its key splits (`paged.SHORT_BLOCKS` 0; the same bits); `torchargmax`: the
-decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick inside the advance
-kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
+attention two pipeline stages deep however short its key splits (`paged.SHORT_BLOCKS` 0; the same bits);
+`torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick
+inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
 (captures and per-shape choices happen as usual), then the batch-1 decode graph is replayed 200 times (CUDA
 events) and its kernels counted (torch.profiler). The outputs are garbage in every ablation but the variants:
 only the times mean something. An ablation may be named more than once (`none,late,none,late`: interleaved);

@@ -39,7 +39,9 @@ def main() -> None:
     ap.add_argument("--tiles", default=None, help="tiles to try beside the default, `bm,bn,warps,stages;...`")
     ap.add_argument("--splits", default="16,8", help="split counts to try with the default tile")
     args = ap.parse_args()
-    tiles = TILES if args.tiles is None else (None, *(tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")))
+    tiles = TILES
+    if args.tiles is not None:
+        tiles = (None, *(tuple(int(v) for v in t.split(",")) for t in args.tiles.split(";")))
     splits = (None, *(int(v) for v in args.splits.split(",") if v))
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     rows = []
@@ -59,8 +61,8 @@ def main() -> None:
                             continue  # splits varied with the default tile only
                         key = (tile, ns)
                         try:
-                            ms, out = per_layer(lambda layer: paged.attention_triton(g, layer, q, d**-0.5, nsplit=ns,
-                                                                                      tile=tile))  # fmt: skip
+                            ms, out = per_layer(
+                                lambda layer: paged.attention_triton(g, layer, q, d**-0.5, nsplit=ns, tile=tile))
                         except Exception as exc:  # a tile the compiler refuses: reported, not fatal
                             print(f"{name} {length} {key}: {type(exc).__name__}: {str(exc)[:100]}")
                             continue

@@ -226,8 +226,9 @@ def test_per_token_work_items_cut_each_token_as_a_decode_step() -> None:
 
 
 
-@pytest.mark.parametrize(("items", "group", "d", "plan"), [(2, 7, 64, 32768), (8, 4, 64, 131072), (8, 4, 128, 16384),
-                                                           (512, 4, 64, 8192), (2, 4, 32, 4096), (16, 8, 64, 1024)])  # fmt: skip
+@pytest.mark.parametrize(("items", "group", "d", "plan"), [
+    (2, 7, 64, 32768), (8, 4, 64, 131072), (8, 4, 128, 16384), (512, 4, 64, 8192), (2, 4, 32, 4096), (16, 8, 64, 1024),
+])  # fmt: skip
 def test_short_keys_is_the_longest_kv_length_whose_key_splits_stay_short(items: int, group: int, d: int,
                                                                            plan: int) -> None:  # fmt: skip
     """`short_keys` (which decode graph the runner replays) agrees with the launch's own choice (`is_short`

@@ -231,7 +231,8 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     plan = ps.plan_len or max(ps.seq_lens)
     # per token: planned as one decode (one item per KV head)
     nsplit = plan_splits((1 if ps.per_token else w) * hkv, plan, block_m, block_n, q.device, nsplit)
-    if tile is None and is_short(max(ps.seq_lens), nsplit, block_n) and max(rows) <= g and q.dtype != torch.float32:
+    decode_size = max(rows) <= g and q.dtype != torch.float32
+    if tile is None and decode_size and is_short(max(ps.seq_lens), nsplit, block_n):
         stages = 1  # decode-size items, short splits: no software pipeline (`SHORT_BLOCKS`)
     qc = q.contiguous()
     out = torch.empty_like(qc)

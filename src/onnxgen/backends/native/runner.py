@@ -112,8 +112,9 @@ class _Graph:
     out: Any = None  # the program's logits output [1, batch, vocab]
     step: Any = None  # the step's attention metadata (NOTE: the graph reads its tensors: keep them alive)
     toks: Any = None  # decode graphs: [RUN_TOKENS, batch] int64, each replay's greedy tokens (`decode_advance`)
-    keys: int = 0  # the KV length its attention's pipeline depth is chosen for (0: the context;
-    #                `paged.SHORT_BLOCKS`); the key splits are the context's either way, so it is right for any length
+    # the KV length its attention's pipeline depth is chosen for (0: the context; `paged.SHORT_BLOCKS`); the
+    # key splits are the context's either way, so the graph is right for any length
+    keys: int = 0
 
 
 @dataclass
@@ -191,8 +192,8 @@ class NativeRunner:
                     break
                 self._capture(*key)
             for b in self._graph_batches:  # decode graphs for short contexts: unpipelined attention
-                keys = paged.short_keys(b * spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_size,
-                                        spec.context_length, self._dev)  # fmt: skip
+                group = spec.num_heads // spec.num_kv_heads
+                keys = paged.short_keys(b * spec.num_kv_heads, group, spec.head_size, spec.context_length, self._dev)
                 if not self.cuda_graphs or keys < SHORT_GRAPH_KEYS or keys >= spec.context_length:
                     continue
                 g = self._capture(b, 1, keys=keys)
