@@ -27,6 +27,8 @@
 #   small   `decode` for the 0.5B and 1B shapes only
 #   pagedbits  the paged attention's GPU tests: against the torch path (every step kind, splits), verify rows =
 #           decode bits; each failure's name
+#   shortbits  the short-context decode graph (attention unpipelined: paged.SHORT_BLOCKS) against the graph for
+#           any length, bit for bit, and the switch between them; verify rows = decode bits through graphs
 #   parity  the bf16 GPU parity test (builder-made package vs transformers fp32/bf16 to 8k tokens) and the
 #           decode runs' GPU tests; each failure's name
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
@@ -94,6 +96,8 @@ for section in "$@"; do
     pagedbits) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_paged_attention.py \
                  -k "cuda_triton_kernel_equals or cuda_per_token" 2>&1 | grep -E "^FAILED|passed|failed" \
                  | cut -c1-160 | tail -8 ;;
+    shortbits) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_native_runner.py \
+                 -k "short_context or verify_rows" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -8 ;;
     parity) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_parity_bf16.py \
               tests/test_decode_runs.py 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200 | tail -8 ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
