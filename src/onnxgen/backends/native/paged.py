@@ -179,9 +179,9 @@ SHORT_BLOCKS = 2
 """Decode-size work items (one token's query rows) whose key splits hold at most this many key blocks at the
 longest KV length a launch may see (`PagedStep.seq_lens`: a captured step's bound) run the attention with one
 software-pipeline stage instead of two: the same bits, less latency for splits of one or two blocks; longer
-splits keep the pipeline (H100, 2026-12-06, docs/benchmarks/decode-gpu.md: the 1B decode graph 0.920 ->
-0.904 ms at 528 keys; the attention alone 0.2-1.5 us a layer faster up to 4,096 keys, 1.5 us slower with 8
-blocks a split, the 8B shape at 16,000 keys)."""
+splits keep the pipeline (H100, 2026-12-06, docs/benchmarks/decode-gpu.md: the 1B decode graph 1.7-1.9 %
+faster at 528 keys, the 0.5B's 0.3-0.6 %; the attention alone 0.2-1.5 us a layer faster up to 4,096 keys,
+1.5 us slower with 8 blocks a split, the 8B shape at 16,000 keys)."""
 
 
 def plan_splits(items: int, plan: int, block_m: int, block_n: int, device: torch.device,
