@@ -132,8 +132,8 @@ def main() -> int:
                 folds = {f"{c[0]} {tuple(c[1])}": v is not None for c, v in kernels.CHOICES.items()
                          if c[0] in ("rms_gemv", "rope_gemv")}  # fmt: skip
                 print(f"{name} {ablation}: norm folded (per product shape): {folds}", flush=True)
-                ms = gpu_decode.replay_ms(runner)
-                k = gpu_decode.kernels(runner)
+                ms = gpu_decode.replay_ms(runner, len(prompt) + len(toks))
+                k = gpu_decode.kernels(runner, len(prompt) + len(toks))
                 m.close()
                 del m, runner
             finally:

@@ -6,7 +6,10 @@
 
 For each shape (builder-made bf16 package, as gpu_decode.py makes them; synthetic without --tokenizer), one
 sequence with a 512-token prompt on the paged runner, then, interleaved, median of 20 each:
-- decode: one replay of the batch-1 decode graph (GPU time, CUDA events);
+- decode: one replay of the batch-1 decode graph at the prompt's end (GPU time, CUDA events; the graph the
+  engine would replay there, its inputs those of a real step at 513 keys — until 2026-12-06 this timed the
+  decode graph in its capture's state, a one-key attention, so earlier decode costs here are low by the
+  attention's cost at 512 keys);
 - verify n's graph alone: one replay of the verify graph it used (GPU time; the rest of the wall time is
   the host's);
 - verify n: `NativeRunner.run` of one chunk of n tokens wanting every row's logits (n = 2, 4, 8, 16: the
@@ -93,13 +96,15 @@ def run_shape(name: str, tokenizer: Path | None, rows: list[int]) -> list[list[s
         for (rowwise, rb), r in runners.items():
             kernels.ROWS_PER_PROGRAM = rb  # read at each launch: what the graphs capture
             r.run(BatchStep((SeqChunk(toks[:512], 0, pages),)))  # the prompt's KV, then every graph once
+            r.run(BatchStep((SeqChunk([toks[512]], 512, pages),)))  # the decode graph's inputs: a real step
             for n in SIZES:
                 _verify_ms(r, toks, 512, pages, n, rowwise)
         samples: dict[tuple[Any, ...], list[float]] = {}
         for _ in range(20):  # interleaved
             for (rowwise, rb), r in runners.items():
                 kernels.ROWS_PER_PROGRAM = rb
-                samples.setdefault(("decode", rowwise, rb), []).append(_replay_ms(r._graphs[(1, 1)]))
+                step = BatchStep((SeqChunk([toks[512]], 512, pages),))
+                samples.setdefault(("decode", rowwise, rb), []).append(_replay_ms(r._decode_graph(step, 1)))
                 for n in SIZES:
                     samples.setdefault((n, rowwise, rb), []).append(_verify_ms(r, toks, 512, pages, n, rowwise))
                     g = r._verify.get(max(n, 4))  # the verify graph the step replayed (GPU time alone)
