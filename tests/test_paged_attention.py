@@ -247,3 +247,43 @@ def test_short_keys_is_the_longest_kv_length_whose_key_splits_stay_short(items: 
     if keys < plan:
         assert not paged.is_short(keys + 1, nsplit, bn)
         assert blocks(keys + 1) > paged.SHORT_BLOCKS
+
+
+def test_decode_steps_with_short_splits_launch_the_attention_unpipelined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`attention_triton`'s pipeline depth (`SHORT_BLOCKS`): one stage for decode-size items in half
+    precision while every split of the longest sequence the launch may see (`seq_lens`: a captured graph's
+    bound) holds at most `SHORT_BLOCKS` key blocks; the tile's own otherwise (longer sequences, prefill chunks,
+    float32). Only the launch's arguments are recorded (no kernel runs: needs Triton importable, not a GPU)."""
+    pytest.importorskip("triton")
+    from onnxgen.backends.native import triton_paged as tp
+
+    seen: list[int] = []
+
+    class Recorded:
+        def __getitem__(self, grid: object) -> object:
+            return lambda *a, **k: seen.append(k.get("num_stages", 0))
+
+    monkeypatch.setattr(tp, "paged_attn_kernel", Recorded())
+    monkeypatch.setattr(tp, "paged_combine_kernel", Recorded())  # (after the attention: seen[0] stays its)
+
+    def stages(dtype: torch.dtype, shapes: list[tuple[int, int]], bound: int | None = None) -> int:
+        st, step, q = _batch("cpu", dtype, shapes)
+        ps = paged.build_step(step, st, P, torch.device("cpu"))
+        ps.plan_len = 2048  # planned for the whole context, as decode and verify steps are
+        if bound is not None:
+            ps.seq_lens = [bound] * len(ps.seq_lens)  # a captured graph's host shapes
+        seen.clear()
+        paged.attention_triton(ps, 1, q, 0.2)
+        return seen[0]
+
+    cpu = torch.device("cpu")
+    _, bn, _, two = paged.tile_for(N // HKV, N // HKV, N // HKV, D)
+    nsplit = paged.plan_splits(HKV, 2048, 16, bn, cpu)
+    keys = paged.short_keys(HKV, N // HKV, D, 2048, cpu)
+    assert two == 2 and keys == paged.SHORT_BLOCKS * bn * nsplit < 2048
+    assert stages(torch.bfloat16, [(600, 1)]) == 1  # a decode of 601 keys (up to `keys`: 1,024)
+    assert stages(torch.bfloat16, [(600, 1)], bound=keys) == 1  # a graph for up to `keys`
+    assert stages(torch.bfloat16, [(600, 1)], bound=keys + 1) == 2  # a graph for longer sequences
+    assert stages(torch.bfloat16, [(keys, 1)]) == 2  # a decode past the bound
+    assert stages(torch.float32, [(600, 1)]) == 2  # float32 keeps its tile
+    assert stages(torch.bfloat16, [(0, 40)]) == paged.tile_for(4 * 40, 4 * 40, 4, D)[3]  # a prefill chunk
