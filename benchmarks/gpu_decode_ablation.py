@@ -15,9 +15,9 @@ shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the pr
 asking the per-shape timing (which may pick the norm kernel and the plain product); `pipelined`: decode
 attention two pipeline stages deep however short its key splits (`paged.SHORT_BLOCKS` 0; the same bits);
 `torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick
-inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens decoded
-(captures and per-shape choices happen as usual), then the batch-1 decode graph is replayed 200 times (CUDA
-events) and its kernels counted (torch.profiler). The outputs are garbage in every ablation but the variants:
+inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens
+decoded (captures and per-shape choices happen as usual), then the batch-1 decode graph the decoding replayed
+is replayed 200 times (CUDA events) and its kernels counted (torch.profiler). The outputs are garbage in every ablation but the variants:
 only the times mean something. An ablation may be named more than once (`none,late,none,late`: interleaved);
 `saved` is against the latest `none`.
 A table prints last.

@@ -90,21 +90,21 @@ def run_shape(name: str, tokenizer: Path | None, rows: list[int]) -> list[list[s
     toks = np.random.default_rng(1).integers(100, 32000, 600).tolist()
     pages = list(range(0, 40))
     keep = kernels.ROWS_PER_PROGRAM
+    decode = BatchStep((SeqChunk([toks[512]], 512, pages),))  # one decode step at the prompt's end
     # (rowwise, rows per GEMV program) -> runner; the ordinary runner keeps the default rows
     runners = {(True, rb): _runner(spec, True) for rb in rows} | {(False, keep): _runner(spec, False)}
     try:
         for (rowwise, rb), r in runners.items():
             kernels.ROWS_PER_PROGRAM = rb  # read at each launch: what the graphs capture
             r.run(BatchStep((SeqChunk(toks[:512], 0, pages),)))  # the prompt's KV, then every graph once
-            r.run(BatchStep((SeqChunk([toks[512]], 512, pages),)))  # the decode graph's inputs: a real step
+            r.run(decode)  # the decode graph's inputs: a real step
             for n in SIZES:
                 _verify_ms(r, toks, 512, pages, n, rowwise)
         samples: dict[tuple[Any, ...], list[float]] = {}
         for _ in range(20):  # interleaved
             for (rowwise, rb), r in runners.items():
                 kernels.ROWS_PER_PROGRAM = rb
-                step = BatchStep((SeqChunk([toks[512]], 512, pages),))
-                samples.setdefault(("decode", rowwise, rb), []).append(_replay_ms(r._decode_graph(step, 1)))
+                samples.setdefault(("decode", rowwise, rb), []).append(_replay_ms(r._decode_graph(decode, 1)))
                 for n in SIZES:
                     samples.setdefault((n, rowwise, rb), []).append(_verify_ms(r, toks, 512, pages, n, rowwise))
                     g = r._verify.get(max(n, 4))  # the verify graph the step replayed (GPU time alone)

@@ -195,16 +195,22 @@ def plan_splits(items: int, plan: int, block_m: int, block_n: int, device: torch
     return -(-plan // split)
 
 
+def _short_limit(nsplit: int, block_n: int) -> int:
+    """The most keys whose `nsplit` splits (a sequence cuts `ceil(keys / nsplit)` keys a split) each hold at
+    most `SHORT_BLOCKS` blocks of `block_n` keys."""
+    return SHORT_BLOCKS * block_n * nsplit
+
+
 def is_short(longest: int, nsplit: int, block_n: int) -> bool:
     """Whether every one of `nsplit` key splits of up to `longest` keys holds at most `SHORT_BLOCKS` blocks."""
-    return -(-longest // nsplit) <= SHORT_BLOCKS * block_n
+    return longest <= _short_limit(nsplit, block_n)
 
 
 def short_keys(items: int, group: int, d: int, plan: int, device: torch.device) -> int:
     """The longest KV length up to which a decode step of `items` (sequences x KV heads) runs its attention
     unpipelined (`is_short`), with the decode tile of `group` query heads of size `d` (half precision)."""
     block_m, block_n, _, _ = tile_for(group, group, group, d)
-    return min(plan, SHORT_BLOCKS * block_n * plan_splits(items, plan, block_m, block_n, device))
+    return min(plan, _short_limit(plan_splits(items, plan, block_m, block_n, device), block_n))
 
 
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda

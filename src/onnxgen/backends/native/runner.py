@@ -191,8 +191,8 @@ class NativeRunner:
                 if not self.cuda_graphs:  # a capture failed: graphs are off
                     break
                 self._capture(*key)
+            group = spec.num_heads // spec.num_kv_heads
             for b in self._graph_batches:  # decode graphs for short contexts: unpipelined attention
-                group = spec.num_heads // spec.num_kv_heads
                 keys = paged.short_keys(b * spec.num_kv_heads, group, spec.head_size, spec.context_length, self._dev)
                 if not self.cuda_graphs or keys < SHORT_GRAPH_KEYS or keys >= spec.context_length:
                     continue
