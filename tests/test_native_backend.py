@@ -547,3 +547,52 @@ def test_slice_before_the_lm_head_passes_every_row_through_without_a_copy() -> N
     assert f(RunCtx(None, -1, 3, None, last=torch.arange(3)), x)[0] is x
     assert torch.equal(f(RunCtx(None, -1, 3, None, last=torch.tensor([0, 2])), x)[0], x[:, [0, 2]])
     assert torch.equal(f(RunCtx(None, 0, 3, None), x)[0], x[:, 2:])
+
+
+def test_l2_prefetch_plan_asks_for_the_weights_after_each_attention_in_order_within_the_budget() -> None:
+    """`lowering.l2_prefetch_plan` over a lowered two-layer graph's node order: each attention's ranges are
+    the weights read after it up to the next attention (output projection, [gate; up], down, the next
+    layer's QKV; after the last one the lm_head), in that order, each once, no norm weight; a budget that
+    ends inside the merged [gate; up] asks for the same prefix of both halves, one that ends in a plain
+    weight for its prefix; every range a multiple of 16 bytes."""
+    from onnxgen.backends.native import ops as O
+    from onnxgen.backends.native.lowering import l2_prefetch_plan
+
+    h, f, v = 256, 512, 1000
+    w = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in {
+        "qkv0": (3 * h, h), "o0": (h, h), "gu0": (2 * f, h), "down0": (h, f), "qkv1": (3 * h, h), "o1": (h, h),
+        "gu1": (2 * f, h), "down1": (h, f), "lm": (v, h), "ln": (h,)}.items()}  # fmt: skip
+
+    def node(op: str, ins: list[str], layer: int | None = None, **attrs: int) -> O.Node:
+        return O.Node(op, "onnxgen", f"{op}{len(nodes)}", ins, [f"y{len(nodes)}"], dict(attrs), layer=layer)
+
+    nodes: list[O.Node] = []
+    for spec in [("RmsLinear", ["x", "", "ln", "qkv0"], None, {"_transposed": 1}),
+                 ("GroupQueryAttention", ["q"], 0, {}), ("Linear", ["a", "o0"], None, {"_transposed": 1}),
+                 ("RmsLinear", ["x", "s", "ln", "gu0"], None, {"_transposed": 1, "silu": 1}),
+                 ("Linear", ["m", "down0"], None, {"_transposed": 1}),
+                 ("RmsLinear", ["x", "s", "ln", "qkv1"], None, {"_transposed": 1}),
+                 ("GroupQueryAttention", ["q"], 1, {}), ("Linear", ["a", "o1"], None, {"_transposed": 1}),
+                 ("LinearSiluMul", ["x", "gu1"], None, {"_transposed": 1}),
+                 ("Linear", ["m", "down1"], None, {"_transposed": 1}),
+                 ("RmsLinear", ["x", "s", "ln", "lm"], None, {"_transposed": 1}),
+                 ("Linear", ["z", "o1"], None, {"_transposed": 1})]:  # o1 read again: asked for once
+        nodes.append(node(spec[0], spec[1], spec[2], **spec[3]))
+
+    def rng(name: str, start: int = 0, nbytes: int | None = None) -> tuple[int, int]:
+        t = w[name]
+        return t.data_ptr() + start, t.numel() * 2 if nbytes is None else nbytes
+
+    whole = l2_prefetch_plan(nodes, w, 1 << 30)
+    assert sorted(whole) == [1, 6]
+    assert whole[1] == [rng("o0"), rng("gu0"), rng("down0"), rng("qkv1")]
+    assert whole[6] == [rng("o1"), rng("gu1"), rng("down1"), rng("lm")]
+    gu = w["gu0"].numel() * 2
+    budget = 2 * h * h + gu // 2 + 100  # o0 whole, then half of [gate; up]: a quarter of it from each half
+    part = (budget - 2 * h * h) // 2 // 16 * 16
+    assert l2_prefetch_plan(nodes, w, budget)[1] == [rng("o0"), rng("gu0", 0, part), rng("gu0", gu // 2, part)]
+    cut = 2 * h * h + gu + 1000  # into down0: a prefix of it
+    assert l2_prefetch_plan(nodes, w, cut)[1] == [rng("o0"), rng("gu0"), rng("down0", 0, 1000 // 16 * 16)]
+    small = {k: t[:1] if k.startswith("o") else t for k, t in w.items()}  # under PREFETCH_MIN_WEIGHT
+    assert l2_prefetch_plan(nodes, small, 1 << 30)[1][0] == rng("gu0")
+    assert l2_prefetch_plan(nodes, w, 0) == {}
