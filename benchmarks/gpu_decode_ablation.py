@@ -14,8 +14,6 @@ products before them, `lowering._residual_into_product`; the GEMV loads x as a v
 shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
 asking the per-shape timing (which may pick the norm kernel and the plain product); `pipelined`: decode
 attention two pipeline stages deep however short its key splits (`paged.SHORT_BLOCKS` 0; the same bits);
-`pfN` (N an integer): each decode attention asks the L2 for N MB of the weights read after it
-(`kernels.L2_PREFETCH`; the same bits);
 `torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick
 inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens
 decoded (captures and per-shape choices happen as usual), then the batch-1 decode graph the decoding replayed
@@ -88,10 +86,6 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
 
         saved.append((paged, "SHORT_BLOCKS", paged.SHORT_BLOCKS))
         paged.SHORT_BLOCKS = 0
-    for part in parts:  # pfN: decode attention asks the L2 for N MB of the weights after it (kernels.L2_PREFETCH)
-        if part.startswith("pf") and part[2:].isdigit():
-            saved.append((kernels, "L2_PREFETCH", kernels.L2_PREFETCH))
-            kernels.L2_PREFETCH = int(part[2:]) << 20
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

@@ -3,9 +3,8 @@
     python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1
 
 Reads the run's table (`| shape | removed | decode graph ms | ...`), takes each variant's median graph time
-per shape, sums them over the shapes and prints the settings of the variant with the least (`fold` and the
-L2 prefetch `pfN`, each off where the variant does not name it; `gpu_session.sh pick`). Exits 1 when the
-table has no `none` row.
+per shape, sums them over the shapes and prints the settings of the variant with the least (`none` or `fold`;
+`gpu_session.sh pick`). Exits 1 when the table has no `none` row.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ def pick(lines: list[str]) -> str | None:
     total = {v: sum(statistics.median(t[s]) for s in shapes) for v, t in times.items() if set(t) >= shapes}
     best = min(total, key=lambda v: total[v])
     parts = set(best.split("+"))
-    mb = next((p[2:] for p in parts if p.startswith("pf") and p[2:].isdigit()), "0")
-    return " ".join([f"{env}={int(name in parts)}" for name, env in SETTINGS.items()] + [f"ONNXGEN_L2_PREFETCH_MB={mb}"])
+    return " ".join(f"{env}={int(name in parts)}" for name, env in SETTINGS.items())
 
 
 def main() -> int:

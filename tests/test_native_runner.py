@@ -196,36 +196,6 @@ def test_cuda_short_context_decode_graph_gives_the_bits_of_the_graph_for_any_len
 
 
 @pytest.mark.gpu
-def test_cuda_l2_prefetch_changes_no_bit_of_prefill_or_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the L2 prefetch on (`kernels.L2_PREFETCH`), every attention of the lowered program asks for the
-    weights after it, and a prefill, graph-replayed decodes and an eager batch-2 decode give the bits of the
-    same runner without it (a prefetch is a hint: no value may change)."""
-    from onnxgen.backends.native import kernels
-    from onnxgen.convert.synthetic import SyntheticConfig, write_package
-
-    cfg = SyntheticConfig(num_layers=3, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=512,
-                          vocab_size=384, dtype="bfloat16", context_length=1024)  # fmt: skip
-    spec = load_spec(write_package(tmp_path / "pkg", cfg))
-    logits = {}
-    for budget in (0, 1 << 20):
-        monkeypatch.setattr(kernels, "L2_PREFETCH", budget)
-        gpu = NativeRunner(spec, "cuda", kv_bytes=32 << 20, max_batch=2)
-        planned = gpu.program.info["l2_prefetch"]
-        assert (sorted(planned), min(planned.values(), default=0)) == (([0, 1, 2], 1 << 20) if budget else ([], 0))
-        toks = _tokens(40, 3, spec.vocab_size)
-        pages = list(range(8))
-        got = [gpu.run(BatchStep((SeqChunk(toks[:30], 0, pages),)))[0].clone()]
-        for p in range(30, 36):
-            got.append(gpu.run(BatchStep((SeqChunk([toks[p]], p, pages),)))[0].clone())
-        two = BatchStep((SeqChunk([toks[36]], 36, pages), SeqChunk(toks[:5], 0, list(range(8, 12)))))
-        got += [r.clone() for r in gpu.run(two)]
-        assert gpu.steps["graph"] >= 6
-        logits[budget] = got
-    for a, b in zip(logits[0], logits[1 << 20], strict=True):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_decode_steps_equal_each_sequence_alone(tmp_path: Path, dtype: str) -> None:
     """Decode steps replayed from CUDA graphs (batch sizes changing inside one bucket, so padding rows

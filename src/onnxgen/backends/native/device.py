@@ -120,15 +120,11 @@ def int4_mode(int4: str | None) -> str:
 
 def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Program:
     """Decoders of one package on one device share the lowered program (and so the weights); `int4` as
-    `int4_mode` reads it. The L2 prefetch budget (`kernels.L2_PREFETCH`, planned at lowering) is part of
-    the key."""
-    from onnxgen.backends.native import kernels
-
+    `int4_mode` reads it."""
     int4 = int4_mode(int4)
     path = spec.decoder_path
     st = path.stat()
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name, int4,
-           kernels.L2_PREFETCH)  # fmt: skip
+    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name, int4)
     prog = _PROGRAMS.get(key)
     if prog is None:
         prog = lower(path, spec, dev, int4)

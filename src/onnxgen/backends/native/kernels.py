@@ -195,14 +195,6 @@ winning for every product: 176 -> 152 kernels a step; benchmarks/gpu_decode_abla
 `ONNXGEN_NORM_LATE=0` turns it off. Read at each launch and part of the per-shape choice's key."""
 
 
-L2_PREFETCH = int(float(os.environ.get("ONNXGEN_L2_PREFETCH_MB", "0")) * 2**20)
-"""Bytes of the weights that the products after an attention read (the output projection, then gate/up,
-down, the next layer's QKV, in order) which each decode-size paged attention launch asks the L2 to prefetch
-before it waits for its inputs (`lowering.l2_prefetch_plan`, `triton_kernels.l2_prefetch`; Hopper): while
-the attention and its combine wait on latency, HBM keeps streaming weights. 0 (the default until measured)
-turns it off; `ONNXGEN_L2_PREFETCH_MB` sets it. Read when a package is lowered."""
-
-
 FOLD_ALWAYS = os.environ.get("ONNXGEN_FOLD_NORMS", "0") == "1"
 """Whether every RMSNorm folds into the product after it without the per-shape timing against the norm
 kernel + plain product (`ONNXGEN_FOLD_NORMS=1`): timed alone, the separate norm kernel may look cheaper

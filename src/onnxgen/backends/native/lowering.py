@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native import kernels
 from onnxgen.backends.native import ops as O
 from onnxgen.backends.native.weights import ExternalData, tensor_from_proto
 from onnxgen.errors import NotCapturable, UnsupportedModel, UnsupportedOp
@@ -182,12 +181,6 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
             weight_bytes += t.numel() * t.element_size()
     del consts, memo
 
-    prefetched: dict[int, int] = {}
-    if device.type == "cuda" and kernels.L2_PREFETCH > 0:
-        for i, ranges in l2_prefetch_plan(nodes, placed, kernels.L2_PREFETCH).items():
-            nodes[i].attrs["_prefetch"] = torch.tensor(ranges, dtype=torch.int64, device=device)
-            prefetched[int(nodes[i].layer or 0)] = sum(n for _, n in ranges)
-
     # Slots.
     slot: dict[str, int] = {}
 
@@ -223,53 +216,8 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
         steps=steps, nslots=len(slot), consts=const_slots, input_slots=input_slots, logits_slot=logits_slot,
         kv_layers=spec.num_layers, uses_attention_mask=uses_mask, static_ok=static_ok and not uses_mask,
         weight_bytes=weight_bytes,
-        info={"ops": sorted({f"{n.domain + '::' if n.domain else ''}{n.op}" for n in nodes}), "steps": len(steps),
-              "l2_prefetch": prefetched},
+        info={"ops": sorted({f"{n.domain + '::' if n.domain else ''}{n.op}" for n in nodes}), "steps": len(steps)},
     )  # fmt: skip
-
-
-PREFETCH_MIN_WEIGHT = 1 << 16  # bytes: smaller constants (norm weights, biases) are not worth a request
-
-
-def l2_prefetch_plan(nodes: list[O.Node], placed: dict[str, torch.Tensor],
-                     budget: int) -> dict[int, list[tuple[int, int]]]:  # fmt: skip
-    """For each attention node (bound to a KV layer; its index in `nodes`), the byte ranges `(address,
-    bytes)` of the constant weights (`placed`, of at least `PREFETCH_MIN_WEIGHT` bytes) that the nodes after
-    it read up to the next attention, in the order they are read, `budget` bytes at most: whole weights
-    while they fit, then a prefix of the first that does not — of each half of a merged `[gate; up]` weight
-    (its programs read the two halves' rows together). Each weight once; addresses and sizes are multiples of
-    16 bytes (what `triton_kernels.l2_prefetch` asks for). An attention with nothing to prefetch is left out."""
-    attn = [i for i, n in enumerate(nodes) if n.layer is not None and n.kv_role is None]
-    plans: dict[int, list[tuple[int, int]]] = {}
-    for a, i in enumerate(attn):
-        end = attn[a + 1] if a + 1 < len(attn) else len(nodes)
-        ranges: list[tuple[int, int]] = []
-        seen: set[int] = set()
-        left = budget
-        for n in nodes[i + 1 : end]:
-            halves = bool(n.attrs.get("_transposed", 0)) and (
-                n.op == "LinearSiluMul" or (n.op == "RmsLinear" and bool(n.attrs.get("silu", 0))))  # fmt: skip
-            for name in n.inputs:
-                t = placed.get(name)
-                nbytes = t.numel() * t.element_size() if t is not None else 0
-                if t is None or nbytes < PREFETCH_MIN_WEIGHT or t.data_ptr() in seen or left < 16:
-                    continue
-                seen.add(t.data_ptr())
-                if nbytes <= left:
-                    ranges.append((t.data_ptr(), nbytes // 16 * 16))
-                    left -= nbytes
-                elif halves and t.dim() == 2:  # `[gate; up]`: a prefix of each half's rows
-                    half = nbytes // 2
-                    part = left // 2 // 16 * 16
-                    ranges += [(t.data_ptr(), part), (t.data_ptr() + half, part)] if half % 16 == 0 else []
-                    left = 0
-                else:
-                    ranges.append((t.data_ptr(), left // 16 * 16))
-                    left = 0
-        ranges = [(p, b) for p, b in ranges if b > 0 and p % 16 == 0]
-        if ranges:
-            plans[i] = ranges
-    return plans
 
 
 def _is_host(t: torch.Tensor) -> bool:

@@ -122,16 +122,14 @@ def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> Non
 
 
 def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
-              window: int = -1, prefetch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              window: int = -1) -> torch.Tensor:  # fmt: skip
     """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
     this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
-    torch reference elsewhere. `prefetch` (CUDA): the weight ranges the products after this attention read
-    (`lowering.l2_prefetch_plan`), asked of the L2 by a decode-size launch (`attention_triton`); no value
-    depends on it."""
+    torch reference elsewhere."""
     from onnxgen.backends.native import kernels
 
     if kernels.use_triton(q):
-        return attention_triton(ps, layer, q, scale, softcap, window, prefetch=prefetch)
+        return attention_triton(ps, layer, q, scale, softcap, window)
     return attention_ref(ps, layer, q, scale, softcap, window)
 
 
@@ -216,16 +214,14 @@ def short_keys(items: int, group: int, d: int, plan: int, device: torch.device) 
 
 
 def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
-                     window: int = -1, nsplit: int | None = None, tile: Tile | None = None,
-                     prefetch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                     window: int = -1, nsplit: int | None = None,
+                     tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
     """The Triton path of `attention`. `nsplit` (tests, benchmarks): the number of key splits; by default
     `splits_for`'s over `ps.plan_len` (a captured step's host shapes: the whole context). Each work item
     splits its own keys (the longest of its rows) into `nsplit` parts of whole key blocks, on the device:
     a sequence's split depends on its own length only. `tile` (benchmarks): the kernel's tile instead of
     `tile_for`'s. Several splits: their partial results go to scratch buffers and a second launch
-    (`triton_paged.paged_combine_kernel`) merges them into the output. `prefetch` (int64 `[R, 2]` on the
-    device: address, bytes): a decode-size launch on a GPU first asks the L2 for those ranges
-    (`triton_kernels.l2_prefetch`), the weights of the products that follow, while HBM would idle."""
+    (`triton_paged.paged_combine_kernel`) merges them into the output."""
     from onnxgen.backends.native import kernels
     from onnxgen.backends.native import triton_paged as tp
 
@@ -250,14 +246,13 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     acc = qc if direct else torch.empty((w, hkv, nsplit, block_m, dp), dtype=torch.float32, device=q.device)
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
     one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
-    npf = prefetch.shape[0] if prefetch is not None and decode_size and q.is_cuda else 0
     tp.paged_attn_kernel[(w, hkv, nsplit)](
         qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
-        prefetch if npf else ps.seq_lens_t, float(scale) * _LOG2E, float(softcap), int(window),
-        ps.page_table.shape[1], nsplit, kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1),
-        N=n, G=g, D=d, DP=dp, PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
-        SOFTCAP=softcap > 0, IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, NPF=npf, LANES=32 * warps,
-        num_warps=warps, num_stages=stages, **kernels.launch_options(q),
+        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
+        kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
+        PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, num_warps=warps, num_stages=stages,
+        **kernels.launch_options(q),
     )  # fmt: skip
     if not direct:
         nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits a combine program loads at once

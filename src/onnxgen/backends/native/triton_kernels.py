@@ -28,35 +28,6 @@ def pdl_begin(PDL: tl.constexpr):
         gdc_wait()
 
 
-PREFETCH_MIN_CHUNK = tl.constexpr(16384)  # bytes: no L2 prefetch request asks for less (`l2_prefetch`)
-
-
-@triton.jit
-def l2_prefetch(PF, NPF: tl.constexpr, LANES: tl.constexpr):
-    """Ask the L2 for `NPF` byte ranges (`PF`: int64 `[NPF, 2]`, each range's address and byte count, both
-    multiples of 16) that later kernels will read: the launch's programs share each range out, one chunk
-    per warp (`LANES` = the program's threads), and the first lane of each warp issues one
-    `cp.async.bulk.prefetch.L2` (Hopper: the copy engine fetches the whole chunk) — one request per warp,
-    since the instruction takes uniform operands and the compiler loops over the lanes that differ. Nothing
-    waits for them and no value changes: a hint that keeps HBM streaming constant weights while a
-    latency-bound kernel runs (`kernels.L2_PREFETCH`)."""
-    np1 = tl.num_programs(1)
-    np2 = tl.num_programs(2)
-    pid = (tl.program_id(0) * np1 + tl.program_id(1)) * np2 + tl.program_id(2)
-    chunks = (tl.num_programs(0) * np1 * np2).to(tl.int64) * (LANES // 32)
-    lane = tl.arange(0, LANES)
-    idx = pid.to(tl.int64) * (LANES // 32) + lane // 32  # this warp's chunk
-    for i in tl.static_range(NPF):
-        base = tl.load(PF + 2 * i)
-        nbytes = tl.load(PF + 2 * i + 1)
-        chunk = tl.maximum((nbytes + 16 * chunks - 1) // (16 * chunks) * 16, PREFETCH_MIN_CHUNK)
-        off = idx * chunk
-        size = tl.where(lane % 32 == 0, tl.minimum(tl.maximum(nbytes - off, 0), chunk), 0).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [base + off, size], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
 @triton.jit
 def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)

@@ -11,13 +11,7 @@ sequence's keys, reading them page by page through the page table. Scores are ke
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.triton_kernels import (
-    gdc_launch_dependents,
-    gdc_wait,
-    l2_prefetch,
-    pdl_begin,
-    softmax_block,
-)
+from onnxgen.backends.native.triton_kernels import pdl_begin, softmax_block
 
 
 @triton.jit
@@ -38,21 +32,14 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, PF, qk_scale, softcap, window, MAXP, NSPLIT,
+def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
                       sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      NPF: tl.constexpr, LANES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      PDL: tl.constexpr):  # fmt: skip
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
-    writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`.
-    `NPF` > 0: first the L2 prefetch of the weights the products after this attention read (`PF`,
-    `triton_kernels.l2_prefetch`), before the PDL wait (constant weights: no kernel writes them)."""
-    if PDL:
-        gdc_launch_dependents()
-    if NPF > 0:
-        l2_prefetch(PF, NPF, LANES)
-    if PDL:
-        gdc_wait()
+    writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`."""
+    pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
     sp = tl.program_id(2)  # split of the keys

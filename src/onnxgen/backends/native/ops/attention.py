@@ -39,15 +39,14 @@ _FLASH = [True]  # cleared if this torch build cannot run flash attention on our
 
 def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *, scale: float,
            softcap: float = 0.0, window: int = -1, bias: torch.Tensor | None = None,
-           mask: torch.Tensor | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+           mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Append `k`/`v` (`[1, Hkv, S, D]`; None when already written) to layer `layer`'s KV and attend
     `q` (`[1, N, S, D]`) over it.
 
     Causal, aligned bottom-right: query i (absolute position pos0 + i) sees keys j <= pos0 + i, and with
     `window` > 0 only the last `window` of them, j > pos0 + i - window (onnxruntime's local_window_size).
     `bias` is added to the scores; `mask` (bool, True = keep, or additive float) is combined with the
-    causal mask. Returns `[1, N, S, D]`. `prefetch`: the L2 prefetch ranges a paged decode step's attention
-    launch asks for (`paged.attention`; the node's `_prefetch`, `lowering.l2_prefetch_plan`)."""
+    causal mask. Returns `[1, N, S, D]`."""
     kv = ctx.kv
     s = q.shape[2]
     if ctx.paged is not None:  # a ragged batch: each token attends over its own sequence's pages
@@ -55,7 +54,7 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: 
             raise NotImplementedError("an attention bias or mask in a batched step")
         if k is not None:  # None: the caller already wrote this step's k/v at the step's slots
             paged.write_kv(ctx.paged, layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        o = paged.attention(ctx.paged, layer, q[0].transpose(0, 1), scale, softcap, window, prefetch)
+        o = paged.attention(ctx.paged, layer, q[0].transpose(0, 1), scale, softcap, window)
         return o.transpose(0, 1).unsqueeze(0)
     if ctx.static:
         if bias is not None or mask is not None:
@@ -150,7 +149,6 @@ def _gqa(node: Node) -> Fn:
     kn_eps = float(node.attr("k_norm_epsilon", node.attr("qk_norm_epsilon", 1e-6)))
     layer = node.layer
     assert layer is not None
-    pf = node.attr("_prefetch")  # L2 prefetch ranges (`lowering.l2_prefetch_plan`)
 
     def f(ctx: RunCtx, query: Any, key: Any = None, value: Any = None, _pk: Any = None, _pv: Any = None,
           _seqlens: Any = None, _total: Any = None, cos_c: Any = None, sin_c: Any = None, _pos: Any = None,
@@ -175,8 +173,7 @@ def _gqa(node: Node) -> Fn:
             bias, = same_device(ctx, bias)  # fmt: skip
         if key is None and layer in ctx.prepared:  # the QKV product rotated q and k and wrote k and v
             q = query[..., : n * d].reshape(b, s, n, d).transpose(1, 2)
-            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias,
-                       prefetch=pf)
+            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if key is None and do_rotary and qnw is None:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
@@ -184,8 +181,7 @@ def _gqa(node: Node) -> Fn:
             slots = ctx.paged.slots if ctx.paged is not None else None
             q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved,
                                        slots=slots, token_major=ctx.paged is not None)  # fmt: skip
-            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias,
-                       prefetch=pf)
+            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:
             pos = ctx.positions
@@ -193,7 +189,7 @@ def _gqa(node: Node) -> Fn:
             sin = sin_c.index_select(0, pos).unsqueeze(1)
             q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
         o = attend(ctx, layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                   softcap=softcap, window=window, bias=bias, prefetch=pf)  # fmt: skip
+                   softcap=softcap, window=window, bias=bias)  # fmt: skip
         return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
 
     return f
@@ -208,7 +204,6 @@ def _attention23(node: Node) -> Fn:
     causal = int(node.attr("is_causal", 0))
     layer = node.layer
     assert layer is not None
-    pf = node.attr("_prefetch")  # L2 prefetch ranges (`lowering.l2_prefetch_plan`)
 
     def f(ctx: RunCtx, q: Any, k: Any, v: Any, mask: Any = None, *_: Any) -> tuple[Any, ...]:
         three = q.dim() == 3
@@ -227,7 +222,7 @@ def _attention23(node: Node) -> Fn:
                 mask = mask.to(q4.device)
         if not causal and mask is None and q4.shape[2] > 1:
             raise NotImplementedError("non-causal Attention without a mask over a KV cache")
-        o = attend(ctx, layer, q4, k4, v4, scale=scale, softcap=softcap, mask=mask, prefetch=pf)
+        o = attend(ctx, layer, q4, k4, v4, scale=scale, softcap=softcap, mask=mask)
         if three:
             o = o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
         return (o, None, None, None)
