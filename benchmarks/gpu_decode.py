@@ -86,17 +86,22 @@ def decode_graph(runner: Any, kv_len: int) -> Any:
 
 
 def replay_ms(runner: Any, kv_len: int, reps: int = 200) -> float:
+    """GPU ms per decode step of back-to-back replays of `decode_graph`'s graph — its several-step version
+    (`_Graph.multi`, what greedy runs replay) where it has one, per step."""
+    from onnxgen.backends.native import runner as rn
+
     g = decode_graph(runner, kv_len)
-    for _ in range(20):
-        g.graph.replay()
+    graph, steps = (g.multi, rn.RUN_GRAPH_STEPS) if g.multi is not None else (g.graph, 1)
+    for _ in range(20 // steps):
+        graph.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     a.record()
-    for _ in range(reps):
-        g.graph.replay()
+    for _ in range(reps // steps):
+        graph.replay()
     b.record()
     b.synchronize()
-    return a.elapsed_time(b) / reps
+    return a.elapsed_time(b) / (reps // steps * steps)
 
 
 def kernels(runner: Any, kv_len: int, reps: int = 20) -> dict[str, Any]:

@@ -14,6 +14,9 @@ products before them, `lowering._residual_into_product`; the GEMV loads x as a v
 shared memory, `kernels.X_IN_TILE` off; `fold`: every RMSNorm folded into the product after it, without
 asking the per-shape timing (which may pick the norm kernel and the plain product); `pipelined`: decode
 attention two pipeline stages deep however short its key splits (`paged.SHORT_BLOCKS` 0; the same bits);
+`steps1`: decode graphs one step deep only (`runner.RUN_GRAPH_STEPS` 1: the time is then the one-step graph's,
+otherwise the several-step graph's per step, which greedy runs replay); `torchgather`: the token embedding
+gathered by torch instead of `kernels.embedding` (which takes part in programmatic dependent launch);
 `torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick
 inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens
 decoded (captures and per-shape choices happen as usual), then the batch-1 decode graph the decoding replayed
@@ -86,6 +89,16 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
 
         saved.append((paged, "SHORT_BLOCKS", paged.SHORT_BLOCKS))
         paged.SHORT_BLOCKS = 0
+    if "steps1" in parts:  # decode graphs one step deep only (no several-step graphs: runner.RUN_GRAPH_STEPS)
+        from onnxgen.backends.native import runner
+
+        saved.append((runner, "RUN_GRAPH_STEPS", runner.RUN_GRAPH_STEPS))
+        runner.RUN_GRAPH_STEPS = 1
+    if "torchgather" in parts:  # the embedding gathered by torch (no programmatic dependent launch)
+        import torch.nn.functional as F
+
+        saved.append((kernels, "embedding", kernels.embedding))
+        kernels.embedding = F.embedding
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

@@ -193,13 +193,15 @@ def test_decode_steps_validated(tiny_dir: Path) -> None:
 
 @pytest.mark.gpu
 def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path) -> None:
-    """On CUDA each step of a run replays the captured decode graph with its ids copied on the device."""
+    """On CUDA each step of a run replays the captured decode graph with its ids copied on the device (greedy
+    runs: several steps a replay where they fit, `runner.RUN_GRAPH_STEPS`)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (runs on the GPU host)")
     m = onnxgen.load(str(tiny_dir), backend="native", device="cuda")
-    assert m.decode_steps == 8 and m.executor.runner.cuda_graphs
+    runner = m.executor.runner
+    assert m.decode_steps == 8 and runner.cuda_graphs
     # runs of 40 steps: longer than a graph's token record (RUN_TOKENS), across page boundaries
     for steps, lengths, longest in ((8, (13, 30, 7, 22), 8), (40, (45, 60, 38, 50), 37)):
         for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
@@ -210,6 +212,7 @@ def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path) -> None:
             m.executor.launch_decodes = spy._inner
             same(got, ref)
             assert spy.runs and max(spy.runs) == longest  # the first run: all 4 decode, 37 to go for one
+    assert runner.steps["multi"] > 0  # greedy runs replayed the several-step decode graphs (RUN_GRAPH_STEPS)
     m.close()
 
 

@@ -547,3 +547,23 @@ def test_slice_before_the_lm_head_passes_every_row_through_without_a_copy() -> N
     assert f(RunCtx(None, -1, 3, None, last=torch.arange(3)), x)[0] is x
     assert torch.equal(f(RunCtx(None, -1, 3, None, last=torch.tensor([0, 2])), x)[0], x[:, [0, 2]])
     assert torch.equal(f(RunCtx(None, 0, 3, None), x)[0], x[:, 2:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_gathers_the_rows_of_its_ids(dtype: torch.dtype) -> None:
+    """`kernels.embedding` (the Gather of token ids from the embedding table: Triton on CUDA or under the
+    interpreter, torch elsewhere) returns the table's rows by indexing, in the ids' shape, for int64 and int32
+    ids, a width that is not a whole number of column blocks, and no ids; on a Triton device an id outside
+    the table reads zeros."""
+    from onnxgen.backends.native import kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w = torch.randn(50, 1100, generator=torch.Generator().manual_seed(0)).to(dtype).to(dev)
+    ids = torch.tensor([[3, 0, 49, 3, 17]], device=dev)
+    for idx in (ids, ids.to(torch.int32), ids[:, :0]):
+        got = kernels.embedding(idx, w)
+        assert got.shape == (*idx.shape, 1100) and got.dtype == dtype
+        assert torch.equal(got, w[idx.long()])
+    if kernels.use_triton(w):
+        bad = kernels.embedding(torch.tensor([1, 50, -1, 2], device=dev), w)
+        assert torch.equal(bad[[0, 3]], w[[1, 2]]) and not bad[1:3].any()

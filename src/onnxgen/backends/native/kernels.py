@@ -139,6 +139,25 @@ def rms_norm(
     # pragma: cuda-end
 
 
+def embedding(idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rows `idx` (integer ids, any shape) of the table `w` `[V, H]`: `F.embedding`'s values, shape
+    `idx.shape + (H,)`. On a Triton device one launch that, unlike torch's gather, takes part in
+    programmatic dependent launch (`launch_options`): a decode step's first kernel then overlaps the launch of
+    the next instead of ending the chain; an id outside `[0, V)` reads a row of zeros there (torch raises)."""
+    if not use_triton(w) or w.dim() != 2 or not w.is_contiguous() or idx.device != w.device:
+        return F.embedding(idx, w)
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
+    ids = idx.reshape(-1)
+    v, h = w.shape
+    out = torch.empty((ids.numel(), h), dtype=w.dtype, device=w.device)
+    block = min(1024, max(16, 1 << (h - 1).bit_length()))
+    if ids.numel():
+        _TRITON["embedding"][(ids.numel(), triton_cdiv(h, block))](ids, w, out, v, h, BLOCK=block, num_warps=4,
+                                                                   **launch_options(w))  # fmt: skip
+    return out.reshape(*idx.shape, h)
+    # pragma: cuda-end
+
+
 def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`silu(g) * u`, computed in float32 and rounded once to g's dtype. With `out=g` the result
     overwrites `g` (callers guarantee nobody else reads it)."""
@@ -778,4 +797,4 @@ def _build() -> None:  # pragma: cuda (Triton only)
                "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel, "gemv": tg.gemv_kernel,
                "argmax_part": tk.argmax_part_kernel,
                "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel, "skinny": ts.skinny_kernel,
-               "copy_prefix": tk.copy_prefix_kernel}  # fmt: skip
+               "copy_prefix": tk.copy_prefix_kernel, "embedding": tk.embedding_kernel}  # fmt: skip

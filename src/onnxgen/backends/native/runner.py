@@ -63,6 +63,13 @@ GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode st
 PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1024)
 VERIFY_GRAPH_TOKENS = (4, 8, 16)  # one sequence's last sample + drafts, a logits row per position
 RUN_TOKENS = 32  # a decode graph records the chosen tokens of this many consecutive replays
+RUN_GRAPH_STEPS = int(os.environ.get("ONNXGEN_RUN_GRAPH_STEPS", "4"))
+"""Decode graphs of up to `RUN_GRAPH_BATCH` sequences are also captured `RUN_GRAPH_STEPS` decode steps deep
+(`_Graph.multi`, the step's body that many times over in one graph), which greedy runs replay where they
+can (`_graph_decodes`): no graph boundary between those steps — each replay's last kernel ends the chain of
+programmatic dependent launches, and the next replay starts only once it has finished. 1 turns it off
+(`ONNXGEN_RUN_GRAPH_STEPS`); read at load. Must divide `RUN_TOKENS`."""
+RUN_GRAPH_BATCH = 8
 # a batch size whose attention runs unpipelined up to at least this many keys (`paged.short_keys`) gets a
 # second decode graph, replayed while its sequences stay that short
 SHORT_GRAPH_KEYS = 1024
@@ -115,6 +122,7 @@ class _Graph:
     # the KV length its attention's pipeline depth is chosen for (0: the context; `paged.SHORT_BLOCKS`); the
     # key splits are the context's either way, so the graph is right for any length
     keys: int = 0
+    multi: Any = None  # decode graphs: the same step `RUN_GRAPH_STEPS` times over in one graph (or None)
 
 
 @dataclass
@@ -185,7 +193,7 @@ class NativeRunner:
         if on and max_batch > GRAPH_BATCHES[-1]:
             self._graph_batches.append(max_batch)
         self._graph_chunks = [m for m in PREFILL_GRAPH_TOKENS if m <= spec.context_length] if on else []
-        self.steps = {"graph": 0, "eager": 0}
+        self.steps = {"graph": 0, "eager": 0, "multi": 0}  # "multi": replays of `RUN_GRAPH_STEPS`-step graphs
         with self.device_lock:
             for key in [*((b, 1) for b in self._graph_batches), *((1, m) for m in self._graph_chunks)]:
                 if not self.cuda_graphs:  # a capture failed: graphs are off
@@ -304,26 +312,37 @@ class NativeRunner:
         """`k` decode steps as `k` replays of the decode graph: the first uploads the inputs (page tables for
         the whole run; `first`: its token ids on the device); each replay then chooses its greedy tokens and
         advances the inputs to the next step on the device (`_graph_body`), so the host only enqueues
-        replays. Greedy rows take the tokens the graph recorded (copied out every `RUN_TOKENS` steps);
-        otherwise `choose` picks each step's tokens from the logits rows, which replace the greedy ids before
-        the next replay."""
+        replays. Greedy rows take the tokens the graph recorded (copied out every `RUN_TOKENS` steps), and
+        after the first step replay the `RUN_GRAPH_STEPS`-step graph (`_Graph.multi`) wherever its steps fit
+        before the run's end and within one token record; otherwise `choose` picks each step's tokens from the
+        logits rows, which replace the greedy ids before the next replay."""
         b = len(step.seqs)
         toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
         greedy = bool(getattr(choose, "greedy", False))
         rows = g.out.reshape(g.batch, -1)[:b]
-        for j in range(k):
+        j = 0
+        while j < k:
+            n = 1
             if j == 0:
                 self._run_graph(g, step, first, raw=True, run=k)
+            elif greedy and g.multi is not None and j + RUN_GRAPH_STEPS <= k \
+                    and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS:  # fmt: skip  # within one token record
+                n = RUN_GRAPH_STEPS
+                g.multi.replay()
+                self.steps["graph"] += n
+                self.steps["multi"] += 1
             else:
                 g.graph.replay()
                 self.steps["graph"] += 1
+            last = j + n - 1
             if not greedy:
                 toks[j] = choose(rows, offset + j)
                 if j < k - 1:
                     g.wide[:b].copy_(toks[j])
-            elif (j + 1) % RUN_TOKENS == 0 or j == k - 1:
-                j0 = j - j % RUN_TOKENS
-                toks[j0 : j + 1] = g.toks[: j + 1 - j0, :b]
+            elif (last + 1) % RUN_TOKENS == 0 or last == k - 1:
+                j0 = last - last % RUN_TOKENS
+                toks[j0 : last + 1] = g.toks[: last + 1 - j0, :b]
+            j += n
         return toks
 
     # --- eager -------------------------------------------------------------------------------------
@@ -474,6 +493,11 @@ class NativeRunner:
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 g.out = self._graph_body(g, ps)
             g.graph, g.step = graph, ps
+            if g.toks is not None and RUN_GRAPH_STEPS > 1 and batch <= RUN_GRAPH_BATCH:
+                g.multi = torch.cuda.CUDAGraph()  # its outputs are never read: greedy runs read `toks`
+                with torch.cuda.graph(g.multi, pool=pool, capture_error_mode="thread_local"):
+                    for _ in range(RUN_GRAPH_STEPS):
+                        self._graph_body(g, ps)
             if rows == batch and not keys:
                 self._graphs[(batch, tokens)] = g
             return g

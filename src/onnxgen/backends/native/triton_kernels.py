@@ -44,6 +44,19 @@ def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def embedding_kernel(IDS, W, OUT, V, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row `program_id(0)` of OUT = row `IDS[i]` of W `[V, H]` (`program_id(1)`: which BLOCK columns); an id
+    outside `[0, V)` gives a row of zeros."""
+    pdl_begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tok = tl.load(IDS + row).to(tl.int64)
+    ok = (tok >= 0) & (tok < V)
+    x = tl.load(W + tok * H + cols, mask=(cols < H) & ok, other=0.0)
+    tl.store(OUT + row * H + cols, x, mask=cols < H)
+
+
+@triton.jit
 def silu_mul_kernel(G, U, OUT, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
