@@ -42,21 +42,6 @@ WORKLOADS = {
 }
 
 
-CONFIRM_SUFFIXES = {"o": 0, "c": 1}  # a run length's suffix: that `drafts.CUDA_CONFIRM` instead of the default
-
-
-def run_policy(spec: str) -> tuple[int, int, str]:
-    """`--spec-runs` entry `spec` (e.g. "2", "2o", "2c") -> (decode steps per run while copying, the
-    `drafts.CUDA_CONFIRM` to set, a label)."""
-    suffix = spec[-1] if spec[-1] in CONFIRM_SUFFIXES else ""
-    confirm = CONFIRM_SUFFIXES.get(suffix, DEFAULT_CONFIRM)
-    note = {0: ", unconfirmed stops", 1: ", stops confirmed once"}.get(confirm, "") if suffix else ""
-    return int(spec.removesuffix(suffix) if suffix else spec), confirm, f"runs of {spec.rstrip('oc')}{note}"
-
-
-DEFAULT_CONFIRM = drafts.CUDA_CONFIRM
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None)
@@ -66,8 +51,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
-                    "(a trailing o: no chance-match confirmation, c: a match confirmed by one token instead of "
-                    "`drafts.CUDA_CONFIRM`): "
+                    "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation): "
                     "one contender each (default: the engine's)")
     args = ap.parse_args()
     path = str(resolve_model_path(args.model))
@@ -82,10 +66,10 @@ def main() -> int:
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]
 
-        def go(spec, msgs=msgs, run=None, confirm=DEFAULT_CONFIRM):
+        def go(spec, msgs=msgs, run=None, old=False):
             if run is not None:
                 model.spec_decode_steps = run
-            drafts.CUDA_CONFIRM = confirm
+            drafts.CUDA_CONFIRM = not old
             t0 = time.perf_counter()
             r = model.generate(msgs, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
             return r, r.stats.generated_tokens / (time.perf_counter() - t0)
@@ -93,12 +77,10 @@ def main() -> int:
         runs = [v.strip() for v in args.spec_runs.split(",")] if args.spec_runs else [None]
         contenders = {"plain": lambda: go(False)}
         for run in runs:
-            if run is None:
-                contenders["spec"] = lambda: go("prompt_lookup")
-                continue
-            steps, confirm, label = run_policy(run)
-            contenders[f"spec ({label})"] = lambda steps=steps, confirm=confirm: go("prompt_lookup", run=steps,
-                                                                                    confirm=confirm)  # fmt: skip
+            old = run is not None and run.endswith("o")
+            label = "spec" if run is None else f"spec (runs of {run.rstrip('o')}{', unconfirmed stops' if old else ''})"
+            contenders[label] = lambda run=run, old=old: go("prompt_lookup", old=old,
+                                                            run=None if run is None else int(run.rstrip("o")))  # fmt: skip
         for fn in contenders.values():  # warm-up
             fn()
         samples = interleave(args.runs, contenders)

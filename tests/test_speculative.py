@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import onnxgen
-from onnxgen.engine import drafts
 from onnxgen.engine.drafts import DraftControl, NgramIndex, draft_control, prompt_lookup
 from onnxgen.errors import InvalidRequest
 
@@ -142,7 +141,7 @@ def test_stop_chain_waits_for_a_match_to_prove_right_unless_copying() -> None:
     one it proposed (checked at the next run's reading; runs stay short meanwhile: `watching`), or at once
     while the request is `hot`; a chance match costs no stop. Without `confirm` every match stops it."""
     prompt = [10, 11, 12, 13, 14, 15]
-    c = DraftControl(ngram_min=2, confirm=1)
+    c = DraftControl(ngram_min=2, confirm=True)
     assert not c.stop_chain(prompt, [1, 10, 11]) and c.watching(3)  # (10, 11) -> 12: to be confirmed
     assert not c.stop_chain(prompt, [1, 10, 11, 2, 12, 13]) and c.watching(6)  # 2 came, not 12; (12, 13) -> 14
     assert c.stop_chain(prompt, [1, 10, 11, 2, 12, 13, 14, 15]) and not c.watching(8)  # 14 came: a copy
@@ -150,28 +149,10 @@ def test_stop_chain_waits_for_a_match_to_prove_right_unless_copying() -> None:
     c.update(1, 1, 10)  # a verify step with its draft accepted: the request is copying (`hot`)
     assert c.stop_chain(prompt, [1, 10, 11, 2, 12, 13, 14, 15, 3, 4, 12, 13])  # hot: the match stops it at once
     assert DraftControl(ngram_min=2).stop_chain(prompt, [1, 10, 11])  # no `confirm`: whenever ready
-    off = DraftControl(k=1, cooldown=8, ngram_min=2, confirm=1)
+    off = DraftControl(k=1, cooldown=8, ngram_min=2, confirm=True)
     off.update(1, 0, 2)  # rejected: no budget until 8 more tokens, so no match is looked at
     assert not off.stop_chain(prompt, [1, 10, 11]) and not off.watching(3)
-    assert draft_control(True).confirm == drafts.CUDA_CONFIRM >= 1 and not draft_control(False).confirm
-
-
-def test_stop_chain_with_two_confirmations_waits_for_a_match_to_predict_two_tokens() -> None:
-    """`confirm=2` (CUDA's `CUDA_CONFIRM`): a match stops a chain only once the two tokens after it, as far as
-    the context had them, were the ones it proposed; right about one so far, it stays under watch; right
-    about the first and wrong about the second (a chance match: common words repeating), it stops nothing
-    and the current match takes its place. With one confirmation (the old policy) the first kind stops."""
-    prompt = [10, 11, 12, 13, 14, 15, 20, 21, 30, 31, 32]
-    c = DraftControl(ngram_min=2, confirm=2)
-    assert not c.stop_chain(prompt, [1, 10, 11]) and c.watching(3)  # (10, 11) -> 12, 13
-    assert not c.stop_chain(prompt, [1, 10, 11, 12]) and c.watching(4)  # 12 right, 13 not read yet: watch
-    assert c.stop_chain(prompt, [1, 10, 11, 12, 13])  # both right: a copy
-    c = DraftControl(ngram_min=2, confirm=2)
-    assert not c.stop_chain(prompt, [1, 10, 11])
-    assert not c.stop_chain(prompt, [1, 10, 11, 12, 7, 20, 21]) and c.watching(7)  # 12 then 7, not 13: no stop
-    assert c.stop_chain(prompt, [1, 10, 11, 12, 7, 20, 21, 30, 31])  # (20, 21) -> 30, 31: both right
-    once = DraftControl(ngram_min=2, confirm=1)
-    assert not once.stop_chain(prompt, [1, 10, 11]) and once.stop_chain(prompt, [1, 10, 11, 12, 7, 20, 21])
+    assert draft_control(True).confirm and not draft_control(False).confirm
 
 
 def test_a_chain_stops_only_for_a_request_that_can_still_draft_after_the_launched_run() -> None:

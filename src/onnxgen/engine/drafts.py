@@ -127,16 +127,14 @@ class DraftControl:
     the wait up to `cooldown_max` (default: no growth), an accepted draft resets it. So a copy ramps up to
     `k_max` drafts in a few steps, and text with nothing to copy pays about one rejected one-token draft per
     `cooldown_max` tokens (what CUDA sets: there a verify step breaks a run of decode steps). `confirm`: a
-    request that is not `hot` stops a chain of decode runs only for a match that has predicted this many
-    tokens right (`stop_chain`; 0: any match stops it)."""
+    request that is not `hot` stops a chain of decode runs only for a confirmed match (`stop_chain`)."""
 
     HOT_TOKENS = 32  # a request is `hot` for this many output tokens after a draft of it was accepted
 
     def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
-                 ngram_min: int = 1, sizes: tuple[int, ...] = (), confirm: int = 0) -> None:  # fmt: skip
-        self.confirm = int(confirm)  # tokens a match must predict before `stop_chain` stops for it, unless `hot`
-        # `stop_chain`'s unconfirmed match: (output length when seen, the tokens it predicted from there)
-        self._guess: tuple[int, list[int]] | None = None
+                 ngram_min: int = 1, sizes: tuple[int, ...] = (), confirm: bool = False) -> None:  # fmt: skip
+        self.confirm = confirm  # `stop_chain` waits for a match to be confirmed unless `hot`
+        self._guess: tuple[int, int] | None = None  # `stop_chain`'s unconfirmed match: (output length, token)
         self._accepted_at: int | None = None  # the output length after the last draft with tokens accepted
         self.k = k
         self.k_max = k_max
@@ -176,28 +174,23 @@ class DraftControl:
         """On reading a run of a chain of decode steps (`output`: every token read so far; the runs launched
         behind it not yet): whether to stop the chain so that a step verifies drafts. Without `confirm`:
         whenever the request would draft now (a budget and a match in its context). With it, such a request
-        stops at once only while `hot`; otherwise only once a match seen at an earlier call has been right
-        about the `confirm` tokens that followed it (as far as its context had them), all read by now; a
-        match right so far stays under watch (`watching` holds meanwhile: short runs), a wrong one gives way
-        to the current match. Why: a chain's runs are read one behind the launches, so a stop costs the device
-        a host round trip and the drafts come from a context a run later than this one, where a chance match
-        (common words repeating: most matches in text with nothing to copy) is gone and the stop bought
-        nothing. Stopping or not, the output is plain decoding's."""
+        stops at once only while `hot`; otherwise
+        only when the match seen at its previous call was right about the token that followed it (that
+        token is read by now), and else the match's first token is kept for the next call to check
+        (`watching` holds meanwhile). Why: a chain's runs are read one behind the launches, so a stop costs
+        the device a host round trip and the drafts come from a context a run later than this one, where a
+        chance match (common words repeating: most matches in text with nothing to copy) is gone and the
+        stop bought nothing. Stopping or not, the output is plain decoding's."""
         n = len(output)
         guess, self._guess = self._guess, None
-        found = self.propose(prompt, output, max(1, self.confirm)) if self.budget(n) > 0 else []
+        found = self.propose(prompt, output, 1) if self.budget(n) > 0 else []
         if not found:
             return False
         if not self.confirm or self.hot(n):
             return True
-        if guess is not None and guess[0] < n:
-            seen = list(output[guess[0] : guess[0] + len(guess[1])])
-            if seen == guess[1][: len(seen)]:  # right so far
-                if len(seen) == len(guess[1]):
-                    return True
-                self._guess = guess
-                return False
-        self._guess = (n, found)
+        if guess is not None and guess[0] < n and output[guess[0]] == guess[1]:  # the last match was right
+            return True
+        self._guess = (n, found[0])
         return False
 
     def watching(self, generated: int) -> bool:
@@ -231,11 +224,10 @@ class DraftControl:
                 self._wait = min(self.cooldown_max, 2 * self._wait)
 
 
-# CUDA: a request that is not copying stops a chain of decode runs only for a match that has predicted this
-# many tokens right (`DraftControl.stop_chain`; 0: any match). benchmarks/speculative.py and spec_schedule.py
-# time other settings as suffixes of a run length: `o` 0 (`--spec-runs 2,2o`), `c` 1 (the default until
-# 2026-12-06: a chance match right once, then wrong at the draft, cost free text a stopped chain and a verify)
-CUDA_CONFIRM = 2
+# CUDA: a request that is not copying stops a chain of decode runs only for a confirmed match
+# (`DraftControl.stop_chain`); benchmarks/speculative.py and spec_schedule.py time the policy without it as
+# the `o` suffix of a run length (`--spec-runs 2,2o`)
+CUDA_CONFIRM = True
 
 
 def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
@@ -244,8 +236,8 @@ def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
     to 15 drafts), but it breaks a run of decode steps (the device waits for the host): drafts need a match
     of 2 tokens or more (a one-token match's odds cost more there than on the CPU), the wait after
     rejected retries doubles up to 256 tokens, and a request that is not copying stops a chain of decode
-    runs only for a match that predicted `CUDA_CONFIRM` tokens right (`confirm`; on the CPU a stop costs
-    little, and a copy found a run later costs decode steps). On the CPU the plain settings measured best
+    runs only for a confirmed match (`confirm`; on the CPU a stop costs little, and a copy found a run
+    later costs decode steps). On the CPU the plain settings measured best
     (docs/benchmarks/speculative-cpu.md)."""
     if cuda:
         return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, confirm=CUDA_CONFIRM)
