@@ -74,7 +74,7 @@ for section in "$@"; do
               "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/hf /tmp/spkg_$prec \
               --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
             timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
-              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-8,4,2} 2>&1 | quiet | tail -16
+              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-8,4,2} --save-tokens ${OUT:-/tmp}/spec_tokens_$prec.json 2>&1 | quiet | tail -16
           done ;;
     verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
               | quiet | tail -8

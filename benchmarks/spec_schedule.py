@@ -2,7 +2,7 @@
 measurements (what to try when device time is scarce; a GPU run of `speculative.py` is the measurement).
 
     .venv/bin/python benchmarks/spec_schedule.py [MODEL] [--decode-ms 0.448] [--verify-ms 4:0.78,8:1.24,16:2.17]
-        [--verify-host-ms 0.15] [--runs 8,4,2]
+        [--verify-host-ms 0.15] [--runs 8,4,2] [--backend ort|native] [--replay TOKENS.json]
 
 Speculation is exact, so which drafts are accepted depends only on the plain greedy tokens: each workload of
 `speculative.py` is decoded once, greedy, on the CPU (ort, the default model unless MODEL), and the engine's
@@ -21,6 +21,7 @@ drafts (measured: 78) and 1.70x (measured: 1.51x, prefill and host costs not mod
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,19 +89,29 @@ def main() -> int:
     ap.add_argument("--runs", default="8,4,2", help="decode steps per run while copying, to compare; a trailing "
                     "o: without `drafts.CUDA_CONFIRM` (every match stops a chain)")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--replay", type=Path, default=None, help="the prompts and greedy tokens a GPU run saved "
+                    "(`speculative.py --save-tokens`) instead of decoding on the CPU")
+    ap.add_argument("--backend", default="ort", help="what decodes the greedy tokens on the CPU: ort, or native "
+                    "(e.g. a bf16 package, whose CPU tokens stay closer to a GPU's bf16 ones)")
     a = ap.parse_args()
     import onnxgen
     from onnxgen.convert.default import resolve_model_path
     from speculative import WORKLOADS
 
     verify = {int(s): float(ms) for s, ms in (p.split(":") for p in a.verify_ms.split(","))}
-    model = onnxgen.load(str(resolve_model_path(a.model)), backend="ort")
+    saved = json.loads(a.replay.read_text())["workloads"] if a.replay is not None else None
+    model = None if saved is not None else onnxgen.load(str(resolve_model_path(a.model)), backend=a.backend)
     print("| workload | tokens | policy | predicted speedup | accepted/drafted | verify steps | chains |")
     print("|---|---|---|---|---|---|---|")
     for name, text in WORKLOADS.items():
-        msgs = [{"role": "user", "content": text}]
-        prompt = model.encode_prompt(msgs)
-        greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False, speculative=False).tokens
+        if saved is not None:
+            prompt, greedy = saved[name]["prompt"], saved[name]["greedy"]
+        else:
+            assert model is not None
+            msgs = [{"role": "user", "content": text}]
+            prompt = model.encode_prompt(msgs)
+            greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False,
+                                    speculative=False).tokens  # fmt: skip
         plain = (len(greedy) - 1) * a.decode_ms
         policies = [("runs of 8, drafts as budgeted", "8", ())]
         policies += [(f"runs of {r.rstrip('o')} while copying{', unconfirmed stops' if r.endswith('o') else ''}", r,

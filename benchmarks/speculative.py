@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/speculative.py [MODEL] --backend ort|native|native-paged --runs 5 [--threads 2]
         [--device cuda]   (CUDA: native only; plain decoding there runs `decode_steps` steps per host round trip)
         [--spec-runs 4,2] (CUDA: one speculative contender per value of `Engine.spec_decode_steps`)
+        [--save-tokens FILE] (each workload's prompt and plain greedy tokens, JSON: what
+                              `spec_schedule.py --replay FILE` replays the draft policy on, off the GPU)
 
 Workloads (greedy, fresh state each run: `reuse=False`):
 - edit: "repeat this document with one change" (the output mostly copies the prompt);
@@ -16,6 +18,7 @@ request (prefill included, same for both). The outputs are compared token for to
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -53,6 +56,8 @@ def main() -> int:
     ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
                     "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation): "
                     "one contender each (default: the engine's)")
+    ap.add_argument("--save-tokens", type=Path, default=None, help="write each workload's prompt and plain "
+                    "greedy tokens to this JSON file")
     args = ap.parse_args()
     path = str(resolve_model_path(args.model))
     backend = args.backend.removesuffix("-paged")  # "native-paged": the paged pool (native's default)
@@ -63,6 +68,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     model = onnxgen.load(path, backend=backend, device=args.device, **opts)
     rows = []
+    saved: dict[str, dict[str, list[int]]] = {}
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]
 
@@ -86,6 +92,7 @@ def main() -> int:
         samples = interleave(args.runs, contenders)
         rate = {k: [tps for _, tps in v] for k, v in samples.items()}
         results = {k: v[-1][0] for k, v in samples.items()}
+        saved[name] = {"prompt": list(model.encode_prompt(msgs)), "greedy": list(results["plain"].tokens)}
         plain = statistics.median(rate["plain"])
         for label in contenders:
             if label == "plain":
@@ -100,6 +107,8 @@ def main() -> int:
           f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens max\n")  # fmt: skip
     print(table(rows, ["workload", "tokens", "plain tok/s", "speculative tok/s", "speedup", "accepted/drafted",
                        "identical"]))  # fmt: skip
+    if args.save_tokens is not None:
+        args.save_tokens.write_text(json.dumps({"model": path, "device": args.device, "workloads": saved}))
     return 0
 
 
