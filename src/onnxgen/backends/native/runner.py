@@ -68,8 +68,9 @@ RUN_GRAPH_STEPS = int(os.environ.get("ONNXGEN_RUN_GRAPH_STEPS", "4"))
 (`_Graph.multi`, the step's body that many times over in one graph), which greedy runs replay where they
 can (`_graph_decodes`): no graph boundary between those steps — each replay's last kernel ends the chain of
 programmatic dependent launches, and the next replay starts only once it has finished. 1 turns it off
-(`ONNXGEN_RUN_GRAPH_STEPS`); read at load. Must divide `RUN_TOKENS`."""
-RUN_GRAPH_BATCH = 8
+(`ONNXGEN_RUN_GRAPH_STEPS`); read at load; above `RUN_TOKENS` it would never fit a run. Measured on an H100
+(docs/benchmarks/decode-gpu.md, eleventh session): 0.2-0.8 % off the 0.5B / 1B decode step."""
+RUN_GRAPH_BATCH = 8  # decode graphs of more sequences: one step deep only (a step is long enough there)
 # a batch size whose attention runs unpipelined up to at least this many keys (`paged.short_keys`) gets a
 # second decode graph, replayed while its sequences stay that short
 SHORT_GRAPH_KEYS = 1024
