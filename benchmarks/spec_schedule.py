@@ -8,7 +8,8 @@ Speculation is exact, so which drafts are accepted depends only on the plain gre
 `speculative.py` is decoded once, greedy, on the CPU (ort, the default model unless MODEL), and the engine's
 CUDA schedule is replayed on those tokens with the engine's own draft control (`drafts.draft_control(True,
 sizes)`): decode runs of R steps while the request is copying or confirming a match
-(`DraftControl.watching`, else 8; `Ro`: without `drafts.CUDA_CONFIRM`), each read after the next one is
+(`DraftControl.watching`, else 8; `Ro`: without `drafts.CUDA_CONFIRM`; `Rf`: with `drafts.CUDA_FOLLOW`), each
+read after the next one is
 launched, so a match found on reading a run is verified after the run behind it (`Engine._decode_run`); a
 stopped chain costs `--break-ms`; a verify of n positions costs the verify graph of the next size up
 (`--verify-ms`, GPU) plus `--verify-host-ms`; a decode step costs `--decode-ms`.
@@ -87,7 +88,7 @@ def main() -> int:
     ap.add_argument("--verify-host-ms", type=float, default=0.15)
     ap.add_argument("--break-ms", type=float, default=0.3, help="what stopping a chain of runs costs")
     ap.add_argument("--runs", default="8,4,2", help="decode steps per run while copying, to compare; a trailing "
-                    "o: without `drafts.CUDA_CONFIRM` (every match stops a chain)")
+                    "o: without `drafts.CUDA_CONFIRM` (every match stops a chain), f: with `drafts.CUDA_FOLLOW`")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--replay", type=Path, default=None, help="the prompts and greedy tokens a GPU run saved "
                     "(`speculative.py --save-tokens`) instead of decoding on the CPU")
@@ -96,7 +97,7 @@ def main() -> int:
     a = ap.parse_args()
     import onnxgen
     from onnxgen.convert.default import resolve_model_path
-    from speculative import WORKLOADS
+    from speculative import DEFAULTS, WORKLOADS, run_policy
 
     verify = {int(s): float(ms) for s, ms in (p.split(":") for p in a.verify_ms.split(","))}
     saved = json.loads(a.replay.read_text())["workloads"] if a.replay is not None else None
@@ -113,12 +114,11 @@ def main() -> int:
             greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False,
                                     speculative=False).tokens  # fmt: skip
         plain = (len(greedy) - 1) * a.decode_ms
-        policies = [("runs of 8, drafts as budgeted", "8", ())]
-        policies += [(f"runs of {r.rstrip('o')} while copying{', unconfirmed stops' if r.endswith('o') else ''}", r,
-                      tuple(verify)) for r in a.runs.split(",")]  # fmt: skip
-        for label, spec, sizes in policies:
-            drafts.CUDA_CONFIRM = not spec.endswith("o")
-            run = int(spec.rstrip("o"))
+        policies = [("runs of 8, drafts as budgeted", (8, DEFAULTS, ""), ())]
+        policies += [(f"{p[2]} while copying", p, tuple(verify)) for p in map(run_policy, a.runs.split(","))]
+        for label, (run, settings, _), sizes in policies:
+            for key, value in settings.items():
+                setattr(drafts, key, value)
             ctrl = draft_control(True, sizes)
             ms, verifies, chains = simulate(prompt, greedy, ctrl, run, a.decode_ms, verify, a.verify_host_ms,
                                             a.break_ms)  # fmt: skip

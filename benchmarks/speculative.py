@@ -45,6 +45,20 @@ WORKLOADS = {
 }
 
 
+def run_policy(spec: str) -> tuple[int, dict[str, bool], str]:
+    """A `--spec-runs` entry (digits, then letters: `o` no chance-match confirmation, `f` drafts after a
+    confirmed stop only along the confirmed match) -> (decode steps per run while copying, the `drafts`
+    settings it means, a label)."""
+    run = spec.rstrip("of")
+    flags = spec[len(run) :]
+    settings = {"CUDA_CONFIRM": "o" not in flags, "CUDA_FOLLOW": "f" in flags}
+    notes = [n for f, n in (("o", "unconfirmed stops"), ("f", "drafts follow the confirmed match")) if f in flags]
+    return int(run), settings, ", ".join([f"runs of {run}", *notes])
+
+
+DEFAULTS = {"CUDA_CONFIRM": drafts.CUDA_CONFIRM, "CUDA_FOLLOW": drafts.CUDA_FOLLOW}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None)
@@ -54,7 +68,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
-                    "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation): "
+                    "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
+                    "`drafts.CUDA_FOLLOW`): "
                     "one contender each (default: the engine's)")
     ap.add_argument("--save-tokens", type=Path, default=None, help="write each workload's prompt and plain "
                     "greedy tokens to this JSON file")
@@ -72,10 +87,11 @@ def main() -> int:
     for name, text in WORKLOADS.items():
         msgs = [{"role": "user", "content": text}]
 
-        def go(spec, msgs=msgs, run=None, old=False):
+        def go(spec, msgs=msgs, run=None, settings=DEFAULTS):
             if run is not None:
                 model.spec_decode_steps = run
-            drafts.CUDA_CONFIRM = not old
+            for key, value in settings.items():
+                setattr(drafts, key, value)
             t0 = time.perf_counter()
             r = model.generate(msgs, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
             return r, r.stats.generated_tokens / (time.perf_counter() - t0)
@@ -83,10 +99,12 @@ def main() -> int:
         runs = [v.strip() for v in args.spec_runs.split(",")] if args.spec_runs else [None]
         contenders = {"plain": lambda: go(False)}
         for run in runs:
-            old = run is not None and run.endswith("o")
-            label = "spec" if run is None else f"spec (runs of {run.rstrip('o')}{', unconfirmed stops' if old else ''})"
-            contenders[label] = lambda run=run, old=old: go("prompt_lookup", old=old,
-                                                            run=None if run is None else int(run.rstrip("o")))  # fmt: skip
+            if run is None:
+                contenders["spec"] = lambda: go("prompt_lookup")
+                continue
+            steps, settings, label = run_policy(run)
+            contenders[f"spec ({label})"] = lambda steps=steps, settings=settings: go("prompt_lookup", run=steps,
+                                                                                      settings=settings)  # fmt: skip
         for fn in contenders.values():  # warm-up
             fn()
         samples = interleave(args.runs, contenders)

@@ -155,6 +155,26 @@ def test_stop_chain_waits_for_a_match_to_prove_right_unless_copying() -> None:
     assert draft_control(True).confirm and not draft_control(False).confirm
 
 
+def test_follow_drafts_after_a_confirmed_stop_only_along_the_confirmed_match() -> None:
+    """`follow` (with `confirm`; `drafts.CUDA_FOLLOW`): the drafts proposed after `stop_chain` stopped for a
+    confirmed match are that match's continuation, or none when the lookup now answers from another source
+    (the run behind the stop left the copy); only the first proposal after the stop is checked, and without
+    `follow` the lookup's answer is taken as it is."""
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 40]
+
+    def stopped(follow: bool) -> DraftControl:
+        c = DraftControl(ngram_min=2, confirm=True, follow=follow)
+        assert not c.stop_chain(prompt, [1, 10, 11])  # (10, 11) -> 12, from prompt[2]: to be confirmed
+        assert c.stop_chain(prompt, [1, 10, 11, 12, 13])  # 12 came: stop
+        return c
+
+    assert stopped(True).propose(prompt, [1, 10, 11, 12, 13, 14, 15], 3) == [16, 17, 30]  # still the copy
+    c = stopped(True)
+    assert c.propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == []  # (30, 31) -> 40: another source
+    assert c.propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == [40, 1, 10]  # checked once only
+    assert stopped(False).propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == [40, 1, 10]
+
+
 def test_a_chain_stops_only_for_a_request_that_can_still_draft_after_the_launched_run() -> None:
     """`Engine._drafts_ready`: a stop is for a request that, once it has taken the steps launched behind the
     run just read, may still generate a sample and a draft (else the next step could only decode)."""

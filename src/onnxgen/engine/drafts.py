@@ -107,17 +107,23 @@ class NgramIndex:
 
     def lookup(self, k: int) -> list[int]:
         """What `prompt_lookup(self.tokens, k, ngram_max, ngram_min)` returns."""
+        pos = self.source()
+        return self.tokens[pos : pos + k] if pos is not None and k > 0 else []
+
+    def source(self) -> int | None:
+        """Where `lookup`'s tokens start in `tokens` (the position after the most recent earlier occurrence of
+        the longest tail n-gram that has one), or None when no tail n-gram occurred before."""
         toks = self.tokens
-        if k <= 0 or len(toks) < self.ngram_min + 1:
-            return []
+        if len(toks) < self.ngram_min + 1:
+            return None
         for n in range(min(self.ngram_max, len(toks) - 1), self.ngram_min - 1, -1):
             tail = toks[len(toks) - n :]
             pos = self._next.get(tuple(tail))
             if pos is None and self._bulk:
                 pos = self._bulk_get(tail)
             if pos is not None:
-                return toks[pos : pos + k]
-        return []
+                return pos
+        return None
 
 
 class DraftControl:
@@ -132,9 +138,15 @@ class DraftControl:
     HOT_TOKENS = 32  # a request is `hot` for this many output tokens after a draft of it was accepted
 
     def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
-                 ngram_min: int = 1, sizes: tuple[int, ...] = (), confirm: bool = False) -> None:  # fmt: skip
+                 ngram_min: int = 1, sizes: tuple[int, ...] = (), confirm: bool = False,
+                 follow: bool = False) -> None:  # fmt: skip
         self.confirm = confirm  # `stop_chain` waits for a match to be confirmed unless `hot`
-        self._guess: tuple[int, int] | None = None  # `stop_chain`'s unconfirmed match: (output length, token)
+        # with `confirm`: after a stop for a confirmed match, draft only its continuation (`propose`)
+        self.follow = follow
+        # `stop_chain`'s unconfirmed match: (output length then, the token it proposed, its source in the
+        # context: the position that token was copied from)
+        self._guess: tuple[int, int, int] | None = None
+        self._copy: tuple[int, int] | None = None  # a confirmed stop's match: (context length, source) at a time
         self._accepted_at: int | None = None  # the output length after the last draft with tokens accepted
         self.k = k
         self.k_max = k_max
@@ -150,7 +162,10 @@ class DraftControl:
 
     def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         """Up to `k` drafts for the context `prompt + output` (append-only across calls: a request's
-        prompt never changes and its output only grows), indexing only what is new since the last call."""
+        prompt never changes and its output only grows), indexing only what is new since the last call.
+        With `follow`, the first call after `stop_chain` stopped for a confirmed match drafts only that
+        match's continuation: none when the lookup now answers from another source (a chance match in the
+        context the run behind the stop left, not the copy that was confirmed)."""
         lp = len(prompt)
         if self._seen < lp:
             self._index.extend(prompt[self._seen :])
@@ -158,6 +173,11 @@ class DraftControl:
         if self._seen < lp + len(output):
             self._index.extend(output[self._seen - lp :])
             self._seen = lp + len(output)
+        copy, self._copy = self._copy, None
+        if copy is not None and k > 0:
+            at, src = copy
+            if self._index.source() != src + (self._seen - at):
+                return []
         return self._index.lookup(k)
 
     def budget(self, generated: int) -> int:
@@ -183,14 +203,19 @@ class DraftControl:
         stop bought nothing. Stopping or not, the output is plain decoding's."""
         n = len(output)
         guess, self._guess = self._guess, None
+        self._copy = None
         found = self.propose(prompt, output, 1) if self.budget(n) > 0 else []
         if not found:
             return False
         if not self.confirm or self.hot(n):
             return True
         if guess is not None and guess[0] < n and output[guess[0]] == guess[1]:  # the last match was right
+            if self.follow:
+                self._copy = (len(prompt) + guess[0], guess[2])
             return True
-        self._guess = (n, found[0])
+        src = self._index.source()
+        assert src is not None  # `found` came from it
+        self._guess = (n, found[0], src)
         return False
 
     def watching(self, generated: int) -> bool:
@@ -212,6 +237,7 @@ class DraftControl:
         if proposed == 0:
             return
         self._guess = None  # a verify step decides for itself (a guess belongs to a chain of decode runs)
+        self._copy = None
         if accepted:
             self._wait = self.cooldown
             self._accepted_at = generated
@@ -228,6 +254,10 @@ class DraftControl:
 # (`DraftControl.stop_chain`); benchmarks/speculative.py and spec_schedule.py time the policy without it as
 # the `o` suffix of a run length (`--spec-runs 2,2o`)
 CUDA_CONFIRM = True
+# CUDA (with `CUDA_CONFIRM`): after a stop for a confirmed match, draft only that match's continuation
+# (`DraftControl.follow`). Off until measured: the `f` suffix of a run length in benchmarks/speculative.py
+# and spec_schedule.py turns it on (`--spec-runs 2,2f`)
+CUDA_FOLLOW = False
 
 
 def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
@@ -240,5 +270,6 @@ def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
     later costs decode steps). On the CPU the plain settings measured best
     (docs/benchmarks/speculative-cpu.md)."""
     if cuda:
-        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, confirm=CUDA_CONFIRM)
+        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, confirm=CUDA_CONFIRM,
+                            follow=CUDA_FOLLOW)  # fmt: skip
     return DraftControl(sizes=sizes)
