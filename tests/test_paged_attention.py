@@ -224,8 +224,6 @@ def test_per_token_work_items_cut_each_token_as_a_decode_step() -> None:
     assert one.work(72, 64).tolist() == [[0, 0, 64], [0, 64, 72]]  # token 1's cut, as a decode step's
 
 
-
-
 @pytest.mark.parametrize(("items", "group", "d", "plan"), [
     (2, 7, 64, 32768), (8, 4, 64, 131072), (8, 4, 128, 16384), (512, 4, 64, 8192), (2, 4, 32, 4096), (16, 8, 64, 1024),
 ])  # fmt: skip
@@ -240,6 +238,7 @@ def test_short_keys_is_the_longest_kv_length_whose_key_splits_stay_short(items: 
     keys = paged.short_keys(items, group, d, plan, cpu)
     assert stages == 2 and 0 < keys <= plan
     assert paged.is_short(keys, nsplit, bn)
+
     def blocks(n: int) -> int:  # key blocks a split of a sequence of n keys holds, as the kernel cuts it
         return math.ceil(math.ceil(n / nsplit) / bn)
 

@@ -166,6 +166,15 @@ class DraftControl:
         With `follow`, the first call after `stop_chain` stopped for a confirmed match drafts only that
         match's continuation: none when the lookup now answers from another source (a chance match in the
         context the run behind the stop left, not the copy that was confirmed)."""
+        src = self._source(prompt, output)
+        copy, self._copy = self._copy, None
+        if src is None or k <= 0 or (copy is not None and src != copy[1] + (self._seen - copy[0])):
+            return []
+        return self._index.tokens[src : src + k]
+
+    def _source(self, prompt: Sequence[int], output: Sequence[int]) -> int | None:
+        """Index what is new of the context `prompt + output` and return where the lookup's drafts start in it
+        (`NgramIndex.source`; None: no match)."""
         lp = len(prompt)
         if self._seen < lp:
             self._index.extend(prompt[self._seen :])
@@ -173,12 +182,7 @@ class DraftControl:
         if self._seen < lp + len(output):
             self._index.extend(output[self._seen - lp :])
             self._seen = lp + len(output)
-        copy, self._copy = self._copy, None
-        if copy is not None and k > 0:
-            at, src = copy
-            if self._index.source() != src + (self._seen - at):
-                return []
-        return self._index.lookup(k)
+        return self._index.source()
 
     def budget(self, generated: int) -> int:
         """How many drafts to propose at this point of the output (`generated` tokens; 0: a plain step):
@@ -204,8 +208,8 @@ class DraftControl:
         n = len(output)
         guess, self._guess = self._guess, None
         self._copy = None
-        found = self.propose(prompt, output, 1) if self.budget(n) > 0 else []
-        if not found:
+        src = self._source(prompt, output) if self.budget(n) > 0 else None
+        if src is None:
             return False
         if not self.confirm or self.hot(n):
             return True
@@ -213,9 +217,7 @@ class DraftControl:
             if self.follow:
                 self._copy = (len(prompt) + guess[0], guess[2])
             return True
-        src = self._index.source()
-        assert src is not None  # `found` came from it
-        self._guess = (n, found[0], src)
+        self._guess = (n, self._index.tokens[src], src)
         return False
 
     def watching(self, generated: int) -> bool:

@@ -205,9 +205,7 @@ class NativeRunner:
                 keys = paged.short_keys(b * spec.num_kv_heads, group, spec.head_size, spec.context_length, self._dev)
                 if not self.cuda_graphs or keys < SHORT_GRAPH_KEYS or keys >= spec.context_length:
                     continue
-                g = self._capture(b, 1, keys=keys)
-                if g is not None:
-                    self._short[b] = g
+                self._capture(b, 1, keys=keys)
         self.load_seconds = time.perf_counter() - t0
 
     @property
@@ -499,7 +497,9 @@ class NativeRunner:
                 with torch.cuda.graph(g.multi, pool=pool, capture_error_mode="thread_local"):
                     for _ in range(RUN_GRAPH_STEPS):
                         self._graph_body(g, ps)
-            if rows == batch and not keys:
+            if keys:
+                self._short[batch] = g
+            elif rows == batch:
                 self._graphs[(batch, tokens)] = g
             return g
         except (NotCapturable, RuntimeError) as exc:
