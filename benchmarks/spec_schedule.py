@@ -2,7 +2,7 @@
 measurements (what to try when device time is scarce; a GPU run of `speculative.py` is the measurement).
 
     .venv/bin/python benchmarks/spec_schedule.py [MODEL] [--decode-ms 0.448] [--verify-ms 4:0.78,8:1.24,16:2.17]
-        [--verify-host-ms 0.15] [--runs 8,4,2] [--backend ort|native] [--replay TOKENS.json]
+        [--verify-host-ms 0.15] [--runs 8,4,2] [--backend ort|native] [--replay TOKENS.json] [--save-tokens FILE]
 
 Speculation is exact, so which drafts are accepted depends only on the plain greedy tokens: each workload of
 `speculative.py` is decoded once, greedy, on the CPU (ort, the default model unless MODEL), and the engine's
@@ -94,6 +94,8 @@ def main() -> int:
                     "(`speculative.py --save-tokens`) instead of decoding on the CPU")
     ap.add_argument("--backend", default="ort", help="what decodes the greedy tokens on the CPU: ort, or native "
                     "(e.g. a bf16 package, whose CPU tokens stay closer to a GPU's bf16 ones)")
+    ap.add_argument("--save-tokens", type=Path, default=None, help="write the prompts and greedy tokens decoded "
+                    "on the CPU (the format `--replay` reads)")
     a = ap.parse_args()
     import onnxgen
     from onnxgen.convert.default import resolve_model_path
@@ -102,6 +104,7 @@ def main() -> int:
     verify = {int(s): float(ms) for s, ms in (p.split(":") for p in a.verify_ms.split(","))}
     saved = json.loads(a.replay.read_text())["workloads"] if a.replay is not None else None
     model = None if saved is not None else onnxgen.load(str(resolve_model_path(a.model)), backend=a.backend)
+    decoded: dict[str, dict[str, list[int]]] = {}
     print("| workload | tokens | policy | predicted speedup | accepted/drafted | verify steps | chains |")
     print("|---|---|---|---|---|---|---|")
     for name, text in WORKLOADS.items():
@@ -113,6 +116,7 @@ def main() -> int:
             prompt = model.encode_prompt(msgs)
             greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False,
                                     speculative=False).tokens  # fmt: skip
+            decoded[name] = {"prompt": list(prompt), "greedy": list(greedy)}
         plain = (len(greedy) - 1) * a.decode_ms
         policies = [("runs of 8, drafts as budgeted", (8, DEFAULTS, ""), ())]
         policies += [(f"{p[2]} while copying", p, tuple(verify)) for p in map(run_policy, a.runs.split(","))]
@@ -124,6 +128,9 @@ def main() -> int:
                                             a.break_ms)  # fmt: skip
             print(f"| {name} | {len(greedy)} | {label} | {plain / ms:.2f}x | {ctrl.accepted}/{ctrl.drafted} | "
                   f"{verifies} | {chains} |")
+    if a.save_tokens is not None and decoded:
+        a.save_tokens.write_text(json.dumps({"model": str(a.model), "device": "cpu", "backend": a.backend,
+                                             "workloads": decoded}))  # fmt: skip
     return 0
 
 

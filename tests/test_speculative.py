@@ -158,9 +158,10 @@ def test_stop_chain_waits_for_a_match_to_prove_right_unless_copying() -> None:
 def test_follow_drafts_after_a_confirmed_stop_only_along_the_confirmed_match() -> None:
     """`follow` (with `confirm`; `drafts.CUDA_FOLLOW`): the drafts proposed after `stop_chain` stopped for a
     confirmed match are that match's continuation, or none when the lookup now answers from another source
-    (the run behind the stop left the copy); only the first proposal after the stop is checked, and without
-    `follow` the lookup's answer is taken as it is."""
-    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 40]
+    (the run behind the stop left the copy) with a match no longer than its n-grams (3 tokens); a longer
+    match there is drafted (the copy resumed elsewhere). Only the first proposal after the stop is checked,
+    and without `follow` the lookup's answer is taken as it is."""
+    prompt = [10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 40, 20, 21, 22, 23, 24, 50, 51]
 
     def stopped(follow: bool) -> DraftControl:
         c = DraftControl(ngram_min=2, confirm=True, follow=follow)
@@ -171,8 +172,25 @@ def test_follow_drafts_after_a_confirmed_stop_only_along_the_confirmed_match() -
     assert stopped(True).propose(prompt, [1, 10, 11, 12, 13, 14, 15], 3) == [16, 17, 30]  # still the copy
     c = stopped(True)
     assert c.propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == []  # (30, 31) -> 40: another source
-    assert c.propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == [40, 1, 10]  # checked once only
-    assert stopped(False).propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == [40, 1, 10]
+    assert c.propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == [40, 20, 21]  # checked once only
+    assert stopped(False).propose(prompt, [1, 10, 11, 12, 13, 30, 31], 3) == [40, 20, 21]
+    # (22, 23, 24) -> 50 from another source, but the match reaches 4 tokens back (21, 22, 23, 24): drafted
+    assert stopped(True).propose(prompt, [1, 10, 11, 12, 13, 21, 22, 23, 24], 2) == [50, 51]
+    # the same n-gram behind only 3 equal tokens (9, 22, 23, 24 against 21, 22, 23, 24): a chance match
+    assert stopped(True).propose(prompt, [1, 10, 11, 12, 13, 9, 22, 23, 24], 2) == []
+
+
+def test_ngram_match_length_reads_back_from_the_source_and_the_end() -> None:
+    """`NgramIndex.match_length`: the tokens before a source equal to the sequence's last ones, up to a limit
+    (and never past the sequence's start)."""
+    idx = NgramIndex()
+    idx.extend([7, 1, 2, 3, 4, 9, 0, 2, 3, 4])
+    assert idx.source() == 5  # (2, 3, 4) -> 9
+    assert idx.match_length(5, 10) == 3  # 2, 3, 4 equal; 1 against 0 differs
+    assert idx.match_length(5, 2) == 2
+    assert idx.match_length(1, 10) == 0  # 7 against 4
+    idx.extend([7, 1, 2])
+    assert idx.match_length(3, 10) == 3  # 7, 1, 2 at the start: stops there
 
 
 def test_a_chain_stops_only_for_a_request_that_can_still_draft_after_the_launched_run() -> None:

@@ -110,6 +110,16 @@ class NgramIndex:
         pos = self.source()
         return self.tokens[pos : pos + k] if pos is not None and k > 0 else []
 
+    def match_length(self, src: int, limit: int) -> int:
+        """How many of the tokens before position `src` equal the sequence's last tokens (read backwards from
+        `src - 1` and from the end), at most `limit`: how long the match behind a `source` really is (the
+        lookup itself sees at most `ngram_max` tokens of it)."""
+        toks, end = self.tokens, len(self.tokens)
+        n = 0
+        while n < limit and src - 1 - n >= 0 and toks[src - 1 - n] == toks[end - 1 - n]:
+            n += 1
+        return n
+
     def source(self) -> int | None:
         """Where `lookup`'s tokens start in `tokens` (the position after the most recent earlier occurrence of
         the longest tail n-gram that has one), or None when no tail n-gram occurred before."""
@@ -163,13 +173,19 @@ class DraftControl:
     def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
         """Up to `k` drafts for the context `prompt + output` (append-only across calls: a request's
         prompt never changes and its output only grows), indexing only what is new since the last call.
-        With `follow`, the first call after `stop_chain` stopped for a confirmed match drafts only that
-        match's continuation: none when the lookup now answers from another source (a chance match in the
-        context the run behind the stop left, not the copy that was confirmed)."""
+        With `follow`, the first call after `stop_chain` stopped for a confirmed match drafts that match's
+        continuation, and none when the lookup now answers from another source whose match is no longer
+        than the lookup's n-grams (a chance match in the context the run behind the stop left, not the copy
+        that was confirmed); a longer match there (the copy resumed from a more recent occurrence: a list
+        that repeats with a changed period) is drafted."""
         src = self._source(prompt, output)
         copy, self._copy = self._copy, None
-        if src is None or k <= 0 or (copy is not None and src != copy[1] + (self._seen - copy[0])):
+        if src is None or k <= 0:
             return []
+        if copy is not None and src != copy[1] + (self._seen - copy[0]):
+            reach = self._index.ngram_max
+            if self._index.match_length(src, reach + 1) <= reach:
+                return []
         return self._index.tokens[src : src + k]
 
     def _source(self, prompt: Sequence[int], output: Sequence[int]) -> int | None:
