@@ -73,7 +73,7 @@ def batch1(name: str, paged: Any, slots: Any) -> None:
     ctx = prompts(1, 8000, 3)[0]
     row: dict[str, Any] = {"shape": name}
     for m in (paged, slots):  # warm-up: captures, compiles
-        m.generate(p512, max_new_tokens=130, temperature=0, reuse=False)
+        m.generate(p512, max_new_tokens=130, speculative="off", temperature=0, reuse=False)
         m.generate(p4k, max_new_tokens=1, reuse=False)
     dec: dict[str, list[float]] = {"paged": [], "decoders": []}
     ttft: dict[str, list[float]] = {"paged": [], "decoders": []}
@@ -83,7 +83,7 @@ def batch1(name: str, paged: Any, slots: Any) -> None:
         s.generate(ctx, max_new_tokens=1)
     for r in range(5):
         for tag, m in (("paged", paged), ("decoders", slots)) if r % 2 == 0 else (("decoders", slots), ("paged", paged)):
-            dec[tag].append(m.generate(p512, max_new_tokens=128, temperature=0, reuse=False).stats.decode_tok_s)
+            dec[tag].append(m.generate(p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False).stats.decode_tok_s)
             ttft[tag].append(m.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3)
             s = sessions[tag]
             s.generate(ctx, max_new_tokens=1)  # back to the 8000-token context
@@ -104,7 +104,7 @@ def batch1(name: str, paged: Any, slots: Any) -> None:
 def throughput(name: str, model: Any, batches: list[int], prompt: int, gen: int, weight_bytes: int, bw: float) -> None:
     for b in batches:
         ps = prompts(b, prompt, 100 + b)
-        handles = [model.submit(p, max_new_tokens=gen, temperature=0, reuse=False) for p in ps]
+        handles = [model.submit(p, max_new_tokens=gen, speculative="off", temperature=0, reuse=False) for p in ps]
         t0 = time.perf_counter()
         while not all(h.request.output for h in handles):
             model.step()
@@ -149,7 +149,7 @@ def agents(name: str, paged: Any, slots: Any | None, n: int, system: int, turns:
             barrier.wait()
             for t in range(n_turns):
                 ctx += prompts(1, 64, 1000 * i + t)[0]
-                r = s.generate(ctx, max_new_tokens=128, temperature=0)
+                r = s.generate(ctx, max_new_tokens=128, speculative="off", temperature=0)
                 with lock:
                     ttft.append(r.stats.ttft_s * 1e3)
                     if r.stats.generated_tokens > 1 and r.stats.decode_tok_s > 0:
@@ -211,7 +211,7 @@ def growing(name: str, model: Any, start: int, end: int, step: int) -> None:
     rows = []
     while len(ctx) + step + 32 <= end:
         ctx = ctx + prompts(1, step, len(ctx))[0]
-        r = s.generate(ctx, max_new_tokens=32, temperature=0)
+        r = s.generate(ctx, max_new_tokens=32, speculative="off", temperature=0)
         rows.append({"context": len(ctx), "reused": r.stats.reused_tokens, "ttft_ms": r.stats.ttft_s * 1e3,
                      "decode_tok_s": r.stats.decode_tok_s})  # fmt: skip
         ctx = ctx + r.tokens

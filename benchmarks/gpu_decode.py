@@ -184,13 +184,13 @@ def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], wi
     r["load_s"] = time.perf_counter() - t0
     r["weights_GB"] = m.executor.runner.program.weight_bytes / 1e9
     runner = m.executor.runner
-    m.generate(prompt[:64], max_new_tokens=16, reuse=False, temperature=0)  # warm-up
+    m.generate(prompt[:64], max_new_tokens=16, speculative="off", reuse=False, temperature=0)  # warm-up
     for k in steps:
         m.decode_steps = k
         tps, cpu = [], []
         for _ in range(5):
             c0 = time.process_time()
-            res = m.generate(prompt, max_new_tokens=128, reuse=False, stop=[], temperature=0)
+            res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0)
             r["tokens"] = list(res.tokens)
             cpu.append((time.process_time() - c0) / res.stats.generated_tokens * 1e3)
             tps.append(res.stats.decode_tok_s)

@@ -140,7 +140,7 @@ def main() -> int:
             saved = _patch(ablation)
             try:
                 m = onnxgen.load(str(pkg), backend="native", device="cuda")
-                toks = m.generate(prompt, max_new_tokens=16, reuse=False, temperature=0).tokens
+                toks = m.generate(prompt, max_new_tokens=16, speculative="off", reuse=False, temperature=0).tokens
                 runner = m.executor.runner
                 folds = {f"{c[0]} {tuple(c[1])}": v is not None for c, v in kernels.CHOICES.items()
                          if c[0] in ("rms_gemv", "rope_gemv")}  # fmt: skip

@@ -90,12 +90,12 @@ def main() -> int:
         weights = runner.program.weight_bytes if runner is not None else 0
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, min(vocab, 32000) - 1, (512,), generator=g).tolist()
-        m.generate(prompt[:32], max_new_tokens=8, reuse=False)  # warm-up
-        runs = [m.generate(prompt, max_new_tokens=129, reuse=False, stop=[], temperature=0) for _ in range(3)]
+        m.generate(prompt[:32], max_new_tokens=8, speculative="off", reuse=False)  # warm-up
+        runs = [m.generate(prompt, max_new_tokens=129, speculative="off", reuse=False, stop=[], temperature=0) for _ in range(3)]
         ttft = statistics.median(r.stats.ttft_s for r in runs) * 1000
         tps = statistics.median(r.stats.decode_tok_s for r in runs)
         # the raw logits of each greedy step (a slower path: only for the margins where tokens differ)
-        logits = m.generate(prompt, max_new_tokens=32, reuse=False, stop=[], temperature=0, output_logits=True).logits
+        logits = m.generate(prompt, max_new_tokens=32, speculative="off", reuse=False, stop=[], temperature=0, output_logits=True).logits
         rows.append((label, disk / 1e9, load_s, weights / 1e9, ttft, tps, runs[0].tokens[:32]))
         step_logits.append(logits)
         print(f"{label}: {tps:.1f} tok/s, weights {weights / 1e9:.2f} GB", flush=True)

@@ -114,7 +114,7 @@ def parity(shapes: list[str], lengths: list[int], tokenizer: Path, steps: int = 
         for n in lengths:
             n = min(n, ctx - steps - 1)
             ids = torch.randint(100, model.spec.vocab_size - 100, (n,), generator=g).tolist()
-            r = model.generate(ids, max_new_tokens=steps, temperature=0, output_logits=True, reuse=False)
+            r = model.generate(ids, max_new_tokens=steps, speculative="off", temperature=0, output_logits=True, reuse=False)
             got = torch.from_numpy(r.logits).double().to(DEV)  # [steps, vocab]
             k = got.shape[0]
             full = ids + r.tokens[: k - 1]
@@ -210,8 +210,8 @@ def speed(shapes: list[str], tokenizer: Path) -> None:
         g = torch.Generator().manual_seed(3)
         p512 = torch.randint(100, 49000, (512,), generator=g).tolist()
         p4k = torch.randint(100, 49000, (4096,), generator=g).tolist()
-        model.generate(p512, max_new_tokens=130, temperature=0, reuse=False)  # warm-up (captures)
-        dec = statistics.median(model.generate(p512, max_new_tokens=128, temperature=0, reuse=False).stats.decode_tok_s
+        model.generate(p512, max_new_tokens=130, speculative="off", temperature=0, reuse=False)  # warm-up (captures)
+        dec = statistics.median(model.generate(p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False).stats.decode_tok_s
                                 for _ in range(5))  # fmt: skip
         model.generate(p4k, max_new_tokens=1, reuse=False)
         ttft = statistics.median(model.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3 for _ in range(5))

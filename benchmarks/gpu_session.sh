@@ -41,12 +41,13 @@
 #           Compute (speed of light, warp states, instruction mix: $OUT/ncu.txt where the runner has $OUT)
 #   specrows  after `spec`: verify cost on the real SmolLM2 bf16 package, 1 and 4 rows per GEMV program
 #   rows    a verify step's cost with 1 and 4 rows per GEMV program, interleaved in one process (0.5B)
-#   spec    speculative decoding on SmolLM2-135M (real weights; bf16 then fp32 packages, speculating runs of 8, 4
-#           and 2 decode steps beside plain decoding, interleaved): needs /tmp/gg/m.gguf
+#   spec    speculative decoding on SmolLM2-135M (real weights; bf16 then fp32 packages; the engine's choice,
+#           speculative=None, and runs of 2 without `drafts.CUDA_FOLLOW` beside plain decoding, interleaved):
+#           needs /tmp/gg/m.gguf
 #           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
 #           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
 #           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md); SPEC_PRECISIONS=bf16
-#           runs only the bf16 package, SPEC_RUNS=2,4 only those run lengths
+#           runs only the bf16 package, SPEC_RUNS=2,4f those contenders (speculative.py --spec-runs)
 # Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
 set -u
 T0=$(date +%s)
@@ -74,7 +75,7 @@ for section in "$@"; do
               "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/hf /tmp/spkg_$prec \
               --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
             timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
-              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-8,4,2} --save-tokens ${OUT:-/tmp}/spec_tokens_$prec.json 2>&1 | quiet | tail -16
+              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-default,2} --save-tokens ${OUT:-/tmp}/spec_tokens_$prec.json 2>&1 | quiet | tail -16
           done ;;
     verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
               | quiet | tail -8

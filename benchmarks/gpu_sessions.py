@@ -99,7 +99,7 @@ def main() -> int:
             int(dec.forward(tk, args.context).argmax())
             xs.append(time.perf_counter() - t)
         bare[k] = statistics.median(xs) * 1000
-    decode = sessions["graphs"].generate(ctx + turns[0], max_new_tokens=64, temperature=0.0)
+    decode = sessions["graphs"].generate(ctx + turns[0], max_new_tokens=64, speculative="off", temperature=0.0)
     results |= {
         "fresh_prefill_ttft_ms": statistics.median(fresh) * 1000,
         "turn_ttft_ms": ttft_ms["graphs"],

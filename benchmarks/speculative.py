@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/speculative.py [MODEL] --backend ort|native|native-paged --runs 5 [--threads 2]
         [--device cuda]   (CUDA: native only; plain decoding there runs `decode_steps` steps per host round trip)
-        [--spec-runs 4,2] (CUDA: one speculative contender per value of `Engine.spec_decode_steps`)
+        [--spec-runs 4,2] (CUDA: one speculative contender per value of `Engine.spec_decode_steps`;
+                           `default`: the engine's choice, `speculative=None`)
         [--save-tokens FILE] (each workload's prompt and plain greedy tokens, JSON: what
                               `spec_schedule.py --replay FILE` replays the draft policy on, off the GPU)
 
@@ -29,6 +30,7 @@ import onnxgen
 from _util import interleave, machine, table
 from onnxgen.convert.default import resolve_model_path
 from onnxgen.engine import drafts
+from onnxgen.engine.engine import SPEC_DECODE_STEPS
 
 DOC = (
     "Meeting notes, 3 March. Attendees: Ana, Bruno, Chen, Dara. The team reviewed the launch plan for the new "
@@ -69,8 +71,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
                     "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
-                    "`drafts.CUDA_FOLLOW`): "
-                    "one contender each (default: the engine's)")
+                    "`drafts.CUDA_FOLLOW`; `default`: speculative=None, the engine's choice): one contender "
+                    "each (default: one with speculative=\"prompt_lookup\" and the engine's settings)")
     ap.add_argument("--save-tokens", type=Path, default=None, help="write each workload's prompt and plain "
                     "greedy tokens to this JSON file")
     args = ap.parse_args()
@@ -88,8 +90,7 @@ def main() -> int:
         msgs = [{"role": "user", "content": text}]
 
         def go(spec, msgs=msgs, run=None, settings=DEFAULTS):
-            if run is not None:
-                model.spec_decode_steps = run
+            model.spec_decode_steps = SPEC_DECODE_STEPS if run is None else run
             for key, value in settings.items():
                 setattr(drafts, key, value)
             t0 = time.perf_counter()
@@ -101,6 +102,9 @@ def main() -> int:
         for run in runs:
             if run is None:
                 contenders["spec"] = lambda: go("prompt_lookup")
+                continue
+            if run == "default":  # what a request that does not say gets (on CUDA: drafts while alone)
+                contenders["spec (the engine's choice: speculative=None)"] = lambda: go(None)
                 continue
             steps, settings, label = run_policy(run)
             contenders[f"spec ({label})"] = lambda steps=steps, settings=settings: go("prompt_lookup", run=steps,

@@ -153,6 +153,7 @@ def test_stop_chain_waits_for_a_match_to_prove_right_unless_copying() -> None:
     off.update(1, 0, 2)  # rejected: no budget until 8 more tokens, so no match is looked at
     assert not off.stop_chain(prompt, [1, 10, 11]) and not off.watching(3)
     assert draft_control(True).confirm and not draft_control(False).confirm
+    assert draft_control(True).follow and not draft_control(False).follow
 
 
 def test_follow_drafts_after_a_confirmed_stop_only_along_the_confirmed_match() -> None:
@@ -285,6 +286,27 @@ def test_paged_requests_speculate_alone_and_in_a_batch(smollm2_dir) -> None:
     assert paged.kv_stats()["pages_used"] == len(kv.index.pages())
 
 
+def test_the_engines_choice_on_cuda_drafts_only_for_a_request_running_alone(smollm2_dir) -> None:
+    """`speculative=None` on CUDA (`Engine.speculate_alone`, forced here on the CPU's paged pool): a request
+    running alone drafts; two running together draft nothing (no verify step beside another's decodes),
+    asked-for "prompt_lookup" drafts in a batch too, and every output is plain decoding's."""
+    pytest.importorskip("torch")
+    paged = onnxgen.load(str(smollm2_dir), backend="native", max_running=4)
+    paged.speculate_alone = True
+    assert paged._draft_control(None).solo and not paged._draft_control("prompt_lookup").solo
+    plain = paged.generate(EDIT, max_new_tokens=32, temperature=0, speculative="off")
+    alone = paged.generate(EDIT, max_new_tokens=32, temperature=0)
+    assert alone.tokens == plain.tokens and alone.stats.accepted_tokens > 10
+    for mode, drafts in ((None, False), ("prompt_lookup", True)):
+        pending = [paged.submit(EDIT, max_new_tokens=32, temperature=0, speculative=mode, reuse=False)
+                   for _ in range(2)]  # fmt: skip  (same prompt and length: together from the first step to the last)
+        for r in (p.result() for p in pending):
+            assert r.tokens == plain.tokens
+            assert (r.stats.draft_tokens > 0) == drafts, (mode, r.stats.line())
+    c = DraftControl(solo=True)
+    assert c.active(1) and not c.active(2) and DraftControl().active(3)
+
+
 def test_server_and_cli_expose_it(smollm2_ort, tmp_path) -> None:
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
@@ -360,7 +382,7 @@ def test_chance_matches_do_not_break_chains_of_decode_runs(smollm2_dir, monkeypa
     pytest.importorskip("torch")
     from onnxgen.engine import engine as engine_mod
 
-    monkeypatch.setattr(engine_mod, "draft_control", lambda cuda, sizes=(): draft_control(True, (4, 8, 16)))
+    monkeypatch.setattr(engine_mod, "draft_control", lambda cuda, sizes=(), solo=False: draft_control(True, (4, 8, 16)))
     model = onnxgen.load(str(smollm2_dir), backend="native", paged=True, decode_steps=8)
     runs: list[tuple[int, bool]] = []
     launch = model.executor.launch_decodes

@@ -14,7 +14,9 @@ shrink (down to none, with a retry now and then) while they are not, so a worklo
 pays for almost no verification. It also says when a match is worth stopping a chain of decode runs for
 (`stop_chain`); on CUDA, where such a stop costs the device a host round trip, a request that is not
 copying stops only for a match that proved right about the next token, so a chance match (common words
-repeating) costs one short run instead of a broken chain.
+repeating) costs one short run instead of a broken chain, and the drafts after such a stop come from the
+confirmed match or from a match longer than the lookup's n-grams, not from a chance match the run behind
+the stop brought.
 """
 
 from __future__ import annotations
@@ -143,13 +145,15 @@ class DraftControl:
     the wait up to `cooldown_max` (default: no growth), an accepted draft resets it. So a copy ramps up to
     `k_max` drafts in a few steps, and text with nothing to copy pays about one rejected one-token draft per
     `cooldown_max` tokens (what CUDA sets: there a verify step breaks a run of decode steps). `confirm`: a
-    request that is not `hot` stops a chain of decode runs only for a confirmed match (`stop_chain`)."""
+    request that is not `hot` stops a chain of decode runs only for a confirmed match (`stop_chain`);
+    `follow`: the drafts after such a stop come from that match or a longer one (`propose`)."""
 
     HOT_TOKENS = 32  # a request is `hot` for this many output tokens after a draft of it was accepted
 
     def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
                  ngram_min: int = 1, sizes: tuple[int, ...] = (), confirm: bool = False,
-                 follow: bool = False) -> None:  # fmt: skip
+                 follow: bool = False, solo: bool = False) -> None:  # fmt: skip
+        self.solo = solo  # drafts only while the request runs alone (`active`)
         self.confirm = confirm  # `stop_chain` waits for a match to be confirmed unless `hot`
         # with `confirm`: after a stop for a confirmed match, draft only its continuation (`propose`)
         self.follow = follow
@@ -236,6 +240,12 @@ class DraftControl:
         self._guess = (n, self._index.tokens[src], src)
         return False
 
+    def active(self, batch: int) -> bool:
+        """Whether the request drafts (and shortens runs, stops chains for drafts) in a step of `batch`
+        requests: always, or with `solo` only alone — the engine's choice on CUDA, where a verify step beside
+        other requests' decodes runs eagerly, outside their captured decode runs."""
+        return batch == 1 or not self.solo
+
     def watching(self, generated: int) -> bool:
         """`hot`, or a match that `stop_chain` saw waits for the next run to confirm it: what keeps runs of
         decode steps short (`Engine.spec_decode_steps`), so that a copy starting there is verified soon."""
@@ -272,22 +282,26 @@ class DraftControl:
 # (`DraftControl.stop_chain`); benchmarks/speculative.py and spec_schedule.py time the policy without it as
 # the `o` suffix of a run length (`--spec-runs 2,2o`)
 CUDA_CONFIRM = True
-# CUDA (with `CUDA_CONFIRM`): after a stop for a confirmed match, draft only that match's continuation
-# (`DraftControl.follow`). Off until measured: the `f` suffix of a run length in benchmarks/speculative.py
-# and spec_schedule.py turns it on (`--spec-runs 2,2f`)
-CUDA_FOLLOW = False
+# CUDA (with `CUDA_CONFIRM`): after a stop for a confirmed match, draft only that match's continuation or a
+# longer match (`DraftControl.follow`). Measured on an H100 (docs/benchmarks/speculative-gpu.md, 2026-12-06
+# twelfth session): free text 0.97x -> 0.99x (its one rejected verify gone), edit and numbers unchanged. In
+# benchmarks/speculative.py and spec_schedule.py a run length with the `f` suffix has it on, without it off
+# (`--spec-runs 2,2f`)
+CUDA_FOLLOW = True
 
 
-def draft_control(cuda: bool, sizes: tuple[int, ...] = ()) -> DraftControl:
+def draft_control(cuda: bool, sizes: tuple[int, ...] = (), solo: bool = False) -> DraftControl:
     """A new request's control; `sizes`: the runner's verify sizes (`BatchRunner.verify_sizes`: draft
     lengths are raised to fill them). On CUDA a verify step of up to 16 positions replays one graph (so up
     to 15 drafts), but it breaks a run of decode steps (the device waits for the host): drafts need a match
     of 2 tokens or more (a one-token match's odds cost more there than on the CPU), the wait after
     rejected retries doubles up to 256 tokens, and a request that is not copying stops a chain of decode
-    runs only for a confirmed match (`confirm`; on the CPU a stop costs little, and a copy found a run
-    later costs decode steps). On the CPU the plain settings measured best
-    (docs/benchmarks/speculative-cpu.md)."""
+    runs only for a confirmed match (`confirm`) and, after such a stop, drafts only along that match or a
+    longer one (`follow`; on the CPU a stop costs little, and a copy found a run later costs decode
+    steps). On the CPU the plain settings measured best
+    (docs/benchmarks/speculative-cpu.md). `solo`: drafts only while the request runs alone
+    (`DraftControl.active`)."""
     if cuda:
         return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, confirm=CUDA_CONFIRM,
-                            follow=CUDA_FOLLOW)  # fmt: skip
-    return DraftControl(sizes=sizes)
+                            follow=CUDA_FOLLOW, solo=solo)  # fmt: skip
+    return DraftControl(sizes=sizes, solo=solo)

@@ -155,11 +155,13 @@ class Engine:
         # docs/benchmarks/speculative-gpu.md) but for one short run after a match it has yet to confirm
         # (`DraftControl.stop_chain`: a chance match then costs a short run instead of a broken chain)
         self.spec_decode_steps = SPEC_DECODE_STEPS
-        # what `speculative=None` means: drafts on the CPU, where a verification forward costs about one
-        # decode step (docs/benchmarks/speculative-cpu.md); off on CUDA, where text with nothing to copy
-        # still pays 1-4 % (SmolLM2 bf16, H100: edit 1.99x, free text 0.96x; a verify step beside other
-        # requests' decodes runs eagerly, outside the captured decode runs: docs/benchmarks/speculative-gpu.md)
-        self.speculative: str | bool = "prompt_lookup" if self.device == "cpu" else False
+        # what `speculative=None` means: prompt lookup. On the CPU always, where a verification forward costs
+        # about one decode step (docs/benchmarks/speculative-cpu.md); on CUDA only for a request running
+        # alone (`speculate_alone`): at batch 1 SmolLM2 bf16 on an H100 ran edit 1.8-2.0x, numbers 1.38x,
+        # explain 1.00x, free text 0.99x (docs/benchmarks/speculative-gpu.md), but a verify step beside other
+        # requests' decodes runs eagerly, outside their captured decode runs, and batches are unmeasured
+        self.speculative: str | bool = "prompt_lookup"
+        self.speculate_alone = cuda
         if self.paged:
             running = paged_running
             budget = max_batch_tokens or (4096 if cuda else 512)
@@ -383,7 +385,8 @@ class Engine:
         if mode not in (True, *DRAFT_MODES):
             raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
                                  field="speculative")  # fmt: skip
-        return draft_control(str(self.device).startswith("cuda"), self.executor.verify_sizes)
+        solo = speculative is None and self.speculate_alone  # the engine's choice: see `speculate_alone`
+        return draft_control(str(self.device).startswith("cuda"), self.executor.verify_sizes, solo=solo)
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""
@@ -515,7 +518,8 @@ class Engine:
         """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them is copying
         (a draft of it accepted lately, `DraftControl.hot`) or has a match waiting to be confirmed by the next
         run (`DraftControl.watching`)."""
-        if any(c.req.drafts is not None and c.req.drafts.watching(len(c.req.output)) for c in chunks):
+        if any(c.req.drafts is not None and c.req.drafts.active(len(chunks))
+               and c.req.drafts.watching(len(c.req.output)) for c in chunks):  # fmt: skip
             return min(self.decode_steps, self.spec_decode_steps)
         return self.decode_steps
 
@@ -614,7 +618,7 @@ class Engine:
         for a draft once it has taken the launched steps' tokens, asks for it (`DraftControl.stop_chain`)."""
         for i, c in enumerate(chunks):
             r = c.req
-            if i in done or r.drafts is None:
+            if i in done or r.drafts is None or not r.drafts.active(len(chunks)):
                 continue
             left = min(r.max_new_tokens - len(r.output), r.context_length - r.num_tokens) - unread
             if left >= 2 and r.drafts.stop_chain(r.prompt, r.output):  # a sample and at least one draft

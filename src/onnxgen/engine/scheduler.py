@@ -107,11 +107,12 @@ class Scheduler:
         decodes, prefills = [], []
         for req in self.running:
             (decodes if req.pending == 1 else prefills).append(req)
+        batch = len(self.running) + len(self.waiting)  # the requests this step may hold (for `_draft`)
         for req in (*decodes, *prefills):
             if req.status is not Status.RUNNING or budget <= 0:  # preempted meanwhile, or no budget
                 continue
             n = self._chunk(req, budget)
-            draft = self._draft(req, budget) if n == 1 == req.pending else ()
+            draft = self._draft(req, budget, batch) if n == 1 == req.pending else ()
             while n and not self.kv.reserve(req, req.computed + n + len(draft)):
                 if draft:  # no room for the drafts: a plain decode step
                     draft = ()
@@ -154,10 +155,11 @@ class Scheduler:
         return chunks, cancelled
 
     @staticmethod
-    def _draft(req: Request, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decoding request that speculates (prompt lookup over its tokens): no more than
-        the budget, the tokens it may still generate and the context allow."""
-        if req.drafts is None:
+    def _draft(req: Request, budget: int, batch: int) -> tuple[int, ...]:
+        """Draft tokens for a decoding request that speculates (prompt lookup over its tokens) in a step of
+        `batch` requests (`DraftControl.active`): no more than the budget, the tokens it may still generate
+        and the context allow."""
+        if req.drafts is None or not req.drafts.active(batch):
             return ()
         room = min(budget - 1, req.max_new_tokens - len(req.output) - 1, req.context_length - req.num_tokens - 1)
         k = min(req.drafts.budget(len(req.output)), room)
