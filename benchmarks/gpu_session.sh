@@ -47,7 +47,7 @@
 #           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
 #           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
 #           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md); SPEC_PRECISIONS=bf16
-#           runs only the bf16 package, SPEC_RUNS=2,4f those contenders (speculative.py --spec-runs)
+#           runs only the bf16 package, SPEC_RUNS=2,4f those contenders (speculative.py --spec-runs), SPEC_ARGS=--mix more arguments
 # Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
 set -u
 T0=$(date +%s)
@@ -75,7 +75,7 @@ for section in "$@"; do
               "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/hf /tmp/spkg_$prec \
               --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
             timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
-              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-default,2} --save-tokens ${OUT:-/tmp}/spec_tokens_$prec.json 2>&1 | quiet | tail -16
+              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-default,2} ${SPEC_ARGS:-} --save-tokens ${OUT:-/tmp}/spec_tokens_$prec.json 2>&1 | quiet | tail -16
           done ;;
     verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
               | quiet | tail -8

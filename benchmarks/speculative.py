@@ -4,6 +4,7 @@
         [--device cuda]   (CUDA: native only; plain decoding there runs `decode_steps` steps per host round trip)
         [--spec-runs 4,2] (CUDA: one speculative contender per value of `Engine.spec_decode_steps`;
                            `default`: the engine's choice, `speculative=None`)
+        [--mix]           (also the four workloads submitted at once: speculation in a batch)
         [--save-tokens FILE] (each workload's prompt and plain greedy tokens, JSON: what
                               `spec_schedule.py --replay FILE` replays the draft policy on, off the GPU)
 
@@ -73,6 +74,8 @@ def main() -> int:
                     "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
                     "`drafts.CUDA_FOLLOW`; `default`: speculative=None, the engine's choice): one contender "
                     "each (default: one with speculative=\"prompt_lookup\" and the engine's settings)")
+    ap.add_argument("--mix", action="store_true", help="also the four workloads submitted at once (one batch; "
+                    "tok/s: all their tokens over the batch's wall time)")
     ap.add_argument("--save-tokens", type=Path, default=None, help="write each workload's prompt and plain "
                     "greedy tokens to this JSON file")
     args = ap.parse_args()
@@ -86,16 +89,20 @@ def main() -> int:
     model = onnxgen.load(path, backend=backend, device=args.device, **opts)
     rows = []
     saved: dict[str, dict[str, list[int]]] = {}
-    for name, text in WORKLOADS.items():
-        msgs = [{"role": "user", "content": text}]
+    batches = {name: [[{"role": "user", "content": text}]] for name, text in WORKLOADS.items()}
+    if args.mix:  # the four workloads submitted together: one batch of requests on the same engine
+        batches["mix (4 at once)"] = [b[0] for b in batches.values()]
+    for name, batch in batches.items():
 
-        def go(spec, msgs=msgs, run=None, settings=DEFAULTS):
+        def go(spec, batch=batch, run=None, settings=DEFAULTS):
             model.spec_decode_steps = SPEC_DECODE_STEPS if run is None else run
             for key, value in settings.items():
                 setattr(drafts, key, value)
             t0 = time.perf_counter()
-            r = model.generate(msgs, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
-            return r, r.stats.generated_tokens / (time.perf_counter() - t0)
+            pending = [model.submit(m, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
+                       for m in batch]  # fmt: skip
+            rs = [p.result() for p in pending]
+            return rs, sum(r.stats.generated_tokens for r in rs) / (time.perf_counter() - t0)
 
         runs = [v.strip() for v in args.spec_runs.split(",")] if args.spec_runs else [None]
         contenders = {"plain": lambda: go(False)}
@@ -114,16 +121,18 @@ def main() -> int:
         samples = interleave(args.runs, contenders)
         rate = {k: [tps for _, tps in v] for k, v in samples.items()}
         results = {k: v[-1][0] for k, v in samples.items()}
-        saved[name] = {"prompt": list(model.encode_prompt(msgs)), "greedy": list(results["plain"].tokens)}
+        if len(batch) == 1:
+            saved[name] = {"prompt": list(model.encode_prompt(batch[0])), "greedy": list(results["plain"][0].tokens)}
         plain = statistics.median(rate["plain"])
         for label in contenders:
             if label == "plain":
                 continue
-            same = results["plain"].tokens == results[label].tokens
-            s = results[label].stats
+            same = all(a.tokens == b.tokens for a, b in zip(results["plain"], results[label], strict=True))
+            stats = [r.stats for r in results[label]]
             spec = statistics.median(rate[label])
-            rows.append([name if len(runs) == 1 else f"{name}, {label}", str(s.generated_tokens), f"{plain:.1f}",
-                         f"{spec:.1f}", f"{spec / plain:.2f}x", f"{s.accepted_tokens}/{s.draft_tokens}",
+            rows.append([name if len(runs) == 1 else f"{name}, {label}", str(sum(s.generated_tokens for s in stats)),
+                         f"{plain:.1f}", f"{spec:.1f}", f"{spec / plain:.2f}x",
+                         f"{sum(s.accepted_tokens for s in stats)}/{sum(s.draft_tokens for s in stats)}",
                          "yes" if same else "NO"])  # fmt: skip
     print(f"\nmodel: {path}; backend {args.backend} on {args.device}; {machine()}; threads {args.threads}; "
           f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens max\n")  # fmt: skip
