@@ -4,7 +4,8 @@
         [--device cuda]   (CUDA: native only; plain decoding there runs `decode_steps` steps per host round trip)
         [--spec-runs 4,2] (CUDA: one speculative contender per value of `Engine.spec_decode_steps`;
                            `default`: the engine's choice, `speculative=None`)
-        [--mix]           (also the four workloads submitted at once: speculation in a batch)
+        [--mix]           (also the four workloads submitted at once: speculation in a batch; on CUDA
+                           only with a `b` run, e.g. --spec-runs default,2fb)
         [--save-tokens FILE] (each workload's prompt and plain greedy tokens, JSON: what
                               `spec_schedule.py --replay FILE` replays the draft policy on, off the GPU)
 
@@ -72,7 +73,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
                     "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
-                    "`drafts.CUDA_FOLLOW`; `default`: speculative=None, the engine's choice): one contender "
+                    "`drafts.CUDA_FOLLOW`; b, last: drafts in batches too, `Engine.speculate_alone` off; "
+                    "`default`: speculative=None, the engine's choice): one contender "
                     "each (default: one with speculative=\"prompt_lookup\" and the engine's settings)")
     ap.add_argument("--mix", action="store_true", help="also the four workloads submitted at once (one batch; "
                     "tok/s: all their tokens over the batch's wall time)")
@@ -89,13 +91,15 @@ def main() -> int:
     model = onnxgen.load(path, backend=backend, device=args.device, **opts)
     rows = []
     saved: dict[str, dict[str, list[int]]] = {}
+    alone_default = model.speculate_alone  # CUDA: a request drafts only while running alone
     batches = {name: [[{"role": "user", "content": text}]] for name, text in WORKLOADS.items()}
     if args.mix:  # the four workloads submitted together: one batch of requests on the same engine
         batches["mix (4 at once)"] = [b[0] for b in batches.values()]
     for name, batch in batches.items():
 
-        def go(spec, batch=batch, run=None, settings=DEFAULTS):
+        def go(spec, batch=batch, run=None, settings=DEFAULTS, alone=alone_default):
             model.spec_decode_steps = SPEC_DECODE_STEPS if run is None else run
+            model.speculate_alone = alone
             for key, value in settings.items():
                 setattr(drafts, key, value)
             t0 = time.perf_counter()
@@ -113,9 +117,11 @@ def main() -> int:
             if run == "default":  # what a request that does not say gets (on CUDA: drafts while alone)
                 contenders["spec (the engine's choice: speculative=None)"] = lambda: go(None)
                 continue
-            steps, settings, label = run_policy(run)
-            contenders[f"spec ({label})"] = lambda steps=steps, settings=settings: go("prompt_lookup", run=steps,
-                                                                                      settings=settings)  # fmt: skip
+            in_batches = run.endswith("b")  # drafts in batches too (`Engine.speculate_alone` off)
+            steps, settings, label = run_policy(run.removesuffix("b"))
+            label += ", drafts in batches" if in_batches else ""
+            contenders[f"spec ({label})"] = lambda steps=steps, settings=settings, a=alone_default and not in_batches: go(
+                "prompt_lookup", run=steps, settings=settings, alone=a)  # fmt: skip
         for fn in contenders.values():  # warm-up
             fn()
         samples = interleave(args.runs, contenders)

@@ -286,23 +286,26 @@ def test_paged_requests_speculate_alone_and_in_a_batch(smollm2_dir) -> None:
     assert paged.kv_stats()["pages_used"] == len(kv.index.pages())
 
 
-def test_the_engines_choice_on_cuda_drafts_only_for_a_request_running_alone(smollm2_dir) -> None:
-    """`speculative=None` on CUDA (`Engine.speculate_alone`, forced here on the CPU's paged pool): a request
-    running alone drafts; two running together draft nothing (no verify step beside another's decodes),
-    asked-for "prompt_lookup" drafts in a batch too, and every output is plain decoding's."""
+def test_on_cuda_requests_draft_only_while_running_alone(smollm2_dir) -> None:
+    """`Engine.speculate_alone` (CUDA's setting, forced here on the CPU's paged pool): a request running alone
+    drafts; two running together draft nothing (no verify step beside another's decodes), whether they
+    asked for "prompt_lookup" or left it to the engine; without the setting (the CPU's) they draft in the
+    batch. Every output is plain decoding's."""
     pytest.importorskip("torch")
     paged = onnxgen.load(str(smollm2_dir), backend="native", max_running=4)
-    paged.speculate_alone = True
-    assert paged._draft_control(None).solo and not paged._draft_control("prompt_lookup").solo
+    assert not paged.speculate_alone  # the CPU's default: batches draft
     plain = paged.generate(EDIT, max_new_tokens=32, temperature=0, speculative="off")
-    alone = paged.generate(EDIT, max_new_tokens=32, temperature=0)
-    assert alone.tokens == plain.tokens and alone.stats.accepted_tokens > 10
-    for mode, drafts in ((None, False), ("prompt_lookup", True)):
-        pending = [paged.submit(EDIT, max_new_tokens=32, temperature=0, speculative=mode, reuse=False)
-                   for _ in range(2)]  # fmt: skip  (same prompt and length: together from the first step to the last)
-        for r in (p.result() for p in pending):
-            assert r.tokens == plain.tokens
-            assert (r.stats.draft_tokens > 0) == drafts, (mode, r.stats.line())
+    for alone_only in (True, False):
+        paged.speculate_alone = alone_only
+        assert paged._draft_control(None).solo == paged._draft_control("prompt_lookup").solo == alone_only
+        alone = paged.generate(EDIT, max_new_tokens=32, temperature=0)
+        assert alone.tokens == plain.tokens and alone.stats.accepted_tokens > 10
+        for mode in (None, "prompt_lookup"):
+            pending = [paged.submit(EDIT, max_new_tokens=32, temperature=0, speculative=mode, reuse=False)
+                       for _ in range(2)]  # fmt: skip  (same prompt and length: together from first step to last)
+            for r in (p.result() for p in pending):
+                assert r.tokens == plain.tokens
+                assert (r.stats.draft_tokens > 0) == (not alone_only), (alone_only, mode, r.stats.line())
     c = DraftControl(solo=True)
     assert c.active(1) and not c.active(2) and DraftControl().active(3)
 

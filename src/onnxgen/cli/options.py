@@ -33,7 +33,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--speculative", choices=("prompt_lookup", "off"), default=None,
                    help="draft tokens from the context and verify them in one forward; same output "
-                        "(default: the engine's choice: prompt_lookup on the CPU, and on CUDA for a request "
+                        "(default: the engine's choice, prompt_lookup; on CUDA a request drafts only while "
                         "running alone)")  # fmt: skip
 
 

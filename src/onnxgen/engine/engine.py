@@ -155,12 +155,14 @@ class Engine:
         # docs/benchmarks/speculative-gpu.md) but for one short run after a match it has yet to confirm
         # (`DraftControl.stop_chain`: a chance match then costs a short run instead of a broken chain)
         self.spec_decode_steps = SPEC_DECODE_STEPS
-        # what `speculative=None` means: prompt lookup. On the CPU always, where a verification forward costs
-        # about one decode step (docs/benchmarks/speculative-cpu.md); on CUDA only for a request running
-        # alone (`speculate_alone`): at batch 1 SmolLM2 bf16 on an H100 ran edit 1.8-2.0x, numbers 1.38x,
-        # explain 1.00x, free text 0.99x (docs/benchmarks/speculative-gpu.md), but a verify step beside other
-        # requests' decodes runs eagerly, outside their captured decode runs, and batches are unmeasured
+        # what `speculative=None` means: prompt lookup, on the CPU (a verification forward costs about one
+        # decode step there: docs/benchmarks/speculative-cpu.md) and on CUDA
         self.speculative: str | bool = "prompt_lookup"
+        # on CUDA a speculating request drafts only while it runs alone: at batch 1 SmolLM2 bf16 on an H100
+        # ran edit 1.8-2.0x, numbers 1.3-1.4x, explain 1.00x, free text 0.99x, but four requests drafting in
+        # one batch ran 0.26x (bf16) and 0.54x (fp32) of the same batch without drafts — a verify step beside
+        # other requests' decodes runs eagerly, outside their captured decode runs
+        # (docs/benchmarks/speculative-gpu.md). On the CPU batches draft too (1.2x on the same mix).
         self.speculate_alone = cuda
         if self.paged:
             running = paged_running
@@ -324,7 +326,11 @@ class Engine:
         rewinding the KV past the rest: the output is exactly plain decoding's, greedy or sampled. False
         (or "off") decodes one token per step; None is the engine's choice (`Engine.speculative`).
         `Stats.draft_tokens` / `accepted_tokens` count what was proposed and kept. Drafts are verified on
-        both executors (per-request decoders that can rewind, and ragged batches on the paged pool).
+        both executors (per-request decoders that can rewind, and ragged batches on the paged pool); on
+        CUDA only while the request runs alone (`speculate_alone`). (In a CUDA batch, plain decoding's own
+        bf16 bits depend on the step's rows — a few-row product instead of one-row ones — so there the
+        tokens of drafting requests are those of the request decoded alone, which may differ from the same
+        batch's at a near-tie.)
 
         Tools (chat prompts): `tools` are OpenAI-style definitions; `tool_choice` is "auto" (the default
         with tools: text or calls), "none" (text, never parsed), "required" (one or more calls) or
@@ -385,8 +391,8 @@ class Engine:
         if mode not in (True, *DRAFT_MODES):
             raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
                                  field="speculative")  # fmt: skip
-        solo = speculative is None and self.speculate_alone  # the engine's choice: see `speculate_alone`
-        return draft_control(str(self.device).startswith("cuda"), self.executor.verify_sizes, solo=solo)
+        return draft_control(str(self.device).startswith("cuda"), self.executor.verify_sizes,
+                             solo=self.speculate_alone)  # fmt: skip
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""
