@@ -242,8 +242,8 @@ class DraftControl:
 
     def active(self, batch: int) -> bool:
         """Whether the request drafts (and shortens runs, stops chains for drafts) in a step of `batch`
-        requests: always, or with `solo` only alone — the engine's choice on CUDA, where a verify step beside
-        other requests' decodes runs eagerly, outside their captured decode runs."""
+        requests: always, or with `solo` only alone — CUDA's setting (`Engine.speculate_alone`), where a verify
+        step beside other requests' decodes runs eagerly, outside their captured decode runs."""
         return batch == 1 or not self.solo
 
     def watching(self, generated: int) -> bool:

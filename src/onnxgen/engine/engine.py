@@ -162,7 +162,7 @@ class Engine:
         # ran edit 1.8-2.0x, numbers 1.3-1.4x, explain 1.00x, free text 0.99x, but four requests drafting in
         # one batch ran 0.26x (bf16) and 0.54x (fp32) of the same batch without drafts — a verify step beside
         # other requests' decodes runs eagerly, outside their captured decode runs
-        # (docs/benchmarks/speculative-gpu.md). On the CPU batches draft too (1.2x on the same mix).
+        # (docs/benchmarks/speculative-gpu.md). On the CPU batches draft too.
         self.speculate_alone = cuda
         if self.paged:
             running = paged_running
@@ -327,10 +327,9 @@ class Engine:
         (or "off") decodes one token per step; None is the engine's choice (`Engine.speculative`).
         `Stats.draft_tokens` / `accepted_tokens` count what was proposed and kept. Drafts are verified on
         both executors (per-request decoders that can rewind, and ragged batches on the paged pool); on
-        CUDA only while the request runs alone (`speculate_alone`). (In a CUDA batch, plain decoding's own
-        bf16 bits depend on the step's rows — a few-row product instead of one-row ones — so there the
-        tokens of drafting requests are those of the request decoded alone, which may differ from the same
-        batch's at a near-tie.)
+        CUDA only while the request runs alone (`speculate_alone`; with it off, a CUDA batch's drafting
+        rows are computed as the request's alone while plain decoding's batch bits come from a few-row
+        product, so bf16 tokens may then differ from the same batch's plain ones at a near-tie).
 
         Tools (chat prompts): `tools` are OpenAI-style definitions; `tool_choice` is "auto" (the default
         with tools: text or calls), "none" (text, never parsed), "required" (one or more calls) or
