@@ -181,6 +181,17 @@ def test_follow_drafts_after_a_confirmed_stop_only_along_the_confirmed_match() -
     assert stopped(True).propose(prompt, [1, 10, 11, 12, 13, 9, 22, 23, 24], 2) == []
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=40), st.integers(0, 8))
+def test_ngram_match_length_is_the_longest_common_suffix(tokens: list[int], limit: int) -> None:
+    """For every position: the longest n <= limit with tokens[src - n : src] == tokens[-n:] (n <= src)."""
+    idx = NgramIndex()
+    idx.extend(tokens)
+    for src in range(len(tokens)):
+        want = max(n for n in range(min(limit, src) + 1) if tokens[src - n : src] == tokens[len(tokens) - n :])
+        assert idx.match_length(src, limit) == want
+
+
 def test_ngram_match_length_reads_back_from_the_source_and_the_end() -> None:
     """`NgramIndex.match_length`: the tokens before a source equal to the sequence's last ones, up to a limit
     (and never past the sequence's start)."""
