@@ -117,6 +117,40 @@ def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path) -> No
     assert float(d.max()) <= 1e-5
 
 
+def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(model: Any) -> None:
+    """A lone request that stops inside a chain of runs returns once the run holding its stop is read: the
+    run launched behind it (steps past its end, whose tokens nobody takes) is waited for by the next step,
+    before that step's own work (`Engine._trailing`, `_settle`); the next request's output is unchanged."""
+    probe = model.generate(PROMPTS[3], max_new_tokens=30, temperature=0, reuse=False, speculative=False)
+    stop = probe.text[12:15]
+    want = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
+    log: list[tuple[str, Any]] = []  # ("launch", k) / ("collect", run), in order
+    launch, collect = model.executor.launch_decodes, model.executor.collect_decodes
+
+    def spy_launch(chunks: Any, k: int, offset: int = 0, after: Any = None) -> Any:
+        log.append(("launch", after is not None))
+        return launch(chunks, k, offset, after)
+
+    model.executor.launch_decodes = spy_launch
+    model.executor.collect_decodes = lambda run: log.append(("collect", run)) or collect(run)
+    model.decode_steps = 4
+    try:
+        one = model.generate(PROMPTS[3], max_new_tokens=30, temperature=0, stop=[stop], reuse=False,
+                             speculative=False)  # fmt: skip
+        trailing, first = model._trailing, len(log)
+        assert one.finish_reason == "stop" and len(one.tokens) < 30 and ("launch", True) in log
+        assert trailing is not None and not any(x is trailing for _, x in log)  # launched, not waited for
+        two = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
+        assert log[first][0] == "collect" and log[first][1] is trailing  # the next step's first act
+        assert model._trailing is not trailing and ("launch", False) in log[first:]
+    finally:
+        model.decode_steps = 1
+        model.executor.launch_decodes, model.executor.collect_decodes = launch, collect
+        model._settle()
+    assert (two.tokens, two.text) == (want.tokens, want.text)
+    assert model._trailing is None
+
+
 def test_cancel_during_continued_runs(model: Any) -> None:
     """A request cancelled while runs continue one another stops within a run: it raises `Cancelled`, the
     other request of the batch equals its single-step output, and no page stays held."""

@@ -177,6 +177,9 @@ class Engine:
         self._completed = 0  # requests finished or failed so far: waiters are woken only when it changes
         self._driving = False
         self._stuck = 0
+        # a launched run of decode steps that only finished requests fed (`_run_decodes`): nobody takes its
+        # tokens, and the next step waits for it instead of the finished requests' callers (`_settle`)
+        self._trailing: Any = None
         self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
         self._default_session = Session(self, name="default")
         self.package_key = f"{self.spec.path.resolve()}|{self.spec.kv_dtype}|{self.backend}|{device}"
@@ -455,6 +458,7 @@ class Engine:
         """One engine step: schedule, run the batch, sample and stream, finish or fail requests. Returns
         False when there was nothing to do."""
         with self._kv_lock:
+            self._settle()
             chunks, cancelled = self.scheduler.schedule()
             for req in cancelled:
                 self._fail(req, Cancelled("generation cancelled"))
@@ -533,7 +537,9 @@ class Engine:
         order exactly as single steps would (EOS, stop strings and lengths checked per token). While the
         batch may continue (`_continue_run`), the next run is launched before the current one is read, so
         the device never waits for the host between runs; once a request finishes or fails, the run
-        already launched is read too, the others take its tokens, and control returns to `step`.
+        already launched is read too, the others take its tokens, and control returns to `step` — unless
+        every request of the run finished: then nobody takes its tokens and the next step waits for it
+        (`_trailing`), so the finished requests' callers do not.
         Positions fed after a request finished are taken back out of its cache."""
         try:
             run = self.executor.launch_decodes(chunks, k)
@@ -559,6 +565,11 @@ class Engine:
                 return
             done = self._take_run(chunks, rows, offset, set())
             if nxt is None:
+                return
+            if len(done) == len(chunks):  # all finished: the launched run's steps lie past every context, and
+                # its wait is left to the next step, so the finished requests' callers return now (up to a
+                # run of steps sooner: a reply that ends by EOS stops inside a chain)
+                self._trailing = nxt
                 return
             if done or self._drafts_ready(chunks, done, k_next):  # the others take the launched run's tokens
                 # too, then `step` schedules anew (a request that found drafts verifies them there)
@@ -629,6 +640,13 @@ class Engine:
             if left >= 2 and r.drafts.stop_chain(r.prompt, r.output):  # a sample and at least one draft
                 return True
         return False
+
+    def _settle(self) -> None:
+        """Wait for the run that only finished requests fed, if one is in flight (`_trailing`): before the
+        next step's work, or before the caches go (`close`). Its steps wrote keys only past the finished
+        requests' contexts, and anything launched after it is ordered behind it on the device."""
+        run, self._trailing = self._trailing, None
+        self._drain(run)
 
     def _drain(self, run: Any) -> None:
         """Wait for a launched run whose tokens nobody takes (its positions lie past every context)."""
@@ -789,6 +807,7 @@ class Engine:
         self._default_session.evict()
         self.registry.evict_all()
         with self._kv_lock:
+            self._settle()
             self.executor.close()
 
     # --- what a server reads (public, read-only) -------------------------------------------------
