@@ -84,6 +84,7 @@ def batch1(name: str, paged: Any, slots: Any) -> None:
     for r in range(5):
         for tag, m in (("paged", paged), ("decoders", slots)) if r % 2 == 0 else (("decoders", slots), ("paged", paged)):
             dec[tag].append(m.generate(p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False).stats.decode_tok_s)
+            m.settle()  # the decode's tail (a run past its EOS) is not the next request's TTFT
             ttft[tag].append(m.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3)
             s = sessions[tag]
             s.generate(ctx, max_new_tokens=1)  # back to the 8000-token context

@@ -213,7 +213,7 @@ def speed(shapes: list[str], tokenizer: Path) -> None:
         model.generate(p512, max_new_tokens=130, speculative="off", temperature=0, reuse=False)  # warm-up (captures)
         dec = statistics.median(model.generate(p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False).stats.decode_tok_s
                                 for _ in range(5))  # fmt: skip
-        model.generate(p4k, max_new_tokens=1, reuse=False)
+        model.generate(p4k, max_new_tokens=1, reuse=False)  # (its step first waits for the decodes' tail)
         ttft = statistics.median(model.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3 for _ in range(5))
         s = model.session()
         ctx = torch.randint(100, 49000, (8000,), generator=g).tolist()

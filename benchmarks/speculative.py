@@ -100,6 +100,7 @@ def main() -> int:
         def go(spec, batch=batch, run=None, settings=DEFAULTS, alone=alone_default):
             model.spec_decode_steps = SPEC_DECODE_STEPS if run is None else run
             model.speculate_alone = alone
+            model.settle()  # the previous contender's tail (steps launched past its EOS) is not this one's
             for key, value in settings.items():
                 setattr(drafts, key, value)
             t0 = time.perf_counter()

@@ -120,7 +120,7 @@ def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path) -> No
 def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(model: Any) -> None:
     """A lone request that stops inside a chain of runs returns once the run holding its stop is read: the
     run launched behind it (steps past its end, whose tokens nobody takes) is waited for by the next step,
-    before that step's own work (`Engine._trailing`, `_settle`); the next request's output is unchanged."""
+    before that step's own work (`Engine._trailing`, `settle`); the next request's output is unchanged."""
     probe = model.generate(PROMPTS[3], max_new_tokens=30, temperature=0, reuse=False, speculative=False)
     stop = probe.text[12:15]
     want = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
@@ -146,7 +146,7 @@ def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(mo
     finally:
         model.decode_steps = 1
         model.executor.launch_decodes, model.executor.collect_decodes = launch, collect
-        model._settle()
+        model.settle()
     assert (two.tokens, two.text) == (want.tokens, want.text)
     assert model._trailing is None
 

@@ -178,7 +178,7 @@ class Engine:
         self._driving = False
         self._stuck = 0
         # a launched run of decode steps that only finished requests fed (`_run_decodes`): nobody takes its
-        # tokens, and the next step waits for it instead of the finished requests' callers (`_settle`)
+        # tokens, and the next step waits for it instead of the finished requests' callers (`settle`)
         self._trailing: Any = None
         self.registry = SessionRegistry(max_sessions=max_sessions, max_kv_bytes=max_kv_bytes)
         self._default_session = Session(self, name="default")
@@ -458,7 +458,7 @@ class Engine:
         """One engine step: schedule, run the batch, sample and stream, finish or fail requests. Returns
         False when there was nothing to do."""
         with self._kv_lock:
-            self._settle()
+            self.settle()
             chunks, cancelled = self.scheduler.schedule()
             for req in cancelled:
                 self._fail(req, Cancelled("generation cancelled"))
@@ -641,12 +641,15 @@ class Engine:
                 return True
         return False
 
-    def _settle(self) -> None:
-        """Wait for the run that only finished requests fed, if one is in flight (`_trailing`): before the
-        next step's work, or before the caches go (`close`). Its steps wrote keys only past the finished
-        requests' contexts, and anything launched after it is ordered behind it on the device."""
-        run, self._trailing = self._trailing, None
-        self._drain(run)
+    def settle(self) -> None:
+        """Wait for the device work launched past requests that already finished (`_trailing`: a run of
+        decode steps nobody reads; its steps wrote keys only past their contexts, and anything launched after
+        it is ordered behind it on the device). Every step does this first, and `close` too; a benchmark
+        calls it before timing a request, so that the request does not pay for the previous one's tail.
+        Safe from any thread."""
+        with self._kv_lock:
+            run, self._trailing = self._trailing, None
+            self._drain(run)
 
     def _drain(self, run: Any) -> None:
         """Wait for a launched run whose tokens nobody takes (its positions lie past every context)."""
@@ -807,7 +810,7 @@ class Engine:
         self._default_session.evict()
         self.registry.evict_all()
         with self._kv_lock:
-            self._settle()
+            self.settle()
             self.executor.close()
 
     # --- what a server reads (public, read-only) -------------------------------------------------
