@@ -6,6 +6,8 @@
 # Expects (carried beside the tree, git-ignored): .whl/ with onnxruntime-genai's cp312 wheel (the builder
 # makes the packages) and .carry/tok/ with SmolLM2's tokenizer files; `bash benchmarks/prepare_carry.sh`
 # makes them (and spec's GGUF parts and wheels) in a fresh checkout. Sections:
+#   ifh200  print the card; on anything but an H200 skip every section after it (`ifh200 small decode`:
+#           the H200 targets only where they can be measured)
 #   tests   the GPU tests (kernels, runner, decode runs, paged attention, backend, concurrency, bf16 parity)
 #   decode  batch-1 decode of the 0.5B, 1B and 8B shapes against the floor and transformers (gpu_decode.py)
 #   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
@@ -57,6 +59,8 @@ quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|_warn_once"; }
 for section in "$@"; do
   echo "== $section (t=$(( $(date +%s) - T0 )) s)"
   case "$section" in
+    ifh200) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$card"
+            case "$card" in *H200*) ;; *) echo "not an H200: the sections after ifh200 are skipped"; break ;; esac ;;
     tests) timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gemv_kernel.py \
              tests/test_skinny_kernel.py tests/test_int4_kernel.py 2>&1 | tail -4  # 8 processes: compiles in parallel
            timeout 300 python3 -m pytest -q -m gpu tests/test_native_runner.py tests/test_decode_runs.py \
