@@ -91,8 +91,10 @@ def main() -> int:
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, min(vocab, 32000) - 1, (512,), generator=g).tolist()
         m.generate(prompt[:32], max_new_tokens=8, speculative="off", reuse=False)  # warm-up
-        runs = [m.settle() or m.generate(prompt, max_new_tokens=129, speculative="off", reuse=False, stop=[], temperature=0)
-                for _ in range(3)]  # settle: a run's TTFT does not include the previous run's tail
+        runs = []
+        for _ in range(3):
+            m.settle()  # a run's TTFT does not include the previous run's tail
+            runs.append(m.generate(prompt, max_new_tokens=129, speculative="off", reuse=False, stop=[], temperature=0))
         ttft = statistics.median(r.stats.ttft_s for r in runs) * 1000
         tps = statistics.median(r.stats.decode_tok_s for r in runs)
         # the raw logits of each greedy step (a slower path: only for the margins where tokens differ)

@@ -120,7 +120,7 @@ def main() -> int:
         plain = (len(greedy) - 1) * a.decode_ms
         policies = [("runs of 8, drafts as budgeted", (8, DEFAULTS, ""), ())]
         policies += [(f"{p[2]} while copying", p, tuple(verify)) for p in map(run_policy, a.runs.split(","))]
-        for label, (run, settings, _), sizes in policies:
+        for label, (run, settings, *_), sizes in policies:
             for key, value in settings.items():
                 setattr(drafts, key, value)
             ctrl = draft_control(True, sizes)

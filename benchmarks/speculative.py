@@ -49,15 +49,17 @@ WORKLOADS = {
 }
 
 
-def run_policy(spec: str) -> tuple[int, dict[str, bool], str]:
+def run_policy(spec: str) -> tuple[int, dict[str, bool], str, bool]:
     """A `--spec-runs` entry (digits, then letters: `o` no chance-match confirmation, `f` drafts after a
-    confirmed stop only along the confirmed match) -> (decode steps per run while copying, the `drafts`
-    settings it means, a label)."""
-    run = spec.rstrip("of")
+    confirmed stop only along the confirmed match, `b` drafts in batches too) -> (decode steps per run while
+    copying, the `drafts` settings it means, a label, whether it drafts in batches: `Engine.speculate_alone`
+    off)."""
+    run = spec.rstrip("ofb")
     flags = spec[len(run) :]
     settings = {"CUDA_CONFIRM": "o" not in flags, "CUDA_FOLLOW": "f" in flags}
-    notes = [n for f, n in (("o", "unconfirmed stops"), ("f", "drafts follow the confirmed match")) if f in flags]
-    return int(run), settings, ", ".join([f"runs of {run}", *notes])
+    notes = [n for f, n in (("o", "unconfirmed stops"), ("f", "drafts follow the confirmed match"),
+                            ("b", "drafts in batches")) if f in flags]  # fmt: skip
+    return int(run), settings, ", ".join([f"runs of {run}", *notes]), "b" in flags
 
 
 DEFAULTS = {"CUDA_CONFIRM": drafts.CUDA_CONFIRM, "CUDA_FOLLOW": drafts.CUDA_FOLLOW}
@@ -73,7 +75,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
                     "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
-                    "`drafts.CUDA_FOLLOW`; b, last: drafts in batches too, `Engine.speculate_alone` off; "
+                    "`drafts.CUDA_FOLLOW`; b: drafts in batches too, `Engine.speculate_alone` off; "
                     "`default`: speculative=None, the engine's choice): one contender "
                     "each (default: one with speculative=\"prompt_lookup\" and the engine's settings)")
     ap.add_argument("--mix", action="store_true", help="also the four workloads submitted at once (one batch; "
@@ -118,9 +120,7 @@ def main() -> int:
             if run == "default":  # what a request that does not say gets (on CUDA: drafts while alone)
                 contenders["spec (the engine's choice: speculative=None)"] = lambda: go(None)
                 continue
-            in_batches = run.endswith("b")  # drafts in batches too (`Engine.speculate_alone` off)
-            steps, settings, label = run_policy(run.removesuffix("b"))
-            label += ", drafts in batches" if in_batches else ""
+            steps, settings, label, in_batches = run_policy(run)
             contenders[f"spec ({label})"] = lambda steps=steps, settings=settings, a=alone_default and not in_batches: go(
                 "prompt_lookup", run=steps, settings=settings, alone=a)  # fmt: skip
         for fn in contenders.values():  # warm-up

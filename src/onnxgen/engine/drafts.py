@@ -155,7 +155,8 @@ class DraftControl:
                  follow: bool = False, solo: bool = False) -> None:  # fmt: skip
         self.solo = solo  # drafts only while the request runs alone (`active`)
         self.confirm = confirm  # `stop_chain` waits for a match to be confirmed unless `hot`
-        # with `confirm`: after a stop for a confirmed match, draft only its continuation (`propose`)
+        # with `confirm`: after a stop for a confirmed match, draft only its continuation or a longer match
+        # (`propose`)
         self.follow = follow
         # `stop_chain`'s unconfirmed match: (output length then, the token it proposed, its source in the
         # context: the position that token was copied from)
