@@ -1,0 +1,153 @@
+"""Where the device waits during batch-1 decoding (issue 13): GPU idle time between kernels, and runs' length.
+
+    PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_gaps.py --tokenizer DIR \
+        [--shapes 0.5b,1b] [--decode-steps 8,16,32]
+
+For each shape (builder-made bf16 package of a random checkpoint, `gpu_parity.package`), through the public
+API (paged engine, greedy, a 512-token prompt, 128 new tokens, `speculative="off"`):
+- decode tok/s (`Stats.decode_tok_s`) for each `decode_steps` value (steps per host round trip), interleaved,
+  median of 5;
+- one generation under torch.profiler at each `decode_steps` value: from the first token on (a CPU-side
+  marker set by `on_token`), the device's busy time (the union of its kernels and copies) and idle time per
+  token, and the idle gaps between consecutive device events summed by their neighbours (which kernel or
+  copy ends before the gap and which starts after it), the largest first. The profiler adds host time per
+  launch, so its idle figures bound what the host costs from above; the tok/s rows are without it.
+The tables print last; a JSON of every number goes to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+OUT = Path(os.environ.get("OUT") or "/tmp/gpu_gaps_out")
+OUT.mkdir(parents=True, exist_ok=True)
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def log(*a: Any) -> None:
+    print(" ".join(str(x) for x in a), flush=True)
+
+
+def short(name: str) -> str:
+    """A kernel's name without its template arguments (enough to tell the kinds apart)."""
+    return name.split("(")[0].split("<")[0][:48]
+
+
+def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:
+    """Device busy/idle time after host time `t0` (µs, the trace's clock) and the idle gaps by neighbours."""
+    evs = sorted((e for e in trace["traceEvents"] if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"
+                  and float(e["ts"]) >= t0), key=lambda e: float(e["ts"]))  # fmt: skip
+    if len(evs) < 2:
+        return {"events": len(evs)}
+    busy, end, prev = 0.0, float(evs[0]["ts"]), evs[0]
+    start = end
+    by = collections.Counter()
+    count = collections.Counter()
+    for e in evs:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0))
+        if ts > end:
+            key = f"{short(prev['name'])} -> {short(e['name'])}"
+            by[key] += ts - end
+            count[key] += 1
+        lo = max(ts, end)
+        if ts + dur > lo:
+            busy += ts + dur - lo
+        if ts + dur >= end:
+            end, prev = ts + dur, e
+    window = end - start
+    top = [(k, by[k], count[k]) for k, _ in by.most_common(8)]
+    return {"events": len(evs), "window_us": window, "busy_us": busy, "idle_us": window - busy,
+            "idle_us_per_token": (window - busy) / tokens, "busy_us_per_token": busy / tokens, "top": top}  # fmt: skip
+
+
+def profiled(m: Any, prompt: list[int], k: int) -> dict[str, Any]:
+    """One generation at `decode_steps = k` under torch.profiler, read from its first token on."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    m.decode_steps = k
+    marks: list[Any] = []
+
+    def first(_piece: str) -> None:
+        if not marks:
+            with record_function("onnxgen_first_token") as r:
+                marks.append(r)
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0,
+                         on_token=first)  # fmt: skip
+        m.settle()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    t0 = min(float(e["ts"]) for e in trace["traceEvents"] if e.get("name") == "onnxgen_first_token")
+    return gaps(trace, t0, res.stats.generated_tokens - 1)
+
+
+def run_shape(name: str, tokenizer: Path, steps: list[int]) -> dict[str, Any]:
+    import onnxgen
+    from gpu_parity import package
+
+    _, pkg = package(name, tokenizer)
+    prompt = np.random.default_rng(1).integers(100, 32000, 512).tolist()
+    m = onnxgen.load(str(pkg), backend="native", device="cuda")
+    m.generate(prompt[:64], max_new_tokens=16, speculative="off", reuse=False, temperature=0)  # warm-up
+    tps: dict[int, list[float]] = {k: [] for k in steps}
+    for _ in range(5):
+        for k in steps:
+            m.decode_steps = k
+            m.settle()
+            res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0)  # fmt: skip
+            tps[k].append(res.stats.decode_tok_s)
+    r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "gaps": {}}
+    for k in steps:
+        log(name, f"decode_steps={k}: {r['tps'][k]:.1f} tok/s ({', '.join(f'{x:.0f}' for x in tps[k])})")
+        m.settle()
+        r["gaps"][k] = profiled(m, prompt, k)
+    m.close()
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="0.5b,1b")
+    ap.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer files")
+    ap.add_argument("--decode-steps", default="8,16,32")
+    a = ap.parse_args()
+    steps = [int(x) for x in a.decode_steps.split(",")]
+    log(f"torch {torch.__version__}; {torch.cuda.get_device_name()}")
+    rows = [run_shape(name, a.tokenizer, steps) for name in a.shapes.split(",")]
+    (OUT / "gpu_gaps.json").write_text(json.dumps(rows, indent=2, default=str))
+    log("\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token |")
+    log("|---|---|---|---|---|")
+    for r in rows:
+        for k in steps:
+            g = r["gaps"][k]
+            log(f"| {r['shape']} | {k} | {r['tps'][k]:.0f} | {g.get('busy_us_per_token', 0):.1f} | "
+                f"{g.get('idle_us_per_token', 0):.1f} |")  # fmt: skip
+    for r in rows:
+        for k in steps:
+            log(f"\n{r['shape']}, decode_steps={k}: idle gaps by neighbours (µs in all, count)")
+            for key, us, n in r["gaps"][k].get("top", []):
+                log(f"  {us:9.1f} {n:5d}  {key}")
+
+
+if __name__ == "__main__":
+    main()
