@@ -312,9 +312,9 @@ class NativeRunner:
         the whole run; `first`: its token ids on the device); each replay then chooses its greedy tokens and
         advances the inputs to the next step on the device (`_graph_body`), so the host only enqueues
         replays. Greedy rows take the tokens the graph recorded (copied out every `RUN_TOKENS` steps), and
-        after the first step replay the `RUN_GRAPH_STEPS`-step graph (`_Graph.multi`) wherever its steps fit
-        before the run's end and within one token record; otherwise `choose` picks each step's tokens from the
-        logits rows, which replace the greedy ids before the next replay."""
+        replay the `RUN_GRAPH_STEPS`-step graph (`_Graph.multi`) wherever its steps fit before the run's end
+        and within one token record, the first replay included (a run of 8 is two replays); otherwise `choose`
+        picks each step's tokens from the logits rows, which replace the greedy ids before the next replay."""
         b = len(step.seqs)
         toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
         greedy = bool(getattr(choose, "greedy", False))
@@ -322,10 +322,13 @@ class NativeRunner:
         j = 0
         while j < k:
             n = 1
+            multi = greedy and g.multi is not None and j + RUN_GRAPH_STEPS <= k \
+                and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS  # fmt: skip  # within one token record
             if j == 0:
-                self._run_graph(g, step, first, raw=True, run=k)
-            elif greedy and g.multi is not None and j + RUN_GRAPH_STEPS <= k \
-                    and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS:  # fmt: skip  # within one token record
+                self._run_graph(g, step, first, raw=True, run=k, multi=multi)
+                n = RUN_GRAPH_STEPS if multi else 1
+            elif multi:
+                assert g.multi is not None
                 n = RUN_GRAPH_STEPS
                 g.multi.replay()
                 self.steps["graph"] += n
@@ -367,12 +370,13 @@ class NativeRunner:
     # --- CUDA graphs for decode steps --------------------------------------------------------------
 
     def _run_graph(self, g: _Graph, step: BatchStep, ids_t: torch.Tensor | None = None,
-                   raw: bool = False, run: int = 0) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+                   raw: bool = False, run: int = 0, multi: bool = False) -> torch.Tensor:  # fmt: skip  # pragma: cuda
         """`ids_t`: a decode step's token ids as a device tensor `[B]` (copied in after the upload). `raw`: the
         logits as the graph's output rows in the model's dtype (a view, valid until the next replay; the
         device choice reads them exactly), not a float32 copy. `run`: the first of `run` decode steps whose
         later replays advance their inputs on the device (`_graph_decodes`): the page tables are uploaded for
-        the run's last step and the sequences are marked live."""
+        the run's last step and the sequences are marked live. `multi`: replay the run's first
+        `RUN_GRAPH_STEPS` steps (`_Graph.multi`; the rows returned are then the last step's)."""
         b, m, P = len(step.seqs), g.tokens, self.page_size
         t = g.batch * m
         g.uploaded.synchronize()  # NOTE: the host mirrors are rewritten only after their last upload
@@ -416,8 +420,14 @@ class NativeRunner:
         g.uploaded.record()
         if ids_t is not None:
             g.wide[:b].copy_(ids_t)
-        g.graph.replay()
-        self.steps["graph"] += 1
+        if multi:
+            assert g.multi is not None and run >= RUN_GRAPH_STEPS
+            g.multi.replay()
+            self.steps["graph"] += RUN_GRAPH_STEPS
+            self.steps["multi"] += 1
+        else:
+            g.graph.replay()
+            self.steps["graph"] += 1
         if g.rows > 1 and m > 1:  # a verify step: every real position's row
             return g.out.reshape(g.rows, -1)[: len(step.seqs[0].tokens)].float()
         rows = g.out.reshape(g.batch, -1)[:b]
