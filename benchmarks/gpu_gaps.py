@@ -1,12 +1,13 @@
 """Where the device waits during batch-1 decoding (issue 13): GPU idle time between kernels, and runs' length.
 
     PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_gaps.py --tokenizer DIR \
-        [--shapes 0.5b,1b] [--decode-steps 8,16,32]
+        [--shapes 0.5b,1b] [--decode-steps 8,16,32,8s]
 
 For each shape (builder-made bf16 package of a random checkpoint, `gpu_parity.package`), through the public
 API (paged engine, greedy, a 512-token prompt, 128 new tokens, `speculative="off"`):
 - decode tok/s (`Stats.decode_tok_s`) for each `decode_steps` value (steps per host round trip), interleaved,
-  median of 5;
+  median of 5; a value ending in `s` runs with the first replay of each run one step deep
+  (`runner.RUN_FIRST_MULTI` off, as before 2026-12-06);
 - one generation under torch.profiler at each `decode_steps` value: from the first token on (a CPU-side
   marker set by `on_token`), the device's busy time (the union of its kernels and copies) and idle time per
   token, and the idle gaps between consecutive device events summed by their neighbours (which kernel or
@@ -75,11 +76,19 @@ def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:
             "idle_us_per_token": (window - busy) / tokens, "busy_us_per_token": busy / tokens, "top": top}  # fmt: skip
 
 
-def profiled(m: Any, prompt: list[int], k: int) -> dict[str, Any]:
-    """One generation at `decode_steps = k` under torch.profiler, read from its first token on."""
+def configure(m: Any, k: str) -> None:
+    """`decode_steps` of `k` (e.g. "8"); a trailing "s": each run's first replay one step deep."""
+    from onnxgen.backends.native import runner
+
+    m.decode_steps = int(k.rstrip("s"))
+    runner.RUN_FIRST_MULTI = not k.endswith("s")
+
+
+def profiled(m: Any, prompt: list[int], k: str) -> dict[str, Any]:
+    """One generation at `configure(m, k)` under torch.profiler, read from its first token on."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    m.decode_steps = k
+    configure(m, k)
     marks: list[Any] = []
 
     def first(_piece: str) -> None:
@@ -101,7 +110,7 @@ def profiled(m: Any, prompt: list[int], k: int) -> dict[str, Any]:
     return gaps(trace, t0, res.stats.generated_tokens - 1)
 
 
-def run_shape(name: str, tokenizer: Path, steps: list[int]) -> dict[str, Any]:
+def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
     import onnxgen
     from gpu_parity import package
 
@@ -109,14 +118,15 @@ def run_shape(name: str, tokenizer: Path, steps: list[int]) -> dict[str, Any]:
     prompt = np.random.default_rng(1).integers(100, 32000, 512).tolist()
     m = onnxgen.load(str(pkg), backend="native", device="cuda")
     m.generate(prompt[:64], max_new_tokens=16, speculative="off", reuse=False, temperature=0)  # warm-up
-    tps: dict[int, list[float]] = {k: [] for k in steps}
+    tps: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(5):
         for k in steps:
-            m.decode_steps = k
+            configure(m, k)
             m.settle()
             res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0)  # fmt: skip
             tps[k].append(res.stats.decode_tok_s)
-    r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "gaps": {}}
+    r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "runs": tps,
+                         "gaps": {}}  # fmt: skip
     for k in steps:
         log(name, f"decode_steps={k}: {r['tps'][k]:.1f} tok/s ({', '.join(f'{x:.0f}' for x in tps[k])})")
         m.settle()
@@ -131,22 +141,23 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer files")
     ap.add_argument("--decode-steps", default="8,16,32")
     a = ap.parse_args()
-    steps = [int(x) for x in a.decode_steps.split(",")]
+    steps = a.decode_steps.split(",")
     log(f"torch {torch.__version__}; {torch.cuda.get_device_name()}")
     rows = [run_shape(name, a.tokenizer, steps) for name in a.shapes.split(",")]
     (OUT / "gpu_gaps.json").write_text(json.dumps(rows, indent=2, default=str))
-    log("\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token |")
-    log("|---|---|---|---|---|")
-    for r in rows:
-        for k in steps:
-            g = r["gaps"][k]
-            log(f"| {r['shape']} | {k} | {r['tps'][k]:.0f} | {g.get('busy_us_per_token', 0):.1f} | "
-                f"{g.get('idle_us_per_token', 0):.1f} |")  # fmt: skip
     for r in rows:
         for k in steps:
             log(f"\n{r['shape']}, decode_steps={k}: idle gaps by neighbours (µs in all, count)")
             for key, us, n in r["gaps"][k].get("top", []):
                 log(f"  {us:9.1f} {n:5d}  {key}")
+    log("\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token | "
+        "tok/s of each run |")  # fmt: skip
+    log("|---|---|---|---|---|---|")
+    for r in rows:
+        for k in steps:
+            g = r["gaps"][k]
+            log(f"| {r['shape']} | {k} | {r['tps'][k]:.0f} | {g.get('busy_us_per_token', 0):.1f} | "
+                f"{g.get('idle_us_per_token', 0):.1f} | {' / '.join(f'{x:.0f}' for x in r['runs'][k])} |")  # fmt: skip
 
 
 if __name__ == "__main__":

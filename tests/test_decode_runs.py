@@ -226,13 +226,19 @@ def test_decode_steps_validated(tiny_dir: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("first_multi", [True, False])
+def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path, first_multi: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """On CUDA each step of a run replays the captured decode graph with its ids copied on the device (greedy
-    runs: several steps a replay where they fit, `runner.RUN_GRAPH_STEPS`)."""
+    runs: several steps a replay where they fit, `runner.RUN_GRAPH_STEPS`, the run's first replay included
+    with `runner.RUN_FIRST_MULTI`)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (runs on the GPU host)")
+    from onnxgen.backends.native import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "RUN_FIRST_MULTI", first_multi)
     m = onnxgen.load(str(tiny_dir), backend="native", device="cuda")
     runner = m.executor.runner
     assert m.decode_steps == 8 and runner.cuda_graphs

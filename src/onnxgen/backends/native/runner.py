@@ -70,6 +70,9 @@ can (`_graph_decodes`): no graph boundary between those steps — each replay's 
 programmatic dependent launches, and the next replay starts only once it has finished. 1 turns it off
 (`ONNXGEN_RUN_GRAPH_STEPS`); read at load; above `RUN_TOKENS` it would never fit a run. Measured on an H100
 (docs/benchmarks/decode-gpu.md, eleventh session): 0.2-0.8 % off the 0.5B / 1B decode step."""
+# a run's first replay (the one after the upload) is the several-step graph too where it fits (a greedy run of 8
+# steps: two replays instead of five); False: one step, as before (`benchmarks/gpu_gaps.py` times both)
+RUN_FIRST_MULTI = True
 RUN_GRAPH_BATCH = 8  # decode graphs of more sequences: one step deep only (a step is long enough there)
 # a batch size whose attention runs unpipelined up to at least this many keys (`paged.short_keys`) gets a
 # second decode graph, replayed while its sequences stay that short
@@ -323,7 +326,7 @@ class NativeRunner:
         while j < k:
             n = 1
             multi = greedy and g.multi is not None and j + RUN_GRAPH_STEPS <= k \
-                and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS  # fmt: skip  # within one token record
+                and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS and (j > 0 or RUN_FIRST_MULTI)  # fmt: skip
             if j == 0:
                 self._run_graph(g, step, first, raw=True, run=k, multi=multi)
                 n = RUN_GRAPH_STEPS if multi else 1
