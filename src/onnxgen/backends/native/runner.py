@@ -324,21 +324,13 @@ class NativeRunner:
         rows = g.out.reshape(g.batch, -1)[:b]
         j = 0
         while j < k:
-            n = 1
             multi = greedy and g.multi is not None and j + RUN_GRAPH_STEPS <= k \
                 and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS and (j > 0 or RUN_FIRST_MULTI)  # fmt: skip
             if j == 0:
                 self._run_graph(g, step, first, raw=True, run=k, multi=multi)
-                n = RUN_GRAPH_STEPS if multi else 1
-            elif multi:
-                assert g.multi is not None
-                n = RUN_GRAPH_STEPS
-                g.multi.replay()
-                self.steps["graph"] += n
-                self.steps["multi"] += 1
             else:
-                g.graph.replay()
-                self.steps["graph"] += 1
+                self._replay(g, multi)
+            n = RUN_GRAPH_STEPS if multi else 1
             last = j + n - 1
             if not greedy:
                 toks[j] = choose(rows, offset + j)
@@ -423,18 +415,22 @@ class NativeRunner:
         g.uploaded.record()
         if ids_t is not None:
             g.wide[:b].copy_(ids_t)
-        if multi:
-            assert g.multi is not None and run >= RUN_GRAPH_STEPS
-            g.multi.replay()
-            self.steps["graph"] += RUN_GRAPH_STEPS
-            self.steps["multi"] += 1
-        else:
-            g.graph.replay()
-            self.steps["graph"] += 1
+        assert not multi or run >= RUN_GRAPH_STEPS
+        self._replay(g, multi)
         if g.rows > 1 and m > 1:  # a verify step: every real position's row
             return g.out.reshape(g.rows, -1)[: len(step.seqs[0].tokens)].float()
         rows = g.out.reshape(g.batch, -1)[:b]
         return rows if raw else rows.float()
+
+    def _replay(self, g: _Graph, multi: bool = False) -> None:  # pragma: cuda
+        """Replay `g`'s step, or with `multi` its `RUN_GRAPH_STEPS`-step graph, and count the steps."""
+        if multi:
+            assert g.multi is not None
+            g.multi.replay()
+            self.steps["multi"] += 1
+        else:
+            g.graph.replay()
+        self.steps["graph"] += RUN_GRAPH_STEPS if multi else 1
 
     def _graph_step(self, g: _Graph) -> paged.PagedStep:  # pragma: cuda
         """The attention metadata of a graph's step: views of its device buffers, and host shapes sized for
