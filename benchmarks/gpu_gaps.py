@@ -1,13 +1,13 @@
 """Where the device waits during batch-1 decoding (issue 13): GPU idle time between kernels, and runs' length.
 
     PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_gaps.py --tokenizer DIR \
-        [--shapes 0.5b,1b] [--decode-steps 8,16,32,8s]
+        [--shapes 0.5b,1b] [--decode-steps 8,8s,8n,16]
 
 For each shape (builder-made bf16 package of a random checkpoint, `gpu_parity.package`), through the public
 API (paged engine, greedy, a 512-token prompt, 128 new tokens, `speculative="off"`):
 - decode tok/s (`Stats.decode_tok_s`) for each `decode_steps` value (steps per host round trip), interleaved,
-  median of 5; a value ending in `s` runs with the first replay of each run one step deep
-  (`runner.RUN_FIRST_MULTI` off, as before 2026-12-06);
+  median of 5; suffixes (`configure`): `s`, each run's first replay one step deep (as before 2026-12-06),
+  `n`, decoding launched only once the host has read the prompt's token (as before 2026-12-06);
 - one generation under torch.profiler at each `decode_steps` value: from the first token on (a CPU-side
   marker set by `on_token`), the device's busy time (the union of its kernels and copies) and idle time per
   token, and the idle gaps between consecutive device events summed by their neighbours (which kernel or
@@ -77,11 +77,14 @@ def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:
 
 
 def configure(m: Any, k: str) -> None:
-    """`decode_steps` of `k` (e.g. "8"); a trailing "s": each run's first replay one step deep."""
+    """`decode_steps` of `k` (e.g. "8"); suffixes: "s", each run's first replay one step deep
+    (`runner.RUN_FIRST_MULTI` off); "n", no first run launched behind the prompt's step (`Model.launch_first`
+    off: decoding starts once the host has read the first token)."""
     from onnxgen.backends.native import runner
 
-    m.decode_steps = int(k.rstrip("s"))
-    runner.RUN_FIRST_MULTI = not k.endswith("s")
+    m.decode_steps = int(k.rstrip("sn"))
+    runner.RUN_FIRST_MULTI = "s" not in k
+    m.launch_first = "n" not in k
 
 
 def profiled(m: Any, prompt: list[int], k: str) -> dict[str, Any]:

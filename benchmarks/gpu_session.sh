@@ -27,9 +27,10 @@
 #   pick    after `fold`: the faster of its variants (summed over both shapes) exported for the sections after
 #           it (ONNXGEN_FOLD_NORMS; benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
-#   gaps    0.5B and 1B: decode tok/s at 8 steps a run (`8s`: each run's first replay one step deep, as before
-#           RUN_FIRST_MULTI), 16 and 32, and the device's idle gaps between kernels under torch.profiler,
-#           summed by neighbours (gpu_gaps.py; GAPS_STEPS=8,16 another list)
+#   gaps    0.5B and 1B: decode tok/s at 8 steps a run (`8n`: no first run launched behind the prompt's step;
+#           `8s`: each run's first replay one step deep; both as before 2026-12-06) and 16, and the device's idle
+#           gaps between kernels under torch.profiler, summed by neighbours (gpu_gaps.py; GAPS_STEPS=8,32 another
+#           list)
 #   pagedbits  the paged attention's GPU tests: against the torch path (every step kind, splits), verify rows =
 #           decode bits; each failure's name
 #   shortbits  the short-context decode graph (attention unpipelined: paged.SHORT_BLOCKS) against the graph for
@@ -74,7 +75,7 @@ for section in "$@"; do
     batch) timeout 400 python3 benchmarks/gpu_batch.py --tokenizer .carry/tok --shapes 8b16k --batches 1,64 \
              --sections throughput,growing,agents,serial 2>&1 | quiet | tail -60 ;;
     gaps) timeout 400 python3 benchmarks/gpu_gaps.py --tokenizer .carry/tok --shapes 0.5b,1b \
-            --decode-steps ${GAPS_STEPS:-8,8s,16,32} 2>&1 | quiet | tail -60 ;;
+            --decode-steps ${GAPS_STEPS:-8,8n,8s,16} 2>&1 | quiet | tail -60 ;;
     paged) timeout 150 python3 benchmarks/gpu_paged_attention.py 2>&1 | grep -v Warning | tail -22 ;;
     int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
     spec) [ -f /tmp/gg/hf/config.json ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -m \

@@ -30,12 +30,14 @@ class Spy:
 
     def __init__(self, model: Any) -> None:
         self.runs: list[int] = []
+        self.offsets: list[int] = []
         self.continued = 0
         self._inner = model.executor.launch_decodes
         model.executor.launch_decodes = self
 
     def __call__(self, chunks: Any, k: int, offset: int = 0, after: Any = None) -> Any:
         self.runs.append(k)
+        self.offsets.append(offset)
         self.continued += after is not None
         return self._inner(chunks, k, offset, after)
 
@@ -142,13 +144,91 @@ def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(mo
         assert trailing is not None and not any(x is trailing for _, x in log)  # launched, not waited for
         two = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
         assert log[first][0] == "collect" and log[first][1] is trailing  # the next step's first act
-        assert model._trailing is not trailing and ("launch", False) in log[first:]
+        assert model._trailing is not trailing and any(kind == "launch" for kind, _ in log[first + 1 :])
     finally:
         model.decode_steps = 1
         model.executor.launch_decodes, model.executor.collect_decodes = launch, collect
         model.settle()
     assert (two.tokens, two.text) == (want.tokens, want.text)
     assert model._trailing is None
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}])
+def test_the_first_run_is_launched_before_the_prompts_token_is_read(model: Any, sampling: dict) -> None:
+    """The step that ends a prompt chooses the first token on the device and launches the first decode run
+    behind it (continuing from that choice, offset 1) before the host reads the token (`Engine._launch_first`),
+    so the device decodes while the host takes the first token; the output is unchanged."""
+    want = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
+    log: list[tuple[Any, ...]] = []
+    launch, chosen = model.executor.launch_decodes, model.executor.chosen
+
+    def spy_launch(chunks: Any, k: int, offset: int = 0, after: Any = None) -> Any:
+        log.append(("launch", offset, after is not None))
+        return launch(chunks, k, offset, after)
+
+    model.executor.launch_decodes = spy_launch
+    model.executor.chosen = lambda first: log.append(("read",)) or chosen(first)
+    model.decode_steps = 4
+    try:
+        got = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
+        chained = list(log)
+        log.clear()
+        model.launch_first = False  # as before: the first run launched by the next step, from the read token
+        late = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
+    finally:
+        model.decode_steps = 1
+        model.launch_first = True
+        del model.executor.launch_decodes, model.executor.chosen
+        model.settle()
+    for r in (got, late):
+        assert (r.tokens, r.text, r.finish_reason) == (want.tokens, want.text, want.finish_reason)
+    assert chained[:2] == [("launch", 1, True), ("read",)]  # launched first, then the token read
+    assert all(entry[0] == "launch" and entry[2] for entry in chained[2:])  # runs continue one another
+    assert log[0] == ("launch", 0, False) and ("read",) not in log
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.1, "top_k": 20, "seed": 2}])
+def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, sampling: dict) -> None:
+    """Prompts' first runs (a batch of four prompts at once) give single steps' output when requests may take
+    only a few tokens (1: no run; 2: a run of 1 is none; 3 and 5: short runs), when one or every request
+    stops at its first token (EOS: the others take the launched run; all: it is left to the next step), and
+    when one request's streaming callback fails (it fails alone)."""
+    for n in (1, 2, 3, 5):
+        want = batch(model, 1, PROMPTS, max_new_tokens=n, **sampling)
+        spy = Spy(model)
+        try:
+            got = batch(model, 8, PROMPTS, max_new_tokens=n, **sampling)
+        finally:
+            del model.executor.launch_decodes
+        same(got, want)
+        assert (1 in spy.offsets) == (n >= 3)  # a first run launched behind the prompts' step
+    ref = batch(model, 1, PROMPTS, max_new_tokens=12, **sampling)
+    saved = model.eos_token_ids
+    try:
+        for eos in ((ref[2].tokens[0],), tuple(r.tokens[0] for r in ref)):
+            model.eos_token_ids = eos
+            want = batch(model, 1, PROMPTS, max_new_tokens=12, **sampling)
+            got = batch(model, 8, PROMPTS, max_new_tokens=12, **sampling)
+            same(got, want)
+            assert got[2].finish_reason == "stop" and len(got[2].tokens) == 1
+        assert model._trailing is not None  # every request stopped at its first token: the run behind is left
+    finally:
+        model.eos_token_ids = saved
+        model.settle()
+
+    def boom(_: str) -> None:
+        raise RuntimeError("callback failed")
+
+    model.decode_steps = 8
+    try:
+        pend = [model.submit(p, max_new_tokens=12, reuse=False, speculative=False, on_token=boom if i == 1 else None,
+                             **sampling) for i, p in enumerate(PROMPTS)]  # fmt: skip
+        with pytest.raises(RuntimeError, match="callback failed"):
+            pend[1].result()
+        got = [p.result() for i, p in enumerate(pend) if i != 1]
+    finally:
+        model.decode_steps = 1
+    same(got, [r for i, r in enumerate(ref) if i != 1])
 
 
 def test_cancel_during_continued_runs(model: Any) -> None:

@@ -401,8 +401,8 @@ def test_chance_matches_do_not_break_chains_of_decode_runs(smollm2_dir, monkeypa
     runs: list[tuple[int, bool]] = []
     launch = model.executor.launch_decodes
 
-    def spy(chunks, k, offset=0, after=None):
-        runs.append((k, after is not None))
+    def spy(chunks, k, offset=0, after=None):  # (k, whether it continues a chain: not its first run)
+        runs.append((k, after is not None and offset > 1))  # offset 1: the first run behind a prompt's step
         return launch(chunks, k, offset, after)
 
     model.executor.launch_decodes = spy

@@ -49,6 +49,15 @@ class BatchStep:
         return sum(int(s.logits) for s in self.seqs)
 
 
+@dataclass
+class DeviceTokens:
+    """Tokens chosen on the device and not read by the host yet: `toks` `[k, B]` int64 (a launched run's
+    steps, or one row: a step's sampled rows chosen on the device). `launch_decodes(after=...)` continues
+    from the last row."""
+
+    toks: Any
+
+
 class BatchRunner(Protocol):
     """A model that runs ragged batches over a paged KV pool it owns (`storage`, `page_size`,
     `num_pages`). `run` raises on failure; the KV of the step's positions is then unspecified (the
@@ -68,9 +77,16 @@ class BatchRunner(Protocol):
     def launch_decodes(self, step: BatchStep, k: int, choose: Any, offset: int = 0, after: Any = None) -> Any:
         """Enqueue `k` decode steps of `step`'s sequences (one token each) back to back, each step's tokens
         chosen on the device by `choose(logits [B, vocab], offset + j) -> [B] int64` and fed to the next
-        without a host round trip; `pages` cover `start + k` positions. `after`: a run launched before whose
-        last tokens are this run's first ids (`step`'s tokens are then placeholders), so a run can be
-        enqueued before the previous one is read. Returns a handle for `collect_decodes`. Raises as `run`."""
+        without a host round trip; `pages` cover `start + k` positions. `after` (`DeviceTokens`): a run
+        launched before, or a prefill's choice made on the device, whose last tokens are this run's first ids
+        (`step`'s tokens are then placeholders), so a run can be enqueued before the previous tokens are read.
+        Returns a handle for `collect_decodes`. Raises as `run`."""
+        ...
+
+    def stage_tokens(self, toks: Any) -> Any:
+        """A handle for `collect_decodes` over tokens already chosen on the device (`[k, B]` int64, a
+        `DeviceTokens`): their copy to the host is enqueued now, so collecting them waits for the work
+        enqueued before this call only, not for what is launched after it."""
         ...
 
     def collect_decodes(self, run: Any) -> list[list[int]]:

@@ -32,7 +32,7 @@ from onnxgen.engine.drafts import DraftControl, draft_control
 from onnxgen.engine.identity import make_identity
 from onnxgen.engine.request import Request, Status
 from onnxgen.engine.result import Result, Stats
-from onnxgen.engine.scheduler import Scheduler
+from onnxgen.engine.scheduler import Chunk, Scheduler
 from onnxgen.engine.session import Session, SessionRegistry
 from onnxgen.engine.slots import DecoderPool, SlotKV
 from onnxgen.errors import (
@@ -164,6 +164,9 @@ class Engine:
         # other requests' decodes runs eagerly, outside their captured decode runs
         # (docs/benchmarks/speculative-gpu.md). On the CPU batches draft too.
         self.speculate_alone = cuda
+        # the step that ends prompts launches their first decode run behind the device's choice of their first
+        # token, before the host reads it (`_first_run`): no host round trip between prefill and decoding
+        self.launch_first = True
         if self.paged:
             running = paged_running
             budget = max_batch_tokens or (4096 if cuda else 512)
@@ -477,12 +480,19 @@ class Engine:
                 for c in chunks:
                     self._fail(c.req, exc)
                 return True
-            # every sampled row's token in one call (one host transfer); a processor's error fails its request
-            rows = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
-                    if c.sample and not c.draft and out is not None and not isinstance(out, BaseException)]  # fmt: skip
-            picked = self._sample(chunks, outs, rows)
+            k = self._first_run(chunks)
+            first = self._launch_first(chunks, outs, k) if k > 1 else None
+            if first is not None:  # prompts' ends, their first decode run launched before their tokens are read
+                tokens, run = first
+                picked: dict[int, Any] = dict(enumerate(tokens))
+            else:  # every sampled row's token in one call (one host transfer); a processor's error fails its request
+                rows = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
+                        if c.sample and not c.draft and out is not None and not isinstance(out, BaseException)]  # fmt: skip
+                picked = self._sample(chunks, outs, rows)
+            done: set[int] = set()
             for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
                 req = c.req
+                done.add(i)
                 if isinstance(out, BaseException):
                     self._fail(req, out)
                     continue
@@ -502,6 +512,10 @@ class Engine:
                     continue
                 if finished:
                     self._finish(req)
+                else:
+                    done.discard(i)
+            if first is not None:
+                self._continue_first(chunks, run, k, done)
             return True
 
     def _decode_run(self, chunks: Sequence[Any]) -> int:
@@ -523,6 +537,61 @@ class Engine:
             return k
         return 1
 
+    def _first_run(self, chunks: Sequence[Any]) -> int:
+        """How many decode steps to launch right behind a step of prompts' last chunks (0: none): each chunk
+        ends its prompt and samples its request's first token, and the request could then decode in runs
+        (`_decode_run`: paged, nothing of the host needed to choose, no drafts, no waiting request to
+        admit); at most `decode_steps` and what each request may still generate after that first token.
+        Reserves the pages."""
+        sch = self.scheduler
+        k = self.decode_steps
+        if k <= 1 or not (self.paged and self.launch_first) or (sch.num_waiting() and len(sch.running) < sch.max_running):
+            return 0
+        for c in chunks:
+            r = c.req
+            if (not c.sample or c.draft or r.output or r.cancelled or r.output_logits or r.sampler.needs_processing
+                    or (r.drafts is not None and r.drafts.active(len(chunks)))):  # fmt: skip
+                return 0
+            # after the first token: max_new_tokens - 1 to go, and the context holds end + 1 tokens
+            end = c.start + c.n
+            k = min(k, r.max_new_tokens - 1, r.context_length - end - 1)
+        if k > 1 and all(self.executor.reserve(c.req, c.start + c.n + k) for c in chunks):
+            return k
+        return 0
+
+    def _launch_first(self, chunks: Sequence[Any], outs: Sequence[Any], k: int) -> tuple[list[int], Any] | None:
+        """Choose the prompts' first tokens on the device, launch `k` decode steps behind them, then read the
+        tokens (the host's one wait: the device decodes meanwhile): (tokens, run), or None where nothing was
+        launched (the step goes on as it would have)."""
+        if any(out is None or isinstance(out, BaseException) for out in outs):
+            return None
+        try:
+            first = self.executor.choose_first(chunks, outs)
+        except Exception:  # chosen as usual below (a real fault recurs there)
+            return None
+        try:
+            run = self.executor.launch_decodes(self._as_decodes(chunks), k, 1, first)
+        except Exception:  # not launched: the requests decode from the next step (a real fault recurs there)
+            run = None
+        return self.executor.chosen(first), run
+
+    @staticmethod
+    def _as_decodes(chunks: Sequence[Any]) -> list[Chunk]:
+        """Prompts' last chunks as decode chunks of their last position (whose step chose the first token:
+        `launch_decodes`' run 0), so that decode runs continue from there at offset 1."""
+        return [Chunk(c.req, c.start + c.n - 1, 1, True) for c in chunks]
+
+    def _continue_first(self, chunks: Sequence[Any], run: Any, k: int, done: set[int]) -> None:
+        """After the prompts' first tokens were taken (`done`: their requests that finished or failed),
+        the run launched behind them: decode runs go on from it as `_run_decodes`'; taken by the others and
+        ended where one of them finished; left to the next step (`_trailing`) where all did."""
+        if run is None:
+            return
+        if len(done) == len(chunks):
+            self._trailing = run
+            return
+        self._run_decodes(self._as_decodes(chunks), k, run=run, offset=1, done=done)
+
     def _run_steps(self, chunks: Sequence[Any]) -> int:
         """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them is copying
         (a draft of it accepted lately, `DraftControl.hot`) or has a match waiting to be confirmed by the next
@@ -532,7 +601,8 @@ class Engine:
             return min(self.decode_steps, self.spec_decode_steps)
         return self.decode_steps
 
-    def _run_decodes(self, chunks: Sequence[Any], k: int) -> None:
+    def _run_decodes(self, chunks: Sequence[Any], k: int, run: Any = None, offset: int = 0,
+                     done: set[int] | None = None) -> None:  # fmt: skip
         """Runs of decode steps of `chunks` (`PagedKV.launch_decodes`), each request taking its tokens in
         order exactly as single steps would (EOS, stop strings and lengths checked per token). While the
         batch may continue (`_continue_run`), the next run is launched before the current one is read, so
@@ -540,14 +610,26 @@ class Engine:
         already launched is read too, the others take its tokens, and control returns to `step` — unless
         every request of the run finished: then nobody takes its tokens and the next step waits for it
         (`_trailing`), so the finished requests' callers do not.
-        Positions fed after a request finished are taken back out of its cache."""
-        try:
-            run = self.executor.launch_decodes(chunks, k)
-        except Exception as exc:  # the run failed: every request in it fails
-            for c in chunks:
-                self._fail(c.req, exc)
+        Positions fed after a request finished are taken back out of its cache. `run`: the first run, already
+        launched at `offset` (`_continue_first`); `done`: the chunks whose requests have finished before it
+        (the run is then the last one, taken by the others)."""
+        if run is None:
+            try:
+                run = self.executor.launch_decodes(chunks, k)
+            except Exception as exc:  # the run failed: every request in it fails
+                for c in chunks:
+                    self._fail(c.req, exc)
+                return
+        if done:  # some requests finished before this run: the others take it, then `step` schedules anew
+            try:
+                rows = self.executor.collect_decodes(run)
+            except Exception as exc:
+                for i, c in enumerate(chunks):
+                    if i not in done:
+                        self._fail(c.req, exc)
+                return
+            self._take_run(chunks, rows, offset, set(done))
             return
-        offset = 0
         while True:
             k_next = self._continue_run(chunks, offset + k)
             nxt = None

@@ -171,6 +171,24 @@ class PagedKV:
             choose = after.choose
         return _Run(self.runner.launch_decodes(step, k, choose, offset, after.inner if after else None), choose)
 
+    def choose_first(self, chunks: Sequence[Chunk], rows: Sequence[Any]) -> Any:
+        """The next token of each sampled chunk (no processors) chosen on the device from its logits row
+        (`run`'s), as `sampling.sample_rows` chooses it, and not read: a handle that `launch_decodes` continues
+        from (`after`, with `offset` 1 and the chunks as decodes of their last prompt position: the choice
+        was that position's step) and `chosen` reads."""
+        import torch
+
+        samplers = [c.req.sampler for c in chunks]
+        choose = RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
+                            self.runner.device)  # fmt: skip
+        toks = choose(torch.stack([r.reshape(-1).float() for r in rows]), 0)
+        return _Run(self.runner.stage_tokens(toks.view(1, -1)), choose)
+
+    def chosen(self, first: Any) -> list[int]:
+        """The tokens of a `choose_first` handle: waits for the step that chose them, not for the runs
+        launched after it."""
+        return self.runner.collect_decodes(first.inner)[-1]
+
     def collect_decodes(self, run: Any) -> list[list[int]]:
         """The `[k][B]` tokens of a launched run (the one host synchronisation)."""
         return self.runner.collect_decodes(run.inner)

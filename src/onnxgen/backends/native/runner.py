@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from onnxgen.backends.batch import BatchStep, SeqChunk
+from onnxgen.backends.batch import BatchStep, DeviceTokens, SeqChunk
 from onnxgen.backends.native import kernels, paged
 from onnxgen.backends.native.device import (
     device_lock,
@@ -130,11 +130,10 @@ class _Graph:
 
 
 @dataclass
-class DecodeRun:
+class DecodeRun(DeviceTokens):
     """A launched run of decode steps (`NativeRunner.launch_decodes`): its `[k, B]` tokens on the device and,
     on CUDA, their pinned host copy and the event after which it is complete."""
 
-    toks: torch.Tensor
     host: torch.Tensor | None = None
     done: Any = None
 
@@ -276,7 +275,7 @@ class NativeRunner:
                                     "token(s)") from exc  # fmt: skip
 
     def launch_decodes(self, step: BatchStep, k: int, choose: Any, offset: int = 0,
-                       after: DecodeRun | None = None) -> DecodeRun:  # fmt: skip
+                       after: DeviceTokens | None = None) -> DecodeRun:  # fmt: skip
         """`BatchRunner.launch_decodes`: on CUDA with graphs, `_graph_decodes`, and the tokens copied to pinned
         memory behind an event (nothing waits here); elsewhere `k` eager steps, each fed the previous step's
         choice on the device."""
@@ -286,12 +285,7 @@ class NativeRunner:
             with self.device_lock:
                 g = self._decode_graph(step, k)
                 if g is not None:  # pragma: cuda
-                    toks = self._graph_decodes(g, step, k, choose, first, offset)
-                    host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
-                    host.copy_(toks, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record()
-                    return DecodeRun(toks, host, done)
+                    return self.stage_tokens(self._graph_decodes(g, step, k, choose, first, offset))
                 toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
                 for j in range(k):
                     seqs = tuple(SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs)
@@ -301,6 +295,18 @@ class NativeRunner:
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(f"the device ran out of memory running {k} decode steps of {b} "
                                     "sequence(s)") from exc  # fmt: skip
+
+    def stage_tokens(self, toks: torch.Tensor) -> DecodeRun:
+        """`BatchRunner.stage_tokens`: on CUDA their copy to pinned memory and an event after it."""
+        if not toks.is_cuda:
+            return DecodeRun(toks)
+        # pragma: cuda-begin
+        host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+        host.copy_(toks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return DecodeRun(toks, host, done)
+        # pragma: cuda-end
 
     def collect_decodes(self, run: DecodeRun) -> list[list[int]]:
         """`BatchRunner.collect_decodes`."""
