@@ -43,13 +43,15 @@ class Spy:
 
 
 def batch(model: Any, steps: int, prompts: list[list[int]], **kw: Any) -> list[Any]:
-    model.decode_steps = steps
+    """The prompts submitted at once with `decode_steps` = `steps`, as CUDA would run them (the first run
+    launched behind the prompts' step, `launch_first`) on the CPU's paged pool."""
+    model.decode_steps, model.launch_first = steps, True
     try:
         pend = [model.submit(p, reuse=False, speculative=False, **{**kw, **extra})
                 for p, extra in zip(prompts, kw.pop("per", [{}] * len(prompts)), strict=True)]  # fmt: skip
         return [p.result() for p in pend]
     finally:
-        model.decode_steps = 1
+        model.decode_steps, model.launch_first = 1, False
 
 
 def same(a: list[Any], b: list[Any]) -> None:
@@ -135,7 +137,7 @@ def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(mo
 
     model.executor.launch_decodes = spy_launch
     model.executor.collect_decodes = lambda run: log.append(("collect", run)) or collect(run)
-    model.decode_steps = 4
+    model.decode_steps, model.launch_first = 4, True  # as on CUDA
     try:
         one = model.generate(PROMPTS[3], max_new_tokens=30, temperature=0, stop=[stop], reuse=False,
                              speculative=False)  # fmt: skip
@@ -146,7 +148,7 @@ def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(mo
         assert log[first][0] == "collect" and log[first][1] is trailing  # the next step's first act
         assert model._trailing is not trailing and any(kind == "launch" for kind, _ in log[first + 1 :])
     finally:
-        model.decode_steps = 1
+        model.decode_steps, model.launch_first = 1, False
         model.executor.launch_decodes, model.executor.collect_decodes = launch, collect
         model.settle()
     assert (two.tokens, two.text) == (want.tokens, want.text)
@@ -168,16 +170,16 @@ def test_the_first_run_is_launched_before_the_prompts_token_is_read(model: Any, 
 
     model.executor.launch_decodes = spy_launch
     model.executor.chosen = lambda first: log.append(("read",)) or chosen(first)
-    model.decode_steps = 4
+    assert model.launch_first is False  # the CPU's default: a run launched there is computed at once
+    model.decode_steps, model.launch_first = 4, True  # CUDA's default
     try:
         got = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
         chained = list(log)
         log.clear()
-        model.launch_first = False  # as before: the first run launched by the next step, from the read token
+        model.launch_first = False  # the first run launched by the next step, from the read token
         late = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
     finally:
         model.decode_steps = 1
-        model.launch_first = True
         del model.executor.launch_decodes, model.executor.chosen
         model.settle()
     for r in (got, late):
@@ -219,7 +221,7 @@ def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, samp
     def boom(_: str) -> None:
         raise RuntimeError("callback failed")
 
-    model.decode_steps = 8
+    model.decode_steps, model.launch_first = 8, True
     try:
         pend = [model.submit(p, max_new_tokens=12, reuse=False, speculative=False, on_token=boom if i == 1 else None,
                              **sampling) for i, p in enumerate(PROMPTS)]  # fmt: skip
@@ -227,7 +229,7 @@ def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, samp
             pend[1].result()
         got = [p.result() for i, p in enumerate(pend) if i != 1]
     finally:
-        model.decode_steps = 1
+        model.decode_steps, model.launch_first = 1, False
     same(got, [r for i, r in enumerate(ref) if i != 1])
 
 

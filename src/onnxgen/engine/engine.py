@@ -165,8 +165,9 @@ class Engine:
         # (docs/benchmarks/speculative-gpu.md). On the CPU batches draft too.
         self.speculate_alone = cuda
         # the step that ends prompts launches their first decode run behind the device's choice of their first
-        # token, before the host reads it (`_first_run`): no host round trip between prefill and decoding
-        self.launch_first = True
+        # token, before the host reads it (`_first_run`): no host round trip between prefill and decoding. On
+        # CUDA only: on the CPU the host computes a run as it launches it, so the first token would wait for it
+        self.launch_first = cuda
         if self.paged:
             running = paged_running
             budget = max_batch_tokens or (4096 if cuda else 512)
