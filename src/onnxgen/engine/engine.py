@@ -542,8 +542,8 @@ class Engine:
         """How many decode steps to launch right behind a step of prompts' last chunks (0: none): each chunk
         ends its prompt and samples its request's first token, and the request could then decode in runs
         (`_decode_run`: paged, nothing of the host needed to choose, no drafts, no waiting request to
-        admit); at most `decode_steps` and what each request may still generate after that first token.
-        Reserves the pages."""
+        admit); at most `decode_steps` and what each request may still generate after that first token;
+        none unless `launch_first`. Reserves the pages."""
         sch = self.scheduler
         k = self.decode_steps
         if k <= 1 or not (self.paged and self.launch_first) or (sch.num_waiting() and len(sch.running) < sch.max_running):
