@@ -622,14 +622,7 @@ class Engine:
                     self._fail(c.req, exc)
                 return
         if done:  # some requests finished before this run: the others take it, then `step` schedules anew
-            try:
-                rows = self.executor.collect_decodes(run)
-            except Exception as exc:
-                for i, c in enumerate(chunks):
-                    if i not in done:
-                        self._fail(c.req, exc)
-                return
-            self._take_run(chunks, rows, offset, set(done))
+            self._take_last(chunks, run, offset, set(done))
             return
         while True:
             k_next = self._continue_run(chunks, offset + k)
@@ -656,16 +649,21 @@ class Engine:
                 return
             if done or self._drafts_ready(chunks, done, k_next):  # the others take the launched run's tokens
                 # too, then `step` schedules anew (a request that found drafts verifies them there)
-                try:
-                    rows = self.executor.collect_decodes(nxt)
-                except Exception as exc:
-                    for i, c in enumerate(chunks):
-                        if i not in done:
-                            self._fail(c.req, exc)
-                    return
-                self._take_run(chunks, rows, offset + k, done)
+                self._take_last(chunks, nxt, offset + k, done)
                 return
             run, offset, k = nxt, offset + k, k_next
+
+    def _take_last(self, chunks: Sequence[Any], run: Any, offset: int, done: set[int]) -> None:
+        """The last run of a chain, read: the requests of `chunks` not in `done` take its tokens (fed from
+        `offset`); if it cannot be read they fail."""
+        try:
+            rows = self.executor.collect_decodes(run)
+        except Exception as exc:
+            for i, c in enumerate(chunks):
+                if i not in done:
+                    self._fail(c.req, exc)
+            return
+        self._take_run(chunks, rows, offset, done)
 
     def _continue_run(self, chunks: Sequence[Any], fed: int) -> int:
         """How many decode steps to launch after the `fed` steps already launched for `chunks` (0: none):
