@@ -6,8 +6,9 @@
 For each shape (builder-made bf16 package of a random checkpoint, `gpu_parity.package`), through the public
 API (paged engine, greedy, a 512-token prompt, 128 new tokens, `speculative="off"`):
 - decode tok/s (`Stats.decode_tok_s`) for each `decode_steps` value (steps per host round trip), interleaved,
-  median of 5; suffixes (`configure`): `s`, each run's first replay one step deep (as before 2026-12-06),
-  `n`, decoding launched only once the host has read the prompt's token (as before 2026-12-06);
+  median of 5, with the time to the first token of that prompt and of a 16-token one; suffixes
+  (`configure`): `s`, each run's first replay one step deep, `n`, decoding launched only once the host has
+  read the prompt's token (both as before 2026-12-06);
 - one generation under torch.profiler at each `decode_steps` value: from the first token on (a CPU-side
   marker set by `on_token`), the device's busy time (the union of its kernels and copies) and idle time per
   token, and the idle gaps between consecutive device events summed by their neighbours (which kernel or
@@ -122,14 +123,21 @@ def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
     m = onnxgen.load(str(pkg), backend="native", device="cuda")
     m.generate(prompt[:64], max_new_tokens=16, speculative="off", reuse=False, temperature=0)  # warm-up
     tps: dict[str, list[float]] = {k: [] for k in steps}
+    ttft: dict[str, list[float]] = {k: [] for k in steps}  # ms: the 512-token prompt's, then a 16-token one's
+    short: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(5):
         for k in steps:
             configure(m, k)
             m.settle()
             res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0)  # fmt: skip
             tps[k].append(res.stats.decode_tok_s)
+            ttft[k].append(res.stats.ttft_s * 1e3)
+            m.settle()
+            res = m.generate(prompt[:16], max_new_tokens=16, speculative="off", reuse=False, stop=[], temperature=0)  # fmt: skip
+            short[k].append(res.stats.ttft_s * 1e3)
     r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "runs": tps,
-                         "gaps": {}}  # fmt: skip
+                         "ttft_ms": {k: statistics.median(v) for k, v in ttft.items()},
+                         "ttft16_ms": {k: statistics.median(v) for k, v in short.items()}, "gaps": {}}  # fmt: skip
     for k in steps:
         log(name, f"decode_steps={k}: {r['tps'][k]:.1f} tok/s ({', '.join(f'{x:.0f}' for x in tps[k])})")
         m.settle()
@@ -142,7 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="0.5b,1b")
     ap.add_argument("--tokenizer", type=Path, required=True, help="SmolLM2's tokenizer files")
-    ap.add_argument("--decode-steps", default="8,16,32")
+    ap.add_argument("--decode-steps", default="8,8n,8s,16")
     a = ap.parse_args()
     steps = a.decode_steps.split(",")
     log(f"torch {torch.__version__}; {torch.cuda.get_device_name()}")
@@ -154,13 +162,14 @@ def main() -> None:
             for key, us, n in r["gaps"][k].get("top", []):
                 log(f"  {us:9.1f} {n:5d}  {key}")
     log("\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token | "
-        "tok/s of each run |")  # fmt: skip
-    log("|---|---|---|---|---|---|")
+        "tok/s of each run | TTFT ms, 512 / 16-token prompt |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|")
     for r in rows:
         for k in steps:
             g = r["gaps"][k]
             log(f"| {r['shape']} | {k} | {r['tps'][k]:.0f} | {g.get('busy_us_per_token', 0):.1f} | "
-                f"{g.get('idle_us_per_token', 0):.1f} | {' / '.join(f'{x:.0f}' for x in r['runs'][k])} |")  # fmt: skip
+                f"{g.get('idle_us_per_token', 0):.1f} | {' / '.join(f'{x:.0f}' for x in r['runs'][k])} | "
+                f"{r['ttft_ms'][k]:.2f} / {r['ttft16_ms'][k]:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
