@@ -99,21 +99,24 @@ def test_stop_strings_and_eos_mid_run(model: Any) -> None:
     assert got[3].finish_reason == "stop" and got[3].tokens[-1] == eos and len(got[3].tokens) == 10
 
 
-def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path) -> None:
+@pytest.mark.parametrize("launch_first", [False, True])
+def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path, launch_first: bool) -> None:
     """Turn 1 stops mid-run (its run fed positions past the stop); turn 2 of the session reuses turn 1's
-    context and equals a fresh run of the same tokens, logits included."""
+    context and equals a fresh run of the same tokens, logits included (with the first run launched behind
+    the prompt's step too, as on CUDA)."""
     fresh = onnxgen.load(str(tiny_dir), backend="native", paged=False, kv_floor=16)
-    probe = model.generate(PROMPTS[3], max_new_tokens=20, temperature=0, reuse=False, speculative=False)
+    prompt = [8 + launch_first, *PROMPTS[3]]  # each case its own context (the pool's index outlives a case)
+    probe = model.generate(prompt, max_new_tokens=20, temperature=0, reuse=False, speculative=False)
     stop = probe.text[8:11]
-    s = model.session("runs")
-    model.decode_steps = 8
+    s = model.session(f"runs-{launch_first}")
+    model.decode_steps, model.launch_first = 8, launch_first
     try:
-        one = s.generate(PROMPTS[3], max_new_tokens=20, temperature=0, stop=[stop], speculative=False)
+        one = s.generate(prompt, max_new_tokens=20, temperature=0, stop=[stop], speculative=False)
         assert one.finish_reason == "stop" and len(one.tokens) < 20
         ctx = [*one.prompt_ids, *one.tokens, 50, 51, 52]
         two = s.generate(ctx, max_new_tokens=6, temperature=0, output_logits=True, speculative=False)
     finally:
-        model.decode_steps = 1
+        model.decode_steps, model.launch_first = 1, False
     ref = fresh.generate(ctx, max_new_tokens=6, temperature=0, output_logits=True, reuse=False, speculative=False)
     assert two.stats.reused_tokens == len(ctx) - 4  # turn 1's context but its last sample (never fed)
     assert two.tokens == ref.tokens
