@@ -22,22 +22,24 @@ def _turns(seed: int, vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab - 1, size=int(rng.integers(20, 60))).tolist() for _ in range(TURNS)]
 
 
-def _conversation(session: Any, turns: list[list[int]]) -> list[Any]:
+def _conversation(session: Any, turns: list[list[int]], logits: bool = True, **kw: Any) -> list[Any]:
     """Run a conversation: each turn's prompt is the last prompt + its reply + the turn's new tokens."""
     prompt: list[int] = []
     results = []
     for new in turns:
         prompt = prompt + (results[-1].tokens if results else []) + new
-        results.append(session.generate(prompt, max_new_tokens=NEW, temperature=0, output_logits=True))
+        results.append(session.generate(prompt, max_new_tokens=NEW, temperature=0, output_logits=logits, **kw))
     return results
 
 
-def _check_concurrent_equals_serial(model: Any) -> None:
+def _check_concurrent_equals_serial(model: Any, logits: bool = True, **kw: Any) -> None:
+    """`logits`: compare each turn's logits too (kept logits need the host at every step: no decode runs);
+    `kw`: more `generate` arguments."""
     vocab = model.spec.vocab_size
     plans = [_turns(100 + i, vocab) for i in range(THREADS)]
     # each conversation under a salt of its own: with paged KV, sessions under one salt share prefix pages,
     # and the serial run's pages would be found by the concurrent run
-    serial = [_conversation(model.session(salt=f"serial-{i}"), p) for i, p in enumerate(plans)]
+    serial = [_conversation(model.session(salt=f"serial-{i}"), p, logits, **kw) for i, p in enumerate(plans)]
     sessions = [model.session(salt=f"concurrent-{i}") for i in range(THREADS)]
     barrier = threading.Barrier(THREADS)
     out: list[Any] = [None] * THREADS
@@ -46,7 +48,7 @@ def _check_concurrent_equals_serial(model: Any) -> None:
     def worker(i: int) -> None:
         try:
             barrier.wait()
-            out[i] = _conversation(sessions[i], plans[i])
+            out[i] = _conversation(sessions[i], plans[i], logits, **kw)
         except BaseException as exc:
             errors.append(exc)
 
@@ -62,14 +64,27 @@ def _check_concurrent_equals_serial(model: Any) -> None:
             assert a.stats.reused_tokens == b.stats.reused_tokens
             if turn:
                 assert a.stats.reused_tokens > 0, "later turns reuse their session's cache"
-            d = np.linalg.norm(a.logits - b.logits) / np.linalg.norm(b.logits)
-            assert d <= 1e-5, f"thread {i} turn {turn}: logits differ by {d:.2e}"
+            if logits:
+                d = np.linalg.norm(a.logits - b.logits) / np.linalg.norm(b.logits)
+                assert d <= 1e-5, f"thread {i} turn {turn}: logits differ by {d:.2e}"
 
 
 @pytest.mark.parametrize("backend", ["ort", "native"])
 def test_four_threads_on_four_sessions_equal_serial_runs(backend: str, tiny_dir: Path) -> None:
     model = onnxgen.load(str(tiny_dir), backend=backend, device="cpu", threads=1)
     _check_concurrent_equals_serial(model)
+
+
+def test_four_threads_with_decode_runs_equal_serial_runs(tiny_dir: Path) -> None:
+    """The paged engine with runs of decode steps, each first run launched behind its prompts' step (as on
+    CUDA, `launch_first`), serving four threads' conversations: the serial runs' tokens and reuse."""
+    model = onnxgen.load(str(tiny_dir), backend="native", device="cpu", threads=1, paged=True, decode_steps=8)
+    model.launch_first = True
+    launched = []
+    launch_first = model._launch_first
+    model._launch_first = lambda *a: launched.append(a) or launch_first(*a)
+    _check_concurrent_equals_serial(model, logits=False, speculative=False)  # no drafts: first runs launched early
+    assert launched
 
 
 # --- CUDA -----------------------------------------------------------------------------------------------
