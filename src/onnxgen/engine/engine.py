@@ -481,8 +481,8 @@ class Engine:
                 for c in chunks:
                     self._fail(c.req, exc)
                 return True
-            k = self._first_run(chunks)
-            first = self._launch_first(chunks, outs, k) if k > 1 else None
+            k, decodes = self._first_run(chunks)
+            first = self._launch_first(decodes, outs, k) if k else None
             if first is not None:  # prompts' ends, their first decode run launched before their tokens are read
                 tokens, run = first
                 picked: dict[int, Any] = dict(enumerate(tokens))
@@ -490,10 +490,8 @@ class Engine:
                 rows = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
                         if c.sample and not c.draft and out is not None and not isinstance(out, BaseException)]  # fmt: skip
                 picked = self._sample(chunks, outs, rows)
-            done: set[int] = set()
             for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
                 req = c.req
-                done.add(i)
                 if isinstance(out, BaseException):
                     self._fail(req, out)
                     continue
@@ -513,10 +511,8 @@ class Engine:
                     continue
                 if finished:
                     self._finish(req)
-                else:
-                    done.discard(i)
             if first is not None:
-                self._continue_first(chunks, run, k, done)
+                self._continue_first(decodes, run, k)
             return True
 
     def _decode_run(self, chunks: Sequence[Any]) -> int:
@@ -526,72 +522,59 @@ class Engine:
         meanwhile; at most `decode_steps` (`_run_steps`: fewer while a request copies or confirms a match)
         and what every request may still generate; pages for them all reserved (else 1)."""
         k = self._run_steps(chunks)
-        sch = self.scheduler
-        if k <= 1 or not self.paged or (sch.num_waiting() and len(sch.running) < sch.max_running):
+        if k <= 1 or not self.paged or self._admissible():
             return 1
         for c in chunks:
             r = c.req
             if c.n != 1 or not c.sample or c.draft or r.output_logits or r.sampler.needs_processing:
                 return 1
-            k = min(k, r.max_new_tokens - len(r.output), r.context_length - r.num_tokens)
-        if k > 1 and all(self.executor.reserve(c.req, c.start + k) for c in chunks):
-            return k
-        return 1
+        return self._room(chunks, k, 0, least=2) or 1
 
-    def _first_run(self, chunks: Sequence[Any]) -> int:
-        """How many decode steps to launch right behind a step of prompts' last chunks (0: none): each chunk
-        ends its prompt and samples its request's first token, and the request could then decode in runs
-        (`_decode_run`: paged, nothing of the host needed to choose, no drafts, no waiting request to
-        admit); at most `decode_steps` and what each request may still generate after that first token;
-        none unless `launch_first`. Reserves the pages."""
-        sch = self.scheduler
+    def _first_run(self, chunks: Sequence[Any]) -> tuple[int, list[Chunk]]:
+        """How many decode steps to launch right behind a step of prompts' last chunks (0: none), and those
+        chunks as decodes of their last prompt position (whose step chooses the first token: `launch_decodes`'
+        run 0, so runs continue from there at offset 1). Some only when each chunk ends its prompt and
+        samples its request's first token, and the request could then decode in runs (`_decode_run`: paged,
+        nothing of the host needed to choose, no drafts, no waiting request to admit), and with
+        `launch_first`; at most `decode_steps` and what each request may still generate after that first
+        token (`_room`, the first token counted as a step already chosen). Reserves the pages."""
         k = self.decode_steps
-        if k <= 1 or not (self.paged and self.launch_first) or (sch.num_waiting() and len(sch.running) < sch.max_running):
-            return 0
+        if k <= 1 or not (self.paged and self.launch_first) or self._admissible():
+            return 0, []
         for c in chunks:
             r = c.req
             if (not c.sample or c.draft or r.output or r.cancelled or r.output_logits or r.sampler.needs_processing
                     or (r.drafts is not None and r.drafts.active(len(chunks)))):  # fmt: skip
-                return 0
-            # after the first token: max_new_tokens - 1 to go, and the context holds end + 1 tokens
-            end = c.start + c.n
-            k = min(k, r.max_new_tokens - 1, r.context_length - end - 1)
-        if k > 1 and all(self.executor.reserve(c.req, c.start + c.n + k) for c in chunks):
-            return k
-        return 0
+                return 0, []
+        decodes = [Chunk(c.req, c.start + c.n - 1, 1, True) for c in chunks]
+        return self._room(decodes, k, 1, least=2), decodes
 
-    def _launch_first(self, chunks: Sequence[Any], outs: Sequence[Any], k: int) -> tuple[list[int], Any] | None:
-        """Choose the prompts' first tokens on the device, launch `k` decode steps behind them, then read the
-        tokens (the host's one wait: the device decodes meanwhile): (tokens, run), or None where nothing was
-        launched (the step goes on as it would have)."""
-        if any(out is None or isinstance(out, BaseException) for out in outs):
-            return None
+    def _launch_first(self, decodes: list[Chunk], outs: Sequence[Any], k: int) -> tuple[list[int], Any] | None:
+        """Choose the prompts' first tokens on the device (`outs`: their logits rows), launch `k` decode steps
+        of `decodes` behind them, then read the tokens (the host's one wait: the device decodes meanwhile):
+        (tokens, run; None if the launch failed), or None where nothing was chosen (the step goes on as it
+        would have)."""
         try:
-            first = self.executor.choose_first(chunks, outs)
+            first = self.executor.choose_first(decodes, outs)
         except Exception:  # chosen as usual below (a real fault recurs there)
             return None
         try:
-            run = self.executor.launch_decodes(self._as_decodes(chunks), k, 1, first)
+            run = self.executor.launch_decodes(decodes, k, 1, first)
         except Exception:  # not launched: the requests decode from the next step (a real fault recurs there)
             run = None
         return self.executor.chosen(first), run
 
-    @staticmethod
-    def _as_decodes(chunks: Sequence[Any]) -> list[Chunk]:
-        """Prompts' last chunks as decode chunks of their last position (whose step chose the first token:
-        `launch_decodes`' run 0), so that decode runs continue from there at offset 1."""
-        return [Chunk(c.req, c.start + c.n - 1, 1, True) for c in chunks]
-
-    def _continue_first(self, chunks: Sequence[Any], run: Any, k: int, done: set[int]) -> None:
-        """After the prompts' first tokens were taken (`done`: their requests that finished or failed),
-        the run launched behind them: decode runs go on from it as `_run_decodes`'; taken by the others and
-        ended where one of them finished; left to the next step (`_trailing`) where all did."""
+    def _continue_first(self, decodes: list[Chunk], run: Any, k: int) -> None:
+        """After the prompts' first tokens were taken, the run launched behind them: decode runs go on from
+        it as `_run_decodes`'; taken by the others and ended where a request finished or failed at its first
+        token; left to the next step (`_trailing`) where all did."""
         if run is None:
             return
-        if len(done) == len(chunks):
+        done = {i for i, c in enumerate(decodes) if c.req.status is Status.FINISHED}
+        if len(done) == len(decodes):
             self._trailing = run
             return
-        self._run_decodes(self._as_decodes(chunks), k, run=run, offset=1, done=done)
+        self._run_decodes(decodes, k, run=run, offset=1, done=done)
 
     def _run_steps(self, chunks: Sequence[Any]) -> int:
         """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them is copying
@@ -669,17 +652,25 @@ class Engine:
         """How many decode steps to launch after the `fed` steps already launched for `chunks` (0: none):
         as `_decode_run`, counting the launched steps as generated, and none once a request is cancelled
         or a waiting request could be admitted. Reserves the pages."""
-        k = self._run_steps(chunks)
-        sch = self.scheduler
-        if sch.num_waiting() and len(sch.running) < sch.max_running:
+        if self._admissible() or any(c.req.cancelled for c in chunks):
             return 0
+        return self._room(chunks, self._run_steps(chunks), fed)
+
+    def _admissible(self) -> bool:
+        """Whether a waiting request could be admitted now (a run of decode steps would keep it waiting)."""
+        sch = self.scheduler
+        return bool(sch.num_waiting()) and len(sch.running) < sch.max_running
+
+    def _room(self, chunks: Sequence[Any], k: int, fed: int, least: int = 1) -> int:
+        """At most `k` decode steps for `chunks` (decodes: each feeds its request's last token at `start`)
+        after the `fed` steps already launched or chosen for them: what every request may still generate,
+        those steps counted, and its context hold; with the pages for them all reserved, or 0 when fewer than
+        `least` fit."""
         for c in chunks:
             r = c.req
-            if r.cancelled:
-                return 0
             unread = c.start + fed - r.num_tokens + 1  # launched steps whose tokens the request has not taken
             k = min(k, r.max_new_tokens - len(r.output) - unread, r.context_length - (c.start + fed) - 1)
-        if k >= 1 and all(self.executor.reserve(c.req, c.start + fed + k) for c in chunks):
+        if k >= least and all(self.executor.reserve(c.req, c.start + fed + k) for c in chunks):
             return k
         return 0
 

@@ -163,9 +163,7 @@ class PagedKV:
         this run continues from its last tokens. Returns a handle for `collect_decodes`."""
         if after is None:
             step = BatchStep(tuple(SeqChunk(c.req.token_slice(c.start, 1), c.start, c.req.kv.pages, 1) for c in chunks))
-            samplers = [c.req.sampler for c in chunks]
-            choose = RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
-                                self.runner.device)  # fmt: skip
+            choose = self._chooser(chunks)
         else:  # the ids come from `after`'s last tokens on the device; the choice continues its offsets
             step = BatchStep(tuple(SeqChunk([0], c.start + offset, c.req.kv.pages, 1) for c in chunks))
             choose = after.choose
@@ -178,11 +176,15 @@ class PagedKV:
         was that position's step) and `chosen` reads."""
         import torch
 
-        samplers = [c.req.sampler for c in chunks]
-        choose = RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
-                            self.runner.device)  # fmt: skip
+        choose = self._chooser(chunks)
         toks = choose(torch.stack([r.reshape(-1).float() for r in rows]), 0)
         return _Run(self.runner.stage_tokens(toks.view(1, -1)), choose)
+
+    def _chooser(self, chunks: Sequence[Chunk]) -> RowChooser:
+        """The device choice of `chunks`' rows by each request's sampling settings, from its next step on."""
+        samplers = [c.req.sampler for c in chunks]
+        return RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
+                          self.runner.device)  # fmt: skip
 
     def chosen(self, first: Any) -> list[int]:
         """The tokens of a `choose_first` handle: waits for the step that chose them, not for the runs
