@@ -8,7 +8,8 @@ API (paged engine, greedy, a 512-token prompt, 128 new tokens, `speculative="off
 - decode tok/s (`Stats.decode_tok_s`) for each `decode_steps` value (steps per host round trip), interleaved,
   median of 5, with the time to the first token of that prompt and of a 16-token one; suffixes
   (`configure`): `s`, each run's first replay one step deep, `n`, decoding launched only once the host has
-  read the prompt's token (both as before 2026-12-06);
+  read the prompt's token (both as before 2026-12-06), `o` / `f`, the run launched before that read one step
+  / one four-step replay long;
 - one generation under torch.profiler at each `decode_steps` value: from the first token on (a CPU-side
   marker set by `on_token`), the device's busy time (the union of its kernels and copies) and idle time per
   token, and the idle gaps between consecutive device events summed by their neighbours (which kernel or
@@ -80,12 +81,15 @@ def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:
 def configure(m: Any, k: str) -> None:
     """`decode_steps` of `k` (e.g. "8"); suffixes: "s", each run's first replay one step deep
     (`runner.RUN_FIRST_MULTI` off); "n", no first run launched behind the prompt's step (`Model.launch_first`
-    off: decoding starts once the host has read the first token)."""
+    off: decoding starts once the host has read the first token); "o" / "f", that first run one step / one
+    several-step replay long (`Model.first_run_steps` 1 / `runner.RUN_GRAPH_STEPS`: less to launch before the
+    first token is read)."""
     from onnxgen.backends.native import runner
 
-    m.decode_steps = int(k.rstrip("sn"))
+    m.decode_steps = int(k.rstrip("snof"))
     runner.RUN_FIRST_MULTI = "s" not in k
     m.launch_first = "n" not in k
+    m.first_run_steps = 1 if "o" in k else runner.RUN_GRAPH_STEPS if "f" in k else 0
 
 
 def profiled(m: Any, prompt: list[int], k: str) -> dict[str, Any]:
@@ -101,6 +105,8 @@ def profiled(m: Any, prompt: list[int], k: str) -> dict[str, Any]:
                 marks.append(r)
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("onnxgen_generate"):
+            pass
         res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0,
                          on_token=first)  # fmt: skip
         m.settle()
@@ -111,7 +117,22 @@ def profiled(m: Any, prompt: list[int], k: str) -> dict[str, Any]:
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
     t0 = min(float(e["ts"]) for e in trace["traceEvents"] if e.get("name") == "onnxgen_first_token")
-    return gaps(trace, t0, res.stats.generated_tokens - 1)
+    out = gaps(trace, t0, res.stats.generated_tokens - 1)
+    out["before_first"] = host_calls(trace, t0)
+    return out
+
+
+def host_calls(trace: dict[str, Any], t0: float) -> list[tuple[str, float, int]]:
+    """The host's CUDA runtime calls of the generation before its first token (time `t0`), summed by name
+    (µs in all under the profiler, count), the largest first: what the host does before the first token."""
+    start = min(float(e["ts"]) for e in trace["traceEvents"] if e.get("name") == "onnxgen_generate")
+    by: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "cuda_runtime" and e.get("ph") == "X" and start <= float(e["ts"]) < t0:
+            by[e["name"]] += float(e.get("dur", 0))
+            count[e["name"]] += 1
+    return [(k, by[k], count[k]) for k, _ in by.most_common(8)]
 
 
 def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
@@ -160,6 +181,9 @@ def main() -> None:
         for k in steps:
             log(f"\n{r['shape']}, decode_steps={k}: idle gaps by neighbours (µs in all, count)")
             for key, us, n in r["gaps"][k].get("top", []):
+                log(f"  {us:9.1f} {n:5d}  {key}")
+            log(f"{r['shape']}, decode_steps={k}: the host's CUDA calls before the first token (µs in all, count)")
+            for key, us, n in r["gaps"][k].get("before_first", []):
                 log(f"  {us:9.1f} {n:5d}  {key}")
     log("\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token | "
         "tok/s of each run | TTFT ms, 512 / 16-token prompt |")  # fmt: skip

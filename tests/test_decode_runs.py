@@ -42,16 +42,17 @@ class Spy:
         return self._inner(chunks, k, offset, after)
 
 
-def batch(model: Any, steps: int, prompts: list[list[int]], **kw: Any) -> list[Any]:
+def batch(model: Any, steps: int, prompts: list[list[int]], first: int = 0, **kw: Any) -> list[Any]:
     """The prompts submitted at once with `decode_steps` = `steps`, as CUDA would run them (the first run
-    launched behind the prompts' step, `launch_first`) on the CPU's paged pool."""
-    model.decode_steps, model.launch_first = steps, True
+    launched behind the prompts' step, `launch_first`, `first` steps long: `first_run_steps`) on the CPU's
+    paged pool."""
+    model.decode_steps, model.launch_first, model.first_run_steps = steps, True, first
     try:
         pend = [model.submit(p, reuse=False, speculative=False, **{**kw, **extra})
                 for p, extra in zip(prompts, kw.pop("per", [{}] * len(prompts)), strict=True)]  # fmt: skip
         return [p.result() for p in pend]
     finally:
-        model.decode_steps, model.launch_first = 1, False
+        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, 0
 
 
 def same(a: list[Any], b: list[Any]) -> None:
@@ -192,28 +193,33 @@ def test_the_first_run_is_launched_before_the_prompts_token_is_read(model: Any, 
     assert log[0] == ("launch", 0, False) and ("read",) not in log
 
 
+@pytest.mark.parametrize("first", [0, 1])
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.1, "top_k": 20, "seed": 2}])
-def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, sampling: dict) -> None:
-    """Prompts' first runs (a batch of four prompts at once) give single steps' output when requests may take
-    only a few tokens (1: no run; 2: a run of 1 is none; 3 and 5: short runs), when one or every request
-    stops at its first token (EOS: the others take the launched run; all: it is left to the next step), and
-    when one request's streaming callback fails (it fails alone)."""
+def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, sampling: dict, first: int) -> None:
+    """Prompts' first runs (a batch of four prompts at once; `decode_steps` long, or `first_run_steps` 1)
+    give single steps' output when requests may take only a few tokens (1: no run; 2: a run of one step; 3
+    and 5: short runs), when one or every request stops at its first token (EOS: the others take the
+    launched run; all: it is left to the next step), and when one request's streaming callback fails (it
+    fails alone)."""
     for n in (1, 2, 3, 5):
         want = batch(model, 1, PROMPTS, max_new_tokens=n, **sampling)
         spy = Spy(model)
         try:
-            got = batch(model, 8, PROMPTS, max_new_tokens=n, **sampling)
+            got = batch(model, 8, PROMPTS, first, max_new_tokens=n, **sampling)
         finally:
             del model.executor.launch_decodes
         same(got, want)
-        assert (1 in spy.offsets) == (n >= 3)  # a first run launched behind the prompts' step
+        assert (1 in spy.offsets) == (n >= 2)  # a first run launched behind the prompts' step
+        if first and n >= 2:  # one step long; the runs after it continue from it, full length
+            assert spy.runs[spy.offsets.index(1)] == 1
+            assert spy.runs[1:] == [min(8, n - 2)] * (n > 2)
     ref = batch(model, 1, PROMPTS, max_new_tokens=12, **sampling)
     saved = model.eos_token_ids
     try:
         for eos in ((ref[2].tokens[0],), tuple(r.tokens[0] for r in ref)):
             model.eos_token_ids = eos
             want = batch(model, 1, PROMPTS, max_new_tokens=12, **sampling)
-            got = batch(model, 8, PROMPTS, max_new_tokens=12, **sampling)
+            got = batch(model, 8, PROMPTS, first, max_new_tokens=12, **sampling)
             same(got, want)
             assert got[2].finish_reason == "stop" and len(got[2].tokens) == 1
         assert model._trailing is not None  # every request stopped at its first token: the run behind is left
@@ -224,7 +230,7 @@ def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, samp
     def boom(_: str) -> None:
         raise RuntimeError("callback failed")
 
-    model.decode_steps, model.launch_first = 8, True
+    model.decode_steps, model.launch_first, model.first_run_steps = 8, True, first
     try:
         pend = [model.submit(p, max_new_tokens=12, reuse=False, speculative=False, on_token=boom if i == 1 else None,
                              **sampling) for i, p in enumerate(PROMPTS)]  # fmt: skip
@@ -232,7 +238,7 @@ def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, samp
             pend[1].result()
         got = [p.result() for i, p in enumerate(pend) if i != 1]
     finally:
-        model.decode_steps, model.launch_first = 1, False
+        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, 0
     same(got, [r for i, r in enumerate(ref) if i != 1])
 
 

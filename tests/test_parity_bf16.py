@@ -102,3 +102,43 @@ def test_every_op_rounds_once(builder_bf16: tuple[Path, Path]) -> None:
     limit = {"GroupQueryAttention": 1.2}
     bad = {op: round(g["worst"]["ratio"], 3) for op, g in ops.items() if g["worst"]["ratio"] > limit.get(op, 1.15)}
     assert not bad, f"ops above their rounding floor: {bad}"
+
+
+@pytest.mark.gpu
+def test_cuda_decode_runs_greedy_tokens_agree_with_transformers(builder_bf16: tuple[Path, Path]) -> None:
+    """CUDA's default decoding (runs of 8 steps chosen on the device, the first launched behind the
+    prompt's step before its token is read) at long prompts: the tokens equal one-step-at-a-time decoding's
+    (`decode_steps` 1, nothing launched early), and each equals transformers fp32's greedy choice at its
+    position (teacher-forced on those tokens) wherever fp32's top-2 margin is clear of transformers-bf16's
+    error there."""
+    from transformers import AutoModelForCausalLM
+
+    import onnxgen
+
+    hf, pkg = builder_bf16
+    model = onnxgen.load(str(pkg), backend="native", device="cuda", kv_bytes=2 << 30)
+    assert model.decode_steps == 8 and model.launch_first
+    refs = {dt: AutoModelForCausalLM.from_pretrained(hf, dtype=dt).to("cuda").eval() for dt in (torch.float32, torch.bfloat16)}
+    g = torch.Generator().manual_seed(1)
+    clear = 0
+    for n in (1024, 4096):
+        ids = torch.randint(100, model.spec.vocab_size - 100, (n,), generator=g).tolist()
+        kw = {"max_new_tokens": 40, "temperature": 0, "reuse": False, "speculative": "off", "stop": []}
+        runs = model.generate(ids, **kw)
+        assert model.executor.runner.steps["multi"] > 0  # the several-step graphs ran
+        model.decode_steps, model.launch_first = 1, False
+        try:
+            single = model.generate(ids, **kw)
+        finally:
+            model.decode_steps, model.launch_first = 8, True
+        assert runs.tokens == single.tokens and len(runs.tokens) == 40
+        seq = torch.tensor([ids + runs.tokens[:-1]], device="cuda")
+        with torch.no_grad():
+            r32, r16 = (refs[dt](seq, logits_to_keep=40).logits[0].float().cpu() for dt in refs)
+        for j, tok in enumerate(runs.tokens):
+            top2 = r32[j].topk(2).values
+            if float(top2[0] - top2[1]) > 2 * float((r16[j] - r32[j]).abs().max()):
+                clear += 1
+                assert tok == int(r32[j].argmax()), f"{n}-token prompt: token {j} differs from transformers fp32"
+    model.close()
+    assert clear > 0, "no position with a clear margin: the comparison checked nothing"

@@ -168,6 +168,9 @@ class Engine:
         # token, before the host reads it (`_first_run`): no host round trip between prefill and decoding. On
         # CUDA only: on the CPU the host computes a run as it launches it, so the first token would wait for it
         self.launch_first = cuda
+        # steps of that first run (0: `decode_steps`): it is launched before the host reads the first token, so
+        # its launch is part of the time to the first token; later runs are full length
+        self.first_run_steps = 0
         if self.paged:
             running = paged_running
             budget = max_batch_tokens or (4096 if cuda else 512)
@@ -536,18 +539,20 @@ class Engine:
         run 0, so runs continue from there at offset 1). Some only when each chunk ends its prompt and
         samples its request's first token, and the request could then decode in runs (`_decode_run`: paged,
         nothing of the host needed to choose, no drafts, no waiting request to admit), and with
-        `launch_first`; at most `decode_steps` and what each request may still generate after that first
-        token (`_room`, the first token counted as a step already chosen). Reserves the pages."""
+        `launch_first`; at most `decode_steps` (and `first_run_steps`) and what each request may still
+        generate after that first token (`_room`, the first token counted as a step already chosen). Reserves
+        the pages."""
         k = self.decode_steps
         if k <= 1 or not (self.paged and self.launch_first) or self._admissible():
             return 0, []
+        k = min(k, self.first_run_steps or k)
         for c in chunks:
             r = c.req
             if (not c.sample or c.draft or r.output or r.cancelled or r.output_logits or r.sampler.needs_processing
                     or (r.drafts is not None and r.drafts.active(len(chunks)))):  # fmt: skip
                 return 0, []
         decodes = [Chunk(c.req, c.start + c.n - 1, 1, True) for c in chunks]
-        return self._room(decodes, k, 1, least=2), decodes
+        return self._room(decodes, k, 1), decodes
 
     def _launch_first(self, decodes: list[Chunk], outs: Sequence[Any], k: int) -> tuple[list[int], Any] | None:
         """Choose the prompts' first tokens on the device (`outs`: their logits rows), launch `k` decode steps
