@@ -8,8 +8,10 @@ API (paged engine, greedy, a 512-token prompt, 128 new tokens, `speculative="off
 - decode tok/s (`Stats.decode_tok_s`) for each `decode_steps` value (steps per host round trip), interleaved,
   median of 5, with the time to the first token of that prompt and of a 16-token one; suffixes
   (`configure`): `s`, each run's first replay one step deep, `n`, decoding launched only once the host has
-  read the prompt's token (both as before 2026-12-06), `o` / `f`, the run launched before that read one step
-  / one four-step replay long;
+  read the prompt's token (both as before 2026-12-06), `f`, the run launched before that read full length
+  (as before the fourteenth session; by default one step), `w`, each run read whole (not in parts of 4 steps);
+- replies that end by EOS: the wall time of `generate` with EOS set to a token of the greedy reply at one of
+  up to 12 positions between 48 and 111 (its first occurrence), mean over the positions, interleaved;
 - one generation under torch.profiler at each `decode_steps` value: from the first token on (a CPU-side
   marker set by `on_token`), the device's busy time (the union of its kernels and copies) and idle time per
   token, and the idle gaps between consecutive device events summed by their neighbours (which kernel or
@@ -79,17 +81,18 @@ def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:
 
 
 def configure(m: Any, k: str) -> None:
-    """`decode_steps` of `k` (e.g. "8"); suffixes: "s", each run's first replay one step deep
-    (`runner.RUN_FIRST_MULTI` off); "n", no first run launched behind the prompt's step (`Model.launch_first`
-    off: decoding starts once the host has read the first token); "o" / "f", that first run one step / one
-    several-step replay long (`Model.first_run_steps` 1 / `runner.RUN_GRAPH_STEPS`: less to launch before the
-    first token is read)."""
+    """`decode_steps` of `k` (e.g. "8"), else the defaults; suffixes: "s", each run's first replay one step
+    deep (`runner.RUN_FIRST_MULTI` off); "n", no first run launched behind the prompt's step (`Model.launch_first`
+    off: decoding starts once the host has read the first token); "f", that first run full length
+    (`Model.first_run_steps` 0; by default one step: the least to launch before the first token is read); "w",
+    each run read whole (`runner.PART_STEPS` 0; by default in parts of 4 steps)."""
     from onnxgen.backends.native import runner
 
-    m.decode_steps = int(k.rstrip("snof"))
+    m.decode_steps = int(k.rstrip("snfw"))
     runner.RUN_FIRST_MULTI = "s" not in k
     m.launch_first = "n" not in k
-    m.first_run_steps = 1 if "o" in k else runner.RUN_GRAPH_STEPS if "f" in k else 0
+    m.first_run_steps = 0 if "f" in k else 1
+    runner.PART_STEPS = 0 if "w" in k else 4
 
 
 def profiled(m: Any, prompt: list[int], k: str) -> dict[str, Any]:
@@ -135,6 +138,37 @@ def host_calls(trace: dict[str, Any], t0: float) -> list[tuple[str, float, int]]
     return [(k, by[k], count[k]) for k, _ in by.most_common(8)]
 
 
+def eos_latency(m: Any, prompt: list[int], steps: list[str]) -> tuple[dict[str, float], list[int]]:
+    """Replies that end by EOS: the greedy reply's tokens at up to 12 positions in 48..111 (first occurrences,
+    spread) made EOS in turn; per `decode_steps` value the mean wall time of `generate` over them (ms; each
+    position's contenders interleaved, the previous reply's trailing run settled outside the timing), and
+    the positions. Every contender must stop at the same token."""
+    import time
+
+    configure(m, steps[0])
+    m.settle()
+    kw = {"max_new_tokens": 128, "speculative": "off", "reuse": False, "stop": [], "temperature": 0}
+    ref = m.generate(prompt, **kw).tokens
+    firsts = [i for i in range(48, min(112, len(ref))) if ref[i] not in ref[:i]]
+    at = firsts[:: max(1, len(firsts) // 12)][:12]
+    saved = m.eos_token_ids
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    try:
+        for i in at:
+            m.eos_token_ids = (ref[i],)
+            for k in steps:
+                configure(m, k)
+                m.settle()
+                t = time.perf_counter()
+                res = m.generate(prompt, **kw)
+                times[k].append(time.perf_counter() - t)
+                assert res.tokens == ref[: i + 1], f"{k}: stopped elsewhere"
+    finally:
+        m.eos_token_ids = saved
+        m.settle()
+    return {k: 1e3 * statistics.fmean(v) for k, v in times.items() if v}, at
+
+
 def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
     import onnxgen
     from gpu_parity import package
@@ -159,6 +193,7 @@ def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
     r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "runs": tps,
                          "ttft_ms": {k: statistics.median(v) for k, v in ttft.items()},
                          "ttft16_ms": {k: statistics.median(v) for k, v in short.items()}, "gaps": {}}  # fmt: skip
+    r["eos_ms"], r["eos_at"] = eos_latency(m, prompt, steps)
     for k in steps:
         log(name, f"decode_steps={k}: {r['tps'][k]:.1f} tok/s ({', '.join(f'{x:.0f}' for x in tps[k])})")
         m.settle()
@@ -186,14 +221,16 @@ def main() -> None:
             for key, us, n in r["gaps"][k].get("before_first", []):
                 log(f"  {us:9.1f} {n:5d}  {key}")
     log("\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token | "
-        "tok/s of each run | TTFT ms, 512 / 16-token prompt |")  # fmt: skip
-    log("|---|---|---|---|---|---|---|")
+        "tok/s of each run | TTFT ms, 512 / 16-token prompt | reply ending by EOS, mean ms |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|")
     for r in rows:
         for k in steps:
             g = r["gaps"][k]
             log(f"| {r['shape']} | {k} | {r['tps'][k]:.0f} | {g.get('busy_us_per_token', 0):.1f} | "
                 f"{g.get('idle_us_per_token', 0):.1f} | {' / '.join(f'{x:.0f}' for x in r['runs'][k])} | "
-                f"{r['ttft_ms'][k]:.2f} / {r['ttft16_ms'][k]:.2f} |")  # fmt: skip
+                f"{r['ttft_ms'][k]:.2f} / {r['ttft16_ms'][k]:.2f} | {r['eos_ms'].get(k, 0):.2f} |")  # fmt: skip
+    for r in rows:
+        log(f"{r['shape']}: EOS at positions {r['eos_at']}")
 
 
 if __name__ == "__main__":

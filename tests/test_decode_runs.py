@@ -42,17 +42,19 @@ class Spy:
         return self._inner(chunks, k, offset, after)
 
 
-def batch(model: Any, steps: int, prompts: list[list[int]], first: int = 0, **kw: Any) -> list[Any]:
+def batch(model: Any, steps: int, prompts: list[list[int]], first: int | None = None, **kw: Any) -> list[Any]:
     """The prompts submitted at once with `decode_steps` = `steps`, as CUDA would run them (the first run
-    launched behind the prompts' step, `launch_first`, `first` steps long: `first_run_steps`) on the CPU's
-    paged pool."""
-    model.decode_steps, model.launch_first, model.first_run_steps = steps, True, first
+    launched behind the prompts' step, `launch_first`; `first`: its steps, `first_run_steps`, else the
+    default) on the CPU's paged pool."""
+    saved = model.first_run_steps
+    model.decode_steps, model.launch_first = steps, True
+    model.first_run_steps = saved if first is None else first
     try:
         pend = [model.submit(p, reuse=False, speculative=False, **{**kw, **extra})
                 for p, extra in zip(prompts, kw.pop("per", [{}] * len(prompts)), strict=True)]  # fmt: skip
         return [p.result() for p in pend]
     finally:
-        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, 0
+        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, saved
 
 
 def same(a: list[Any], b: list[Any]) -> None:
@@ -125,6 +127,47 @@ def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path, launc
     assert float(d.max()) <= 1e-5
 
 
+@pytest.mark.parametrize("max_new", [40, 17])
+def test_a_reply_ending_in_a_runs_first_part_does_not_wait_for_the_rest(model: Any, max_new: int) -> None:
+    """Runs of 8 are read in parts of 4 (`runner.PART_STEPS`): a lone request whose EOS falls in the first
+    part of its third run (the first run one step: token 1; the second tokens 2-9; the third 10-17, or 10-16
+    with 17 tokens allowed) takes that part only — the run's rest (and the run launched behind it, with 40
+    tokens allowed; none with 17) is left to the next step (`_trailing`) — and its output equals single
+    steps'; the next request's too."""
+    from onnxgen.backends.native import runner
+
+    assert runner.PART_STEPS == 4 and model.first_run_steps == 1
+    probe = model.generate(PROMPTS[3], max_new_tokens=max_new, temperature=0, reuse=False, speculative=False)
+    p = next(i for i in range(10, 13) if probe.tokens[i] not in probe.tokens[:i])
+    saved = model.eos_token_ids
+    model.eos_token_ids = (probe.tokens[p],)
+    reads: list[tuple[Any, Any]] = []
+    launches: list[Any] = []
+    launch, collect = model.executor.launch_decodes, model.executor.collect_decodes
+    model.executor.launch_decodes = lambda *a: launches.append(launch(*a)) or launches[-1]
+    model.executor.collect_decodes = lambda run, rows=None: reads.append((run, rows)) or collect(run, rows)
+    try:
+        want = model.generate(PROMPTS[3], max_new_tokens=max_new, temperature=0, reuse=False, speculative=False)
+        assert not launches and len(want.tokens) == p + 1 and want.finish_reason == "stop"
+        model.decode_steps, model.launch_first = 8, True
+        got = model.generate(PROMPTS[3], max_new_tokens=max_new, temperature=0, reuse=False, speculative=False)
+        assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, want.finish_reason)
+        holder = launches[2]  # the run holding EOS: read up to its first part only
+        assert [rows for run, rows in reads if run is holder] == [4]
+        trailing = model._trailing
+        assert trailing is (launches[3] if max_new == 40 else holder) and len(launches) == 3 + (max_new == 40)
+        model.decode_steps, model.launch_first = 1, False
+        again = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
+        assert model._trailing is None and any(run is trailing and rows is None for run, rows in reads)  # drained
+    finally:
+        model.eos_token_ids = saved
+        model.decode_steps, model.launch_first = 1, False
+        model.executor.launch_decodes, model.executor.collect_decodes = launch, collect
+        model.settle()
+    plain = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
+    assert (again.tokens, again.text) == (plain.tokens, plain.text)
+
+
 def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(model: Any) -> None:
     """A lone request that stops inside a chain of runs returns once the run holding its stop is read: the
     run launched behind it (steps past its end, whose tokens nobody takes) is waited for by the next step,
@@ -140,7 +183,7 @@ def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(mo
         return launch(chunks, k, offset, after)
 
     model.executor.launch_decodes = spy_launch
-    model.executor.collect_decodes = lambda run: log.append(("collect", run)) or collect(run)
+    model.executor.collect_decodes = lambda run, rows=None: log.append(("collect", run)) or collect(run, rows)
     model.decode_steps, model.launch_first = 4, True  # as on CUDA
     try:
         one = model.generate(PROMPTS[3], max_new_tokens=30, temperature=0, stop=[stop], reuse=False,
@@ -230,6 +273,7 @@ def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, samp
     def boom(_: str) -> None:
         raise RuntimeError("callback failed")
 
+    saved = model.first_run_steps
     model.decode_steps, model.launch_first, model.first_run_steps = 8, True, first
     try:
         pend = [model.submit(p, max_new_tokens=12, reuse=False, speculative=False, on_token=boom if i == 1 else None,
@@ -238,7 +282,7 @@ def test_first_runs_equal_single_steps_where_requests_end_early(model: Any, samp
             pend[1].result()
         got = [p.result() for i, p in enumerate(pend) if i != 1]
     finally:
-        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, 0
+        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, saved
     same(got, [r for i, r in enumerate(ref) if i != 1])
 
 

@@ -89,6 +89,12 @@ class BatchRunner(Protocol):
         enqueued before this call only, not for what is launched after it."""
         ...
 
-    def collect_decodes(self, run: Any) -> list[list[int]]:
-        """The `[k][B]` tokens of a launched run (waits for it: the caller's one synchronisation)."""
+    def decode_parts(self, run: Any) -> tuple[int, ...]:
+        """How a launched run's rows reach the host: increasing row counts, the last = its steps; the rows up
+        to each are readable (`collect_decodes(run, rows)`) without waiting for the steps after them."""
+        ...
+
+    def collect_decodes(self, run: Any, rows: int | None = None) -> list[list[int]]:
+        """The first `rows` (default: all `k`) of a launched run's `[k][B]` tokens; waits for the part that
+        holds them only (the caller's one synchronisation per part)."""
         ...

@@ -169,8 +169,11 @@ class Engine:
         # CUDA only: on the CPU the host computes a run as it launches it, so the first token would wait for it
         self.launch_first = cuda
         # steps of that first run (0: `decode_steps`): it is launched before the host reads the first token, so
-        # its launch is part of the time to the first token; later runs are full length
-        self.first_run_steps = 0
+        # its launch is part of the time to the first token; one step is the least to launch there, and the
+        # chain's next run (full length) is launched before it is read, so the device still never waits.
+        # Measured on an H100 (docs/benchmarks/decode-gpu.md, fourteenth session): decode tok/s as with a full
+        # first run; the full run's launch cost the 1B's first token up to 0.24 ms on one host, nothing on another
+        self.first_run_steps = 1
         if self.paged:
             running = paged_running
             budget = max_batch_tokens or (4096 if cuda else 512)
@@ -620,19 +623,17 @@ class Engine:
                     nxt = self.executor.launch_decodes(chunks, k_next, offset + k, run)
                 except Exception:  # not launched: this run ends the sequence (a real fault recurs in `step`)
                     nxt = None
-            try:
-                rows = self.executor.collect_decodes(run)
-            except Exception as exc:
+            done, unread, ok = self._read(chunks, run, offset, set())
+            if not ok:
                 self._drain(nxt)
-                for c in chunks:
-                    self._fail(c.req, exc)
                 return
-            done = self._take_run(chunks, rows, offset, set())
             if nxt is None:
+                if unread:  # all finished in an early part: the rest of the run is the next step's to wait for
+                    self._trailing = run
                 return
             if len(done) == len(chunks):  # all finished: the launched run's steps lie past every context, and
-                # its wait is left to the next step, so the finished requests' callers return now (up to a
-                # run of steps sooner: a reply that ends by EOS stops inside a chain)
+                # its wait is left to the next step (with the unread part of this run: it is ordered before),
+                # so the finished requests' callers return now (a reply that ends by EOS stops inside a chain)
                 self._trailing = nxt
                 return
             if done or self._drafts_ready(chunks, done, k_next):  # the others take the launched run's tokens
@@ -644,14 +645,30 @@ class Engine:
     def _take_last(self, chunks: Sequence[Any], run: Any, offset: int, done: set[int]) -> None:
         """The last run of a chain, read: the requests of `chunks` not in `done` take its tokens (fed from
         `offset`); if it cannot be read they fail."""
-        try:
-            rows = self.executor.collect_decodes(run)
-        except Exception as exc:
-            for i, c in enumerate(chunks):
-                if i not in done:
-                    self._fail(c.req, exc)
-            return
-        self._take_run(chunks, rows, offset, done)
+        _, unread, ok = self._read(chunks, run, offset, done)
+        if ok and unread:
+            self._trailing = run
+
+    def _read(self, chunks: Sequence[Any], run: Any, offset: int, done: set[int]) -> tuple[set[int], bool, bool]:
+        """Read a launched run part by part as the device completes them (`decode_parts`), the requests of
+        `chunks` not in `done` taking each part's tokens (`_take_run`, fed from `offset`), until all are done:
+        a reply that ends in a run's first part returns without waiting for the rest. Returns (done, whether
+        rows were left unread, whether the run could be read; if not, the requests not done failed)."""
+        parts = self.executor.decode_parts(run)
+        got = 0
+        for end in parts:
+            try:
+                rows = self.executor.collect_decodes(run, end)
+            except Exception as exc:
+                for i, c in enumerate(chunks):
+                    if i not in done:
+                        self._fail(c.req, exc)
+                return done, False, False
+            done = self._take_run(chunks, rows[got:], offset + got, done)
+            got = end
+            if len(done) == len(chunks):
+                break
+        return done, got < parts[-1], True
 
     def _continue_run(self, chunks: Sequence[Any], fed: int) -> int:
         """How many decode steps to launch after the `fed` steps already launched for `chunks` (0: none):

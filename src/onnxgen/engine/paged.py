@@ -191,9 +191,13 @@ class PagedKV:
         launched after it."""
         return self.runner.collect_decodes(first.inner)[-1]
 
-    def collect_decodes(self, run: Any) -> list[list[int]]:
-        """The `[k][B]` tokens of a launched run (the one host synchronisation)."""
-        return self.runner.collect_decodes(run.inner)
+    def decode_parts(self, run: Any) -> tuple[int, ...]:
+        """`BatchRunner.decode_parts` of a launched run."""
+        return self.runner.decode_parts(run.inner)
+
+    def collect_decodes(self, run: Any, rows: int | None = None) -> list[list[int]]:
+        """The first `rows` (default: all) of a launched run's `[k][B]` tokens (`BatchRunner.collect_decodes`)."""
+        return self.runner.collect_decodes(run.inner, rows)
 
     def discard(self, req: Request, keep: int) -> None:
         """Rejected drafts: nothing to undo. Their keys sit in the request's own pages past position

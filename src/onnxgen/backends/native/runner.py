@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,10 @@ programmatic dependent launches, and the next replay starts only once it has fin
 # a run's first replay (the one after the upload) is the several-step graph too where it fits (a greedy run of 8
 # steps: two replays instead of five); False: one step, as before (`benchmarks/gpu_gaps.py` times both)
 RUN_FIRST_MULTI = True
+# a run's tokens are copied to the host every this many steps (and at its end), each part behind an event of
+# its own (`DecodeRun.parts`), so the host can take a run's first steps while the device computes the rest:
+# a reply that ends by EOS in a run's first part returns without waiting for the others. 0: one part a run
+PART_STEPS = 4
 RUN_GRAPH_BATCH = 8  # decode graphs of more sequences: one step deep only (a step is long enough there)
 # a batch size whose attention runs unpipelined up to at least this many keys (`paged.short_keys`) gets a
 # second decode graph, replayed while its sequences stay that short
@@ -132,10 +136,11 @@ class _Graph:
 @dataclass
 class DecodeRun(DeviceTokens):
     """A launched run of decode steps (`NativeRunner.launch_decodes`): its `[k, B]` tokens on the device and,
-    on CUDA, their pinned host copy and the event after which it is complete."""
+    on CUDA, their pinned host copy, filled part by part: `parts` holds (rows, event) in order — the first
+    `rows` rows are on the host once `event` has completed."""
 
     host: torch.Tensor | None = None
-    done: Any = None
+    parts: list[tuple[int, Any]] = field(default_factory=list)
 
 
 class NativeRunner:
@@ -285,7 +290,7 @@ class NativeRunner:
             with self.device_lock:
                 g = self._decode_graph(step, k)
                 if g is not None:  # pragma: cuda
-                    return self.stage_tokens(self._graph_decodes(g, step, k, choose, first, offset))
+                    return self._graph_decodes(g, step, k, choose, first, offset)
                 toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
                 for j in range(k):
                     seqs = tuple(SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs)
@@ -297,38 +302,55 @@ class NativeRunner:
                                     "sequence(s)") from exc  # fmt: skip
 
     def stage_tokens(self, toks: torch.Tensor) -> DecodeRun:
-        """`BatchRunner.stage_tokens`: on CUDA their copy to pinned memory and an event after it."""
+        """`BatchRunner.stage_tokens`: on CUDA their copy to pinned memory and an event after it (one part)."""
         if not toks.is_cuda:
             return DecodeRun(toks)
         # pragma: cuda-begin
-        host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
-        host.copy_(toks, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return DecodeRun(toks, host, done)
+        run = DecodeRun(toks, torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True))
+        self._stage_part(run, toks, 0, len(toks))
+        return run
         # pragma: cuda-end
 
-    def collect_decodes(self, run: DecodeRun) -> list[list[int]]:
+    @staticmethod
+    def _stage_part(run: DecodeRun, src: torch.Tensor, a: int, b: int) -> None:  # pragma: cuda
+        """Enqueue the copy of the run's rows `a:b` (`src`, on the device) to its host buffer and an event."""
+        run.host[a:b].copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        run.parts.append((b, done))
+
+    def decode_parts(self, run: DecodeRun) -> tuple[int, ...]:
+        """`BatchRunner.decode_parts`: on CUDA the run's staged parts; elsewhere (the run is computed already)
+        parts as a run of greedy four-step replays would have them, so the host reads alike everywhere."""
+        if run.parts:  # pragma: cuda
+            return tuple(rows for rows, _ in run.parts)
+        k = len(run.toks)
+        return (*range(PART_STEPS, k, PART_STEPS), k) if PART_STEPS else (k,)
+
+    def collect_decodes(self, run: DecodeRun, rows: int | None = None) -> list[list[int]]:
         """`BatchRunner.collect_decodes`."""
-        if run.done is not None:  # pragma: cuda
-            run.done.synchronize()
-            return run.host.tolist()
-        return run.toks.tolist()
+        rows = len(run.toks) if rows is None else rows
+        if run.parts:  # pragma: cuda
+            next(done for end, done in run.parts if end >= rows).synchronize()
+            return run.host[:rows].tolist()
+        return run.toks[:rows].tolist()
 
     def _graph_decodes(self, g: _Graph, step: BatchStep, k: int, choose: Any, first: torch.Tensor | None,
-                       offset: int) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+                       offset: int) -> DecodeRun:  # fmt: skip  # pragma: cuda
         """`k` decode steps as `k` replays of the decode graph: the first uploads the inputs (page tables for
         the whole run; `first`: its token ids on the device); each replay then chooses its greedy tokens and
         advances the inputs to the next step on the device (`_graph_body`), so the host only enqueues
         replays. Greedy rows take the tokens the graph recorded (copied out every `RUN_TOKENS` steps), and
         replay the `RUN_GRAPH_STEPS`-step graph (`_Graph.multi`) wherever its steps fit before the run's end
         and within one token record, the first replay included (a run of 8 is two replays); otherwise `choose`
-        picks each step's tokens from the logits rows, which replace the greedy ids before the next replay."""
+        picks each step's tokens from the logits rows, which replace the greedy ids before the next replay.
+        The tokens go to the host every `PART_STEPS` steps and at the run's end (`DecodeRun.parts`)."""
         b = len(step.seqs)
         toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
+        run = DecodeRun(toks, torch.empty((k, b), dtype=torch.int64, pin_memory=True))
         greedy = bool(getattr(choose, "greedy", False))
         rows = g.out.reshape(g.batch, -1)[:b]
-        j = 0
+        j = staged = 0
         while j < k:
             multi = greedy and g.multi is not None and j + RUN_GRAPH_STEPS <= k \
                 and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS and (j > 0 or RUN_FIRST_MULTI)  # fmt: skip
@@ -338,6 +360,7 @@ class NativeRunner:
                 self._replay(g, multi)
             n = RUN_GRAPH_STEPS if multi else 1
             last = j + n - 1
+            flushed = not greedy
             if not greedy:
                 toks[j] = choose(rows, offset + j)
                 if j < k - 1:
@@ -345,8 +368,15 @@ class NativeRunner:
             elif (last + 1) % RUN_TOKENS == 0 or last == k - 1:
                 j0 = last - last % RUN_TOKENS
                 toks[j0 : last + 1] = g.toks[: last + 1 - j0, :b]
+                flushed = True
+            # a part (rows staged..last to the host) ends at the run's end, past each PART_STEPS boundary, and
+            # where the record was flushed (so a part never spans two record windows)
+            if last == k - 1 or (greedy and flushed) or (PART_STEPS and (last + 1) // PART_STEPS > j // PART_STEPS):
+                src = toks[staged : last + 1] if flushed else g.toks[staged % RUN_TOKENS : last % RUN_TOKENS + 1, :b]
+                self._stage_part(run, src, staged, last + 1)
+                staged = last + 1
             j += n
-        return toks
+        return run
 
     # --- eager -------------------------------------------------------------------------------------
 
