@@ -664,7 +664,7 @@ class Engine:
                     if i not in done:
                         self._fail(c.req, exc)
                 return done, False, False
-            done = self._take_run(chunks, rows[got:], offset + got, done)
+            done = self._take_run(chunks, rows[got:], offset + got, done, parts[-1] - got)
             got = end
             if len(done) == len(chunks):
                 break
@@ -696,10 +696,14 @@ class Engine:
             return k
         return 0
 
-    def _take_run(self, chunks: Sequence[Any], rows: list[list[int]], offset: int, done: set[int]) -> set[int]:
+    def _take_run(self, chunks: Sequence[Any], rows: list[list[int]], offset: int, done: set[int],
+                  fed: int = 0) -> set[int]:  # fmt: skip
         """Each request of `chunks` not in `done` takes the run's tokens (`rows[j][i]`, fed at positions
-        `start + offset + j`) until it finishes; finished and failed requests join `done` (returned)."""
+        `start + offset + j`; `fed`: how many positions the run fed from `offset`, if more than the rows)
+        until it finishes, the positions fed past its end taken back out; finished and failed requests join
+        `done` (returned)."""
         k = len(rows)
+        fed = max(fed, k)
         for i, c in enumerate(chunks):
             if i in done:
                 continue
@@ -710,7 +714,7 @@ class Engine:
                     finished = req.accept(None, rows[taken][i])
                     taken += 1
                 req.computed = c.start + offset + taken
-                if taken < k:
+                if finished and taken < fed:
                     self.executor.discard(req, req.computed)
             except Exception as exc:  # a processor, the on_token callback, or the rewind
                 self._fail(req, exc)
