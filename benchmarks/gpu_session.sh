@@ -28,9 +28,10 @@
 #           it (ONNXGEN_FOLD_NORMS; benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
 #   gaps    0.5B and 1B: decode tok/s at 8 steps a run (`8n`: no first run launched behind the prompt's step;
-#           `8s`: each run's first replay one step deep; both as before 2026-12-06) and 16, and the device's idle
-#           gaps between kernels under torch.profiler, summed by neighbours (gpu_gaps.py; GAPS_STEPS=8,32 another
-#           list)
+#           `8s`: each run's first replay one step deep; both as before 2026-12-06; `8f`: that first run full
+#           length; `8w`: runs read whole, not in parts) and 16, TTFT, replies ending by EOS, and the device's
+#           idle gaps between kernels under torch.profiler, summed by neighbours (gpu_gaps.py; GAPS_STEPS=8,32
+#           another list)
 #   pagedbits  the paged attention's GPU tests: against the torch path (every step kind, splits), verify rows =
 #           decode bits; each failure's name
 #   shortbits  the short-context decode graph (attention unpipelined: paged.SHORT_BLOCKS) against the graph for
