@@ -452,3 +452,50 @@ def test_decode_advance_moves_each_live_row_to_its_next_step() -> None:
     kernels.decode_advance(*args, b, mp, page)
     for got, want in zip(args[1:], (want_w, want_n, want_t), strict=True):
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("first_multi", [True, False])
+@pytest.mark.parametrize("part_steps", [4, 0, 3])
+def test_replay_plan_covers_each_row_once_and_stages_only_written_rows(
+    monkeypatch: pytest.MonkeyPatch, first_multi: bool, part_steps: int
+) -> None:
+    """The CUDA run's schedule (`runner.replay_plan`, on the CPU): replays cover the steps in order, deep
+    ones only for greedy runs of graphs that have them and never across a token record window; greedy runs
+    flush each record window once, at its end or the run's; the parts staged to the host cover the rows in
+    order, each read from the run's tokens only once they are all there, else from the record within its
+    current window, rows already recorded and not yet overwritten. A greedy run of deep replays has the parts
+    the CPU's `decode_parts` gives, so the engine reads runs alike on both."""
+    import torch
+
+    from onnxgen.backends.native import runner
+
+    monkeypatch.setattr(runner, "PART_STEPS", part_steps)
+    monkeypatch.setattr(runner, "RUN_FIRST_MULTI", first_multi)
+    W, D = runner.RUN_TOKENS, runner.RUN_GRAPH_STEPS
+    for k in range(1, 2 * W + 7):
+        for greedy in (True, False):
+            for multi in (True, False):
+                plan = runner.replay_plan(k, greedy, multi)
+                assert [j for j, *_ in plan] == [sum(n for _, n, *_ in plan[:i]) for i in range(len(plan))]
+                assert sum(n for _, n, *_ in plan) == k
+                written = flushed_to = staged = 0
+                for j, n, flush, part in plan:
+                    last = j + n - 1
+                    assert n in (1, D) and (n == 1 or (greedy and multi and j // W == last // W))
+                    assert n == 1 or j > 0 or first_multi
+                    written = last + 1  # rows chosen so far (greedy: in the record; else in the run's tokens)
+                    if not greedy:
+                        assert flush is None
+                        flushed_to = written
+                    elif flush is not None:
+                        assert flush == flushed_to and flush // W == last // W and ((last + 1) % W == 0 or last == k - 1)
+                        flushed_to = written
+                    if part is not None:
+                        a, e, from_toks = part
+                        assert a == staged and a < e == written
+                        assert e <= flushed_to if from_toks else (a // W == (e - 1) // W and e - 1 <= last)
+                        staged = e
+                assert staged == k and (not greedy or flushed_to == k)
+                ends = tuple(p[1] for *_, p in plan if p is not None)
+                if greedy and multi and first_multi and part_steps == 4 and k % D == 0:
+                    assert ends == tuple(runner.NativeRunner.decode_parts(None, runner.DecodeRun(torch.empty(k, 1))))

@@ -108,6 +108,32 @@ def batchable(program: Program, spec: Any) -> str | None:
     return None
 
 
+def replay_plan(k: int, greedy: bool, multi: bool) -> list[tuple[int, int, int | None, tuple[int, int, bool] | None]]:
+    """How `_graph_decodes` runs `k` decode steps: one (j, n, flush, part) per replay — its first step `j` and
+    its steps `n` (more than one: the `RUN_GRAPH_STEPS`-step graph, for `greedy` runs of a graph that has it
+    (`multi`) where its steps fit before the run's end and within one token record); greedy runs: `flush`,
+    the first step whose recorded tokens this replay copies into the run's tokens (at the end of each record
+    window of `RUN_TOKENS` steps and of the run), else None; `part`: the rows (a, e) staged to the host after
+    this replay, with whether they are read from the run's tokens (else from the graph's record, all in its
+    current window), or None. Parts end past each `PART_STEPS` boundary, at each flush and at the run's end,
+    and cover the run's rows in order."""
+    plan = []
+    j = staged = 0
+    while j < k:
+        deep = greedy and multi and j + RUN_GRAPH_STEPS <= k and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS \
+            and (j > 0 or RUN_FIRST_MULTI)  # fmt: skip
+        n = RUN_GRAPH_STEPS if deep else 1
+        last = j + n - 1
+        flush = last - last % RUN_TOKENS if greedy and ((last + 1) % RUN_TOKENS == 0 or last == k - 1) else None
+        flushed = not greedy or flush is not None
+        part = None
+        if last == k - 1 or flush is not None or (PART_STEPS and (last + 1) // PART_STEPS > j // PART_STEPS):
+            part, staged = (staged, last + 1, flushed), last + 1
+        plan.append((j, n, flush, part))
+        j += n
+    return plan
+
+
 @dataclass
 class _Graph:
     """A captured step of `batch` sequences of `tokens` positions each (decode: 1; a prefill chunk of one
@@ -350,32 +376,22 @@ class NativeRunner:
         run = DecodeRun(toks, torch.empty((k, b), dtype=torch.int64, pin_memory=True))
         greedy = bool(getattr(choose, "greedy", False))
         rows = g.out.reshape(g.batch, -1)[:b]
-        j = staged = 0
-        while j < k:
-            multi = greedy and g.multi is not None and j + RUN_GRAPH_STEPS <= k \
-                and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS and (j > 0 or RUN_FIRST_MULTI)  # fmt: skip
+        for j, n, flush, part in replay_plan(k, greedy, g.multi is not None):
             if j == 0:
-                self._run_graph(g, step, first, raw=True, run=k, multi=multi)
+                self._run_graph(g, step, first, raw=True, run=k, multi=n > 1)
             else:
-                self._replay(g, multi)
-            n = RUN_GRAPH_STEPS if multi else 1
+                self._replay(g, n > 1)
             last = j + n - 1
-            flushed = not greedy
             if not greedy:
                 toks[j] = choose(rows, offset + j)
                 if j < k - 1:
                     g.wide[:b].copy_(toks[j])
-            elif (last + 1) % RUN_TOKENS == 0 or last == k - 1:
-                j0 = last - last % RUN_TOKENS
-                toks[j0 : last + 1] = g.toks[: last + 1 - j0, :b]
-                flushed = True
-            # a part (rows staged..last to the host) ends at the run's end, past each PART_STEPS boundary, and
-            # where the record was flushed (so a part never spans two record windows)
-            if last == k - 1 or (greedy and flushed) or (PART_STEPS and (last + 1) // PART_STEPS > j // PART_STEPS):
-                src = toks[staged : last + 1] if flushed else g.toks[staged % RUN_TOKENS : last % RUN_TOKENS + 1, :b]
-                self._stage_part(run, src, staged, last + 1)
-                staged = last + 1
-            j += n
+            elif flush is not None:
+                toks[flush : last + 1] = g.toks[: last + 1 - flush, :b]
+            if part is not None:
+                a, e, flushed = part
+                self._stage_part(run, toks[a:e] if flushed else g.toks[a % RUN_TOKENS : (e - 1) % RUN_TOKENS + 1, :b],
+                                 a, e)  # fmt: skip
         return run
 
     # --- eager -------------------------------------------------------------------------------------
