@@ -499,3 +499,28 @@ def test_replay_plan_covers_each_row_once_and_stages_only_written_rows(
                 ends = tuple(p[1] for *_, p in plan if p is not None)
                 if greedy and multi and first_multi and part_steps == 4 and k % D == 0:
                     assert ends == tuple(runner.NativeRunner.decode_parts(None, runner.DecodeRun(torch.empty(k, 1))))
+
+
+def test_a_request_ending_at_a_parts_last_row_gives_back_the_rest_of_its_run(model: Any) -> None:
+    """EOS on the last row of a run's first part (token 13: the first run one step, the second tokens 2-9, the
+    third 10-17 in parts 10-13 and 14-17): the request takes that part whole, and the positions its run fed
+    past it are taken back out of its cache (`discard` at its end), as when EOS falls inside a part."""
+    for prompt in PROMPTS:
+        probe = model.generate(prompt, max_new_tokens=20, temperature=0, reuse=False, speculative=False)
+        if probe.tokens[13] not in probe.tokens[:13]:
+            break
+    else:
+        pytest.fail("no prompt whose token 13 is new: pick another EOS position")
+    saved, discard = model.eos_token_ids, model.executor.discard
+    model.eos_token_ids = (probe.tokens[13],)
+    kept: list[int] = []
+    model.executor.discard = lambda req, keep: kept.append(keep) or discard(req, keep)
+    model.decode_steps, model.launch_first = 8, True
+    try:
+        got = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative=False)
+    finally:
+        model.eos_token_ids, model.executor.discard = saved, discard
+        model.decode_steps, model.launch_first = 1, False
+        model.settle()
+    assert got.tokens == probe.tokens[:14] and got.finish_reason == "stop"
+    assert kept == [len(prompt) + 13]  # computed: the prompt and the 13 tokens before EOS (EOS is never fed)
