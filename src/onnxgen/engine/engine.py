@@ -613,7 +613,7 @@ class Engine:
                     self._fail(c.req, exc)
                 return
         if done:  # some requests finished before this run: the others take it, then `step` schedules anew
-            self._take_last(chunks, run, offset, set(done))
+            self._read(chunks, run, offset, set(done))
             return
         while True:
             k_next = self._continue_run(chunks, offset + k)
@@ -623,37 +623,29 @@ class Engine:
                     nxt = self.executor.launch_decodes(chunks, k_next, offset + k, run)
                 except Exception:  # not launched: this run ends the sequence (a real fault recurs in `step`)
                     nxt = None
-            done, unread, ok = self._read(chunks, run, offset, set())
+            done, ok = self._read(chunks, run, offset, set())
             if not ok:
                 self._drain(nxt)
                 return
             if nxt is None:
-                if unread:  # all finished in an early part: the rest of the run is the next step's to wait for
-                    self._trailing = run
                 return
             if len(done) == len(chunks):  # all finished: the launched run's steps lie past every context, and
-                # its wait is left to the next step (with the unread part of this run: it is ordered before),
-                # so the finished requests' callers return now (a reply that ends by EOS stops inside a chain)
+                # its wait is left to the next step (this run's unread part is ordered before it), so the
+                # finished requests' callers return now (a reply that ends by EOS stops inside a chain)
                 self._trailing = nxt
                 return
             if done or self._drafts_ready(chunks, done, k_next):  # the others take the launched run's tokens
                 # too, then `step` schedules anew (a request that found drafts verifies them there)
-                self._take_last(chunks, nxt, offset + k, done)
+                self._read(chunks, nxt, offset + k, done)
                 return
             run, offset, k = nxt, offset + k, k_next
 
-    def _take_last(self, chunks: Sequence[Any], run: Any, offset: int, done: set[int]) -> None:
-        """The last run of a chain, read: the requests of `chunks` not in `done` take its tokens (fed from
-        `offset`); if it cannot be read they fail."""
-        _, unread, ok = self._read(chunks, run, offset, done)
-        if ok and unread:
-            self._trailing = run
-
-    def _read(self, chunks: Sequence[Any], run: Any, offset: int, done: set[int]) -> tuple[set[int], bool, bool]:
+    def _read(self, chunks: Sequence[Any], run: Any, offset: int, done: set[int]) -> tuple[set[int], bool]:
         """Read a launched run part by part as the device completes them (`decode_parts`), the requests of
         `chunks` not in `done` taking each part's tokens (`_take_run`, fed from `offset`), until all are done:
-        a reply that ends in a run's first part returns without waiting for the rest. Returns (done, whether
-        rows were left unread, whether the run could be read; if not, the requests not done failed)."""
+        a reply that ends in a run's first part returns without waiting for the rest, which is left to the next
+        step (`_trailing`). Returns (done, whether the run could be read; if not, the requests not done
+        failed)."""
         parts = self.executor.decode_parts(run)
         got = 0
         for end in parts:
@@ -663,12 +655,14 @@ class Engine:
                 for i, c in enumerate(chunks):
                     if i not in done:
                         self._fail(c.req, exc)
-                return done, False, False
+                return done, False
             done = self._take_run(chunks, rows[got:], offset + got, done, parts[-1] - got)
             got = end
             if len(done) == len(chunks):
+                if got < parts[-1]:  # the rest of the run: the next step's to wait for
+                    self._trailing = run
                 break
-        return done, got < parts[-1], True
+        return done, True
 
     def _continue_run(self, chunks: Sequence[Any], fed: int) -> int:
         """How many decode steps to launch after the `fed` steps already launched for `chunks` (0: none):
