@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_gaps_out")
 OUT.mkdir(parents=True, exist_ok=True)
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+GREEDY = {"speculative": "off", "reuse": False, "stop": [], "temperature": 0}  # every timed generation's settings
 
 
 def log(*a: Any) -> None:
@@ -110,8 +111,7 @@ def profiled(m: Any, prompt: list[int], k: str) -> dict[str, Any]:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("onnxgen_generate"):
             pass
-        res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0,
-                         on_token=first)  # fmt: skip
+        res = m.generate(prompt, max_new_tokens=128, on_token=first, **GREEDY)
         m.settle()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -147,7 +147,7 @@ def eos_latency(m: Any, prompt: list[int], steps: list[str]) -> tuple[dict[str, 
 
     configure(m, steps[0])
     m.settle()
-    kw = {"max_new_tokens": 128, "speculative": "off", "reuse": False, "stop": [], "temperature": 0}
+    kw = {"max_new_tokens": 128, **GREEDY}
     ref = m.generate(prompt, **kw).tokens
     firsts = [i for i in range(48, min(112, len(ref))) if ref[i] not in ref[:i]]
     at = firsts[:: max(1, len(firsts) // 12)][:12]
@@ -184,11 +184,11 @@ def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
         for k in steps:
             configure(m, k)
             m.settle()
-            res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0)  # fmt: skip
+            res = m.generate(prompt, max_new_tokens=128, **GREEDY)
             tps[k].append(res.stats.decode_tok_s)
             ttft[k].append(res.stats.ttft_s * 1e3)
             m.settle()
-            res = m.generate(prompt[:16], max_new_tokens=16, speculative="off", reuse=False, stop=[], temperature=0)  # fmt: skip
+            res = m.generate(prompt[:16], max_new_tokens=16, **GREEDY)
             short[k].append(res.stats.ttft_s * 1e3)
     r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "runs": tps,
                          "ttft_ms": {k: statistics.median(v) for k, v in ttft.items()},
