@@ -376,9 +376,11 @@ def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path, first_multi: boo
     monkeypatch.setattr(runner_module, "RUN_FIRST_MULTI", first_multi)
     m = onnxgen.load(str(tiny_dir), backend="native", device="cuda")
     runner = m.executor.runner
-    assert m.decode_steps == 8 and runner.cuda_graphs
-    # runs of 40 steps: longer than a graph's token record (RUN_TOKENS), across page boundaries
-    for steps, lengths, longest in ((8, (13, 30, 7, 22), 8), (40, (45, 60, 38, 50), 37)):
+    assert m.decode_steps == 8 and runner.cuda_graphs and m.first_run_steps == 1
+    # runs of 40 steps: longer than a graph's token record (RUN_TOKENS), across page boundaries; the first
+    # run (launched behind the prompts' step) is one step, the next one as long as the shortest request's
+    # rest: 38 - 1 (the prompt's token) - 1
+    for steps, lengths, longest in ((8, (13, 30, 7, 22), 8), (40, (45, 60, 38, 50), 36)):
         for sampling in ({"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 5}):
             per = [{"max_new_tokens": n} for n in lengths]
             ref = batch(m, 1, PROMPTS, per=per, **sampling)
@@ -386,7 +388,7 @@ def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path, first_multi: boo
             got = batch(m, steps, PROMPTS, per=per, **sampling)
             m.executor.launch_decodes = spy._inner
             same(got, ref)
-            assert spy.runs and max(spy.runs) == longest  # the first run: all 4 decode, 37 to go for one
+            assert spy.runs[0] == 1 and max(spy.runs) == longest
     assert runner.steps["multi"] > 0  # greedy runs replayed the several-step decode graphs (RUN_GRAPH_STEPS)
     m.close()
 
