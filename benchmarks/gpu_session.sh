@@ -38,6 +38,9 @@
 #           any length, bit for bit, and the switch between them; verify rows = decode bits through graphs
 #   parity  the bf16 GPU parity test (builder-made package vs transformers fp32/bf16 to 8k tokens) and the
 #           decode runs' GPU tests; each failure's name
+#   kernels each kernel of the 0.5B and 1B decode steps in order, without programmatic dependent launch (its
+#           own time), a layer's kernels against their weights' floor (gpu_kernel_table.py); then the
+#           graphs' replay time with it, for what the overlap buys
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
 #           (gpu_paged_check.py): which cases exceed the GPU test's tolerance
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
@@ -112,6 +115,10 @@ for section in "$@"; do
                  -k "short_context or verify_rows" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -8 ;;
     parity) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_parity_bf16.py \
               tests/test_decode_runs.py 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200 | tail -8 ;;
+    kernels) ONNXGEN_PDL=0 timeout 240 python3 benchmarks/gpu_kernel_table.py --tokenizer .carry/tok \
+               --shapes 0.5b,1b 2>&1 | quiet | tail -60
+             timeout 200 python3 benchmarks/gpu_kernel_table.py --tokenizer .carry/tok --shapes 0.5b,1b 2>&1 \
+               | grep "decode graph\|bandwidth" ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
