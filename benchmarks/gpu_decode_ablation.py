@@ -17,7 +17,6 @@ attention two pipeline stages deep however short its key splits (`paged.SHORT_BL
 `steps1`: decode graphs one step deep only (`runner.RUN_GRAPH_STEPS` 1: the time is then the one-step graph's,
 otherwise the several-step graph's per step, which greedy runs replay); `torchgather`: the token embedding
 gathered by torch instead of `kernels.embedding` (which takes part in programmatic dependent launch);
-`deepk`: the GEMV's per-shape candidates with the deep K tiles (`kernels.DEEP_K_GEMV_CONFIGS`);
 `torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick
 inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens
 decoded (captures and per-shape choices happen as usual), then the batch-1 decode graph the decoding replayed
@@ -103,13 +102,6 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False
-    if "deepk" in parts:  # the deep K tiles among the GEMV candidates (`kernels.DEEP_K_GEMV_CONFIGS`)
-        deep = kernels.DEEP_K_GEMV_CONFIGS
-        for key in ("GEMV_CONFIGS", "ROPE_GEMV_CONFIGS"):
-            old = getattr(kernels, key)
-            saved.append((kernels, key, old))
-            add = tuple(c for c in deep if c not in old and (key == "GEMV_CONFIGS" or c[0] % 2 == 0))
-            setattr(kernels, key, old + add)
     if "combine" in parts or "attention" in parts:
         swap(tp, "paged_combine_kernel")
     if "attention" in parts:

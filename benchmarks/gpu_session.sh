@@ -25,7 +25,7 @@
 #   fold    the 0.5B and 1B decode graphs as they are and with every RMSNorm folded into its product (the
 #           per-shape timing not asked), interleaved three times (FOLD_ABLATIONS=none,fold,... another list)
 #   pick    after `fold`: the faster of its variants (summed over both shapes) exported for the sections after
-#           it (ONNXGEN_FOLD_NORMS, ONNXGEN_GEMV_DEEP_K; benchmarks/pick_ablation.py)
+#           it (ONNXGEN_FOLD_NORMS; benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
 #   gaps    0.5B and 1B: decode tok/s at 8 steps a run (`8n`: no first run launched behind the prompt's step;
 #           `8s`: each run's first replay one step deep; both as before 2026-12-06; `8f`: that first run full

@@ -1,10 +1,10 @@
 """The fastest variant of a `gpu_decode_ablation.py` run, as environment settings for the runs after it.
 
-    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1 ONNXGEN_GEMV_DEEP_K=0
+    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1
 
 Reads the run's table (`| shape | removed | decode graph ms | ...`), takes each variant's median graph time
-per shape, sums them over the shapes and prints the settings of the variant with the least (`none`, `fold`,
-`deepk` or `fold+deepk`; `gpu_session.sh pick`). Exits 1 when the table has no `none` row.
+per shape, sums them over the shapes and prints the settings of the variant with the least (`none` or `fold`;
+`gpu_session.sh pick`). Exits 1 when the table has no `none` row.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-SETTINGS = {"fold": "ONNXGEN_FOLD_NORMS", "deepk": "ONNXGEN_GEMV_DEEP_K"}
+SETTINGS = {"fold": "ONNXGEN_FOLD_NORMS"}
 
 
 def pick(lines: list[str]) -> str | None:

@@ -27,8 +27,7 @@ def _ref(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
     return g * torch.sigmoid(g) * u
 
 
-CONFIGS = (tuple(dict.fromkeys(kernels.GEMV_CONFIGS + kernels.DEEP_K_GEMV_CONFIGS)) if DEVICE == "cuda"
-           else kernels.GEMV_CONFIGS[:2])  # fmt: skip
+CONFIGS = kernels.GEMV_CONFIGS if DEVICE == "cuda" else kernels.GEMV_CONFIGS[:2]
 # NOTE: the interpreter rounds float32 -> bf16 toward zero (the GPU rounds to nearest even): intermediates
 # the kernel rounds on purpose (the normalised row, g and u) may then sit one bf16 step lower there
 ROUNDED_TOL = 1e-2 if DEVICE == "cuda" else 4e-2

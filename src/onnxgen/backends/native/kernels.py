@@ -196,17 +196,9 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
     # pragma: cuda-end
 
 
-DEEP_K_GEMV_CONFIGS = ((1, 4096, 8), (2, 4096, 8), (1, 8192, 8))
-"""GEMV tiles 4,096 and 8,192 deep: a long row (the down projections' 4,864 to 14,336) in one or two steps,
-its first tile requested before the wait for the previous kernel (`triton_gemv`), so the row is wholly in
-flight at once instead of one HBM round trip per step (2026-12-06, H100: the 0.5B's down projection, 4,864
-deep, ran at 61 % of the copy bandwidth with the tiles below). Candidates only with `ONNXGEN_GEMV_DEEP_K=1`
-until they pass the GEMV tests on a GPU and are timed (`gpu_decode_ablation.py`'s `deepk`; the interpreter
-passes the GEMV tests with them); the GPU tests check them either way."""
-GEMV_DEEP_K = os.environ.get("ONNXGEN_GEMV_DEEP_K", "0") == "1"
 GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (2, 512, 4), (4, 512, 4), (1, 1024, 4),
-                (2, 1024, 4), (4, 1024, 4), (1, 2048, 8), (8, 512, 8)) + (DEEP_K_GEMV_CONFIGS if GEMV_DEEP_K else ())
-"""(BLOCK_N, BLOCK_K, warps) tried for each one-row product shape; the fastest is kept."""
+                (2, 1024, 4), (4, 1024, 4), (1, 2048, 8), (8, 512, 8))
+"""(BLOCK_N, BLOCK_K, warps) tried for each one-row product shape; the fastest, or cuBLAS, is kept."""
 ROPE_GEMV_CONFIGS = tuple(c for c in GEMV_CONFIGS if c[0] % 2 == 0)  # rotation pairs in one program
 
 
