@@ -53,6 +53,11 @@ def graph_replay_ms(fn: Callable[[], Any], reps: int = 20) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
+def short(name: str) -> str:
+    """A kernel's name without its template arguments (enough to tell the kinds apart)."""
+    return name.split("(")[0].split("<")[0][:48]
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

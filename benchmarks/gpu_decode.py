@@ -85,13 +85,13 @@ def decode_graph(runner: Any, kv_len: int) -> Any:
     return runner._decode_graph(BatchStep((SeqChunk([0], kv_len - 1, [0]),)), 1)
 
 
-def replay_ms(runner: Any, kv_len: int, reps: int = 200) -> float:
-    """GPU ms per decode step of back-to-back replays of `decode_graph`'s graph — its several-step version
-    (`_Graph.multi`, what greedy runs replay) where it has one, per step."""
+def replay_ms(runner: Any, kv_len: int, reps: int = 200, multi: bool = True) -> float:
+    """GPU ms per decode step of back-to-back replays of `decode_graph`'s graph — with `multi`, its several-step
+    version (`_Graph.multi`, what greedy runs replay) where it has one, per step."""
     from onnxgen.backends.native import runner as rn
 
     g = decode_graph(runner, kv_len)
-    graph, steps = (g.multi, rn.RUN_GRAPH_STEPS) if g.multi is not None else (g.graph, 1)
+    graph, steps = (g.multi, rn.RUN_GRAPH_STEPS) if multi and g.multi is not None else (g.graph, 1)
     for _ in range(20 // steps):
         graph.replay()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

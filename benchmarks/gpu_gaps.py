@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _util import short  # noqa: E402
+
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_gaps_out")
 OUT.mkdir(parents=True, exist_ok=True)
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -47,11 +49,6 @@ GREEDY = {"speculative": "off", "reuse": False, "stop": [], "temperature": 0}  #
 
 def log(*a: Any) -> None:
     print(" ".join(str(x) for x in a), flush=True)
-
-
-def short(name: str) -> str:
-    """A kernel's name without its template arguments (enough to tell the kinds apart)."""
-    return name.split("(")[0].split("<")[0][:48]
 
 
 def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:

@@ -37,15 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _util import copy_bandwidth  # noqa: E402
+from _util import copy_bandwidth, short  # noqa: E402
 
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_kernel_table_out")
 OUT.mkdir(parents=True, exist_ok=True)
 REPS = 50
-
-
-def short(name: str) -> str:
-    return name.split("(")[0].split("<")[0][:40]
 
 
 def sequence(graph: Any) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -155,7 +151,7 @@ def main() -> int:
         kv = len(prompt) + len(toks)
         replay = statistics.median(gpu_decode.replay_ms(runner, kv) for _ in range(3))
         g = gpu_decode.decode_graph(runner, kv)
-        one = statistics.median(_one_step_ms(g.graph) for _ in range(3))
+        one = statistics.median(gpu_decode.replay_ms(runner, kv, multi=False) for _ in range(3))
         names, dur, gap = sequence(g.graph)
         out[name] = table(name, names, dur, gap, bw) | {"replay_ms": replay, "one_step_ms": one}
         print(
@@ -166,19 +162,6 @@ def main() -> int:
         m.close()
     (OUT / "gpu_kernel_table.json").write_text(json.dumps(out, indent=1))
     return 0
-
-
-def _one_step_ms(graph: Any, reps: int = 200) -> float:
-    for _ in range(10):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 if __name__ == "__main__":
