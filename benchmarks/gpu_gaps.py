@@ -176,7 +176,7 @@ def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
     m.generate(prompt[:64], max_new_tokens=16, speculative="off", reuse=False, temperature=0)  # warm-up
     tps: dict[str, list[float]] = {k: [] for k in steps}
     ttft: dict[str, list[float]] = {k: [] for k in steps}  # ms: the 512-token prompt's, then a 16-token one's
-    short: dict[str, list[float]] = {k: [] for k in steps}
+    ttft16: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(5):
         for k in steps:
             configure(m, k)
@@ -186,10 +186,10 @@ def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
             ttft[k].append(res.stats.ttft_s * 1e3)
             m.settle()
             res = m.generate(prompt[:16], max_new_tokens=16, **GREEDY)
-            short[k].append(res.stats.ttft_s * 1e3)
+            ttft16[k].append(res.stats.ttft_s * 1e3)
     r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "runs": tps,
                          "ttft_ms": {k: statistics.median(v) for k, v in ttft.items()},
-                         "ttft16_ms": {k: statistics.median(v) for k, v in short.items()}, "gaps": {}}  # fmt: skip
+                         "ttft16_ms": {k: statistics.median(v) for k, v in ttft16.items()}, "gaps": {}}  # fmt: skip
     r["eos_ms"], r["eos_at"] = eos_latency(m, prompt, steps)
     for k in steps:
         log(name, f"decode_steps={k}: {r['tps'][k]:.1f} tok/s ({', '.join(f'{x:.0f}' for x in tps[k])})")
