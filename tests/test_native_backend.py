@@ -567,3 +567,92 @@ def test_embedding_gathers_the_rows_of_its_ids(dtype: torch.dtype) -> None:
     if kernels.use_triton(w):
         bad = kernels.embedding(torch.tensor([1, 50, -1, 2], device=dev), w)
         assert torch.equal(bad[[0, 3]], w[[1, 2]]) and not bad[1:3].any()
+
+
+def test_each_qkv_product_carries_the_weights_its_layer_reads_next(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The lowering's `_prefetch_after_qkv`: every rotary QKV product takes, after its own inputs, the o,
+    gate/up (marked as halves) and down weights of its layer in the order they run — after the last layer's
+    QKV also the lm_head — the very tensors the products read (one placement per weight); each down
+    projection but the last layer's, the next layer's QKV weight."""
+    from onnxgen.backends.native.lowering import lower
+
+    pkg = write_package(tmp_path_factory.mktemp("prefetch"), SyntheticConfig(num_layers=3, dtype="bfloat16"))
+    spec = load_spec(pkg)
+    prog = lower(spec.decoder_path, spec, torch.device("cpu"))
+    weight_at = {"Linear": 1, "LinearSiluMul": 1, "RmsLinear": 3}
+    qkv = [i for i, st in enumerate(prog.steps) if "_rope" in st.node.attrs]
+    assert len(qkv) == spec.num_layers
+    for a, b in zip(qkv, [*qkv[1:], len(prog.steps)], strict=True):
+        st = prog.steps[a]
+        later = [s for s in prog.steps[a + 1 : b] if s.node.op in weight_at]
+        expect = [s.ins[weight_at[s.node.op]] for s in later]
+        assert len(expect) == (4 if b == len(prog.steps) else 3)  # o, gate/up, down (+ the lm_head)
+        assert list(st.ins[6:]) == expect and all(e in prog.consts for e in expect)
+        halves = st.node.attrs["_prefetch"]
+        assert halves == tuple(bool(s.node.attrs.get("silu")) or s.node.op == "LinearSiluMul" for s in later)
+        assert sum(halves) == 1 and halves[1]  # the gate/up, second
+        if b < len(prog.steps):  # the down projection: the next layer's QKV weight
+            assert later[-1].node.op == "Linear" and later[-1].ins[6:] == (prog.steps[b].ins[weight_at[
+                prog.steps[b].node.op]],) and later[-1].node.attrs["_prefetch"] == (False,)  # fmt: skip
+        else:
+            assert "_prefetch" not in later[-1].node.attrs and len(later[-1].ins) <= 6
+
+
+def test_prefetch_plan_keeps_to_its_budget_in_whole_lines() -> None:
+    """`kernels.plan_prefetch`: whole weights in order while the budget lasts, then the first rows of the
+    next — of both halves of a merged gate/up — as whole 128-byte lines, at most three ranges."""
+    from onnxgen.backends.native.kernels import plan_prefetch
+
+    o = torch.zeros(64, 128, dtype=torch.bfloat16)  # 16 KiB, rows of 256 bytes
+    gu = torch.zeros(2 * 96, 128, dtype=torch.bfloat16)  # 48 KiB: gate rows 0..95, up rows 96..191
+    down = torch.zeros(128, 96, dtype=torch.bfloat16)  # 24 KiB, rows of 192 bytes
+    ws = ((o, False), (gu, True), (down, False))
+    nb = o.numel() * 2
+    assert plan_prefetch(ws, 1 << 30) == [(o.data_ptr() // 128 * 128, _lines(o.data_ptr(), nb)),
+                                          (gu.data_ptr() // 128 * 128, _lines(gu.data_ptr(), 2 * 96 * 256)),
+                                          (down.data_ptr() // 128 * 128, _lines(down.data_ptr(), 128 * 192))]  # fmt: skip
+    got = plan_prefetch(ws, nb + 10 * 2 * 256 + 100)  # o, then 10 rows of each half
+    assert got[0][1] == _lines(o.data_ptr(), nb) and len(got) == 3
+    assert got[1][0] <= gu.data_ptr() < got[1][0] + 128 and got[1][1] >= 10 * 256
+    up = gu.data_ptr() + 96 * 256
+    assert got[2][0] <= up < got[2][0] + 128 and up + 10 * 256 <= got[2][0] + got[2][1] < up + 10 * 256 + 128
+    assert all(a % 128 == 0 and n % 128 == 0 for a, n in got)
+    assert plan_prefetch(ws, nb - 1)[0][1] < nb and plan_prefetch(ws, 100) == []  # part of o; not one row
+    assert len(plan_prefetch(((o, False), (o, False), (gu, True)), 2 * nb + 2 * 256)) == 2  # a 4th range: no
+
+
+def _lines(addr: int, n: int) -> int:
+    return (addr + n - addr // 128 * 128 + 127) // 128 * 128
+
+
+@pytest.mark.gpu
+def test_prefetched_decode_equals_decode_without(tmp_path_factory: pytest.TempPathFactory,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """On CUDA a decode step's QKV products ask the L2 for their layer's next weights (bulk or per line;
+    `kernels.PREFETCH`): greedy and sampled tokens are those of a run without it, and the launches did ask."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU host)")
+    from onnxgen.backends.native import kernels
+
+    pkg = write_package(tmp_path_factory.mktemp("pfgpu"), SyntheticConfig(num_layers=3, dtype="bfloat16"))
+    asked: list[int] = []
+    real = kernels.prefetch_ranges
+
+    def spy(x: torch.Tensor, weights: Any) -> list[tuple[int, int]]:
+        got = real(x, weights)
+        asked.append(len(got))
+        return got
+
+    monkeypatch.setattr(kernels, "prefetch_ranges", spy)
+    prompt = _prompt(40, load_spec(pkg).vocab_size)
+    out = {}
+    for mode in (0, 1, 2):
+        monkeypatch.setattr(kernels, "PREFETCH", mode)
+        monkeypatch.setattr(kernels, "PREFETCH_NEXT", mode == 2)
+        asked.clear()
+        m = onnxgen.load(str(pkg), backend="native", device="cuda")
+        out[mode] = [m.generate(prompt, max_new_tokens=24, temperature=t, seed=3, speculative="off").tokens
+                     for t in (0, 0.8)]  # fmt: skip
+        m.close()
+        assert (max(asked, default=0) > 0) == (mode > 0)
+    assert out[1] == out[0] and out[2] == out[0]
