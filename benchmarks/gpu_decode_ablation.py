@@ -18,10 +18,7 @@ attention two pipeline stages deep however short its key splits (`paged.SHORT_BL
 otherwise the several-step graph's per step, which greedy runs replay); `torchgather`: the token embedding
 gathered by torch instead of `kernels.embedding` (which takes part in programmatic dependent launch);
 `torchargmax`: the decode graph's greedy choice by `torch.argmax` instead of partial maxima and a pick
-inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off; `nopf`: no L2 prefetch of the layer's next
-weights by its QKV product, `kernels.PREFETCH` 0; `pfline`: that prefetch line by line instead of in bulk;
-`pfNN`: its budget NN MiB, `kernels.PREFETCH_MB`; `pfqkv`: the down projection also asks for the next
-layer's QKV weight, `kernels.PREFETCH_NEXT`), a 512-token prompt is prefilled and 16 tokens
+inside the advance kernel, `kernels.GREEDY_IN_ADVANCE` off), a 512-token prompt is prefilled and 16 tokens
 decoded (captures and per-shape choices happen as usual), then the batch-1 decode graph the decoding replayed
 is replayed 200 times (CUDA events) and its kernels counted (torch.profiler). The outputs are garbage in every ablation but the variants:
 only the times mean something. An ablation may be named more than once (`none,late,none,late`: interleaved);
@@ -102,15 +99,6 @@ def _patch(ablation: str) -> list[tuple[Any, str, Any]]:
 
         saved.append((kernels, "embedding", kernels.embedding))
         kernels.embedding = F.embedding
-    if "nopf" in parts or "pfline" in parts:  # no L2 prefetch after the QKV product, or one per line
-        saved.append((kernels, "PREFETCH", kernels.PREFETCH))
-        kernels.PREFETCH = 1 if "pfline" in parts else 0
-    if "pfqkv" in parts:  # the down projection also asks the L2 for the next layer's QKV weight
-        saved.append((kernels, "PREFETCH_NEXT", kernels.PREFETCH_NEXT))
-        kernels.PREFETCH_NEXT = True
-    for mb in [p for p in parts if p.startswith("pf") and p[2:].isdigit()]:  # pfNN: an NN MiB budget
-        saved.append((kernels, "PREFETCH_MB", kernels.PREFETCH_MB))
-        kernels.PREFETCH_MB = float(mb[2:])
     if "x1d" in parts:
         saved.append((kernels, "X_IN_TILE", kernels.X_IN_TILE))
         kernels.X_IN_TILE = False

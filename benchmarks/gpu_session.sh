@@ -24,10 +24,8 @@
 #           the advance kernel (kernels.GREEDY_IN_ADVANCE off), interleaved twice
 #   fold    the 0.5B and 1B decode graphs as they are and with every RMSNorm folded into its product (the
 #           per-shape timing not asked), interleaved three times (FOLD_ABLATIONS=none,fold,... another list)
-#   prefetch the 0.5B and 1B decode graphs with the QKV product's L2 prefetch of the layer's next weights in
-#           bulk (default), off, line by line, and within 16 MiB, interleaved twice (PF_ABLATIONS another list)
-#   pick    after `fold` or `prefetch`: the fastest of its variants (summed over both shapes) exported for the
-#           sections after it (ONNXGEN_FOLD_NORMS, ONNXGEN_PREFETCH(_MB); benchmarks/pick_ablation.py)
+#   pick    after `fold`: the faster of its variants (summed over both shapes) exported for the sections after
+#           it (ONNXGEN_FOLD_NORMS; benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
 #   gaps    0.5B and 1B: decode tok/s at 8 steps a run (`8n`: no first run launched behind the prompt's step;
 #           `8s`: each run's first replay one step deep; both as before 2026-12-06; `8f`: that first run full
@@ -107,9 +105,6 @@ for section in "$@"; do
     fold) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
             --ablations ${FOLD_ABLATIONS:-none,fold,none,fold,none,fold} 2>&1 | quiet | grep -v "^$" \
             | tee /tmp/fold.txt | tail -36 ;;
-    prefetch) timeout 500 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-                --ablations ${PF_ABLATIONS:-none,nopf,pfline,pf16,none,nopf,pfline,pf16} 2>&1 | quiet \
-                | grep -v "^$" | tee /tmp/fold.txt | tail -40 ;;
     pick) best=$(python3 benchmarks/pick_ablation.py /tmp/fold.txt) && echo "picked: $best" && export $best ;;
     small) timeout 240 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b --decode-steps 8 \
              2>&1 | quiet | tail -30 ;;

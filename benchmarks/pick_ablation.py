@@ -1,9 +1,9 @@
 """The fastest variant of a `gpu_decode_ablation.py` run, as environment settings for the runs after it.
 
-    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1 ONNXGEN_PREFETCH=2
+    python3 benchmarks/pick_ablation.py ablation_output.txt   ->   ONNXGEN_FOLD_NORMS=1
 
 Reads the run's table (`| shape | removed | decode graph ms | ...`), takes each variant's median graph time
-per shape, sums them over the shapes and prints the settings of the variant with the least (`SETTINGS`;
+per shape, sums them over the shapes and prints the settings of the variant with the least (`none` or `fold`;
 `gpu_session.sh pick`). Exits 1 when the table has no `none` row.
 """
 
@@ -13,10 +13,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-DEFAULTS = {"ONNXGEN_FOLD_NORMS": "0", "ONNXGEN_PREFETCH": "2", "ONNXGEN_PREFETCH_NEXT": "0"}
-SETTINGS = {"fold": {"ONNXGEN_FOLD_NORMS": "1"}, "nopf": {"ONNXGEN_PREFETCH": "0"},
-            "pfline": {"ONNXGEN_PREFETCH": "1"}, "pfqkv": {"ONNXGEN_PREFETCH_NEXT": "1"}}  # fmt: skip
-"""What each variant of the table sets (`pfNN`: `ONNXGEN_PREFETCH_MB=NN`); unnamed settings keep DEFAULTS."""
+SETTINGS = {"fold": "ONNXGEN_FOLD_NORMS"}
 
 
 def pick(lines: list[str]) -> str | None:
@@ -34,12 +31,8 @@ def pick(lines: list[str]) -> str | None:
     shapes = set(times["none"])
     total = {v: sum(statistics.median(t[s]) for s in shapes) for v, t in times.items() if set(t) >= shapes}
     best = min(total, key=lambda v: total[v])
-    env = dict(DEFAULTS)
-    for part in best.split("+"):
-        env.update(SETTINGS.get(part, {}))
-        if part.startswith("pf") and part[2:].isdigit():
-            env["ONNXGEN_PREFETCH_MB"] = part[2:]
-    return " ".join(f"{k}={v}" for k, v in env.items())
+    parts = set(best.split("+"))
+    return " ".join(f"{env}={int(name in parts)}" for name, env in SETTINGS.items())
 
 
 def main() -> int:

@@ -221,71 +221,9 @@ than it is inside a decode graph, where each launch also ends an overlap of prog
 (the H200's 0.5B step kept 25 norm kernels, the H100's none). Read at each choice and part of its key."""
 
 
-PREFETCH = int(os.environ.get("ONNXGEN_PREFETCH", "2"))
-"""How a decode step's QKV product asks the L2 for the weights its layer reads next (`prefetch_ranges`):
-2 bulk prefetches (sm_90), 1 a prefetch per 128-byte line, 0 none (`ONNXGEN_PREFETCH`). Read when a step's
-launches are recorded; benchmarks/gpu_decode_ablation.py `nopf` / `pfline` time the others."""
-PREFETCH_NEXT = os.environ.get("ONNXGEN_PREFETCH_NEXT", "0") == "1"
-"""Whether a decode step's down projection also asks the L2 for the next layer's QKV weight (off until
-measured: benchmarks/gpu_decode_ablation.py `pfqkv`); read at each launch."""
-PREFETCH_MB = float(os.environ.get("ONNXGEN_PREFETCH_MB", "0"))
-"""The bytes (MiB) a product may ask the L2 for; 0 (default): `PREFETCH_L2_SHARE` of the device's L2."""
-PREFETCH_L2_SHARE = 0.6
-_L2_BYTES: dict[int, int] = {}
-
-Prefetch = tuple[tuple[torch.Tensor, bool], ...]
-"""Weights a later kernel of the step reads, in the order it reads them: (`[N, K]` weight, halves) where
-`halves` marks a merged `[gate; up]` whose programs read a row of each half (`linear`'s `silu_halves`)."""
-
-
-def prefetch_ranges(x: torch.Tensor, weights: Prefetch) -> list[tuple[int, int]]:
-    """The byte ranges a one-row product on x's device asks the L2 for (`plan_prefetch` within the budget:
-    `PREFETCH_MB`, or `PREFETCH_L2_SHARE` of the device's L2); none when `PREFETCH` is off, x is not on CUDA
-    or the mode needs a newer GPU. The data is never read back: a range only makes the reads of the
-    product that needs it find its weights in the L2."""
-    if not (PREFETCH and weights and x.is_cuda):
-        return []
-    # pragma: cuda-begin
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if idx not in _L2_BYTES:
-        props = torch.cuda.get_device_properties(idx)
-        ok = PREFETCH == 1 or (props.major, props.minor) >= (9, 0)
-        _L2_BYTES[idx] = int(getattr(props, "L2_cache_size", 0)) if ok else 0
-    if _L2_BYTES[idx] == 0:
-        return []
-    budget = int(PREFETCH_MB * (1 << 20)) if PREFETCH_MB > 0 else int(_L2_BYTES[idx] * PREFETCH_L2_SHARE)
-    return plan_prefetch(weights, budget)
-    # pragma: cuda-end
-
-
-def plan_prefetch(weights: Prefetch, budget: int) -> list[tuple[int, int]]:
-    """Byte ranges (address, length; whole 128-byte lines) of `weights` within `budget` bytes: whole
-    weights in order while the budget lasts, then the first rows of the next one — of both halves for a
-    merged gate/up, the rows its first programs read. At most three ranges (`triton_gemv.gemv_kernel`'s)."""
-    out: list[tuple[int, int]] = []
-    for w, halves in weights:
-        row = w.shape[1] * w.element_size()
-        parts = 2 if halves else 1
-        rows = min(w.shape[0] // parts, budget // (row * parts))  # rows of each half
-        if rows <= 0 or len(out) + (1 if rows * parts == w.shape[0] else parts) > 3:
-            break
-        if rows * parts == w.shape[0]:  # the whole weight: one range
-            out.append(_aligned(w.data_ptr(), w.numel() * w.element_size()))
-        else:
-            out += [_aligned(w.data_ptr() + h * (w.shape[0] // parts) * row, rows * row) for h in range(parts)]
-        budget -= rows * parts * row
-    return out
-
-
-def _aligned(addr: int, n: int) -> tuple[int, int]:
-    """(addr, n) widened to whole 128-byte lines."""
-    lo = addr // 128 * 128
-    return lo, (addr + n - lo + 127) // 128 * 128
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
-           residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-           prefetch: Prefetch = ()) -> torch.Tensor:  # fmt: skip
+           residual: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype;
     `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T` (a skip-norm's sum formed by the
     product that feeds it), added to the float32 product before its one rounding by the Triton kernels; the
@@ -298,12 +236,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise:
     `ROWWISE_ROWS`, on a Triton device): every row is computed exactly as a one-row product of this shape is
     (the same GEMV configuration, one launch), so each row's bits do not depend on the other rows.
     `out_dtype` (not with `silu_halves` or `residual`): the result, rounded to x's dtype, in that dtype (the
-    GEMV writes it). `prefetch`: weights a one-row GEMV asks the L2 for as it ends (`prefetch_ranges`)."""
+    GEMV writes it)."""
     rows = x.numel() // x.shape[-1]
     if _as_one_rows(x, rowwise) and _gemv_ok(x, w):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
         cfg = _gemv_choice(_first_row(x), w, silu_halves)
-        return _gemv(x, w, silu_halves, cfg, residual=residual, out_dtype=out_dtype, prefetch=prefetch)
+        return _gemv(x, w, silu_halves, cfg, residual=residual, out_dtype=out_dtype)
         # pragma: cuda-end
     if out_dtype is not None:
         return linear(x, w, silu_halves, rowwise, residual).to(out_dtype)
@@ -403,14 +341,13 @@ def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tenso
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
           norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None,
-          residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-          prefetch: Prefetch = ()) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+          residual: torch.Tensor | None = None,
+          out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
     x's rows of N added before the rounding (not with `silu` or `rope`); `out_dtype` (not with `silu`, `rope`
-    or `residual`): y in that dtype, each value rounded to x's first; `prefetch`: weights asked for after a
-    one-row product (`prefetch_ranges`; not the values)."""
+    or `residual`): y in that dtype, each value rounded to x's first."""
     n = w.shape[0] // 2 if silu else w.shape[0]
     k = w.shape[1]
     r = x.numel() // k
@@ -428,14 +365,12 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     x2d = X_IN_TILE and x_in_tile(bk, warps, x.element_size()) and (norm is None or NORM_LATE)
     assert residual is None or not (silu or rope is not None)
     res = residual_rows(residual, r, n, y)
-    pf = prefetch_ranges(x, prefetch) if r == 1 else []
-    pa = [v for a in pf for v in a] + [0, 0] * (3 - len(pf))
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
         x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
-        s if s is not None else y, eps, *ra, res, *pa,
+        s if s is not None else y, eps, *ra, res,
         BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
         HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None, PF=PREFETCH if pf else 0,
+        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
         num_warps=warps, **launch_options(x),
     )  # fmt: skip
     return y
@@ -485,16 +420,14 @@ class Rope:
 
 def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
                 norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, rowwise: bool = False,
-                prefetch: Prefetch = ()) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
     """A one-row packed-QKV product whose rotation pairs are adjacent rows (the lowering interleaves them):
     `linear(x, w)` (`norm` = (skip, weight, eps): of `rms_norm(x, skip, ...)`, as `rms_linear`), then q and k
     rotated at `rope.pos` (interleaved pairs) and k, v written at `rope.slot` — `rope_qkv_write`'s values —
     in one GEMV launch, when that measured faster for this shape than the product followed by the rotary
     kernel. Returns (the rotated `[.., N]` rows, the residual sum or None), or None: not fused here (the
     caller runs the separate ops). `rowwise`: x may hold up to `ROWWISE_ROWS` rows (positions and slots one
-    per row), each computed as a one-row step would (the one-row decision and configuration). `prefetch`:
-    the weights the layer's next products read, asked for into the L2 by a one-row step's launch
-    (`prefetch_ranges`)."""
+    per row), each computed as a one-row step would (the one-row decision and configuration)."""
     if not (_as_one_rows(x, rowwise) and _gemv_ok(x, w) and x.is_contiguous()
             and (norm is None or norm[0] is None or norm[0].is_contiguous())):  # fmt: skip
         return None
@@ -506,8 +439,7 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
     if cfg is None:
         return None
     s = torch.empty_like(x) if skip is not None else None
-    nrm = (skip, norm[1], norm[2], s) if norm is not None else None
-    return _gemv(x, w, False, cfg, nrm, rope, prefetch=prefetch), s
+    return _gemv(x, w, False, cfg, (skip, norm[1], norm[2], s) if norm is not None else None, rope), s
     # pragma: cuda-end
 
 

@@ -156,7 +156,6 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
         nodes = _fuse_norm_linear(nodes, consts)
         _rope_into_qkv(nodes, consts, device)
         nodes = _cast_into_product(nodes)
-        _prefetch_after_qkv(nodes, consts)
     nodes = _dce(nodes, [spec.logits_name])
 
     # Placement: every constant a step reads.
@@ -758,44 +757,6 @@ def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device:
         p.inputs = [*p.inputs[:wi], name, *bias_slot, ins[7], ins[8]]
         p.attrs["_rope"] = (g.layer, n, hkv, d)
         g.attrs["rotary_interleaved"] = 1
-
-
-_WEIGHT_INPUT = {"Linear": 1, "LinearSiluMul": 1, "RmsLinear": 3}  # where each product's weight is
-
-
-def _prefetch_after_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> None:
-    """A rotary QKV product (`_rope`, `[N, K]` layout) gets, as inputs 6 on, the constant `[N, K]` weights
-    of the products that run after it up to the next layer's QKV (o, gate/up, down; after the last layer's,
-    the lm_head), in order, and `_prefetch`: which of them are merged gate/up halves. A one-row step asks
-    the L2 for them (`kernels.prefetch_ranges`, within its budget) as it ends, so their HBM reads overlap
-    the latency-bound attention between. The layer's last product before the next layer's QKV (a plain
-    Linear: the down projection) gets that QKV weight the same way (`kernels.PREFETCH_NEXT`). Values are
-    untouched. In place."""
-    qkv = [i for i, n in enumerate(nodes) if "_rope" in n.attrs and n.attrs.get("_transposed")]
-    for a, b in zip(qkv, [*qkv[1:], len(nodes)], strict=False):
-        later = [(i, n.inputs[_WEIGHT_INPUT[n.op]], n.op == "LinearSiluMul" or bool(n.attrs.get("silu")))
-                 for i, n in enumerate(nodes[a + 1 : b], a + 1) if _const_product(n, consts)]  # fmt: skip
-        _add_prefetch(nodes[a], [(name, h) for _, name, h in later])
-        last = nodes[later[-1][0]] if later else None
-        if b < len(nodes) and last is not None and last.op == "Linear" and _const_product(nodes[b], consts):
-            _add_prefetch(last, [(nodes[b].inputs[_WEIGHT_INPUT[nodes[b].op]], False)])
-
-
-def _const_product(n: O.Node, consts: dict[str, torch.Tensor]) -> bool:
-    """Whether `n` is a product over a constant `[N, K]` weight (`_WEIGHT_INPUT` names where it is)."""
-    wi = _WEIGHT_INPUT.get(n.op) if n.domain == "onnxgen" else None
-    if wi is None or not n.attrs.get("_transposed") or len(n.inputs) <= wi:
-        return False
-    w = consts.get(n.inputs[wi])
-    return w is not None and w.dim() == 2
-
-
-def _add_prefetch(p: O.Node, later: list[tuple[str, bool]]) -> None:
-    """`later` (weight name, merged halves) as `p`'s inputs 6 on and its `_prefetch` attribute."""
-    if later:
-        keep = 6  # Linear: x, w, bias, cos, sin, residual; RmsLinear: x, skip, gamma, w, cos, sin
-        p.inputs = (p.inputs + [""] * keep)[:keep] + [name for name, _ in later]
-        p.attrs["_prefetch"] = tuple(h for _, h in later)
 
 
 # --- folding & DCE ------------------------------------------------------------------------------------

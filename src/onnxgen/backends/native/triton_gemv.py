@@ -83,21 +83,18 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
     tl.store(VB + (vv // HEAD).to(tl.int64) * sv_h + slot * sv_s + vv % HEAD, y, mask=nmask & (vv >= 0))
 
 
-@triton.jit(do_not_specialize=["R", "PN0", "PN1", "PN2"])
+@triton.jit(do_not_specialize=["R"])
 def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
-                cos_stride, NQ, NK, RES, PA0, PN0, PA1, PN1, PA2, PN2, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr,
-                HEAD: tl.constexpr, HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr,
-                X2D: tl.constexpr, HAS_RES: tl.constexpr, PF: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                cos_stride, NQ, NK, RES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
+                HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
+                HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
     (programmatic dependent launch) the first `[BLOCK_N, BLOCK_K]` tile of the weights, which no kernel
     writes, is requested before waiting for the previous kernel: the HBM latency of the first loads overlaps
-    the previous kernel's tail; the rows after the first find the rest of the weights in the caches.
-    `PF` (1: line prefetches, 2: bulk prefetches; 0 off): after its rows, each program asks the L2 for its
-    share of the byte ranges (PA, PN) — weights that later kernels read (`kernels.prefetch_ranges`) — and
-    ends without waiting for them."""
+    the previous kernel's tail; the rows after the first find the rest of the weights in the caches."""
     if ONE:
         pid = tl.program_id(0)
         r0 = 0
@@ -124,40 +121,6 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
             _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
                       sv_h, sv_s, cos_stride, NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K,
                       SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES)  # fmt: skip
-    if PF > 0:
-        _prefetch_l2(PA0, PN0, PF)
-        _prefetch_l2(PA1, PN1, PF)
-        _prefetch_l2(PA2, PN2, PF)
-
-
-@triton.jit
-def _prefetch_l2(addr, nbytes, PF: tl.constexpr):
-    """This program's share (by program id, contiguous) of the `nbytes` from the address `addr` (an
-    integer; both multiples of 128), requested into the L2 with priority to stay (`evict_last`), without
-    waiting: the HBM reads of weights a later kernel needs overlap the latency-bound kernels in between
-    (attention, its combine). `PF` 1: `prefetch.global.L2` per 128-byte line, every thread; 2 (sm_90):
-    `cp.async.bulk.prefetch.L2` of up to 16 KiB, by the program's first thread."""
-    nprog = tl.num_programs(0)
-    pid = tl.program_id(0)
-    lines = nbytes // 128
-    per = (lines + nprog - 1) // nprog
-    lo = pid * per
-    hi = tl.minimum(lo + per, lines)
-    base = addr.to(tl.int64)
-    if PF == 1:
-        for j in range(lo, hi, 256):
-            ln = tl.minimum(j + tl.arange(0, 256), hi - 1).to(tl.int64)  # past the end: the last line again
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                                      [base + ln * 128], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-    else:
-        for j in range(lo, hi, 128):  # 128 lines: 16 KiB a request
-            size = (tl.minimum(j + 128, hi) - j) * 128
-            a = tl.full([1], 0, tl.int64) + base + j.to(tl.int64) * 128
-            n = tl.full([1], 0, tl.int32) + size.to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r", [a, n], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit

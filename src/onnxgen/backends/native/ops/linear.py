@@ -30,55 +30,49 @@ def _linear(node: Node) -> Fn:
     3 and 4 the rotary tables) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`).
     Input 5, a residual (the lowering's `_residual_into_product`; never with a bias or `_rope`): `residual
     + x @ W`, the sum formed before the product is rounded (`kernels.linear`). `_out_float` (the
-    lowering's `_cast_into_product`): the product's values, rounded to x's dtype, returned as float32.
-    Inputs 6 on: the weights the layer's next products read (with `_rope`), or the next layer's QKV weight
-    (the down projection, with `kernels.PREFETCH_NEXT`), which a one-row step asks the L2 for (the
-    lowering's `_prefetch_after_qkv`; `_prefetch` marks merged gate/up halves)."""
+    lowering's `_cast_into_product`): the product's values, rounded to x's dtype, returned as float32."""
     transposed = bool(node.attr("_transposed", 0))
     qkv = node.attr("_rope", None)
     out = torch.float32 if node.attr("_out_float", 0) else None
-    halves = tuple(node.attr("_prefetch", ()))
 
     def f(ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None,
-          residual: Any = None, *later: Any) -> tuple[Any, ...]:  # fmt: skip
-        pre = tuple(zip(later, halves, strict=True))
+          residual: Any = None) -> tuple[Any, ...]:  # fmt: skip
         if qkv is not None and transposed and bias is None:
-            done = _qkv_rope(ctx, qkv, x, w, cos, sin, None, pre)
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
             if done is not None:
                 return (done[0],)
-        pre = pre if kernels.PREFETCH_NEXT else ()
-        return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out, pre),)
+        return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out),)
 
     return f
 
 
 def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any, sin: Any,
-              norm: tuple[Any, Any, float] | None, later: kernels.Prefetch = ()) -> tuple[Any, Any] | None:  # fmt: skip
+              norm: tuple[Any, Any, float] | None) -> tuple[Any, Any] | None:  # fmt: skip
     """A one-token step's QKV product with rotary and the KV write (`kernels.linear_rope`; a rowwise step's
     tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
-    nothing; None when not fused. `later`: the weights to ask the L2 for (`kernels.prefetch_ranges`)."""
+    nothing; None when not fused."""
     layer, n, hkv, d = qkv
     if ctx is None or ctx.kv is None or (ctx.n != 1 and not ctx.rowwise) or ctx.positions is None:
         return None
     slot = ctx.paged.slots if ctx.paged is not None else ctx.positions
     rope = kernels.Rope(cos, sin, ctx.positions, slot, ctx.kv, layer, n, hkv, d)
-    out = kernels.linear_rope(x, w, rope, norm, rowwise=ctx.rowwise, prefetch=later)
+    out = kernels.linear_rope(x, w, rope, norm, rowwise=ctx.rowwise)
     if out is not None:
         ctx.prepared.add(layer)
     return out
 
 
 def _product(x: Any, w: Any, bias: Any, transposed: bool, rowwise: bool = False, residual: Any = None,
-             out_dtype: torch.dtype | None = None, prefetch: kernels.Prefetch = ()) -> Any:  # fmt: skip
+             out_dtype: torch.dtype | None = None) -> Any:  # fmt: skip
     """`x @ W (+ bias) (+ residual)`: W `[N, K]` (`transposed`) or `[K, N]`; a residual (never with a bias)
     is added to the product before it is rounded where the kernels can (`kernels.linear`); `out_dtype`: the
-    result (rounded to x's dtype first) in that dtype; `prefetch`: `kernels.linear`'s."""
+    result (rounded to x's dtype first) in that dtype."""
     assert bias is None or residual is None
     if transposed and _upcast_cpu_matmul(x):
         y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         y = (y if residual is None else y + residual.float()).to(x.dtype)
     elif transposed and bias is None:
-        return kernels.linear(x, w, rowwise=rowwise, residual=residual, out_dtype=out_dtype, prefetch=prefetch)
+        return kernels.linear(x, w, rowwise=rowwise, residual=residual, out_dtype=out_dtype)
     else:
         y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
         if bias is not None and not transposed:
@@ -105,18 +99,16 @@ def _linear_silu_mul(node: Node) -> Fn:
 def _rms_linear(node: Node) -> Fn:
     """`(Skip)SimplifiedLayerNormalization` followed by the Linear / LinearSiluMul that alone reads its
     output: outputs (the product, the residual sum `x + skip` or None). The same values as the two ops.
-    `_rope` and inputs 6 on (`_prefetch`): as `_linear`'s."""
+    `_rope`: as `_linear`'s."""
     transposed = bool(node.attr("_transposed", 0))
     silu = bool(node.attr("silu", 0))
     eps = float(node.attr("epsilon", 1e-5))
     qkv = node.attr("_rope", None)
     out = torch.float32 if node.attr("_out_float", 0) else None  # (never with silu)
-    halves = tuple(node.attr("_prefetch", ()))
 
-    def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any, cos: Any = None, sin: Any = None,
-          *later: Any) -> tuple[Any, ...]:  # fmt: skip
+    def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
         if qkv is not None and transposed:
-            done = _qkv_rope(ctx, qkv, x, w, cos, sin, (skip, nw, eps), tuple(zip(later, halves, strict=True)))
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, (skip, nw, eps))
             if done is not None:
                 return done
         if transposed and not _upcast_cpu_matmul(x):
