@@ -24,6 +24,9 @@
 #           the advance kernel (kernels.GREEDY_IN_ADVANCE off), interleaved twice
 #   fold    the 0.5B and 1B decode graphs as they are and with every RMSNorm folded into its product (the
 #           per-shape timing not asked), interleaved three times (FOLD_ABLATIONS=none,fold,... another list)
+#   tune    0.5B and 1B: each one-row product's per-shape choice tuned by the decode step's own time
+#           (coordinate descent, TUNE_ROUNDS passes), then the load's choices against the tuned ones
+#           (gpu_tune_in_graph.py)
 #   pick    after `fold`: the faster of its variants (summed over both shapes) exported for the sections after
 #           it (ONNXGEN_FOLD_NORMS; benchmarks/pick_ablation.py)
 #   small   `decode` for the 0.5B and 1B shapes only
@@ -105,6 +108,8 @@ for section in "$@"; do
     fold) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
             --ablations ${FOLD_ABLATIONS:-none,fold,none,fold,none,fold} 2>&1 | quiet | grep -v "^$" \
             | tee /tmp/fold.txt | tail -36 ;;
+    tune) timeout 420 python3 benchmarks/gpu_tune_in_graph.py --tokenizer .carry/tok --shapes 0.5b,1b \
+            --rounds ${TUNE_ROUNDS:-1} 2>&1 | quiet | grep -v "^$" | tail -60 ;;
     pick) best=$(python3 benchmarks/pick_ablation.py /tmp/fold.txt) && echo "picked: $best" && export $best ;;
     small) timeout 240 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b --decode-steps 8 \
              2>&1 | quiet | tail -30 ;;
