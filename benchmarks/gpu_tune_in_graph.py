@@ -12,10 +12,11 @@ recording which `kernels.CHOICES` entries the capture reads: the one-row product
 candidate (its configuration list, and None — the separate kernels — where it has that) is put in
 `CHOICES`, the graphs are captured again, the last decode step's state is copied in, and
 `gpu_decode.replay_ms` times the step the engine replayed (the several-step graph, per step); the fastest
-stays where it beats the load's choice by `MIN_GAIN`. `--rounds` passes over the entries. Last, the load's own choices and the tuned ones are captured and
-timed alternately three times each, and a greedy decode with the tuned choices is compared with the first
-(the choices change which kernels run, not what a greedy decode returns, unless a row's bits move where two
-logits tie). A table prints last; a JSON goes to $OUT.
+stays where it beats the load's choice by `MIN_GAIN`. `--rounds` passes over the entries. Last, the load's
+own choices and the tuned ones are captured and timed alternately three times each, and a greedy decode
+with the tuned choices is compared with the first (a choice may move a row's bits — a norm folded in or
+not rounds differently — so with random weights the greedy tokens can part where two logits are close).
+A table prints last; a JSON goes to $OUT.
 """
 
 from __future__ import annotations
