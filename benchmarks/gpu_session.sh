@@ -46,6 +46,9 @@
 #           graphs' replay time with it, for what the overlap buys
 #   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
 #           (gpu_paged_check.py): which cases exceed the GPU test's tolerance
+#   cluster the key splits' hand-off to their merge, four ways, in a standalone CUDA C probe (a second launch;
+#           a thread-block cluster through global memory, through distributed shared memory, or by st.async
+#           into rank 0's shared memory): µs a layer and bits (benchmarks/cluster_probe.cu, built here by nvcc)
 #   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
 #           (kernels.NORM_LATE off), and
 #           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
@@ -125,6 +128,8 @@ for section in "$@"; do
              timeout 200 python3 benchmarks/gpu_kernel_table.py --tokenizer .carry/tok --shapes 0.5b,1b 2>&1 \
                | grep "decode graph\|bandwidth" ;;
     pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
+    cluster) nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/cluster_probe.cu \
+               -o /tmp/cluster_probe && timeout 120 /tmp/cluster_probe ${CLUSTER_ROUNDS:-5} 200 ;;
     late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
             --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
     int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40
