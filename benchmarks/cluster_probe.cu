@@ -15,9 +15,10 @@
 //            through distributed shared memory (`ld.shared::cluster`)
 //   async    each split sends its partials into rank 0's shared memory with `st.async` (completing bytes on
 //            rank 0's mbarrier): no fence, rank 0 waits on the mbarrier and merges
-// Every variant merges with the same arithmetic in the same order, so the outputs must be bit-identical to
-// `launch`'s; the program checks that, then times each graph (interleaved rounds, median), and prints µs a
-// layer and the difference to `launch`. The attention arithmetic itself is plain CUDA, the same in all four.
+// Every variant merges with the same code in the same order, so the outputs should be bit-identical to
+// `launch`'s (a difference would come from the compiler contracting one instantiation otherwise, or from a
+// broken hand-off); the program checks that, then times each graph (interleaved rounds, median), and prints
+// µs a layer and the difference to `launch`. The attention arithmetic itself is plain CUDA, the same in all four.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
