@@ -329,6 +329,19 @@ __global__ void __launch_bounds__(THREADS) gemv(const __nv_bfloat16* __restrict_
   }
 }
 
+using Attention = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, const __nv_bfloat16*, int, int, float,
+                          float*, float*, __nv_bfloat16*);
+static const Attention kAttention[4] = {attention<LAUNCH>, attention<GLOBAL>, attention<DSMEM>, attention<ASYNC>};
+
+static cudaLaunchAttribute cluster_attr(int cluster) {
+  cudaLaunchAttribute at;
+  at.id = cudaLaunchAttributeClusterDimension;
+  at.val.clusterDim.x = cluster;
+  at.val.clusterDim.y = 1;
+  at.val.clusterDim.z = 1;
+  return at;
+}
+
 struct Shape {
   const char* name;
   int hkv, g, keys, nsplit, layers;
@@ -345,51 +358,34 @@ static void launch(K kern, dim3 grid, dim3 block, size_t smem, cudaStream_t st, 
   at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   at[0].val.programmaticStreamSerializationAllowed = 1;
   int na = 1;
-  if (cluster > 1) {
-    at[1].id = cudaLaunchAttributeClusterDimension;
-    at[1].val.clusterDim.x = cluster;
-    at[1].val.clusterDim.y = 1;
-    at[1].val.clusterDim.z = 1;
-    na = 2;
-  }
+  if (cluster > 1) at[na++] = cluster_attr(cluster);
   cfg.attrs = at;
   cfg.numAttrs = na;
   CK(cudaLaunchKernelEx(&cfg, kern, args...));
 }
 
-template <int MODE>
-static int active_clusters(dim3 grid, int cluster) {  // clusters of this size that fit at once (0: none)
+static int active_clusters(int mode, dim3 grid, int cluster) {  // clusters of this size that fit at once (0: none)
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(THREADS);
   cfg.dynamicSmemBytes = sizeof(Smem);
-  cudaLaunchAttribute at;
-  at.id = cudaLaunchAttributeClusterDimension;
-  at.val.clusterDim.x = cluster;
-  at.val.clusterDim.y = 1;
-  at.val.clusterDim.z = 1;
+  cudaLaunchAttribute at = cluster_attr(cluster);
   cfg.attrs = &at;
   cfg.numAttrs = 1;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, attention<MODE>, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&n, kAttention[mode], &cfg) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
   return n;
 }
 
-template <int MODE>
-static void prepare() {
-  CK(cudaFuncSetAttribute(attention<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Smem)));
-  if (MODE != LAUNCH) CK(cudaFuncSetAttribute(attention<MODE>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-}
-
 int main(int argc, char** argv) {
   int rounds = argc > 1 ? atoi(argv[1]) : 5, replays = argc > 2 ? atoi(argv[2]) : 200;
-  prepare<LAUNCH>();
-  prepare<GLOBAL>();
-  prepare<DSMEM>();
-  prepare<ASYNC>();
+  for (int mode = 0; mode < 4; ++mode) {
+    CK(cudaFuncSetAttribute(kAttention[mode], cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Smem)));
+    if (mode != LAUNCH) CK(cudaFuncSetAttribute(kAttention[mode], cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   printf("device %s, %d SMs, smem a CTA %zu B\n", prop.name, prop.multiProcessorCount, sizeof(Smem));
@@ -410,7 +406,7 @@ int main(int argc, char** argv) {
       hw[i] = __float2bfloat16(r < (size_t)n && c < (size_t)n ? rnd() * 1.7f / sqrtf((float)n) : 0.f);
     }
     for (int i = 0; i < n; ++i) hq[i] = __float2bfloat16(rnd());
-    __nv_bfloat16 *k, *v, *w, *x;  // x: [layers + 1][np]: layer l's q, then its output ([layers][np] more)
+    __nv_bfloat16 *k, *v, *w, *x;  // x: [2 * layers + 1][np]: layer l's q at row 2l, its output at 2l + 1
     float *gacc, *gml;
     CK(cudaMalloc(&k, hk.size() * 2));
     CK(cudaMalloc(&v, hk.size() * 2));
@@ -426,9 +422,9 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(x, hq.data(), np * 2, cudaMemcpyHostToDevice));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    const dim3 grid0(s.nsplit, s.hkv);
-    const int fit[4] = {1, active_clusters<GLOBAL>(grid0, s.nsplit), active_clusters<DSMEM>(grid0, s.nsplit),
-                        active_clusters<ASYNC>(grid0, s.nsplit)};
+    const dim3 grid(s.nsplit, s.hkv);
+    const int fit[4] = {1, active_clusters(GLOBAL, grid, s.nsplit), active_clusters(DSMEM, grid, s.nsplit),
+                        active_clusters(ASYNC, grid, s.nsplit)};
     cudaGraphExec_t exec[4];
     const float scale = 0.125f * 1.4426950408889634f;
     for (int mode = 0; mode < 4; ++mode) {
@@ -439,27 +435,12 @@ int main(int argc, char** argv) {
         const size_t kv = (size_t)l * s.hkv * s.keys * D;
         __nv_bfloat16* q = x + (size_t)(2 * l) * np;
         __nv_bfloat16* o = q + np;
-        const dim3 grid(s.nsplit, s.hkv);
-        switch (mode) {
-          case LAUNCH:
-            launch(attention<LAUNCH>, grid, dim3(THREADS), sizeof(Smem), st, 1, (const __nv_bfloat16*)q,
-                   (const __nv_bfloat16*)(k + kv), (const __nv_bfloat16*)(v + kv), s.keys, s.g, scale, gacc, gml, o);
-            launch(combine, dim3(s.hkv, s.g), dim3(64), 0, st, 1, (const float*)gacc, (const float*)gml, s.nsplit,
-                   s.g, o);
-            break;
-          case GLOBAL:
-            launch(attention<GLOBAL>, grid, dim3(THREADS), sizeof(Smem), st, s.nsplit, (const __nv_bfloat16*)q,
-                   (const __nv_bfloat16*)(k + kv), (const __nv_bfloat16*)(v + kv), s.keys, s.g, scale, gacc, gml, o);
-            break;
-          case DSMEM:
-            launch(attention<DSMEM>, grid, dim3(THREADS), sizeof(Smem), st, s.nsplit, (const __nv_bfloat16*)q,
-                   (const __nv_bfloat16*)(k + kv), (const __nv_bfloat16*)(v + kv), s.keys, s.g, scale, gacc, gml, o);
-            break;
-          case ASYNC:
-            launch(attention<ASYNC>, grid, dim3(THREADS), sizeof(Smem), st, s.nsplit, (const __nv_bfloat16*)q,
-                   (const __nv_bfloat16*)(k + kv), (const __nv_bfloat16*)(v + kv), s.keys, s.g, scale, gacc, gml, o);
-            break;
-        }
+        launch(kAttention[mode], grid, dim3(THREADS), sizeof(Smem), st, mode == LAUNCH ? 1 : s.nsplit,
+               (const __nv_bfloat16*)q, (const __nv_bfloat16*)(k + kv), (const __nv_bfloat16*)(v + kv), s.keys, s.g,
+               scale, gacc, gml, o);
+        if (mode == LAUNCH)
+          launch(combine, dim3(s.hkv, s.g), dim3(64), 0, st, 1, (const float*)gacc, (const float*)gml, s.nsplit, s.g,
+                 o);
         launch(gemv, dim3(np / 8), dim3(THREADS), 0, st, 1, (const __nv_bfloat16*)(w + (size_t)l * np * np),
                (const __nv_bfloat16*)o, np, q + 2 * np);
       }
