@@ -83,8 +83,17 @@ def genai_model(path: str, threads: int | None) -> Any:
 
     cfg = og.Config(path)
     if threads:
-        cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads,
-                                                                           "inter_op_num_threads": 1}}}}))  # fmt: skip
+        cfg.overlay(
+            json.dumps(
+                {
+                    "model": {
+                        "decoder": {
+                            "session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}
+                        }
+                    }
+                }
+            )
+        )
     return og.Model(cfg)
 
 

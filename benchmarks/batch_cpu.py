@@ -24,10 +24,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-QUESTIONS = ["Name three rivers in France.", "Write a haiku about autumn.", "What is the capital of Japan?",
-             "List three French cheeses.", "Give two tips for learning to cook.", "Explain what a CPU does.",
-             "Name two primary colours.", "What is 17 times 23?", "Describe a cat in one sentence.",
-             "Suggest a name for a bakery.", "What does DNA stand for?", "Name a famous bridge."]  # fmt: skip
+QUESTIONS = [
+    "Name three rivers in France.",
+    "Write a haiku about autumn.",
+    "What is the capital of Japan?",
+    "List three French cheeses.",
+    "Give two tips for learning to cook.",
+    "Explain what a CPU does.",
+    "Name two primary colours.",
+    "What is 17 times 23?",
+    "Describe a cat in one sentence.",
+    "Suggest a name for a bakery.",
+    "What does DNA stand for?",
+    "Name a famous bridge.",
+]
 
 
 def main() -> int:
@@ -50,24 +60,44 @@ def main() -> int:
     def serial(model):
         def go():
             t0 = time.perf_counter()
-            n = sum(model.generate(m, max_new_tokens=args.tokens, temperature=0, reuse=False).stats.generated_tokens
-                    for m in msgs)  # fmt: skip
+            n = sum(
+                model.generate(
+                    m, max_new_tokens=args.tokens, temperature=0, reuse=False
+                ).stats.generated_tokens
+                for m in msgs
+            )
             return n / (time.perf_counter() - t0)
+
         return go
 
     def concurrent():
         with ThreadPoolExecutor(args.clients) as ex:
             t0 = time.perf_counter()
-            rs = list(ex.map(lambda m: native.generate(m, max_new_tokens=args.tokens, temperature=0, reuse=False), msgs))
+            rs = list(
+                ex.map(
+                    lambda m: native.generate(m, max_new_tokens=args.tokens, temperature=0, reuse=False), msgs
+                )
+            )
             return sum(r.stats.generated_tokens for r in rs) / (time.perf_counter() - t0)
 
-    contenders = {"native, concurrent": concurrent, "native, serial": serial(native), "ort, serial": serial(ort)}
+    contenders = {
+        "native, concurrent": concurrent,
+        "native, serial": serial(native),
+        "ort, serial": serial(ort),
+    }
     for go in contenders.values():  # warm-up
         go()
     runs = interleave(args.rounds, contenders)
     base = statistics.median(runs["native, serial"])
-    rows = [[k, f"{statistics.median(v):.1f}", f"{min(v):.1f}-{max(v):.1f}", f"{statistics.median(v) / base:.2f}x"]
-            for k, v in runs.items()]  # fmt: skip
+    rows = [
+        [
+            k,
+            f"{statistics.median(v):.1f}",
+            f"{min(v):.1f}-{max(v):.1f}",
+            f"{statistics.median(v) / base:.2f}x",
+        ]
+        for k, v in runs.items()
+    ]
     print(f"{machine()}; {args.clients} clients x {args.tokens} tokens; median of {args.rounds}")
     print(table(rows, ["contender", "aggregate tok/s", "range", "vs native serial"]))
     return 0

@@ -38,16 +38,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 49152
-SCENARIOS = ("sample_greedy", "sample_top_p", "grammar_mask", "tokenize", "detokenize", "kv_rewind",
-             "ort_decode_step")  # fmt: skip
+SCENARIOS = (
+    "sample_greedy",
+    "sample_top_p",
+    "grammar_mask",
+    "tokenize",
+    "detokenize",
+    "kv_rewind",
+    "ort_decode_step",
+)
 SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string"},
         "age": {"type": "integer"},
         "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                    "required": ["city"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city"],
+        },
     },
     "required": ["name", "age", "tags", "address"],
 }
@@ -61,14 +71,16 @@ def _text() -> str:
     import random
 
     rng = random.Random(1234)
-    words = ("the a of to and in is it that for on with as was at by this be from or have an they which one you "
-             "were her all she there would their we him been has when who will more no if out so said what up its "
-             "about into than them can only other new some could time these two may then do first any my now "
-             "such like our over man me even most made after also did many before must through back years where "
-             "much your way well down should because each just those people how too little state good very make "
-             "world still own see men work long get here between both life being under never day same another "
-             "know while last might us great old year off come since against go came right used take three "
-             "cache tensor decoder session rewind prefix token logits sampler grammar schema kernel").split()  # fmt: skip
+    words = (
+        "the a of to and in is it that for on with as was at by this be from or have an they which one you "
+        "were her all she there would their we him been has when who will more no if out so said what up its "
+        "about into than them can only other new some could time these two may then do first any my now "
+        "such like our over man me even most made after also did many before must through back years where "
+        "much your way well down should because each just those people how too little state good very make "
+        "world still own see men work long get here between both life being under never day same another "
+        "know while last might us great old year off come since against go came right used take three "
+        "cache tensor decoder session rewind prefix token logits sampler grammar schema kernel"
+    ).split()
     out: list[str] = []
     for i in range(1500):
         w = rng.choice(words)
@@ -102,9 +114,15 @@ def worker(scenario: str, model_dir: str) -> dict[str, float]:
     if scenario in ("sample_greedy", "sample_top_p"):
         from onnxgen.sampling import Sampler, SamplingParams
 
-        params = SamplingParams() if scenario == "sample_greedy" else SamplingParams(temperature=0.8, top_p=0.9, seed=0)
+        params = (
+            SamplingParams()
+            if scenario == "sample_greedy"
+            else SamplingParams(temperature=0.8, top_p=0.9, seed=0)
+        )
         sampler = Sampler(params)
-        seconds = _time(lambda: sampler.sample(logits), 400 if scenario == "sample_greedy" else 100, warmup=10)
+        seconds = _time(
+            lambda: sampler.sample(logits), 400 if scenario == "sample_greedy" else 100, warmup=10
+        )
     elif scenario == "grammar_mask":
         from onnxgen.package.spec import load_spec
         from onnxgen.sampling.grammar import GrammarCompiler, GrammarProcessor
@@ -193,11 +211,17 @@ def worker(scenario: str, model_dir: str) -> dict[str, float]:
 
 def export(commit: str, into: Path) -> tuple[Path, str]:
     """`src/` of `commit` under `into` (git archive; the repository's worktrees are left alone)."""
-    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{commit}^{{commit}}"],
-                         check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    sha = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{commit}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     into.mkdir(parents=True)
     archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "-o", str(archive), sha, "src"], check=True)
+    subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", "-o", str(archive), sha, "src"], check=True
+    )
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
     archive.unlink()
@@ -206,12 +230,19 @@ def export(commit: str, into: Path) -> tuple[Path, str]:
 
 def run_once(scenario: str, src: Path, model_dir: str) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    proc = subprocess.run([sys.executable, __file__, "--worker", scenario, "--model", model_dir],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", scenario, "--model", model_dir],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{scenario} on {src} failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(out["onnxgen"]).resolve() == (src / "onnxgen").resolve(), f"imported {out['onnxgen']}, not {src}"
+    assert Path(out["onnxgen"]).resolve() == (src / "onnxgen").resolve(), (
+        f"imported {out['onnxgen']}, not {src}"
+    )
     return out
 
 
@@ -277,8 +308,10 @@ def main() -> None:
         rows.append([s, fmt_time(mb), fmt_time(mh), f"{change:+.1f} %", f"±{noise:.1f} %", verdict])
     from _util import machine, table  # benchmarks/_util.py, beside this script
 
-    print(f"base {args.base} = {base_sha[:10]}, head {args.head} = {head_sha[:10]}; {args.rounds} runs each, "
-          f"interleaved; {machine()}")  # fmt: skip
+    print(
+        f"base {args.base} = {base_sha[:10]}, head {args.head} = {head_sha[:10]}; {args.rounds} runs each, "
+        f"interleaved; {machine()}"
+    )
     print(table(rows, ["scenario", "base median", "head median", "change", "noise", "flag"]))
     for s, note in notes.items():
         print(f"- {s}: {note}")

@@ -88,8 +88,11 @@ def main() -> int:
         gen.get_next_tokens()
         return time.perf_counter() - t0, len(ids2), keep
 
-    contenders = {"onnxgen (ort, reuse)": onnxgen_turn2, "ort-genai append": genai_turn2,
-                  "onnxgen, spinning threads": lambda: onnxgen_turn2(spinning)}
+    contenders = {
+        "onnxgen (ort, reuse)": onnxgen_turn2,
+        "ort-genai append": genai_turn2,
+        "onnxgen, spinning threads": lambda: onnxgen_turn2(spinning),
+    }
     for fn in contenders.values():
         fn()  # warm-up
     rows = []
@@ -109,14 +112,42 @@ def main() -> int:
                 p.terminate()
                 p.join()
         med = {k: statistics.median(v) * 1000 for k, v in times.items()}
-        ours_ms, peer_ms, spin_ms = med["onnxgen (ort, reuse)"], med["ort-genai append"], med["onnxgen, spinning threads"]
-        rows.append([phase, f"{ours_ms:.1f}", f"{min(times['onnxgen (ort, reuse)']) * 1000:.1f}",
-                     f"{peer_ms:.1f}", f"{min(times['ort-genai append']) * 1000:.1f}", f"{ours_ms / peer_ms:.2f}x",
-                     f"{spin_ms:.1f}", f"{spin_ms / peer_ms:.2f}x"])  # fmt: skip
-    print(f"\nmodel: {path}\nmachine: {machine()}; threads {args.threads or 'default'}; median of {args.runs} "
-          f"interleaved runs; turn 2 = {shape[0]} prompt tokens, {shape[1]} cached\n")  # fmt: skip
-    print(table(rows, ["phase", "onnxgen ms", "min", "ort-genai ms", "min", "onnxgen / peer", "spinning ms",
-                       "spinning / peer"]))  # fmt: skip
+        ours_ms, peer_ms, spin_ms = (
+            med["onnxgen (ort, reuse)"],
+            med["ort-genai append"],
+            med["onnxgen, spinning threads"],
+        )
+        rows.append(
+            [
+                phase,
+                f"{ours_ms:.1f}",
+                f"{min(times['onnxgen (ort, reuse)']) * 1000:.1f}",
+                f"{peer_ms:.1f}",
+                f"{min(times['ort-genai append']) * 1000:.1f}",
+                f"{ours_ms / peer_ms:.2f}x",
+                f"{spin_ms:.1f}",
+                f"{spin_ms / peer_ms:.2f}x",
+            ]
+        )
+    print(
+        f"\nmodel: {path}\nmachine: {machine()}; threads {args.threads or 'default'}; median of {args.runs} "
+        f"interleaved runs; turn 2 = {shape[0]} prompt tokens, {shape[1]} cached\n"
+    )
+    print(
+        table(
+            rows,
+            [
+                "phase",
+                "onnxgen ms",
+                "min",
+                "ort-genai ms",
+                "min",
+                "onnxgen / peer",
+                "spinning ms",
+                "spinning / peer",
+            ],
+        )
+    )
     return 0
 
 

@@ -50,9 +50,16 @@ def main() -> int:
             cells = []
             for text in WORKLOADS.values():
                 t0 = time.perf_counter()
-                r = model.generate([{"role": "user", "content": text}], max_new_tokens=128, temperature=0,
-                                   reuse=False, speculative="prompt_lookup")  # fmt: skip
-                cells.append(f"{r.stats.accepted_tokens}/{r.stats.draft_tokens}, {time.perf_counter() - t0:.2f} s")
+                r = model.generate(
+                    [{"role": "user", "content": text}],
+                    max_new_tokens=128,
+                    temperature=0,
+                    reuse=False,
+                    speculative="prompt_lookup",
+                )
+                cells.append(
+                    f"{r.stats.accepted_tokens}/{r.stats.draft_tokens}, {time.perf_counter() - t0:.2f} s"
+                )
             print(f"| {growth} | {'16 fixed' if wait_max == 16 else 'to 256'} | " + " | ".join(cells) + " |")
     drafts.DraftControl.update, drafts.DraftControl.__init__ = base_update, base_init  # type: ignore[method-assign]
     return 0

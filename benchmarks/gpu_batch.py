@@ -82,8 +82,14 @@ def batch1(name: str, paged: Any, slots: Any) -> None:
     for s in sessions.values():
         s.generate(ctx, max_new_tokens=1)
     for r in range(5):
-        for tag, m in (("paged", paged), ("decoders", slots)) if r % 2 == 0 else (("decoders", slots), ("paged", paged)):
-            dec[tag].append(m.generate(p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False).stats.decode_tok_s)
+        for tag, m in (
+            (("paged", paged), ("decoders", slots)) if r % 2 == 0 else (("decoders", slots), ("paged", paged))
+        ):
+            dec[tag].append(
+                m.generate(
+                    p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False
+                ).stats.decode_tok_s
+            )
             m.settle()  # the decode's tail (a run past its EOS) is not the next request's TTFT
             ttft[tag].append(m.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3)
             s = sessions[tag]
@@ -102,10 +108,14 @@ def batch1(name: str, paged: Any, slots: Any) -> None:
     log(json.dumps(row))
 
 
-def throughput(name: str, model: Any, batches: list[int], prompt: int, gen: int, weight_bytes: int, bw: float) -> None:
+def throughput(
+    name: str, model: Any, batches: list[int], prompt: int, gen: int, weight_bytes: int, bw: float
+) -> None:
     for b in batches:
         ps = prompts(b, prompt, 100 + b)
-        handles = [model.submit(p, max_new_tokens=gen, speculative="off", temperature=0, reuse=False) for p in ps]
+        handles = [
+            model.submit(p, max_new_tokens=gen, speculative="off", temperature=0, reuse=False) for p in ps
+        ]
         t0 = time.perf_counter()
         while not all(h.request.output for h in handles):
             model.step()
@@ -124,14 +134,24 @@ def throughput(name: str, model: Any, batches: list[int], prompt: int, gen: int,
         floor_ms = weight_bytes / bw * 1e3
         # engine steps may each run several decode steps (`decode_steps`): a decode step's time is the
         # decode time over the tokens each request generated in it
-        row = {"shape": name, "batch": b, "prefill_s": t1 - t0, "engine_steps": steps, "decode_tokens": tokens,
-               "agg_tok_s": tokens / (t2 - t1), "step_ms": (t2 - t1) / max(tokens / b, 1) * 1e3,
-               "weights_floor_ms": floor_ms, "stats": model.kv_stats()}  # fmt: skip
+        row = {
+            "shape": name,
+            "batch": b,
+            "prefill_s": t1 - t0,
+            "engine_steps": steps,
+            "decode_tokens": tokens,
+            "agg_tok_s": tokens / (t2 - t1),
+            "step_ms": (t2 - t1) / max(tokens / b, 1) * 1e3,
+            "weights_floor_ms": floor_ms,
+            "stats": model.kv_stats(),
+        }
         RESULTS["throughput"].append(row)
         log(json.dumps({k: v for k, v in row.items() if k != "stats"}))
 
 
-def agents(name: str, paged: Any, slots: Any | None, n: int, system: int, turns: int, base_turns: int) -> None:
+def agents(
+    name: str, paged: Any, slots: Any | None, n: int, system: int, turns: int, base_turns: int
+) -> None:
     import threading
 
     sys_prompt = prompts(1, system, 7)[0]
@@ -163,18 +183,35 @@ def agents(name: str, paged: Any, slots: Any | None, n: int, system: int, turns:
         with ThreadPoolExecutor(n) as ex:
             lens = list(ex.map(agent, range(n)))
         wall = time.perf_counter() - t0
-        row = {"shape": name, "engine": tag, "agents": n, "turns": n_turns, "tokens": gen[0], "wall_s": wall,
-               "tok_s": gen[0] / wall, "ttft_p50_ms": statistics.median(ttft), "ttft_p99_ms": p99(ttft),
-               "itl_p50_ms": statistics.median(itl), "itl_p99_ms": p99(itl), "contexts": lens}  # fmt: skip
+        row = {
+            "shape": name,
+            "engine": tag,
+            "agents": n,
+            "turns": n_turns,
+            "tokens": gen[0],
+            "wall_s": wall,
+            "tok_s": gen[0] / wall,
+            "ttft_p50_ms": statistics.median(ttft),
+            "ttft_p99_ms": p99(ttft),
+            "itl_p50_ms": statistics.median(itl),
+            "itl_p99_ms": p99(itl),
+            "contexts": lens,
+        }
         return row
 
     row = run(paged, turns, "paged")
     st = paged.kv_stats()
     # what must be held: one system prompt and every session's own turns (its context minus the prompt)
     need = system + sum(x - system for x in row["contexts"])
-    row.update({"pages_used": st["pages_used"], "tokens_held": st["pages_used"] * st["page_size"],
-                "tokens_needed": need, "held_over_needed": st["pages_used"] * st["page_size"] / need,
-                "prefix_hit_rate": st["prefix_hit_tokens"] / max(st["prefix_lookup_tokens"], 1)})  # fmt: skip
+    row.update(
+        {
+            "pages_used": st["pages_used"],
+            "tokens_held": st["pages_used"] * st["page_size"],
+            "tokens_needed": need,
+            "held_over_needed": st["pages_used"] * st["page_size"] / need,
+            "prefix_hit_rate": st["prefix_hit_tokens"] / max(st["prefix_lookup_tokens"], 1),
+        }
+    )
     RESULTS.setdefault("agents", []).append({k: v for k, v in row.items() if k != "contexts"})
     log(json.dumps(RESULTS["agents"][-1]))
     if slots is not None:
@@ -213,15 +250,28 @@ def growing(name: str, model: Any, start: int, end: int, step: int) -> None:
     while len(ctx) + step + 32 <= end:
         ctx = ctx + prompts(1, step, len(ctx))[0]
         r = s.generate(ctx, max_new_tokens=32, speculative="off", temperature=0)
-        rows.append({"context": len(ctx), "reused": r.stats.reused_tokens, "ttft_ms": r.stats.ttft_s * 1e3,
-                     "decode_tok_s": r.stats.decode_tok_s})  # fmt: skip
+        rows.append(
+            {
+                "context": len(ctx),
+                "reused": r.stats.reused_tokens,
+                "ttft_ms": r.stats.ttft_s * 1e3,
+                "decode_tok_s": r.stats.decode_tok_s,
+            }
+        )
         ctx = ctx + r.tokens
     t = [r["ttft_ms"] for r in rows[1:]]  # the first turn compiles nothing but may warm caches
     d = [r["decode_tok_s"] for r in rows[1:]]
-    summary = {"shape": name, "turns": len(rows), "ttft_p50_ms": statistics.median(t),
-               "ttft_p99_ms": p99(t), "decode_min": min(d), "decode_max": max(d),
-               "decode_spread": (max(d) - min(d)) / statistics.median(d), "rows": rows,
-               "prefill_graph_ms": _last_prefill_graph_ms(model, step + 1)}  # fmt: skip
+    summary = {
+        "shape": name,
+        "turns": len(rows),
+        "ttft_p50_ms": statistics.median(t),
+        "ttft_p99_ms": p99(t),
+        "decode_min": min(d),
+        "decode_max": max(d),
+        "decode_spread": (max(d) - min(d)) / statistics.median(d),
+        "rows": rows,
+        "prefill_graph_ms": _last_prefill_graph_ms(model, step + 1),
+    }
     RESULTS.setdefault("growing", []).append(summary)
     log(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
     if DEV == "cuda" and len(ctx) + step + 2 <= model.spec.context_length:
@@ -310,26 +360,40 @@ def main() -> int:
     print("|---|---|---|---|---|")
     for r in RESULTS["batch1"]:
         for tag in ("paged", "decoders"):
-            print(f"| {r['shape']} | {tag} | {r[f'{tag}_decode_tok_s']:.1f} | {r[f'{tag}_ttft_4096_ms']:.1f} | "
-                  f"{r[f'{tag}_turn64_on_8000_ms']:.2f} |")  # fmt: skip
+            print(
+                f"| {r['shape']} | {tag} | {r[f'{tag}_decode_tok_s']:.1f} | {r[f'{tag}_ttft_4096_ms']:.1f} | "
+                f"{r[f'{tag}_turn64_on_8000_ms']:.2f} |"
+            )
     print("\n| shape | concurrent | aggregate decode tok/s | ms per step | weights floor ms | prefill s |")
     print("|---|---|---|---|---|---|")
     for r in RESULTS["throughput"]:
-        print(f"| {r['shape']} | {r['batch']} | {r['agg_tok_s']:.0f} | {r['step_ms']:.2f} | {r['weights_floor_ms']:.2f} | "
-              f"{r['prefill_s']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['shape']} | {r['batch']} | {r['agg_tok_s']:.0f} | {r['step_ms']:.2f} | {r['weights_floor_ms']:.2f} | "
+            f"{r['prefill_s']:.2f} |"
+        )
     if RESULTS.get("agents"):
-        print("\n| shape | engine | agents x turns | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens held / needed | prefix hits |")
+        print(
+            "\n| shape | engine | agents x turns | tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tokens held / needed | prefix hits |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in RESULTS["agents"]:
-            held = f"{r['tokens_held']} / {r['tokens_needed']} ({r['held_over_needed']:.2f}x)" if "tokens_held" in r else "-"
+            held = (
+                f"{r['tokens_held']} / {r['tokens_needed']} ({r['held_over_needed']:.2f}x)"
+                if "tokens_held" in r
+                else "-"
+            )
             hits = f"{r['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in r else "-"
-            print(f"| {r['shape']} | {r['engine']} | {r['agents']} x {r['turns']} | {r['tok_s']:.0f} | "
-                  f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
-                  f"{held} | {hits} |")  # fmt: skip
+            print(
+                f"| {r['shape']} | {r['engine']} | {r['agents']} x {r['turns']} | {r['tok_s']:.0f} | "
+                f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
+                f"{held} | {hits} |"
+            )
     for r in RESULTS.get("growing", []):
-        print(f"\ngrowing {r['shape']}: {r['turns']} turns, TTFT p50 {r['ttft_p50_ms']:.2f} ms, p99 {r['ttft_p99_ms']:.2f} ms, "
-              f"decode {r['decode_min']:.1f}-{r['decode_max']:.1f} tok/s (spread {r['decode_spread']:.1%}); "
-              f"the turn's prefill graph alone {r['prefill_graph_ms'] or 0:.2f} ms of GPU time")
+        print(
+            f"\ngrowing {r['shape']}: {r['turns']} turns, TTFT p50 {r['ttft_p50_ms']:.2f} ms, p99 {r['ttft_p99_ms']:.2f} ms, "
+            f"decode {r['decode_min']:.1f}-{r['decode_max']:.1f} tok/s (spread {r['decode_spread']:.1%}); "
+            f"the turn's prefill graph alone {r['prefill_graph_ms'] or 0:.2f} ms of GPU time"
+        )
     for e in RESULTS["errors"]:
         print("ERROR", e)
     return 0

@@ -55,10 +55,18 @@ def synthetic(name: str) -> Path:
     sh = SHAPES[name]
     out = Path("/tmp/onnxgen_bench") / f"synthetic_{name}"
     if not (out / "genai_config.json").is_file():
-        cfg = SyntheticConfig(num_layers=sh.num_layers, hidden_size=sh.hidden_size, num_heads=sh.num_heads,
-                              num_kv_heads=sh.num_kv_heads, intermediate_size=sh.intermediate_size,
-                              vocab_size=sh.vocab_size, context_length=sh.context_length, dtype="bfloat16",
-                              rope_theta=sh.rope_theta, tie_embeddings=sh.tie_word_embeddings)  # fmt: skip
+        cfg = SyntheticConfig(
+            num_layers=sh.num_layers,
+            hidden_size=sh.hidden_size,
+            num_heads=sh.num_heads,
+            num_kv_heads=sh.num_kv_heads,
+            intermediate_size=sh.intermediate_size,
+            vocab_size=sh.vocab_size,
+            context_length=sh.context_length,
+            dtype="bfloat16",
+            rope_theta=sh.rope_theta,
+            tie_embeddings=sh.tie_word_embeddings,
+        )
         write_package(out, cfg, seed=0)
     return out
 
@@ -139,10 +147,16 @@ def hf_tps(hf: Path | None, name: str, prompt: list[int], n: int = 64) -> tuple[
         from onnxgen.convert.reference import SHAPES
 
         sh = SHAPES[name]
-        conf = LlamaConfig(hidden_size=sh.hidden_size, intermediate_size=sh.intermediate_size,
-                           num_hidden_layers=sh.num_layers, num_attention_heads=sh.num_heads,
-                           num_key_value_heads=sh.num_kv_heads, vocab_size=sh.vocab_size,
-                           tie_word_embeddings=sh.tie_word_embeddings, attn_implementation="sdpa")  # fmt: skip
+        conf = LlamaConfig(
+            hidden_size=sh.hidden_size,
+            intermediate_size=sh.intermediate_size,
+            num_hidden_layers=sh.num_layers,
+            num_attention_heads=sh.num_heads,
+            num_key_value_heads=sh.num_kv_heads,
+            vocab_size=sh.vocab_size,
+            tie_word_embeddings=sh.tie_word_embeddings,
+            attn_implementation="sdpa",
+        )
         torch.set_default_dtype(torch.bfloat16)
         try:
             with torch.device("cuda"):
@@ -168,7 +182,9 @@ def hf_tps(hf: Path | None, name: str, prompt: list[int], n: int = 64) -> tuple[
     return n / dt, tokens
 
 
-def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], with_hf: bool) -> dict[str, Any]:
+def run_shape(
+    name: str, tokenizer: Path | None, bw: float, steps: list[int], with_hf: bool
+) -> dict[str, Any]:
     import onnxgen
 
     if tokenizer is not None:
@@ -190,7 +206,9 @@ def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], wi
         tps, cpu = [], []
         for _ in range(5):
             c0 = time.process_time()
-            res = m.generate(prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0)
+            res = m.generate(
+                prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0
+            )
             r["tokens"] = list(res.tokens)
             cpu.append((time.process_time() - c0) / res.stats.generated_tokens * 1e3)
             tps.append(res.stats.decode_tok_s)
@@ -199,8 +217,11 @@ def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], wi
         log(name, f"decode_steps={k}: {r[f'tps_{k}']:.1f} tok/s, CPU {r[f'cpu_ms_{k}']:.3f} ms/token")
     r["replay_ms"] = replay_ms(runner, 512 + 128)
     r.update(kernels(runner, 512 + 128))
-    log(name, f"load {r['load_s']:.1f}s; replay {r['replay_ms']:.3f} ms; {r['kernels_per_step']:.0f} kernels/step, "
-        f"{r['kernel_ms']:.3f} ms")  # fmt: skip
+    log(
+        name,
+        f"load {r['load_s']:.1f}s; replay {r['replay_ms']:.3f} ms; {r['kernels_per_step']:.0f} kernels/step, "
+        f"{r['kernel_ms']:.3f} ms",
+    )
     for k_, ms, cnt in r["top"]:
         log(f"   {ms:7.3f} ms {cnt:5.1f}x {k_}")
     m.close()
@@ -213,8 +234,11 @@ def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], wi
         if hf is not None:  # the same checkpoint: a wrong kernel differs from the first token
             n = min(len(r["tokens"]), len(hf_tokens))
             r["same_as_hf"] = next((i for i in range(n) if r["tokens"][i] != hf_tokens[i]), n)
-            log(name, f"greedy tokens equal to transformers' for the first {r['same_as_hf']} of {n} (random "
-                "weights: small margins)")  # fmt: skip
+            log(
+                name,
+                f"greedy tokens equal to transformers' for the first {r['same_as_hf']} of {n} (random "
+                "weights: small margins)",
+            )
         gc.collect()
         torch.cuda.empty_cache()
     return r
@@ -223,7 +247,9 @@ def run_shape(name: str, tokenizer: Path | None, bw: float, steps: list[int], wi
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="0.5b,1b,8b16k")
-    ap.add_argument("--tokenizer", type=Path, default=None, help="builder packages (SmolLM2's tokenizer files)")
+    ap.add_argument(
+        "--tokenizer", type=Path, default=None, help="builder packages (SmolLM2's tokenizer files)"
+    )
     ap.add_argument("--decode-steps", default="1")
     ap.add_argument("--no-hf", action="store_true")
     a = ap.parse_args()
@@ -237,15 +263,19 @@ def main() -> None:
         except Exception as exc:  # keep the other shapes' numbers
             log(f"!!! {name}: {type(exc).__name__}: {exc}")
     (OUT / "gpu_decode.json").write_text(json.dumps({"bw": bw, "rows": rows}, indent=2, default=str))
-    log("\n| shape | decode_steps | tok/s | ms/token | replay ms (GPU) | GPU idle ms/token | CPU ms/token | "
-        "kernels/step | floor ms | % of floor | transformers tok/s |")  # fmt: skip
+    log(
+        "\n| shape | decode_steps | tok/s | ms/token | replay ms (GPU) | GPU idle ms/token | CPU ms/token | "
+        "kernels/step | floor ms | % of floor | transformers tok/s |"
+    )
     log("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         for k in steps:
             ms = 1e3 / r[f"tps_{k}"]
-            log(f"| {r['shape']} | {k} | {r[f'tps_{k}']:.0f} | {ms:.3f} | {r['replay_ms']:.3f} | "
+            log(
+                f"| {r['shape']} | {k} | {r[f'tps_{k}']:.0f} | {ms:.3f} | {r['replay_ms']:.3f} | "
                 f"{ms - r['replay_ms']:.3f} | {r[f'cpu_ms_{k}']:.3f} | {r['kernels_per_step']:.0f} | "
-                f"{r['floor_ms']:.3f} | {r['floor_ms'] / ms:.0%} | {r.get('hf_tps', float('nan')):.0f} |")  # fmt: skip
+                f"{r['floor_ms']:.3f} | {r['floor_ms'] / ms:.0%} | {r.get('hf_tps', float('nan')):.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -140,10 +140,15 @@ def main() -> int:
             saved = _patch(ablation)
             try:
                 m = onnxgen.load(str(pkg), backend="native", device="cuda")
-                toks = m.generate(prompt, max_new_tokens=16, speculative="off", reuse=False, temperature=0).tokens
+                toks = m.generate(
+                    prompt, max_new_tokens=16, speculative="off", reuse=False, temperature=0
+                ).tokens
                 runner = m.executor.runner
-                folds = {f"{c[0]} {tuple(c[1])}": v is not None for c, v in kernels.CHOICES.items()
-                         if c[0] in ("rms_gemv", "rope_gemv")}  # fmt: skip
+                folds = {
+                    f"{c[0]} {tuple(c[1])}": v is not None
+                    for c, v in kernels.CHOICES.items()
+                    if c[0] in ("rms_gemv", "rope_gemv")
+                }
                 print(f"{name} {ablation}: norm folded (per product shape): {folds}", flush=True)
                 ms = gpu_decode.replay_ms(runner, len(prompt) + len(toks))
                 k = gpu_decode.kernels(runner, len(prompt) + len(toks))
@@ -157,9 +162,14 @@ def main() -> int:
             first = toks if first is None and ablation == "none" else first
             rows.append((name, ablation, ms, k["kernels_per_step"], base))
             same = sum(a == b for a, b in zip(toks, first or [], strict=False)) if first else "-"
-            print(f"{name} {ablation}: replay {ms:.4f} ms, {k['kernels_per_step']:.0f} kernels/step, "
-                  f"greedy tokens equal to the first none's: {same}/{len(toks)}", flush=True)
-    print("\n| shape | removed | decode graph ms | kernels/step | saved ms | saved per launch us | tok/s bound |")
+            print(
+                f"{name} {ablation}: replay {ms:.4f} ms, {k['kernels_per_step']:.0f} kernels/step, "
+                f"greedy tokens equal to the first none's: {same}/{len(toks)}",
+                flush=True,
+            )
+    print(
+        "\n| shape | removed | decode graph ms | kernels/step | saved ms | saved per launch us | tok/s bound |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, ablation, ms, kn, base in rows:
         full = next(r for r in rows if r[0] == name and r[1] == "none")

@@ -27,8 +27,19 @@ from onnxgen.backends.native import paged
 
 SHAPES = {"0.5b": (14, 2, 64), "1b": (32, 8, 64), "8b": (32, 8, 128)}  # query heads, KV heads, head size
 # (block_m, block_n, warps, stages); None: tile_for's
-TILES = (None, (16, 64, 1, 2), (16, 64, 2, 2), (16, 64, 8, 2), (16, 32, 1, 2), (16, 32, 2, 2), (16, 32, 4, 2),
-         (16, 128, 4, 2), (16, 128, 8, 2), (16, 64, 4, 1), (16, 64, 4, 3))  # fmt: skip
+TILES = (
+    None,
+    (16, 64, 1, 2),
+    (16, 64, 2, 2),
+    (16, 64, 8, 2),
+    (16, 32, 1, 2),
+    (16, 32, 2, 2),
+    (16, 32, 4, 2),
+    (16, 128, 4, 2),
+    (16, 128, 8, 2),
+    (16, 64, 4, 1),
+    (16, 64, 4, 3),
+)
 
 
 def main() -> None:
@@ -62,7 +73,10 @@ def main() -> None:
                         key = (tile, ns)
                         try:
                             ms, out = per_layer(
-                                lambda layer: paged.attention_triton(g, layer, q, d**-0.5, nsplit=ns, tile=tile))
+                                lambda layer: paged.attention_triton(
+                                    g, layer, q, d**-0.5, nsplit=ns, tile=tile
+                                )
+                            )
                         except Exception as exc:  # a tile the compiler refuses: reported, not fatal
                             print(f"{name} {length} {key}: {type(exc).__name__}: {str(exc)[:100]}")
                             continue

@@ -44,7 +44,12 @@ from _util import short  # noqa: E402
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_gaps_out")
 OUT.mkdir(parents=True, exist_ok=True)
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-GREEDY = {"speculative": "off", "reuse": False, "stop": [], "temperature": 0}  # every timed generation's settings
+GREEDY = {
+    "speculative": "off",
+    "reuse": False,
+    "stop": [],
+    "temperature": 0,
+}  # every timed generation's settings
 
 
 def log(*a: Any) -> None:
@@ -53,8 +58,14 @@ def log(*a: Any) -> None:
 
 def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:
     """Device busy/idle time after host time `t0` (µs, the trace's clock) and the idle gaps by neighbours."""
-    evs = sorted((e for e in trace["traceEvents"] if e.get("cat") in DEVICE_CATS and e.get("ph") == "X"
-                  and float(e["ts"]) >= t0), key=lambda e: float(e["ts"]))  # fmt: skip
+    evs = sorted(
+        (
+            e
+            for e in trace["traceEvents"]
+            if e.get("cat") in DEVICE_CATS and e.get("ph") == "X" and float(e["ts"]) >= t0
+        ),
+        key=lambda e: float(e["ts"]),
+    )
     if len(evs) < 2:
         return {"events": len(evs)}
     busy, end, prev = 0.0, float(evs[0]["ts"]), evs[0]
@@ -74,8 +85,15 @@ def gaps(trace: dict[str, Any], t0: float, tokens: int) -> dict[str, Any]:
             end, prev = ts + dur, e
     window = end - start
     top = [(k, by[k], count[k]) for k, _ in by.most_common(8)]
-    return {"events": len(evs), "window_us": window, "busy_us": busy, "idle_us": window - busy,
-            "idle_us_per_token": (window - busy) / tokens, "busy_us_per_token": busy / tokens, "top": top}  # fmt: skip
+    return {
+        "events": len(evs),
+        "window_us": window,
+        "busy_us": busy,
+        "idle_us": window - busy,
+        "idle_us_per_token": (window - busy) / tokens,
+        "busy_us_per_token": busy / tokens,
+        "top": top,
+    }
 
 
 def configure(m: Any, k: str) -> None:
@@ -187,9 +205,14 @@ def run_shape(name: str, tokenizer: Path, steps: list[str]) -> dict[str, Any]:
             m.settle()
             res = m.generate(prompt[:16], max_new_tokens=16, **GREEDY)
             ttft16[k].append(res.stats.ttft_s * 1e3)
-    r: dict[str, Any] = {"shape": name, "tps": {k: statistics.median(v) for k, v in tps.items()}, "runs": tps,
-                         "ttft_ms": {k: statistics.median(v) for k, v in ttft.items()},
-                         "ttft16_ms": {k: statistics.median(v) for k, v in ttft16.items()}, "gaps": {}}  # fmt: skip
+    r: dict[str, Any] = {
+        "shape": name,
+        "tps": {k: statistics.median(v) for k, v in tps.items()},
+        "runs": tps,
+        "ttft_ms": {k: statistics.median(v) for k, v in ttft.items()},
+        "ttft16_ms": {k: statistics.median(v) for k, v in ttft16.items()},
+        "gaps": {},
+    }
     r["eos_ms"], r["eos_at"] = eos_latency(m, prompt, steps)
     for k in steps:
         log(name, f"decode_steps={k}: {r['tps'][k]:.1f} tok/s ({', '.join(f'{x:.0f}' for x in tps[k])})")
@@ -214,18 +237,24 @@ def main() -> None:
             log(f"\n{r['shape']}, decode_steps={k}: idle gaps by neighbours (µs in all, count)")
             for key, us, n in r["gaps"][k].get("top", []):
                 log(f"  {us:9.1f} {n:5d}  {key}")
-            log(f"{r['shape']}, decode_steps={k}: the host's CUDA calls before the first token (µs in all, count)")
+            log(
+                f"{r['shape']}, decode_steps={k}: the host's CUDA calls before the first token (µs in all, count)"
+            )
             for key, us, n in r["gaps"][k].get("before_first", []):
                 log(f"  {us:9.1f} {n:5d}  {key}")
-    log("\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token | "
-        "tok/s of each run | TTFT ms, 512 / 16-token prompt | reply ending by EOS, mean ms |")  # fmt: skip
+    log(
+        "\n| shape | decode_steps | tok/s (median of 5) | profiled: busy µs/token | idle µs/token | "
+        "tok/s of each run | TTFT ms, 512 / 16-token prompt | reply ending by EOS, mean ms |"
+    )
     log("|---|---|---|---|---|---|---|---|")
     for r in rows:
         for k in steps:
             g = r["gaps"][k]
-            log(f"| {r['shape']} | {k} | {r['tps'][k]:.0f} | {g.get('busy_us_per_token', 0):.1f} | "
+            log(
+                f"| {r['shape']} | {k} | {r['tps'][k]:.0f} | {g.get('busy_us_per_token', 0):.1f} | "
                 f"{g.get('idle_us_per_token', 0):.1f} | {' / '.join(f'{x:.0f}' for x in r['runs'][k])} | "
-                f"{r['ttft_ms'][k]:.2f} / {r['ttft16_ms'][k]:.2f} | {r['eos_ms'].get(k, 0):.2f} |")  # fmt: skip
+                f"{r['ttft_ms'][k]:.2f} / {r['ttft16_ms'][k]:.2f} | {r['eos_ms'].get(k, 0):.2f} |"
+            )
     for r in rows:
         log(f"{r['shape']}: EOS at positions {r['eos_at']}")
 

@@ -33,7 +33,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def synthetic_packages(args: Any) -> list[tuple[str, Path, dict[str, Any], int]]:
     from onnxgen.convert.synthetic import LLAMA_1B, SyntheticConfig, write_package
 
-    base = SyntheticConfig(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512) if args.tiny else LLAMA_1B
+    base = (
+        SyntheticConfig(hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+        if args.tiny
+        else LLAMA_1B
+    )
     if args.layers is not None:
         base = dataclasses.replace(base, num_layers=args.layers)
     out = []
@@ -57,17 +61,25 @@ def builder_packages(args: Any) -> list[tuple[str, Path, dict[str, Any], int]]:
         convert_checkpoint(hf, int4, precision="int4", execution_provider="cuda", progress=False)
         print(f"{args.shape}: builder int4 package in {time.perf_counter() - t:.1f}s", flush=True)
     v = SHAPES[args.shape].vocab_size
-    return [("bf16", bf16, {}, v), ("int4", int4, {"int4": "dense"}, v), ("int4 packed", int4, {"int4": "packed"}, v)]
+    return [
+        ("bf16", bf16, {}, v),
+        ("int4", int4, {"int4": "dense"}, v),
+        ("int4 packed", int4, {"int4": "packed"}, v),
+    ]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", default="/tmp/onnxgen_bench")
-    ap.add_argument("--tokenizer", type=Path, default=None, help="builder packages (SmolLM2's tokenizer files)")
+    ap.add_argument(
+        "--tokenizer", type=Path, default=None, help="builder packages (SmolLM2's tokenizer files)"
+    )
     ap.add_argument("--shape", default="8b16k", help="with --tokenizer: a shape of onnxgen.convert.reference")
     ap.add_argument("--layers", type=int, default=None, help="truncate the synthetic shape (smoke tests)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="a tiny fp32 synthetic shape (checks the script on a CPU)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny fp32 synthetic shape (checks the script on a CPU)"
+    )
     args = ap.parse_args()
     import torch
 
@@ -94,24 +106,44 @@ def main() -> int:
         runs = []
         for _ in range(3):
             m.settle()  # a run's TTFT does not include the previous run's tail
-            runs.append(m.generate(prompt, max_new_tokens=129, speculative="off", reuse=False, stop=[], temperature=0))
+            runs.append(
+                m.generate(prompt, max_new_tokens=129, speculative="off", reuse=False, stop=[], temperature=0)
+            )
         ttft = statistics.median(r.stats.ttft_s for r in runs) * 1000
         tps = statistics.median(r.stats.decode_tok_s for r in runs)
         # the raw logits of each greedy step (a slower path: only for the margins where tokens differ)
-        logits = m.generate(prompt, max_new_tokens=32, speculative="off", reuse=False, stop=[], temperature=0, output_logits=True).logits
+        logits = m.generate(
+            prompt,
+            max_new_tokens=32,
+            speculative="off",
+            reuse=False,
+            stop=[],
+            temperature=0,
+            output_logits=True,
+        ).logits
         rows.append((label, disk / 1e9, load_s, weights / 1e9, ttft, tps, runs[0].tokens[:32]))
         step_logits.append(logits)
         print(f"{label}: {tps:.1f} tok/s, weights {weights / 1e9:.2f} GB", flush=True)
         m.close()
         del m, runner
     ref = rows[1][6]
-    print("\n| package | on disk GB | load s | weights on device GB | TTFT 512 ms | decode tok/s | same tokens |")
+    print(
+        "\n| package | on disk GB | load s | weights on device GB | TTFT 512 ms | decode tok/s | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, d, ld, wg, ttft, tps, toks in rows:
-        same = "-" if label == "bf16" else ("yes" if toks == ref else f"{sum(a == b for a, b in zip(toks, ref, strict=False))}/32")
+        same = (
+            "-"
+            if label == "bf16"
+            else ("yes" if toks == ref else f"{sum(a == b for a, b in zip(toks, ref, strict=False))}/32")
+        )
         print(f"| {label} | {d:.2f} | {ld:.1f} | {wg:.2f} | {ttft:.1f} | {tps:.1f} | {same} |")
-    print("\nwhere greedy tokens part from the dequantized int4 run's: the reference's top-2 logit margin there")
-    print("(a margin within both runs' rounding differences is not a clear one; the median margin is for scale)")
+    print(
+        "\nwhere greedy tokens part from the dequantized int4 run's: the reference's top-2 logit margin there"
+    )
+    print(
+        "(a margin within both runs' rounding differences is not a clear one; the median margin is for scale)"
+    )
     ref_logits = step_logits[1]
     top = np.sort(ref_logits, axis=-1)[:, -2:]
     gap = top[:, 1] - top[:, 0]  # the reference's top-2 margin at each step
@@ -119,8 +151,10 @@ def main() -> int:
         if label == "bf16" or toks == ref:
             continue
         i = next(j for j, (a, b) in enumerate(zip(toks, ref, strict=False)) if a != b)
-        print(f"{label}: first differs at step {i}; reference margin there {gap[i]:.4f}, median {np.median(gap):.4f};"
-              f" this run's logits there differ from the reference's by {np.abs(lg[i] - ref_logits[i]).max():.4f}")
+        print(
+            f"{label}: first differs at step {i}; reference margin there {gap[i]:.4f}, median {np.median(gap):.4f};"
+            f" this run's logits there differ from the reference's by {np.abs(lg[i] - ref_logits[i]).max():.4f}"
+        )
     return 0
 
 

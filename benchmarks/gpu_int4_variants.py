@@ -55,8 +55,22 @@ def block_scale_zero(S, Z, rn, blk, km, NB, ZP: tl.constexpr):
 
 
 @triton.jit
-def v1_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCKS: tl.constexpr, ZP: tl.constexpr):  # fmt: skip
+def v1_kernel(
+    X,
+    B,
+    S,
+    Z,
+    Y,
+    K,
+    N,
+    NB,
+    sxm,
+    sym,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    ZP: tl.constexpr,
+):
     """ZP: 0 none (8), 1 packed uint8 nibbles, 2 one float per block. Each step of the loop takes `BLOCKS`
     quantization blocks of `BLOCK_N` rows: the nibbles' dot products with x are summed per block, then
     scaled once per block (`s * (sum(q * x) - z * sum(x))`)."""
@@ -73,8 +87,12 @@ def v1_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: t
     for b0 in range(0, NB, BLOCKS):
         byte_i = b0 * HB + rb  # byte index within a row: elements 2i and 2i + 1
         bmask = (b0 + rb // HB) < NB
-        byte = tl.load(B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
-                       mask=nmask[:, None] & bmask[None, :], other=0, eviction_policy="evict_first")  # fmt: skip
+        byte = tl.load(
+            B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
+            mask=nmask[:, None] & bmask[None, :],
+            other=0,
+            eviction_policy="evict_first",
+        )
         byte = byte.to(tl.int32)
         xe = tl.load(xrow + 2 * byte_i, mask=bmask & (2 * byte_i < K), other=0.0).to(tl.float32)
         xo = tl.load(xrow + 2 * byte_i + 1, mask=bmask & (2 * byte_i + 1 < K), other=0.0).to(tl.float32)
@@ -96,9 +114,18 @@ def zero_point_mode(zero_points: torch.Tensor | None, scales: torch.Tensor) -> t
     return (1 if zero_points.dtype == torch.uint8 else 2), zero_points.contiguous()
 
 
-def int4_v1_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                k: int, n: int, block: int, block_n: int = 8, blocks: int | None = None,
-                warps: int = 4) -> torch.Tensor:  # fmt: skip
+def int4_v1_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    k: int,
+    n: int,
+    block: int,
+    block_n: int = 8,
+    blocks: int | None = None,
+    warps: int = 4,
+) -> torch.Tensor:
     """v1, `src/onnxgen/backends/native/triton_int4.py` until 2026-12-05 (N-major bytes, one program per
     output tile and row of x): `x` `[..., K]` times MatMulNBits' own packed bytes -> `[..., N]`. `blocks`:
     quantization blocks per loop step (default: 256 elements' worth)."""
@@ -110,8 +137,23 @@ def int4_v1_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     zmode, z = zero_point_mode(zero_points, scales)
     grid = (triton.cdiv(n, block_n), x2.shape[0])
-    v1_kernel[grid](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb, x2.stride(0), y.stride(0),
-                           BLOCK=block, BLOCK_N=block_n, BLOCKS=blocks, ZP=zmode, num_warps=warps)  # fmt: skip
+    v1_kernel[grid](
+        x2,
+        packed.contiguous(),
+        scales.contiguous(),
+        z,
+        y,
+        k,
+        n,
+        nb,
+        x2.stride(0),
+        y.stride(0),
+        BLOCK=block,
+        BLOCK_N=block_n,
+        BLOCKS=blocks,
+        ZP=zmode,
+        num_warps=warps,
+    )
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -129,8 +171,25 @@ def interleave_words(b: torch.Tensor, k: int, n: int, block: int) -> torch.Tenso
 
 
 @triton.jit
-def v4_kernel(X, W, S, Z, Y, KW, N, NB, NG, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                      G: tl.constexpr, ZP: tl.constexpr, SUM_BLOCKS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def v4_kernel(
+    X,
+    W,
+    S,
+    Z,
+    Y,
+    KW,
+    N,
+    NB,
+    NG,
+    sxm,
+    sym,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    G: tl.constexpr,
+    ZP: tl.constexpr,
+    SUM_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program: `BLOCK_N` output rows of one row of x, `G` groups (of 8 blocks) per loop step, a
     `[BLOCK_N, G, BLOCK]` tile of words. For nibble `t` of the words (block `8g + t`): `f = 1 + q / 16` exactly
     (the nibble moved to mantissa bits 19..22 of 1.0), so `s (q - z) x = 16 s f x - s (16 + z) x`; the first
@@ -146,7 +205,9 @@ def v4_kernel(X, W, S, Z, Y, KW, N, NB, NG, sxm, sym, BLOCK: tl.constexpr, BLOCK
     rg = tl.arange(0, G)
     rj = tl.arange(0, BLOCK)
     wp = W + rn[:, None, None].to(tl.int64) * KW + rg[None, :, None] * BLOCK + rj[None, None, :]
-    w = tl.load(wp, mask=nmask[:, None, None] & (rg < NG)[None, :, None], other=0, eviction_policy="evict_first")
+    w = tl.load(
+        wp, mask=nmask[:, None, None] & (rg < NG)[None, :, None], other=0, eviction_policy="evict_first"
+    )
     if PDL:
         gdc_wait()
     xrow = X + m * sxm
@@ -155,12 +216,18 @@ def v4_kernel(X, W, S, Z, Y, KW, N, NB, NG, sxm, sym, BLOCK: tl.constexpr, BLOCK
     for g0 in range(0, NG, G):
         gm = (g0 + rg) < NG
         if g0 > 0:
-            w = tl.load(wp + g0 * BLOCK, mask=nmask[:, None, None] & gm[None, :, None], other=0,
-                        eviction_policy="evict_first")  # fmt: skip
+            w = tl.load(
+                wp + g0 * BLOCK,
+                mask=nmask[:, None, None] & gm[None, :, None],
+                other=0,
+                eviction_policy="evict_first",
+            )
         km = nmask[:, None] & gm[None, :]
         for t in tl.static_range(8):
             blk = (g0 + rg) * 8 + t  # [G] the quantization block nibble t holds
-            xt = tl.load(xrow + blk[:, None] * BLOCK + rj[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+            xt = tl.load(xrow + blk[:, None] * BLOCK + rj[None, :], mask=gm[:, None], other=0.0).to(
+                tl.float32
+            )
             if 4 * t <= 19:
                 f = ((w << (19 - 4 * t)) & 0x780000) | 0x3F800000
             else:
@@ -176,9 +243,19 @@ def v4_kernel(X, W, S, Z, Y, KW, N, NB, NG, sxm, sym, BLOCK: tl.constexpr, BLOCK
     tl.store(Y + m * sym + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 
-def int4_words_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                      k: int, n: int, block: int, block_n: int = 2, groups: int = 8, warps: int = 4,
-                      sum_blocks: bool = False) -> torch.Tensor:  # fmt: skip
+def int4_words_linear(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    k: int,
+    n: int,
+    block: int,
+    block_n: int = 2,
+    groups: int = 8,
+    warps: int = 4,
+    sum_blocks: bool = False,
+) -> torch.Tensor:
     """`x` `[..., K]` times the word-interleaved weights (`interleave_words`; K a multiple of
     `8 * block`) -> `[..., N]` in x's dtype (float32 accumulation). `groups`: groups of 8 blocks per loop
     step; `sum_blocks`: scale each block's sum instead of each element. Launched with
@@ -191,15 +268,47 @@ def int4_words_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     zmode, z = zero_point_mode(zero_points, scales)
     grid = (triton.cdiv(n, block_n), x2.shape[0])
-    v4_kernel[grid](x2, words, scales.contiguous(), z, y, k // 8, n, nb, nb // 8, x2.stride(0), y.stride(0),
-                            BLOCK=block, BLOCK_N=block_n, G=groups, ZP=zmode, SUM_BLOCKS=sum_blocks, num_warps=warps,
-                            **launch_options(x2))  # fmt: skip
+    v4_kernel[grid](
+        x2,
+        words,
+        scales.contiguous(),
+        z,
+        y,
+        k // 8,
+        n,
+        nb,
+        nb // 8,
+        x2.stride(0),
+        y.stride(0),
+        BLOCK=block,
+        BLOCK_N=block_n,
+        G=groups,
+        ZP=zmode,
+        SUM_BLOCKS=sum_blocks,
+        num_warps=warps,
+        **launch_options(x2),
+    )
     return y.reshape(*x.shape[:-1], n)
 
 
 @triton.jit
-def v5_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-              ZP: tl.constexpr, CONV: tl.constexpr):  # fmt: skip
+def v5_kernel(
+    X,
+    B,
+    S,
+    Z,
+    Y,
+    K,
+    N,
+    NB,
+    sxm,
+    sym,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    ZP: tl.constexpr,
+    CONV: tl.constexpr,
+):
     """v1's tiles (`[BLOCK_N, BLOCKS * BLOCK / 2]` packed bytes per loop step, sums per block, one scale per
     block) with x read as one contiguous run (vector loads; v1 reads even and odd elements with two strided
     loads, one instruction per element) and split into its even and odd elements in registers. CONV picks
@@ -219,8 +328,12 @@ def v5_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: t
     for b0 in range(0, NB, BLOCKS):
         byte_i = b0 * HB + rb
         bmask = (b0 + rb // HB) < NB
-        byte = tl.load(B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
-                       mask=nmask[:, None] & bmask[None, :], other=0, eviction_policy="evict_first")  # fmt: skip
+        byte = tl.load(
+            B + rn[:, None].to(tl.int64) * row_bytes + byte_i[None, :],
+            mask=nmask[:, None] & bmask[None, :],
+            other=0,
+            eviction_policy="evict_first",
+        )
         byte = byte.to(tl.int32)
         ke = b0 * BLOCK + re
         xs = tl.load(xrow + ke, mask=ke < K, other=0.0).to(tl.float32)
@@ -244,23 +357,64 @@ def v5_kernel(X, B, S, Z, Y, K, N, NB, sxm, sym, BLOCK: tl.constexpr, BLOCK_N: t
     tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
 
 
-def int4_v5_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                   k: int, n: int, block: int, block_n: int = 8, blocks: int = 8, warps: int = 4,
-                   conv: int = 1) -> torch.Tensor:  # fmt: skip
+def int4_v5_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    k: int,
+    n: int,
+    block: int,
+    block_n: int = 8,
+    blocks: int = 8,
+    warps: int = 4,
+    conv: int = 1,
+) -> torch.Tensor:
     """`triton_int4.int4_linear`'s contract, by `v5_kernel`."""
     nb = (k + block - 1) // block
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     zmode, z = zero_point_mode(zero_points, scales)
-    v5_kernel[(triton.cdiv(n, block_n), x2.shape[0])](x2, packed.contiguous(), scales.contiguous(), z, y, k, n, nb,
-                                                      x2.stride(0), y.stride(0), BLOCK=block, BLOCK_N=block_n,
-                                                      BLOCKS=blocks, ZP=zmode, CONV=conv, num_warps=warps)  # fmt: skip
+    v5_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
+        x2,
+        packed.contiguous(),
+        scales.contiguous(),
+        z,
+        y,
+        k,
+        n,
+        nb,
+        x2.stride(0),
+        y.stride(0),
+        BLOCK=block,
+        BLOCK_N=block_n,
+        BLOCKS=blocks,
+        ZP=zmode,
+        CONV=conv,
+        num_warps=warps,
+    )
     return y.reshape(*x.shape[:-1], n)
 
 
 @triton.jit
-def v6_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-              WB: tl.constexpr, ZP: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+def v6_kernel(
+    X,
+    W,
+    S,
+    Z,
+    Y,
+    K,
+    N,
+    NB,
+    sxm,
+    sym,
+    ONE_BITS,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WB: tl.constexpr,
+    ZP: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     """MatMulNBits' bytes read as int32 words, a `[BLOCK_N, WB * BLOCK / 8]` tile per loop step (runs of 4
     words per thread: 16-byte loads); nibble j of a word is element j, made the float `1 + q / 16` by a
     shift and one `lop3` (`triton_int4._at`, `1 + q / 16`) and multiplied by element j of that word's 8 elements of x (a vector per j,
@@ -281,7 +435,9 @@ def v6_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, 
         if EVEN:
             w = tl.load(wp + w0, eviction_policy="evict_first")
         else:
-            w = tl.load(wp + w0, mask=nmask[:, None] & (w0 + rw < KW)[None, :], other=0, eviction_policy="evict_first")
+            w = tl.load(
+                wp + w0, mask=nmask[:, None] & (w0 + rw < KW)[None, :], other=0, eviction_policy="evict_first"
+            )
         t = tl.zeros([BLOCK_N, WORDS], dtype=tl.float32)
         xs = tl.zeros([WORDS], dtype=tl.float32)
         for j in tl.static_range(8):
@@ -297,8 +453,18 @@ def v6_kernel(X, W, S, Z, Y, K, N, NB, sxm, sym, ONE_BITS, BLOCK: tl.constexpr, 
     tl.store(Y + m * sym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
 
 
-def int4_v6_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                   k: int, n: int, block: int, block_n: int = 16, wb: int = 32, warps: int = 4) -> torch.Tensor:  # fmt: skip
+def int4_v6_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    k: int,
+    n: int,
+    block: int,
+    block_n: int = 16,
+    wb: int = 32,
+    warps: int = 4,
+) -> torch.Tensor:
     """`triton_int4.int4_linear`'s contract, by `v6_kernel` (block a multiple of 8)."""
     assert block % 8 == 0
     nb = (k + block - 1) // block
@@ -307,9 +473,25 @@ def int4_v6_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, 
     zmode, z = zero_point_mode(zero_points, scales)
     words = packed.contiguous().view(torch.int32)
     even = k % (wb * block) == 0 and n % block_n == 0
-    v6_kernel[(triton.cdiv(n, block_n), x2.shape[0])](x2, words, scales.contiguous(), z, y, k, n, nb, x2.stride(0),
-                                                      y.stride(0), 0x3F800000, BLOCK=block, BLOCK_N=block_n, WB=wb, ZP=zmode,
-                                                      EVEN=even, num_warps=warps)  # fmt: skip
+    v6_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
+        x2,
+        words,
+        scales.contiguous(),
+        z,
+        y,
+        k,
+        n,
+        nb,
+        x2.stride(0),
+        y.stride(0),
+        0x3F800000,
+        BLOCK=block,
+        BLOCK_N=block_n,
+        WB=wb,
+        ZP=zmode,
+        EVEN=even,
+        num_warps=warps,
+    )
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -404,9 +586,15 @@ def main():
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="v7,v6,v5,v1,v4,v2,v3", help="which designs to time (comma-separated)")
-    ap.add_argument("--once", action="store_true", help="run each design's first tile once on the gate shape "
-                    "(14336 x 4096) after two warm-ups, and stop: for Nsight Compute (`ncu -k regex:...`)")
+    ap.add_argument(
+        "--variants", default="v7,v6,v5,v1,v4,v2,v3", help="which designs to time (comma-separated)"
+    )
+    ap.add_argument(
+        "--once",
+        action="store_true",
+        help="run each design's first tile once on the gate shape "
+        "(14336 x 4096) after two warm-ups, and stop: for Nsight Compute (`ncu -k regex:...`)",
+    )
     args = ap.parse_args()
     only = args.variants.split(",")
     torch.manual_seed(0)
@@ -474,10 +662,25 @@ def main():
             words[b.data_ptr()] = interleave_words(b, k, n, 32)
         ys[n].copy_(int4_words_linear(x[k], words[b.data_ptr()], s, None, k, n, 32, bn, groups, nw, sb))
 
-    v4cfgs = [(bn, g, nw, sb) for sb in (False, True) for bn, g, nw in
-              ((1, 8, 4), (2, 8, 4), (4, 4, 4), (4, 8, 8), (2, 16, 4), (1, 16, 4), (8, 4, 8), (8, 2, 4))]  # fmt: skip
-    v5cfgs = [(bn, bl, nw, conv) for conv in (1, 0) for bn, bl, nw in
-              ((8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8))]  # fmt: skip
+    v4cfgs = [
+        (bn, g, nw, sb)
+        for sb in (False, True)
+        for bn, g, nw in (
+            (1, 8, 4),
+            (2, 8, 4),
+            (4, 4, 4),
+            (4, 8, 8),
+            (2, 16, 4),
+            (1, 16, 4),
+            (8, 4, 8),
+            (8, 2, 4),
+        )
+    ]
+    v5cfgs = [
+        (bn, bl, nw, conv)
+        for conv in (1, 0)
+        for bn, bl, nw in ((8, 8, 4), (4, 8, 4), (16, 8, 4), (8, 16, 4), (16, 16, 8), (32, 8, 8))
+    ]
     v7cfgs = [(bn, bk8, nw, sch) for sch in (1, 0) for bn, bk8, nw in INT4_CONFIGS]  # what src/ chooses from
     v6cfgs = [(16, 32, 4), (8, 32, 4), (16, 16, 4), (32, 16, 8)]
     variants = {
@@ -509,7 +712,9 @@ def main():
             err = float((ys[4096].float() - ref).norm() / ref.norm())
             print(name, cfg, "rel err", f"{err:.2e}", flush=True)
     for name, (fn, cfgs) in variants.items():
-        for pdl in (False, True) if name not in ("v1", "v4", "v5", "v6", "v7") else (name == "v4",):  # v4: PDL from launch_options
+        for pdl in (
+            (False, True) if name not in ("v1", "v4", "v5", "v6", "v7") else (name == "v4",)
+        ):  # v4: PDL from launch_options
             best = {}
             for _si, (n, k) in enumerate(shapes[:3] + shapes[4:]):
                 res = []

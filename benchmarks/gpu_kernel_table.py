@@ -59,8 +59,10 @@ def sequence(graph: Any) -> tuple[list[str], np.ndarray, np.ndarray]:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    evs = sorted((e for e in trace["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"),
-                 key=lambda e: float(e["ts"]))  # fmt: skip
+    evs = sorted(
+        (e for e in trace["traceEvents"] if e.get("cat") == "kernel" and e.get("ph") == "X"),
+        key=lambda e: float(e["ts"]),
+    )
     n = len(evs) // REPS
     assert n * REPS == len(evs), f"{len(evs)} kernels in {REPS} replays"
     names = [short(e["name"]) for e in evs[:n]]
@@ -78,8 +80,13 @@ def weights(name: str) -> dict[str, float]:
     sh = SHAPES[name]
     h, hd = sh.hidden_size, sh.hidden_size // sh.num_heads
     q, kv = sh.num_heads * hd, sh.num_kv_heads * hd
-    mb = {"o": q * h, "gate/up": 2 * h * sh.intermediate_size, "down": sh.intermediate_size * h,
-          "qkv": h * (q + 2 * kv), "lm_head": sh.vocab_size * h}  # fmt: skip
+    mb = {
+        "o": q * h,
+        "gate/up": 2 * h * sh.intermediate_size,
+        "down": sh.intermediate_size * h,
+        "qkv": h * (q + 2 * kv),
+        "lm_head": sh.vocab_size * h,
+    }
     return {k: v * 2 / 1e6 for k, v in mb.items()}
 
 
@@ -88,8 +95,10 @@ def table(name: str, names: list[str], dur: np.ndarray, gap: np.ndarray, bw: flo
     starts = [i for i, k in enumerate(names) if k.startswith("paged_attn")]
     periods = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
     shapes = {tuple(names[i] for i in p) for p in periods}
-    lines = [f"\n{name}: {len(names)} kernels a step, {len(starts)} attention launches; "
-             f"{sum(dur):.1f} µs of kernels, {sum(gap[1:]):.1f} µs of gaps between them"]  # fmt: skip
+    lines = [
+        f"\n{name}: {len(names)} kernels a step, {len(starts)} attention launches; "
+        f"{sum(dur):.1f} µs of kernels, {sum(gap[1:]):.1f} µs of gaps between them"
+    ]
     if len(shapes) != 1:
         lines.append(f"  periods differ ({len(shapes)} kinds): medians over the most common one")
     common = max(shapes, key=lambda s: sum(tuple(names[i] for i in p) == s for p in periods))
@@ -106,8 +115,10 @@ def table(name: str, names: list[str], dur: np.ndarray, gap: np.ndarray, bw: flo
         rows.append({"kernel": k, "us": float(d), "gap_us": float(g), "mb": w})
         extra = f"{w:.2f} | {w / d * 1e3:.0f} | {w * 1e12 / bw:.2f}" if w else " | | "
         lines.append(f"| {k} | {d:.2f} | {g:.2f} | {extra} |")
-    lines.append(f"| (layer) | {per.sum():.2f} | {pgap.sum():.2f} | {sum(r['mb'] for r in rows):.2f} | | "
-                 f"{sum(r['mb'] for r in rows) * 1e12 / bw:.2f} |")  # fmt: skip
+    lines.append(
+        f"| (layer) | {per.sum():.2f} | {pgap.sum():.2f} | {sum(r['mb'] for r in rows):.2f} | | "
+        f"{sum(r['mb'] for r in rows) * 1e12 / bw:.2f} |"
+    )
     head = list(range(starts[0])) if starts else []
     tail = list(range(starts[-1], len(names))) if starts else list(range(len(names)))
     lines.append("before the first attention and from the last one on, µs")
@@ -122,9 +133,13 @@ def table(name: str, names: list[str], dur: np.ndarray, gap: np.ndarray, bw: flo
         )
         lines.append(f"| {names[i]} | {dur[i]:.2f} | {gap[i]:.2f} | {bwcol} |")
     print("\n".join(lines), flush=True)
-    return {"layer": rows, "edges": [{"kernel": names[i], "us": float(dur[i]), "gap_us": float(gap[i])}
-                                     for i in head + tail], "kernels": len(names),
-            "kernel_us": float(sum(dur)), "gap_us": float(sum(gap[1:]))}  # fmt: skip
+    return {
+        "layer": rows,
+        "edges": [{"kernel": names[i], "us": float(dur[i]), "gap_us": float(gap[i])} for i in head + tail],
+        "kernels": len(names),
+        "kernel_us": float(sum(dur)),
+        "gap_us": float(sum(gap[1:])),
+    }
 
 
 def main() -> int:

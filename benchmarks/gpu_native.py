@@ -123,10 +123,15 @@ def kernels_check() -> None:
     for dt in (torch.bfloat16, torch.float32):
         tol = 1e-2 if dt == torch.bfloat16 else 1e-5
         for n, hkv, d, cap, L, m, sc, win in [
-            (32, 8, 128, 8192, 5000, 1, 0.0, -1), (32, 8, 64, 512, 300, 1, 0.0, -1), (8, 2, 64, 1024, 700, 1, 30.0, 100),
-            (12, 4, 80, 256, 1, 1, 0.0, -1), (32, 8, 128, 8192, 8000, 64, 0.0, -1), (32, 8, 128, 8192, 7000, 256, 0.0, -1),
-            (8, 2, 64, 1024, 500, 37, 30.0, 100), (32, 8, 128, 512, 0, 512, 0.0, -1),
-        ]:  # fmt: skip
+            (32, 8, 128, 8192, 5000, 1, 0.0, -1),
+            (32, 8, 64, 512, 300, 1, 0.0, -1),
+            (8, 2, 64, 1024, 700, 1, 30.0, 100),
+            (12, 4, 80, 256, 1, 1, 0.0, -1),
+            (32, 8, 128, 8192, 8000, 64, 0.0, -1),
+            (32, 8, 128, 8192, 7000, 256, 0.0, -1),
+            (8, 2, 64, 1024, 500, 37, 30.0, 100),
+            (32, 8, 128, 512, 0, 512, 0.0, -1),
+        ]:
             q = torch.randn(1, n, m, d, dtype=dt, device="cuda")
             kb = torch.randn(1, hkv, cap, d, dtype=dt, device="cuda")
             vb = torch.randn(1, hkv, cap, d, dtype=dt, device="cuda")
@@ -138,7 +143,9 @@ def kernels_check() -> None:
             log(
                 f"cache_attention {dt} n={n} hkv={hkv} d={d} cap={cap} past={int(past)} m={m} softcap={sc} win={win}: err {e:.2e}"
             )
-        if dt == torch.bfloat16:  # prefill-chunk attention speed: the Triton kernel's configs vs flash attention
+        if (
+            dt == torch.bfloat16
+        ):  # prefill-chunk attention speed: the Triton kernel's configs vs flash attention
             for m, past in ((64, 8000), (512, 7600), (1024, 7100)):
                 cap, total = 8192, past + m
                 q = torch.randn(1, 32, m, 128, dtype=dt, device="cuda")
@@ -146,13 +153,32 @@ def kernels_check() -> None:
                 vb = torch.randn(1, 8, cap, 128, dtype=dt, device="cuda")
                 p = torch.tensor([past], device="cuda")
                 flops = 4 * 32 * m * (past + (m + 1) / 2) * 128
-                fa = cuda_time(lambda q=q, kb=kb, vb=vb, total=total: torch.ops.aten._scaled_dot_product_flash_attention(
-                    q, kb[:, :, :total], vb[:, :, :total], 0.0, is_causal=True, scale=0.1), reps=20, warmup=3)  # fmt: skip
+                fa = cuda_time(
+                    lambda q=q, kb=kb, vb=vb, total=total: torch.ops.aten._scaled_dot_product_flash_attention(
+                        q, kb[:, :, :total], vb[:, :, :total], 0.0, is_causal=True, scale=0.1
+                    ),
+                    reps=20,
+                    warmup=3,
+                )
                 cells = [f"flash {fa:.3f} ms ({flops / fa / 1e9:.0f} TFLOP/s)"]
-                for cfg in (None, (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 2)):
+                for cfg in (
+                    None,
+                    (64, 64, 4, 2),
+                    (64, 64, 4, 3),
+                    (128, 64, 8, 3),
+                    (128, 128, 8, 3),
+                    (128, 64, 4, 3),
+                    (64, 128, 4, 3),
+                    (128, 128, 8, 2),
+                ):
                     try:
-                        ms = cuda_time(lambda q=q, kb=kb, vb=vb, p=p, cfg=cfg: K.cache_attention(
-                            q, kb, vb, p, 0.1, config=cfg), reps=20, warmup=3)  # fmt: skip
+                        ms = cuda_time(
+                            lambda q=q, kb=kb, vb=vb, p=p, cfg=cfg: K.cache_attention(
+                                q, kb, vb, p, 0.1, config=cfg
+                            ),
+                            reps=20,
+                            warmup=3,
+                        )
                         cells.append(f"{cfg or 'default'} {ms:.3f} ms ({flops / ms / 1e9:.0f})")
                     except Exception as exc:  # a config that does not compile
                         cells.append(f"{cfg} failed: {type(exc).__name__}")
@@ -182,8 +208,11 @@ def kernels_check() -> None:
             K.DISABLE_TRITON = True
             q2 = K.rope_qkv_write(qkv, cos, sin, pos, kv2, 0, n, hkv, d, inter)
             K.DISABLE_TRITON = False
-            e = max(rel(q1, q2), rel(kv1.keys[0][:, :, 1234], kv2.keys[0][:, :, 1234]),
-                    rel(kv1.values[0][:, :, 1234], kv2.values[0][:, :, 1234]))  # fmt: skip
+            e = max(
+                rel(q1, q2),
+                rel(kv1.keys[0][:, :, 1234], kv2.keys[0][:, :, 1234]),
+                rel(kv1.values[0][:, :, 1234], kv2.values[0][:, :, 1234]),
+            )
             ok &= e < tol
             log(f"rope_qkv_write {dt} interleaved={inter}: err {e:.2e}")
     RESULTS["kernels_ok"] = bool(ok)
@@ -228,8 +257,16 @@ def parity() -> None:
     from onnxgen.package.spec import load_spec
 
     torch.backends.cuda.enable_cudnn_sdp(False)
-    base = SyntheticConfig(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024,
-                           vocab_size=4096, context_length=2048, rope_theta=10000.0)  # fmt: skip
+    base = SyntheticConfig(
+        num_layers=4,
+        hidden_size=512,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=1024,
+        vocab_size=4096,
+        context_length=2048,
+        rope_theta=10000.0,
+    )
     w32 = random_weights(base, seed=7)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, base.vocab_size, 64).tolist()
@@ -260,8 +297,13 @@ def parity() -> None:
                     clear += 1
                     agree += int(out.argmax() == r.argmax())
             key = f"parity_{dtype}_{'graphs' if graphs else 'eager'}"
-            RESULTS[key] = {"max_err": max(errs), "mean_err": float(np.mean(errs)), "argmax_agree": f"{agree}/{clear}",
-                            "pass": max(errs) <= tol and agree == clear, "cuda_graphs": dec.info["cuda_graphs"]}  # fmt: skip
+            RESULTS[key] = {
+                "max_err": max(errs),
+                "mean_err": float(np.mean(errs)),
+                "argmax_agree": f"{agree}/{clear}",
+                "pass": max(errs) <= tol and agree == clear,
+                "cuda_graphs": dec.info["cuda_graphs"],
+            }
             log(key, RESULTS[key])
             dec.close()
             del dec
@@ -380,8 +422,12 @@ def bench(shapes: list[str], with_hf: bool) -> None:
             floor = _floor_ms(cfg, plen + 128, bw)
             r[f"floor_{plen}_ms"] = floor
             r[f"native_decode_{plen}_floor_frac"] = floor / (1e3 / tps)
-            log(name, plen, f"native TTFT {r[f'native_ttft_{plen}_ms']:.1f} ms, decode {tps:.1f} tok/s "
-                f"({1e3 / tps:.2f} ms/tok, floor {floor:.2f} ms -> {floor / (1e3 / tps):.0%})")  # fmt: skip
+            log(
+                name,
+                plen,
+                f"native TTFT {r[f'native_ttft_{plen}_ms']:.1f} ms, decode {tps:.1f} tok/s "
+                f"({1e3 / tps:.2f} ms/tok, floor {floor:.2f} ms -> {floor / (1e3 / tps):.0%})",
+            )
         dec.close()
         del dec, first
         _free()
@@ -391,8 +437,12 @@ def bench(shapes: list[str], with_hf: bool) -> None:
                 ids = torch.tensor([rng.integers(0, 32000, plen).tolist()], device="cuda")
                 r[f"hf_ttft_{plen}_ms"] = _hf_ttft(model, ids)
                 r[f"hf_decode_{plen}_tps"] = _hf_decode_tps(model, ids, 32)
-                log(name, plen, f"transformers eager TTFT {r[f'hf_ttft_{plen}_ms']:.1f} ms, "
-                    f"decode {r[f'hf_decode_{plen}_tps']:.1f} tok/s")  # fmt: skip
+                log(
+                    name,
+                    plen,
+                    f"transformers eager TTFT {r[f'hf_ttft_{plen}_ms']:.1f} ms, "
+                    f"decode {r[f'hf_decode_{plen}_tps']:.1f} tok/s",
+                )
             del model
             _free()
         RESULTS[f"bench_{name}"] = r
@@ -508,15 +558,19 @@ def table() -> None:
         if not r:
             continue
         for plen in (512, 4096):
-            log(f"{name:5s} {plen:6d} {r.get(f'native_ttft_{plen}_ms', float('nan')):10.1f}ms "
+            log(
+                f"{name:5s} {plen:6d} {r.get(f'native_ttft_{plen}_ms', float('nan')):10.1f}ms "
                 f"{r.get(f'hf_ttft_{plen}_ms', float('nan')):7.1f}ms {r.get(f'native_decode_{plen}_tps', float('nan')):13.1f} "
-                f"{r.get(f'hf_decode_{plen}_tps', float('nan')):9.1f} {r.get(f'native_decode_{plen}_floor_frac', float('nan')):7.0%}")  # fmt: skip
+                f"{r.get(f'hf_decode_{plen}_tps', float('nan')):9.1f} {r.get(f'native_decode_{plen}_floor_frac', float('nan')):7.0%}"
+            )
         log(
             f"{name}: load {r.get('load_s', float('nan')):.1f}s, load-to-first-token {r.get('load_to_first_token_s', float('nan')):.1f}s"
         )
     if "mem_native_8k_beyond_GB" in RESULTS:
-        log(f"8k prefill (8B) peak beyond weights+KV: native {RESULTS['mem_native_8k_beyond_GB']:.3f} GB, "
-            f"transformers {RESULTS.get('mem_hf_8k_beyond_GB', float('nan')):.3f} GB")  # fmt: skip
+        log(
+            f"8k prefill (8B) peak beyond weights+KV: native {RESULTS['mem_native_8k_beyond_GB']:.3f} GB, "
+            f"transformers {RESULTS.get('mem_hf_8k_beyond_GB', float('nan')):.3f} GB"
+        )
     for e in RESULTS.get("errors", []):
         log("ERROR", e)
 

@@ -88,11 +88,16 @@ def prefill() -> None:
     kc = [k.transpose(0, 1).unsqueeze(0).contiguous() for k in ks]
     vc = [v.transpose(0, 1).unsqueeze(0).contiguous() for v in vs]
     qf = q.transpose(0, 1).unsqueeze(0).contiguous()
-    fa_ms, _ = per_layer(lambda layer: torch.ops.aten._scaled_dot_product_flash_attention(
-        qf, kc[layer], vc[layer], 0.0, is_causal=True, scale=scale)[0])  # fmt: skip
+    fa_ms, _ = per_layer(
+        lambda layer: torch.ops.aten._scaled_dot_product_flash_attention(
+            qf, kc[layer], vc[layer], 0.0, is_causal=True, scale=scale
+        )[0]
+    )
     flops = 4 * m * N * (start + m / 2) * D
-    print(f"\nprefill {m} tokens after {start}: default {base_ms * 1e3:.1f} us/layer; flash (contiguous) "
-          f"{fa_ms * 1e3:.1f} us/layer ({flops / fa_ms / 1e9:.0f} TFLOP/s)")  # fmt: skip
+    print(
+        f"\nprefill {m} tokens after {start}: default {base_ms * 1e3:.1f} us/layer; flash (contiguous) "
+        f"{fa_ms * 1e3:.1f} us/layer ({flops / fa_ms / 1e9:.0f} TFLOP/s)"
+    )
     print("| us/layer | TFLOP/s | BLOCK_M | BLOCK_N | warps | stages | splits | rel err |")
     print("|---|---|---|---|---|---|---|---|")
     for ms, tile, ns, err in sorted(rows, key=lambda r: r[0])[:15]:
@@ -102,8 +107,11 @@ def prefill() -> None:
 
 
 def decode() -> None:
-    print("\n| decode, batch 1 | keys | " + " | ".join(f"{k} splits" for k in (1, 2, 4, 8, 16, 32))
-          + " | captured (splits planned for 16k) | worst rel err |")  # fmt: skip
+    print(
+        "\n| decode, batch 1 | keys | "
+        + " | ".join(f"{k} splits" for k in (1, 2, 4, 8, 16, 32))
+        + " | captured (splits planned for 16k) | worst rel err |"
+    )
     print("|---|---|" + "---|" * 8)
     for name, n, hkv, d in (("0.5b", 14, 2, 64), ("1b", 32, 8, 64), ("8b", 32, 8, 128)):
         for length in (640, 4096):

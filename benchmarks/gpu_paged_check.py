@@ -25,10 +25,25 @@ sys.path.insert(0, str(ROOT / "tests"))
 from onnxgen.backends.native import paged  # noqa: E402
 from test_paged_attention import SHAPES, P, _batch  # noqa: E402
 
-STEPS = ([*SHAPES, (700, 1), (64, 64), (1000, 1), (40, 60)], [(64, 64), (500, 17), (40, 60), (0, 130)],
-         [(37, 5), (100, 8), (300, 3)], [(600, 3), (33, 2)], [(600, 1), (33, 1), (5, 1)])  # fmt: skip
-TILES = [None, (16, 64, 4, 2), (16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3),
-         (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 128, 4, 3)]  # fmt: skip
+STEPS = (
+    [*SHAPES, (700, 1), (64, 64), (1000, 1), (40, 60)],
+    [(64, 64), (500, 17), (40, 60), (0, 130)],
+    [(37, 5), (100, 8), (300, 3)],
+    [(600, 3), (33, 2)],
+    [(600, 1), (33, 1), (5, 1)],
+)
+TILES = [
+    None,
+    (16, 64, 4, 2),
+    (16, 64, 4, 3),
+    (32, 64, 4, 3),
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (128, 128, 8, 3),
+    (128, 128, 8, 2),
+    (128, 64, 4, 3),
+    (64, 128, 4, 3),
+]
 
 
 def main() -> int:
@@ -52,8 +67,10 @@ def main() -> int:
                             bad[name] += 1
                             rows = (got.double() - want).abs().amax(dim=(1, 2))
                             worst = int(rows.argmax())
-                            print(f"over: {name} step {shapes[0]}.. window {window} softcap {softcap}: rel err "
-                                  f"{err:.3g}; worst token row {worst} of {rows.numel()} (max abs {rows.max():.3g})")
+                            print(
+                                f"over: {name} step {shapes[0]}.. window {window} softcap {softcap}: rel err "
+                                f"{err:.3g}; worst token row {worst} of {rows.numel()} (max abs {rows.max():.3g})"
+                            )
     print("\n| case | over tolerance | of |")
     print("|---|---|---|")
     for name in total:

@@ -40,7 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 OUT = Path(os.environ.get("OUT") or "/tmp/gpu_parity_out")
 OUT.mkdir(parents=True, exist_ok=True)
-TAG = os.environ.get("ONNXGEN_BENCH_TAG", "")  # names this run's files (runs of two source trees side by side)
+TAG = os.environ.get(
+    "ONNXGEN_BENCH_TAG", ""
+)  # names this run's files (runs of two source trees side by side)
 LOG = open(OUT / f"gpu_parity{TAG}.log", "a", buffering=1)
 RESULTS: dict[str, Any] = {"parity": [], "sessions": [], "speed": []}
 WORK = Path("/tmp/onnxgen_parity")
@@ -108,13 +110,17 @@ def parity(shapes: list[str], lengths: list[int], tokenizer: Path, steps: int = 
     for name in shapes:
         hf_dir, pkg = package(name, tokenizer)
         m32, m16 = _hf(hf_dir, torch.float32), _hf(hf_dir, torch.bfloat16)
-        model = onnxgen.load(str(pkg), backend="native", device=DEV, kv_bytes=8 << 30)  # room for transformers
+        model = onnxgen.load(
+            str(pkg), backend="native", device=DEV, kv_bytes=8 << 30
+        )  # room for transformers
         ctx = model.spec.context_length
         g = torch.Generator().manual_seed(1)
         for n in lengths:
             n = min(n, ctx - steps - 1)
             ids = torch.randint(100, model.spec.vocab_size - 100, (n,), generator=g).tolist()
-            r = model.generate(ids, max_new_tokens=steps, speculative="off", temperature=0, output_logits=True, reuse=False)
+            r = model.generate(
+                ids, max_new_tokens=steps, speculative="off", temperature=0, output_logits=True, reuse=False
+            )
             got = torch.from_numpy(r.logits).double().to(DEV)  # [steps, vocab]
             k = got.shape[0]
             full = ids + r.tokens[: k - 1]
@@ -127,11 +133,18 @@ def parity(shapes: list[str], lengths: list[int], tokenizer: Path, steps: int = 
             clear = margin > 2 * (y16 - ref).abs().amax(-1)
             agree = (got.argmax(-1) == ref.argmax(-1)) & clear
             row = {
-                "shape": name, "tokens": n, "native_first": e_nat[0], "hf16_first": e_16[0],
-                "native_mean": statistics.mean(e_nat), "hf16_mean": statistics.mean(e_16),
-                "ratio_first": e_nat[0] / e_16[0], "ratio_mean": statistics.mean(e_nat) / statistics.mean(e_16),
-                "clear": int(clear.sum()), "agree": int(agree.sum()), "steps": k,
-            }  # fmt: skip
+                "shape": name,
+                "tokens": n,
+                "native_first": e_nat[0],
+                "hf16_first": e_16[0],
+                "native_mean": statistics.mean(e_nat),
+                "hf16_mean": statistics.mean(e_16),
+                "ratio_first": e_nat[0] / e_16[0],
+                "ratio_mean": statistics.mean(e_nat) / statistics.mean(e_16),
+                "clear": int(clear.sum()),
+                "agree": int(agree.sum()),
+                "steps": k,
+            }
             RESULTS["parity"].append(row)
             log(json.dumps(row))
         del m32, m16, model
@@ -154,11 +167,25 @@ def _hf_cached_turn(model: Any, turn1: list[int], reply: list[int], new: list[in
 
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=torch.tensor([turn1], device=DEV), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=torch.tensor([turn1], device=DEV),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         for t in reply[:-1]:
-            model(input_ids=torch.tensor([[t]], device=DEV), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        out = model(input_ids=torch.tensor([reply[-1:] + new], device=DEV), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)  # fmt: skip
+            model(
+                input_ids=torch.tensor([[t]], device=DEV),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        out = model(
+            input_ids=torch.tensor([reply[-1:] + new], device=DEV),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return out.logits[0, -1].double()
 
 
@@ -190,12 +217,22 @@ def sessions(shape: str, tokenizer: Path, contexts: list[int]) -> None:
         clear = (top2[:, 0] - top2[:, 1]) > 2 * (la - lb).abs().amax(-1)
         hf_cached = _hf_cached_turn(m16, turn1, r1.tokens, new).cpu()
         hf_fresh = _hf_logits(m16, turn2, 1)[-1].cpu()
-        row = {"shape": shape, "context": len(turn2), "reused": a.stats.reused_tokens, "gap_first": gap[0],
-               "gap_max": max(gap), "retained_vs_fp32": rel(la[0], ref[0]), "fresh_vs_fp32": rel(lb[0], ref[0]),
-               "hf16_gap": rel(hf_cached, hf_fresh), "hf16_cached_vs_fp32": rel(hf_cached, ref[0]),
-               "hf16_fresh_vs_fp32": rel(hf_fresh, ref[0]), "tokens_equal": a.tokens == b.tokens,
-               "steps_compared": steps, "argmax_agree_clear": int(((la.argmax(-1) == lb.argmax(-1)) & clear).sum()),
-               "clear": int(clear.sum())}  # fmt: skip
+        row = {
+            "shape": shape,
+            "context": len(turn2),
+            "reused": a.stats.reused_tokens,
+            "gap_first": gap[0],
+            "gap_max": max(gap),
+            "retained_vs_fp32": rel(la[0], ref[0]),
+            "fresh_vs_fp32": rel(lb[0], ref[0]),
+            "hf16_gap": rel(hf_cached, hf_fresh),
+            "hf16_cached_vs_fp32": rel(hf_cached, ref[0]),
+            "hf16_fresh_vs_fp32": rel(hf_fresh, ref[0]),
+            "tokens_equal": a.tokens == b.tokens,
+            "steps_compared": steps,
+            "argmax_agree_clear": int(((la.argmax(-1) == lb.argmax(-1)) & clear).sum()),
+            "clear": int(clear.sum()),
+        }
         RESULTS["sessions"].append(row)
         log(json.dumps(row))
         s.close()
@@ -210,11 +247,19 @@ def speed(shapes: list[str], tokenizer: Path) -> None:
         g = torch.Generator().manual_seed(3)
         p512 = torch.randint(100, 49000, (512,), generator=g).tolist()
         p4k = torch.randint(100, 49000, (4096,), generator=g).tolist()
-        model.generate(p512, max_new_tokens=130, speculative="off", temperature=0, reuse=False)  # warm-up (captures)
-        dec = statistics.median(model.generate(p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False).stats.decode_tok_s
-                                for _ in range(5))  # fmt: skip
+        model.generate(
+            p512, max_new_tokens=130, speculative="off", temperature=0, reuse=False
+        )  # warm-up (captures)
+        dec = statistics.median(
+            model.generate(
+                p512, max_new_tokens=128, speculative="off", temperature=0, reuse=False
+            ).stats.decode_tok_s
+            for _ in range(5)
+        )
         model.generate(p4k, max_new_tokens=1, reuse=False)  # (its step first waits for the decodes' tail)
-        ttft = statistics.median(model.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3 for _ in range(5))
+        ttft = statistics.median(
+            model.generate(p4k, max_new_tokens=1, reuse=False).stats.ttft_s * 1e3 for _ in range(5)
+        )
         s = model.session()
         ctx = torch.randint(100, 49000, (8000,), generator=g).tolist()
         s.generate(ctx, max_new_tokens=1)
@@ -225,7 +270,12 @@ def speed(shapes: list[str], tokenizer: Path) -> None:
             r = s.generate(ctx + extra, max_new_tokens=1)
             assert r.stats.reused_tokens >= 7999 and r0.stats.reused_tokens >= 7999
             turns.append(r.stats.ttft_s * 1e3)
-        row = {"shape": name, "decode_tok_s": dec, "ttft_4096_ms": ttft, "turn64_on_8000_ms": statistics.median(turns[1:])}
+        row = {
+            "shape": name,
+            "decode_tok_s": dec,
+            "ttft_4096_ms": ttft,
+            "turn64_on_8000_ms": statistics.median(turns[1:]),
+        }
         RESULTS["speed"].append(row)
         log(json.dumps(row))
         s.close()
@@ -235,24 +285,34 @@ def speed(shapes: list[str], tokenizer: Path) -> None:
 
 def table() -> None:
     (OUT / f"gpu_parity{TAG}.json").write_text(json.dumps(RESULTS, indent=1))
-    print("\n| shape | tokens | native err (first / mean of 32) | transformers-bf16 err | ratio (first / mean) | argmax agree (clear) |")
+    print(
+        "\n| shape | tokens | native err (first / mean of 32) | transformers-bf16 err | ratio (first / mean) | argmax agree (clear) |"
+    )
     print("|---|---|---|---|---|---|")
     for r in RESULTS["parity"]:
-        print(f"| {r['shape']} | {r['tokens']} | {r['native_first']:.4f} / {r['native_mean']:.4f} | "
-              f"{r['hf16_first']:.4f} / {r['hf16_mean']:.4f} | {r['ratio_first']:.2f} / {r['ratio_mean']:.2f} | "
-              f"{r['agree']}/{r['clear']} |")  # fmt: skip
+        print(
+            f"| {r['shape']} | {r['tokens']} | {r['native_first']:.4f} / {r['native_mean']:.4f} | "
+            f"{r['hf16_first']:.4f} / {r['hf16_mean']:.4f} | {r['ratio_first']:.2f} / {r['ratio_mean']:.2f} | "
+            f"{r['agree']}/{r['clear']} |"
+        )
     if RESULTS["sessions"]:
-        print("\n| shape | context | reused | retained vs fresh (first / max) | transformers-bf16 cached vs fresh "
-              "| vs fp32: retained / fresh | transformers-bf16 vs fp32: cached / fresh | greedy equal | argmax (clear) |")
+        print(
+            "\n| shape | context | reused | retained vs fresh (first / max) | transformers-bf16 cached vs fresh "
+            "| vs fp32: retained / fresh | transformers-bf16 vs fp32: cached / fresh | greedy equal | argmax (clear) |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
     for r in RESULTS["sessions"]:
-        print(f"| {r['shape']} | {r['context']} | {r['reused']} | {r['gap_first']:.4f} / {r['gap_max']:.4f} | "
-              f"{r['hf16_gap']:.4f} | {r['retained_vs_fp32']:.4f} / {r['fresh_vs_fp32']:.4f} | "
-              f"{r['hf16_cached_vs_fp32']:.4f} / {r['hf16_fresh_vs_fp32']:.4f} | {r['tokens_equal']} | "
-              f"{r['argmax_agree_clear']}/{r['clear']} |")  # fmt: skip
+        print(
+            f"| {r['shape']} | {r['context']} | {r['reused']} | {r['gap_first']:.4f} / {r['gap_max']:.4f} | "
+            f"{r['hf16_gap']:.4f} | {r['retained_vs_fp32']:.4f} / {r['fresh_vs_fp32']:.4f} | "
+            f"{r['hf16_cached_vs_fp32']:.4f} / {r['hf16_fresh_vs_fp32']:.4f} | {r['tokens_equal']} | "
+            f"{r['argmax_agree_clear']}/{r['clear']} |"
+        )
     for r in RESULTS["speed"]:
-        print(f"speed{TAG} {r['shape']}: decode {r['decode_tok_s']:.1f} tok/s, TTFT@4096 {r['ttft_4096_ms']:.1f} ms, "
-              f"turn64@8000 {r['turn64_on_8000_ms']:.2f} ms")  # fmt: skip
+        print(
+            f"speed{TAG} {r['shape']}: decode {r['decode_tok_s']:.1f} tok/s, TTFT@4096 {r['ttft_4096_ms']:.1f} ms, "
+            f"turn64@8000 {r['turn64_on_8000_ms']:.2f} ms"
+        )
     for e in RESULTS.get("errors", []):
         print("ERROR", e)
 
@@ -280,7 +340,9 @@ def main() -> int:
     if "ops" in secs:
         guarded("ops", ops, shapes[0], a.tokenizer, [int(x) for x in a.op_tokens.split(",")])
     if "sessions" in secs:
-        guarded("sessions", sessions, shapes[-1], a.tokenizer, [int(x) for x in a.session_contexts.split(",")])
+        guarded(
+            "sessions", sessions, shapes[-1], a.tokenizer, [int(x) for x in a.session_contexts.split(",")]
+        )
     if "speed" in secs:
         guarded("speed", speed, [s for s in shapes if s != "2048x4"], a.tokenizer)
     table()

@@ -19,8 +19,12 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=8000)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
-                    help="torch.backends.cuda.preferred_blas_library for the run")
+    ap.add_argument(
+        "--blas",
+        choices=("default", "cublas", "cublaslt"),
+        default="default",
+        help="torch.backends.cuda.preferred_blas_library for the run",
+    )
     ap.add_argument("--quiet", action="store_true", help="summary only (no profiler table)")
     args = ap.parse_args()
     import torch
@@ -65,10 +69,15 @@ def main() -> int:
             int(dec.forward(chunk, args.context).argmax())
     events = prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / args.reps
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")) / args.reps
+    launches = (
+        sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        / args.reps
+    )
     if not args.quiet:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(f"\n{args.chunk}-token forward after {args.context} cached tokens (8B shape, bf16, blas {args.blas}):")
+    print(
+        f"\n{args.chunk}-token forward after {args.context} cached tokens (8B shape, bf16, blas {args.blas}):"
+    )
     print(f"  wall (incl. argmax sync)   {statistics.median(walls):7.2f} ms")
     print(f"  host time to enqueue       {statistics.median(host):7.2f} ms")
     print(f"  GPU kernel time            {kernel_us / 1000:7.2f} ms")

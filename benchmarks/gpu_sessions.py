@@ -29,7 +29,9 @@ def main() -> int:
     ap.add_argument("--turn", type=int, default=64)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--layers", type=int, default=None, help="truncate the 8B shape (smoke tests)")
-    ap.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: checks the script, measures nothing")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny shape on the CPU: checks the script, measures nothing"
+    )
     args = ap.parse_args()
 
     import torch
@@ -99,7 +101,9 @@ def main() -> int:
             int(dec.forward(tk, args.context).argmax())
             xs.append(time.perf_counter() - t)
         bare[k] = statistics.median(xs) * 1000
-    decode = sessions["graphs"].generate(ctx + turns[0], max_new_tokens=64, speculative="off", temperature=0.0)
+    decode = sessions["graphs"].generate(
+        ctx + turns[0], max_new_tokens=64, speculative="off", temperature=0.0
+    )
     results |= {
         "fresh_prefill_ttft_ms": statistics.median(fresh) * 1000,
         "turn_ttft_ms": ttft_ms["graphs"],
@@ -126,7 +130,9 @@ def main() -> int:
     chunk_rows = []
     for chunk, gmax in ((256, 1024), (512, 0), (512, 1024), (1024, 0), (1024, 1024), (None, 1024)):
         gc.collect()
-        base_v = mem()  # before this engine's weights (shared with any live engine of the package), KV and graphs
+        base_v = (
+            mem()
+        )  # before this engine's weights (shared with any live engine of the package), KV and graphs
         e = onnxgen.load(str(pkg), backend="native", device=device, chunk_size=chunk, graph_max_tokens=gmax)
         weights_v = mem() - base_v
         e.generate(ctx[:64], max_new_tokens=1, reuse=False)
@@ -141,10 +147,18 @@ def main() -> int:
             sync()
             if i >= 2:
                 # beyond the weights and the KV buffers (capacity 8192): CUDA-graph pools count as activations
-                peaks.append(torch.cuda.max_memory_allocated(dev) - base_v - weights_v - kv_cap_bytes if cuda else 0)
+                peaks.append(
+                    torch.cuda.max_memory_allocated(dev) - base_v - weights_v - kv_cap_bytes if cuda else 0
+                )
                 times.append(r.stats.ttft_s)
-        chunk_rows.append({"chunk": chunk or "none", "graph_max_tokens": gmax, "ttft_ms": statistics.median(times) * 1000,
-                           "activation_peak_gb": max(peaks) / 1e9})  # fmt: skip
+        chunk_rows.append(
+            {
+                "chunk": chunk or "none",
+                "graph_max_tokens": gmax,
+                "ttft_ms": statistics.median(times) * 1000,
+                "activation_peak_gb": max(peaks) / 1e9,
+            }
+        )
         e.close()
         del e
     none_ttft = chunk_rows[-1]["ttft_ms"]
@@ -154,20 +168,30 @@ def main() -> int:
     results["kv_bytes_8k"] = kv_bytes
 
     Path(args.out, "gpu_sessions.json").write_text(json.dumps(results, indent=2))
-    print(f"\n8B-shape bf16 package written in {write_s:.1f} s; load {load_s:.1f} s; weights {weights / 1e9:.2f} GB; "
-          f"KV of {args.context} tokens {kv_bytes / 1e9:.2f} GB")  # fmt: skip
+    print(
+        f"\n8B-shape bf16 package written in {write_s:.1f} s; load {load_s:.1f} s; weights {weights / 1e9:.2f} GB; "
+        f"KV of {args.context} tokens {kv_bytes / 1e9:.2f} GB"
+    )
     print(f"fresh {args.context}-token prefill TTFT: {results['fresh_prefill_ttft_ms']:.1f} ms")
-    print(f"{args.turn}-token turn on a retained {args.context}-token context (median of {len(turns) - 2}; "
-          f"reused {reused[-1]} tokens):")  # fmt: skip
+    print(
+        f"{args.turn}-token turn on a retained {args.context}-token context (median of {len(turns) - 2}; "
+        f"reused {reused[-1]} tokens):"
+    )
     for k in ("graphs", "eager"):
-        print(f"  prefill {k:6s}: TTFT {ttft_ms[k]:.1f} ms, generate() wall {wall_ms[k]:.1f} ms, "
-              f"bare forward+argmax {bare[k]:.1f} ms")  # fmt: skip
+        print(
+            f"  prefill {k:6s}: TTFT {ttft_ms[k]:.1f} ms, generate() wall {wall_ms[k]:.1f} ms, "
+            f"bare forward+argmax {bare[k]:.1f} ms"
+        )
     print(f"decode at {args.context} context: {results['decode_tok_s_at_8k']:.1f} tok/s\n")
-    print("| chunk | graph_max_tokens | TTFT ms (8k prefill) | vs none | activation peak beyond weights+KV (GB) |")
+    print(
+        "| chunk | graph_max_tokens | TTFT ms (8k prefill) | vs none | activation peak beyond weights+KV (GB) |"
+    )
     print("|---|---|---|---|---|")
     for row in chunk_rows:
-        print(f"| {row['chunk']} | {row['graph_max_tokens']} | {row['ttft_ms']:.1f} | {row['ttft_vs_none']:.2f}x "
-              f"| {row['activation_peak_gb']:.3f} |")  # fmt: skip
+        print(
+            f"| {row['chunk']} | {row['graph_max_tokens']} | {row['ttft_ms']:.1f} | {row['ttft_vs_none']:.2f}x "
+            f"| {row['activation_peak_gb']:.3f} |"
+        )
     return 0
 
 

@@ -130,11 +130,15 @@ def tune(step: Step, rounds: int, log: Any) -> tuple[dict[Any, Any], list[tuple[
                 except Exception as exc:  # a configuration that does not compile or capture
                     log(f"  {name(key)} {cand}: {type(exc).__name__}")
             best = min(times, key=lambda c: times[c])
-            if start in times and times[best] > times[start] * (1 - MIN_GAIN):  # within noise: keep the load's
+            if start in times and times[best] > times[start] * (
+                1 - MIN_GAIN
+            ):  # within noise: keep the load's
                 best = start
             kernels.CHOICES[key] = best
-            log(f"round {r + 1} {name(key)}: load's {start} {times.get(start, float('nan')):.4f} ms -> "
-                f"{best} {times[best]:.4f} ms ({len(times)} tried)")  # fmt: skip
+            log(
+                f"round {r + 1} {name(key)}: load's {start} {times.get(start, float('nan')):.4f} ms -> "
+                f"{best} {times[best]:.4f} ms ({len(times)} tried)"
+            )
             if best != start:
                 changes.append((name(key), start, best, times.get(start, float("nan")) - times[best]))
     return dict(kernels.CHOICES), changes
@@ -174,14 +178,22 @@ def main() -> int:
         same = sum(a == b for a, b in zip(got, ref, strict=False))
         m.close()
         a, b = statistics.median(alt["load"]), statistics.median(alt["tuned"])
-        log(f"{shape}: load's choices {alt['load']} ms, tuned {alt['tuned']} ms; greedy tokens equal {same}/16")
+        log(
+            f"{shape}: load's choices {alt['load']} ms, tuned {alt['tuned']} ms; greedy tokens equal {same}/16"
+        )
         rows.append((shape, a, b, len(changes), same))
-        report[shape] = {"load_ms": alt["load"], "tuned_ms": alt["tuned"], "tokens_equal": same,
-                         "changes": [[n, repr(s), repr(t), d] for n, s, t, d in changes]}  # fmt: skip
+        report[shape] = {
+            "load_ms": alt["load"],
+            "tuned_ms": alt["tuned"],
+            "tokens_equal": same,
+            "changes": [[n, repr(s), repr(t), d] for n, s, t, d in changes],
+        }
         for n, s, t, d in changes:
             log(f"  {shape} {n}: {s} -> {t} (step {d * 1e3:+.1f} us in its round)")
     (OUT / "tune_in_graph.json").write_text(json.dumps(report, indent=1))
-    print("\n| shape | load's choices ms | tuned in the step ms | gain | choices changed | greedy tokens equal |")
+    print(
+        "\n| shape | load's choices ms | tuned in the step ms | gain | choices changed | greedy tokens equal |"
+    )
     print("|---|---|---|---|---|---|")
     for shape, a, b, n, same in rows:
         print(f"| {shape} | {a:.4f} | {b:.4f} | {(a - b) / a * 100:+.1f} % | {n} | {same}/16 |")

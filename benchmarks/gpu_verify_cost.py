@@ -106,7 +106,9 @@ def run_shape(name: str, tokenizer: Path | None, rows: list[int]) -> list[list[s
                 kernels.ROWS_PER_PROGRAM = rb
                 samples.setdefault(("decode", rowwise, rb), []).append(_replay_ms(r._decode_graph(decode, 1)))
                 for n in SIZES:
-                    samples.setdefault((n, rowwise, rb), []).append(_verify_ms(r, toks, 512, pages, n, rowwise))
+                    samples.setdefault((n, rowwise, rb), []).append(
+                        _verify_ms(r, toks, 512, pages, n, rowwise)
+                    )
                     g = r._verify.get(max(n, 4))  # the verify graph the step replayed (GPU time alone)
                     if g is not None:
                         samples.setdefault((n, rowwise, rb, "gpu"), []).append(_replay_ms(g))
@@ -131,16 +133,24 @@ def run_shape(name: str, tokenizer: Path | None, rows: list[int]) -> list[list[s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", type=Path, default=None)
-    ap.add_argument("--shapes", default="0.5b,1b,8b16k", help="shape names or package folders, comma-separated")
-    ap.add_argument("--rows", default=None, help="rows per GEMV program of the rowwise runners, comma-separated "
-                    "(default: kernels.ROWS_PER_PROGRAM)")
+    ap.add_argument(
+        "--shapes", default="0.5b,1b,8b16k", help="shape names or package folders, comma-separated"
+    )
+    ap.add_argument(
+        "--rows",
+        default=None,
+        help="rows per GEMV program of the rowwise runners, comma-separated "
+        "(default: kernels.ROWS_PER_PROGRAM)",
+    )
     args = ap.parse_args()
     from onnxgen.backends.native import kernels
 
     rbs = [int(v) for v in args.rows.split(",")] if args.rows else [kernels.ROWS_PER_PROGRAM]
     rows = [r for s in args.shapes.split(",") for r in run_shape(s, args.tokenizer, rbs)]
-    print(f"\n{torch.cuda.get_device_name()}; median of 20 interleaved; ms: verify rowwise [its graph's GPU time] "
-          "(x decode) / ordinary\n")  # fmt: skip
+    print(
+        f"\n{torch.cuda.get_device_name()}; median of 20 interleaved; ms: verify rowwise [its graph's GPU time] "
+        "(x decode) / ordinary\n"
+    )
     print("| shape | rows per program | decode graph ms | " + " | ".join(f"verify {n}" for n in SIZES) + " |")
     print("|---|---|---|" + "---|" * len(SIZES))
     for r in rows:

@@ -27,7 +27,10 @@ def main() -> int:
     ids = ort.encode_prompt(msgs)
     kw = dict(max_new_tokens=24, temperature=0, reuse=False, output_logits=True, speculative=False)
     ref = ort.generate(ids, **kw)
-    res = {mode: onnxgen.load(pkg, backend="native", int4=mode).generate(ids, **kw) for mode in ("packed", "dense")}
+    res = {
+        mode: onnxgen.load(pkg, backend="native", int4=mode).generate(ids, **kw)
+        for mode in ("packed", "dense")
+    }
 
     def rel(a: np.ndarray, b: np.ndarray) -> float:
         return float((np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)).max())
@@ -36,8 +39,10 @@ def main() -> int:
     print("| native int4 mode | tokens = onnxruntime's | max rel. logit diff vs onnxruntime | vs dense |")
     print("|---|---|---|---|")
     for mode, r in res.items():
-        print(f"| {mode} | {r.tokens == ref.tokens} | {rel(r.logits, ref.logits):.2e} | "
-              f"{rel(r.logits, res['dense'].logits):.2e} |")
+        print(
+            f"| {mode} | {r.tokens == ref.tokens} | {rel(r.logits, ref.logits):.2e} | "
+            f"{rel(r.logits, res['dense'].logits):.2e} |"
+        )
     return 0
 
 

@@ -36,7 +36,9 @@ def main() -> int:
         dense = np.load("/tmp/int4_parity_dense.npy")
         same = r.tokens == np.load("/tmp/int4_parity_dense_tokens.npy").tolist()
         d = np.linalg.norm(r.logits - dense, axis=-1) / np.linalg.norm(dense, axis=-1)
-        print(f"packed (interpreted Triton GEMV) vs dense: tokens equal {same}, max rel. logit diff {d.max():.2e}")
+        print(
+            f"packed (interpreted Triton GEMV) vs dense: tokens equal {same}, max rel. logit diff {d.max():.2e}"
+        )
     return 0
 
 

@@ -32,7 +32,10 @@ def main() -> int:
     words, st, _ = kmajor(b, s, None, k, n, block)
     print("| product | relative error vs float64 |\n|---|---|")
     print(f"| torch float32 | {float((f32.double() - ref).norm() / ref.norm()):.1e} |")
-    for scheme, what in ((0, "nibbles at bits 19..22 (float32 x)"), (1, "nibbles at bits 12..15 / 16..19 (half x)")):
+    for scheme, what in (
+        (0, "nibbles at bits 19..22 (float32 x)"),
+        (1, "nibbles at bits 12..15 / 16..19 (half x)"),
+    ):
         y = int4_linear(x, words, st, None, k, n, block, 16, 64, 4, scheme).double()
         print(f"| SCHEME {scheme}: {what} | {float((y - ref).norm() / ref.norm()):.1e} |")
     return 0

@@ -33,7 +33,9 @@ QUESTIONS = [
     "Any tips for saving money while there?",
     "Thanks! Can you summarise the plan in three bullet points?",
 ]
-SYSTEM = "You are a friendly, concise travel assistant. Answer in short paragraphs. " * 40  # long, as agents have
+SYSTEM = (
+    "You are a friendly, concise travel assistant. Answer in short paragraphs. " * 40
+)  # long, as agents have
 
 
 def build_conversation(model, reply_tokens: int) -> list[list[dict[str, str]]]:
@@ -115,7 +117,9 @@ def main() -> int:
     turns = build_conversation(first, args.reply_tokens)
     prompts = [first.encode_prompt(t) for t in turns]
     og_model = genai_model(path, args.threads)
-    contenders = {f"{b} reuse": (lambda m=m: run_session(m, prompts, args.reply_tokens)) for b, m in models.items()}
+    contenders = {
+        f"{b} reuse": (lambda m=m: run_session(m, prompts, args.reply_tokens)) for b, m in models.items()
+    }
     contenders |= {f"{b} fresh": (lambda m=m: run_fresh(m, prompts)) for b, m in models.items()}
     contenders["ort-genai append"] = lambda: run_genai(og_model, prompts, args.reply_tokens)
     for fn in contenders.values():
@@ -127,15 +131,22 @@ def main() -> int:
             samples[name].append(contenders[name]())
     med = {k: [median([run[t] for run in v]) for t in range(len(turns))] for k, v in samples.items()}
     header = ["turn", "prompt tokens", *[f"{k} ms" for k in names]]
-    rows = [[str(t + 1), str(len(prompts[t])), *[f"{med[k][t] * 1000:.1f}" for k in names]] for t in range(len(turns))]
-    print(f"\nmodel: {path}\nmachine: {machine()}; threads {args.threads}; median of {args.runs} interleaved runs; "
-          f"{args.reply_tokens} reply tokens per turn\n")  # fmt: skip
+    rows = [
+        [str(t + 1), str(len(prompts[t])), *[f"{med[k][t] * 1000:.1f}" for k in names]]
+        for t in range(len(turns))
+    ]
+    print(
+        f"\nmodel: {path}\nmachine: {machine()}; threads {args.threads}; median of {args.runs} interleaved runs; "
+        f"{args.reply_tokens} reply tokens per turn\n"
+    )
     print(table(rows, header))
     print()
     for b in models:
         t2 = med[f"{b} reuse"][1]
-        print(f"turn 2, {b}: reuse {t2 * 1000:.1f} ms; vs fresh {med[f'{b} fresh'][1] / t2:.1f}x faster; "
-              f"vs ort-genai append {t2 / med['ort-genai append'][1]:.2f}x its TTFT")  # fmt: skip
+        print(
+            f"turn 2, {b}: reuse {t2 * 1000:.1f} ms; vs fresh {med[f'{b} fresh'][1] / t2:.1f}x faster; "
+            f"vs ort-genai append {t2 / med['ort-genai append'][1]:.2f}x its TTFT"
+        )
     return 0
 
 

@@ -54,34 +54,130 @@ SELECT: dict[str, list[str]] = {
     "engine/slots.py": [*_REUSE, "tests/test_engine.py", "-k", _ORT],
     "engine/paged.py": [*_REUSE, "tests/test_batching.py", "-k", f"not ort and {_NO_SLOW}"],
     "engine/session.py": [*_REUSE, "tests/test_engine.py", "tests/test_concurrency.py", "-k", _ORT],
-    "engine/engine.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_tools.py", *_REUSE,
-                         "tests/test_batching.py", "-k", _NO_SLOW],
-    "engine/result.py": ["tests/test_engine.py", "tests/test_engine_edges.py", "tests/test_reuse_edges.py", "-k", _ORT],
-    "engine/request.py": ["tests/test_scheduler.py", "tests/test_request.py", "tests/test_engine.py",
-                          "tests/test_engine_edges.py", "-k", _ORT],
-    "engine/scheduler.py": ["tests/test_scheduler.py", "tests/test_request.py", "tests/test_batching.py", "-k", _NO_SLOW],
+    "engine/engine.py": [
+        "tests/test_engine.py",
+        "tests/test_engine_edges.py",
+        "tests/test_tools.py",
+        *_REUSE,
+        "tests/test_batching.py",
+        "-k",
+        _NO_SLOW,
+    ],
+    "engine/result.py": [
+        "tests/test_engine.py",
+        "tests/test_engine_edges.py",
+        "tests/test_reuse_edges.py",
+        "-k",
+        _ORT,
+    ],
+    "engine/request.py": [
+        "tests/test_scheduler.py",
+        "tests/test_request.py",
+        "tests/test_engine.py",
+        "tests/test_engine_edges.py",
+        "-k",
+        _ORT,
+    ],
+    "engine/scheduler.py": [
+        "tests/test_scheduler.py",
+        "tests/test_request.py",
+        "tests/test_batching.py",
+        "-k",
+        _NO_SLOW,
+    ],
     "kv/pages.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
     "kv/prefix.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
-    "kv/manager.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py", "tests/test_reuse_edges.py", "tests/test_batching.py", "-k", _NO_SLOW],
-    "kv/storage.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py", "tests/test_paged_attention.py", "tests/test_native_runner.py",
-                      "-k", "not cuda and not triton"],
-    "kv/buffers.py": ["tests/test_native_backend.py", "tests/test_decoder_contract.py", "tests/test_kv_edges.py", "-k",
-                      "not cuda and not smollm2 and not fp16 and not int4 and not parity and not static "
-                      "and not unsupported and not ort"],
+    "kv/manager.py": [
+        "tests/test_kv_pages.py",
+        "tests/test_kv_edges.py",
+        "tests/test_reuse_edges.py",
+        "tests/test_batching.py",
+        "-k",
+        _NO_SLOW,
+    ],
+    "kv/storage.py": [
+        "tests/test_kv_pages.py",
+        "tests/test_kv_edges.py",
+        "tests/test_paged_attention.py",
+        "tests/test_native_runner.py",
+        "-k",
+        "not cuda and not triton",
+    ],
+    "kv/buffers.py": [
+        "tests/test_native_backend.py",
+        "tests/test_decoder_contract.py",
+        "tests/test_kv_edges.py",
+        "-k",
+        "not cuda and not smollm2 and not fp16 and not int4 and not parity and not static "
+        "and not unsupported and not ort",
+    ],
 }
 
-_BINOP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult, ast.Div: ast.Mult,
-          ast.Mod: ast.FloorDiv, ast.BitOr: ast.BitAnd, ast.BitAnd: ast.BitOr, ast.LShift: ast.RShift,
-          ast.RShift: ast.LShift, ast.Pow: ast.Mult}  # fmt: skip
-_CMP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
-        ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}  # fmt: skip
-_SYM = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Div: "/", ast.Mod: "%", ast.BitOr: "|",
-        ast.BitAnd: "&", ast.LShift: "<<", ast.RShift: ">>", ast.Pow: "**", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
-        ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is", ast.IsNot: "is not", ast.In: "in",
-        ast.NotIn: "not in", ast.And: "and", ast.Or: "or"}  # fmt: skip
+_BINOP = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.FloorDiv,
+    ast.FloorDiv: ast.Mult,
+    ast.Div: ast.Mult,
+    ast.Mod: ast.FloorDiv,
+    ast.BitOr: ast.BitAnd,
+    ast.BitAnd: ast.BitOr,
+    ast.LShift: ast.RShift,
+    ast.RShift: ast.LShift,
+    ast.Pow: ast.Mult,
+}
+_CMP = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+}
+_SYM = {
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.FloorDiv: "//",
+    ast.Div: "/",
+    ast.Mod: "%",
+    ast.BitOr: "|",
+    ast.BitAnd: "&",
+    ast.LShift: "<<",
+    ast.RShift: ">>",
+    ast.Pow: "**",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.And: "and",
+    ast.Or: "or",
+}
 
 
-_TYPE_NAMES = {"int", "str", "bytes", "bytearray", "memoryview", "float", "bool", "list", "dict", "tuple", "set"}
+_TYPE_NAMES = {
+    "int",
+    "str",
+    "bytes",
+    "bytearray",
+    "memoryview",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "tuple",
+    "set",
+}
 
 
 def _is_type(e: ast.expr) -> bool:
@@ -149,13 +245,19 @@ class _Mutator(ast.NodeTransformer):
             droppable = not docstring and (
                 (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call))
                 or isinstance(stmt, ast.AugAssign)
-                or (isinstance(stmt, ast.Assign) and all(isinstance(t, ast.Attribute | ast.Subscript) for t in stmt.targets))
+                or (
+                    isinstance(stmt, ast.Assign)
+                    and all(isinstance(t, ast.Attribute | ast.Subscript) for t in stmt.targets)
+                )
             )
             if droppable and self._site(stmt, f"drop `{ast.unparse(stmt)[:60]}`"):
                 out.append(ast.copy_location(ast.Pass(), stmt))
                 continue
-            if (isinstance(stmt, ast.Return) and stmt.value is not None
-                    and not (isinstance(stmt.value, ast.Constant) and stmt.value.value is None)):  # fmt: skip
+            if (
+                isinstance(stmt, ast.Return)
+                and stmt.value is not None
+                and not (isinstance(stmt.value, ast.Constant) and stmt.value.value is None)
+            ):
                 if self._site(stmt, f"`{ast.unparse(stmt)[:50]}` -> `return None`"):
                     out.append(ast.copy_location(ast.Return(ast.Constant(None)), stmt))
                     continue
@@ -315,8 +417,14 @@ def _child(tree: Path, args: list[str], log: Path, cover: str | None, cover_out:
     os._exit(int(rc))
 
 
-def run_tests(tree: Path, args: list[str], timeout: float, log: Path, cover: str | None = None,
-              cover_out: Path | None = None) -> tuple[str, float, int]:  # fmt: skip
+def run_tests(
+    tree: Path,
+    args: list[str],
+    timeout: float,
+    log: Path,
+    cover: str | None = None,
+    cover_out: Path | None = None,
+) -> tuple[str, float, int]:
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:
@@ -338,16 +446,25 @@ def run_tests(tree: Path, args: list[str], timeout: float, log: Path, cover: str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", default="", help="comma-separated modules under src/onnxgen (default: all in SELECT)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated modules under src/onnxgen (default: all in SELECT)"
+    )
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
     ap.add_argument("--report", type=Path, help="JSON lines of outcomes; mutants already in it are skipped")
     ap.add_argument("--timeout-factor", type=float, default=3.0)
     ap.add_argument("--lines", default="", help="only mutants on these lines: module:line,module:line")
-    ap.add_argument("--sample", type=int, default=0,
-                    help="run a seeded random sample of this many mutants per module (0: all)")
+    ap.add_argument(
+        "--sample",
+        type=int,
+        default=0,
+        help="run a seeded random sample of this many mutants per module (0: all)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
-    ap.add_argument("--retry-survivors", action="store_true",
-                    help="run again the mutants the report lists as survived or uncovered (after adding tests)")
+    ap.add_argument(
+        "--retry-survivors",
+        action="store_true",
+        help="run again the mutants the report lists as survived or uncovered (after adding tests)",
+    )
     args = ap.parse_args()
     modules = [m for m in args.only.split(",") if m] or list(SELECT)
     unknown = [m for m in modules if m not in SELECT]
@@ -381,10 +498,15 @@ def main() -> None:
             cov_out = Path(tmp) / "lines.json"
             status, clean_s, rc = run_tests(tree, select, 1800, log, cover=str(target), cover_out=cov_out)
             if status != "survived":
-                raise SystemExit(f"{m}: the clean run of {select} fails (rc {rc}):\n{log.read_text()[-3000:]}")
+                raise SystemExit(
+                    f"{m}: the clean run of {select} fails (rc {rc}):\n{log.read_text()[-3000:]}"
+                )
             covered = {int(k): v for k, v in json.loads(cov_out.read_text()).items()}
             timeout = args.timeout_factor * clean_s + 10
-            print(f"== {m}: {len(ss)} mutants; clean run {clean_s:.1f} s; {len(covered)} lines covered", flush=True)
+            print(
+                f"== {m}: {len(ss)} mutants; clean run {clean_s:.1f} s; {len(covered)} lines covered",
+                flush=True,
+            )
             chosen_ids = set(range(len(ss)))
             if args.sample and args.sample < len(ss):
                 import random
@@ -429,12 +551,16 @@ def summary(results: list[Outcome]) -> None:
     for m, c in by_mod.items():
         total.update(c)
         n = sum(c.values())
-        print(f"| {m} | {n} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['uncovered']} | "
-              f"{(c['killed'] + c['timeout']) / n:.1%} |")  # fmt: skip
+        print(
+            f"| {m} | {n} | {c['killed']} | {c['timeout']} | {c['survived']} | {c['uncovered']} | "
+            f"{(c['killed'] + c['timeout']) / n:.1%} |"
+        )
     n = sum(total.values())
     if n:
-        print(f"| **all** | {n} | {total['killed']} | {total['timeout']} | {total['survived']} | {total['uncovered']} | "
-              f"**{(total['killed'] + total['timeout']) / n:.1%}** |")  # fmt: skip
+        print(
+            f"| **all** | {n} | {total['killed']} | {total['timeout']} | {total['survived']} | {total['uncovered']} | "
+            f"**{(total['killed'] + total['timeout']) / n:.1%}** |"
+        )
 
 
 if __name__ == "__main__":

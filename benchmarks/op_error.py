@@ -30,10 +30,14 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|")
         for op, g in sorted(numerics.by_op(rows).items(), key=lambda kv: -kv[1]["worst"]["ratio"]):
             w = g["worst"]
-            print(f"| {op} | {g['nodes']} | {g['median']:.2f} | {w['ratio']:.2f} | {w['node']}:{w['out']} | {w['local']:.2e} |")
+            print(
+                f"| {op} | {g['nodes']} | {g['median']:.2f} | {w['ratio']:.2f} | {w['node']}:{w['out']} | {w['local']:.2e} |"
+            )
         print(f"\nworst {a.top} nodes:")
         for r in sorted(rows, key=lambda r: -r["ratio"])[: a.top]:
-            print(f"  {r['ratio']:8.2f}  local {r['local']:.2e}  floor {r['floor']:.2e}  {r['op']:<28} {r['node']}:{r['out']}")
+            print(
+                f"  {r['ratio']:8.2f}  local {r['local']:.2e}  floor {r['floor']:.2e}  {r['op']:<28} {r['node']}:{r['out']}"
+            )
     return 0
 
 

@@ -52,12 +52,38 @@ def main() -> int:
         run_ours(), run_theirs()  # warm-up
         res = interleave(args.runs, {"onnxgen": run_ours, "onnxruntime-genai": run_theirs})
         a, b = medians(res["onnxgen"]), medians(res["onnxruntime-genai"])
-        rows.append([label, str(len(ids)), f"{a['tokens']:.0f}/{b['tokens']:.0f}",
-                     f"{a['ttft_s'] * 1000:.1f}", f"{b['ttft_s'] * 1000:.1f}", f"{b['ttft_s'] / a['ttft_s']:.2f}x",
-                     f"{a['decode_tok_s']:.1f}", f"{b['decode_tok_s']:.1f}", f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}x"])  # fmt: skip
-    print(f"\nmodel: {path}\nmachine: {machine()}; threads {args.threads}; median of {args.runs} interleaved runs\n")
-    print(table(rows, ["prompt", "prompt tokens", "tokens (ours/theirs)", "TTFT ms onnxgen", "TTFT ms ort-genai",
-                       "TTFT speedup", "decode tok/s onnxgen", "decode tok/s ort-genai", "decode ratio"]))  # fmt: skip
+        rows.append(
+            [
+                label,
+                str(len(ids)),
+                f"{a['tokens']:.0f}/{b['tokens']:.0f}",
+                f"{a['ttft_s'] * 1000:.1f}",
+                f"{b['ttft_s'] * 1000:.1f}",
+                f"{b['ttft_s'] / a['ttft_s']:.2f}x",
+                f"{a['decode_tok_s']:.1f}",
+                f"{b['decode_tok_s']:.1f}",
+                f"{a['decode_tok_s'] / b['decode_tok_s']:.2f}x",
+            ]
+        )
+    print(
+        f"\nmodel: {path}\nmachine: {machine()}; threads {args.threads}; median of {args.runs} interleaved runs\n"
+    )
+    print(
+        table(
+            rows,
+            [
+                "prompt",
+                "prompt tokens",
+                "tokens (ours/theirs)",
+                "TTFT ms onnxgen",
+                "TTFT ms ort-genai",
+                "TTFT speedup",
+                "decode tok/s onnxgen",
+                "decode tok/s ort-genai",
+                "decode ratio",
+            ],
+        )
+    )
     return 0
 
 

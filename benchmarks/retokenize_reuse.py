@@ -47,7 +47,9 @@ def main() -> int:
         rows.append((q, held, r2.stats.reused_tokens, same))
         total_held += held
         total_reused += r2.stats.reused_tokens
-    print(f"\n{a.backend}: | chat | retained after turn 1 | reused on turn 2 | reply re-tokenizes to its ids |")
+    print(
+        f"\n{a.backend}: | chat | retained after turn 1 | reused on turn 2 | reply re-tokenizes to its ids |"
+    )
     print("|---|---|---|---|")
     for q, held, reused, same in rows:
         print(f"| {q} | {held} | {reused} ({100 * reused / held:.0f} %) | {'yes' if same else 'no'} |")

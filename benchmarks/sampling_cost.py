@@ -22,9 +22,16 @@ from onnxgen.sampling import Sampler, SamplingParams
 from onnxgen.sampling.grammar import GrammarCompiler
 from onnxgen.sampling.processors import LogitBias, LogprobsRecorder
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
-          "age": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
-          "required": ["name", "age", "tags"], "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
 DOC = {"name": "Ada Lovelace, mathematician", "age": 36, "tags": ["engines", "poetry", "numbers", "notes"]}
 
 
@@ -69,6 +76,7 @@ def main() -> None:
     except ImportError:
         pass
     for name, (params, procs) in cases.items():
+
         def make(params=params, procs=procs):
             return Sampler(params, prompt, [p() for p in procs])
 
@@ -94,8 +102,12 @@ def main() -> None:
                     t0 = time.perf_counter()
                     proc(xx, doc_ids[:k])
                     full_ts.append(time.perf_counter() - t0)
-            rows.append((f"grammar {kind} mask only ({label})", statistics.median(mask_ts) * 1e6, float("nan")))
-            rows.append((f"grammar {kind} mask+apply ({label})", statistics.median(full_ts) * 1e6, float("nan")))
+            rows.append(
+                (f"grammar {kind} mask only ({label})", statistics.median(mask_ts) * 1e6, float("nan"))
+            )
+            rows.append(
+                (f"grammar {kind} mask+apply ({label})", statistics.median(full_ts) * 1e6, float("nan"))
+            )
     print(f"vocab {V} · {a.iters} iterations · median µs per token")
     print("| step | numpy µs | torch (CPU) µs |\n|---|---|---|")
     for name, n, t in rows:

@@ -33,8 +33,14 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def compile_kernel(target: str, signature: dict[str, str], constexprs: dict[str, object], warps: int,
-                   not_divisible: set[str], arch: int) -> object:  # fmt: skip
+def compile_kernel(
+    target: str,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    warps: int,
+    not_divisible: set[str],
+    arch: int,
+) -> object:
     """The compiled kernel (`triton.compile`'s), specialised as a launch with aligned arguments would be."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -43,8 +49,11 @@ def compile_kernel(target: str, signature: dict[str, str], constexprs: dict[str,
     module, name = target.split(":")
     fn = getattr(importlib.import_module(module), name)
     sig = dict(signature) | {k: "constexpr" for k in constexprs}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
-             if t != "constexpr" and t != "fp32" and n not in not_divisible}  # fmt: skip
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, (n, t) in enumerate(sig.items())
+        if t != "constexpr" and t != "fp32" and n not in not_divisible
+    }
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
 
@@ -57,7 +66,9 @@ def _cuobjdump() -> str:
 
 def instructions(cubin: Path) -> list[tuple[int, str]]:
     """(address, instruction) of the cubin's SASS."""
-    out = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
     found = []
     for line in out.splitlines():
         m = re.match(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -98,8 +109,14 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dump", type=Path, default=None)
     a = ap.parse_args()
-    k = compile_kernel(a.kernel, json.loads(a.signature), json.loads(a.constexprs), a.warps,
-                       set(filter(None, a.not_divisible.split(","))), a.arch)  # fmt: skip
+    k = compile_kernel(
+        a.kernel,
+        json.loads(a.signature),
+        json.loads(a.constexprs),
+        a.warps,
+        set(filter(None, a.not_divisible.split(","))),
+        a.arch,
+    )
     out = a.dump or Path("/tmp/sass_stats")
     out.mkdir(parents=True, exist_ok=True)
     cubin = out / "kernel.cubin"
@@ -114,7 +131,10 @@ def main() -> int:
     print("  all:", histogram(ins))
     for start, end, body in loops(ins):
         bad = [o for o in ("BAR.SYNC", "SHFL", "LDS", "STS") if any(opcode(i).startswith(o) for _, i in body)]
-        print(f"  loop {start:#x}..{end:#x}: {len(body)} instructions" + (f" (has {', '.join(bad)})" if bad else ""))
+        print(
+            f"  loop {start:#x}..{end:#x}: {len(body)} instructions"
+            + (f" (has {', '.join(bad)})" if bad else "")
+        )
         print("    ", histogram(body))
     return 0
 

@@ -51,8 +51,11 @@ def main() -> None:
         def stream() -> float:
             t = time.perf_counter()
             usage = None
-            with http.stream("POST", "/v1/completions", json={**body, "stream": True,
-                                                              "stream_options": {"include_usage": True}}) as r:  # fmt: skip
+            with http.stream(
+                "POST",
+                "/v1/completions",
+                json={**body, "stream": True, "stream_options": {"include_usage": True}},
+            ) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {") and '"usage":{' in line:
                         usage = json.loads(line[6:])["usage"]
@@ -65,7 +68,9 @@ def main() -> None:
             for name in list(fns) if r % 2 == 0 else reversed(list(fns)):
                 out[name].append(fns[name]())
     med = {k: statistics.median(v) for k, v in out.items()}
-    print(f"model {model.spec.path.name} · ort/cpu threads={a.threads} · {a.tokens} tokens · {a.runs} runs (median)")
+    print(
+        f"model {model.spec.path.name} · ort/cpu threads={a.threads} · {a.tokens} tokens · {a.runs} runs (median)"
+    )
     print("| path | ms / token | ratio vs API |\n|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v * 1000:.2f} | {v / med['api']:.3f} |")

@@ -46,13 +46,17 @@ def main() -> int:
     from _util import interleave, machine, table
 
     torch.set_num_threads(args.threads)
-    models = {"sharing": onnxgen.load(backend="native", max_running=args.clients),
-              "no sharing": onnxgen.load(backend="native", max_running=args.clients)}  # fmt: skip
+    models = {
+        "sharing": onnxgen.load(backend="native", max_running=args.clients),
+        "no sharing": onnxgen.load(backend="native", max_running=args.clients),
+    }
     off = models["no sharing"].executor
     off.defer = lambda req: False
     inner_open = off.kv.open
     off.kv.open = lambda digest, tokens, inflight=(): inner_open(digest, tokens)
-    words = " ".join(f"Rule {i}: answer briefly and politely, in plain English." for i in range(args.system // 12))
+    words = " ".join(
+        f"Rule {i}: answer briefly and politely, in plain English." for i in range(args.system // 12)
+    )
     system = {"role": "system", "content": words}
     msgs = [[system, {"role": "user", "content": q}] for q in QUESTIONS[: args.clients]]
     salts = itertools.count()
@@ -62,11 +66,22 @@ def main() -> int:
             salt = f"round-{next(salts)}"
             with ThreadPoolExecutor(args.clients) as ex:
                 t0 = time.perf_counter()
-                rs = list(ex.map(lambda m: model.generate(m, max_new_tokens=args.tokens, temperature=0, salt=salt), msgs))
+                rs = list(
+                    ex.map(
+                        lambda m: model.generate(m, max_new_tokens=args.tokens, temperature=0, salt=salt),
+                        msgs,
+                    )
+                )
                 wall = time.perf_counter() - t0
             ttft = [r.stats.ttft_s * 1e3 for r in rs]
-            return (sum(r.stats.generated_tokens for r in rs) / wall, statistics.median(ttft), max(ttft),
-                    sum(r.stats.prefilled_tokens for r in rs), [r.tokens for r in rs])  # fmt: skip
+            return (
+                sum(r.stats.generated_tokens for r in rs) / wall,
+                statistics.median(ttft),
+                max(ttft),
+                sum(r.stats.prefilled_tokens for r in rs),
+                [r.tokens for r in rs],
+            )
+
         return go
 
     contenders = {name: round_of(m) for name, m in models.items()}
@@ -78,13 +93,34 @@ def main() -> int:
     rows = []
     for k, v in runs.items():
         tps = statistics.median(x[0] for x in v)
-        rows.append([k, f"{tps:.1f}", f"{tps / base:.2f}x", f"{statistics.median(x[1] for x in v):.0f}",
-                     f"{statistics.median(x[2] for x in v):.0f}", f"{statistics.median(x[3] for x in v):.0f}"])  # fmt: skip
+        rows.append(
+            [
+                k,
+                f"{tps:.1f}",
+                f"{tps / base:.2f}x",
+                f"{statistics.median(x[1] for x in v):.0f}",
+                f"{statistics.median(x[2] for x in v):.0f}",
+                f"{statistics.median(x[3] for x in v):.0f}",
+            ]
+        )
     n_prompt = len(models["sharing"].encode_prompt(msgs[0]))
-    print(f"{machine()}; {args.clients} clients, prompts of ~{n_prompt} tokens (one system prompt) x "
-          f"{args.tokens} tokens; median of {args.rounds}; outputs identical: {'yes' if same else 'NO'}")  # fmt: skip
-    print(table(rows, ["contender", "aggregate tok/s", "vs no sharing", "TTFT p50 ms", "TTFT max ms",
-                       "tokens prefilled"]))  # fmt: skip
+    print(
+        f"{machine()}; {args.clients} clients, prompts of ~{n_prompt} tokens (one system prompt) x "
+        f"{args.tokens} tokens; median of {args.rounds}; outputs identical: {'yes' if same else 'NO'}"
+    )
+    print(
+        table(
+            rows,
+            [
+                "contender",
+                "aggregate tok/s",
+                "vs no sharing",
+                "TTFT p50 ms",
+                "TTFT max ms",
+                "tokens prefilled",
+            ],
+        )
+    )
     return 0
 
 

@@ -34,9 +34,17 @@ from onnxgen.engine import drafts
 from onnxgen.engine.drafts import DraftControl, draft_control
 
 
-def simulate(prompt: Sequence[int], greedy: Sequence[int], ctrl: DraftControl, run: int, decode_ms: float,
-             verify_ms: dict[int, float], verify_host_ms: float, break_ms: float,
-             full: int = 8) -> tuple[float, int, int]:  # fmt: skip
+def simulate(
+    prompt: Sequence[int],
+    greedy: Sequence[int],
+    ctrl: DraftControl,
+    run: int,
+    decode_ms: float,
+    verify_ms: dict[int, float],
+    verify_host_ms: float,
+    break_ms: float,
+    full: int = 8,
+) -> tuple[float, int, int]:
     """Predicted decode-phase milliseconds, verify steps and chains of decode runs for `greedy` (its first
     token from the prefill), as `Engine._decode_run` schedules them: each run is launched before the one in
     flight is read (`run` steps while the request is copying or confirming a match,
@@ -56,7 +64,9 @@ def simulate(prompt: Sequence[int], greedy: Sequence[int], ctrl: DraftControl, r
         drafts = ctrl.propose(prompt, out, k) if k > 0 else []
         if drafts:  # a verify step: the drafts kept up to the first that differs from the greedy token
             pos, taken = len(out), 1
-            while taken <= len(drafts) and pos + taken - 1 < n and drafts[taken - 1] == greedy[pos + taken - 1]:
+            while (
+                taken <= len(drafts) and pos + taken - 1 < n and drafts[taken - 1] == greedy[pos + taken - 1]
+            ):
                 taken += 1
             taken = min(taken, n - pos)
             out.extend(greedy[pos : pos + taken])
@@ -87,15 +97,32 @@ def main() -> int:
     ap.add_argument("--verify-ms", default="4:0.78,8:1.24,16:2.17")
     ap.add_argument("--verify-host-ms", type=float, default=0.15)
     ap.add_argument("--break-ms", type=float, default=0.3, help="what stopping a chain of runs costs")
-    ap.add_argument("--runs", default="8,4,2", help="decode steps per run while copying, to compare; a trailing "
-                    "o: without `drafts.CUDA_CONFIRM` (every match stops a chain), f: with `drafts.CUDA_FOLLOW`")
+    ap.add_argument(
+        "--runs",
+        default="8,4,2",
+        help="decode steps per run while copying, to compare; a trailing "
+        "o: without `drafts.CUDA_CONFIRM` (every match stops a chain), f: with `drafts.CUDA_FOLLOW`",
+    )
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--replay", type=Path, default=None, help="the prompts and greedy tokens a GPU run saved "
-                    "(`speculative.py --save-tokens`) instead of decoding on the CPU")
-    ap.add_argument("--backend", default="ort", help="what decodes the greedy tokens on the CPU: ort, or native "
-                    "(e.g. a bf16 package, whose CPU tokens stay closer to a GPU's bf16 ones)")
-    ap.add_argument("--save-tokens", type=Path, default=None, help="write the prompts and greedy tokens decoded "
-                    "on the CPU (the format `--replay` reads)")
+    ap.add_argument(
+        "--replay",
+        type=Path,
+        default=None,
+        help="the prompts and greedy tokens a GPU run saved "
+        "(`speculative.py --save-tokens`) instead of decoding on the CPU",
+    )
+    ap.add_argument(
+        "--backend",
+        default="ort",
+        help="what decodes the greedy tokens on the CPU: ort, or native "
+        "(e.g. a bf16 package, whose CPU tokens stay closer to a GPU's bf16 ones)",
+    )
+    ap.add_argument(
+        "--save-tokens",
+        type=Path,
+        default=None,
+        help="write the prompts and greedy tokens decoded on the CPU (the format `--replay` reads)",
+    )
     a = ap.parse_args()
     import onnxgen
     from onnxgen.convert.default import resolve_model_path
@@ -114,8 +141,9 @@ def main() -> int:
             assert model is not None
             msgs = [{"role": "user", "content": text}]
             prompt = model.encode_prompt(msgs)
-            greedy = model.generate(msgs, max_new_tokens=a.tokens, temperature=0, reuse=False,
-                                    speculative=False).tokens  # fmt: skip
+            greedy = model.generate(
+                msgs, max_new_tokens=a.tokens, temperature=0, reuse=False, speculative=False
+            ).tokens
             decoded[name] = {"prompt": list(prompt), "greedy": list(greedy)}
         plain = (len(greedy) - 1) * a.decode_ms
         policies = [("runs of 8, drafts as budgeted", (8, DEFAULTS, ""), ())]
@@ -124,13 +152,17 @@ def main() -> int:
             for key, value in settings.items():
                 setattr(drafts, key, value)
             ctrl = draft_control(True, sizes)
-            ms, verifies, chains = simulate(prompt, greedy, ctrl, run, a.decode_ms, verify, a.verify_host_ms,
-                                            a.break_ms)  # fmt: skip
-            print(f"| {name} | {len(greedy)} | {label} | {plain / ms:.2f}x | {ctrl.accepted}/{ctrl.drafted} | "
-                  f"{verifies} | {chains} |")
+            ms, verifies, chains = simulate(
+                prompt, greedy, ctrl, run, a.decode_ms, verify, a.verify_host_ms, a.break_ms
+            )
+            print(
+                f"| {name} | {len(greedy)} | {label} | {plain / ms:.2f}x | {ctrl.accepted}/{ctrl.drafted} | "
+                f"{verifies} | {chains} |"
+            )
     if a.save_tokens is not None and decoded:
-        a.save_tokens.write_text(json.dumps({"model": str(a.model), "device": "cpu", "backend": a.backend,
-                                             "workloads": decoded}))  # fmt: skip
+        a.save_tokens.write_text(
+            json.dumps({"model": str(a.model), "device": "cpu", "backend": a.backend, "workloads": decoded})
+        )
     return 0
 
 

@@ -42,7 +42,8 @@ DOC = (
     "twelve thousand euros and proposed a launch date of 28 March. Next meeting: 10 March at 10:00."
 )
 WORKLOADS = {
-    "edit": "Rewrite the following notes exactly as they are, but change the launch date to 4 April:\n\n" + DOC,
+    "edit": "Rewrite the following notes exactly as they are, but change the launch date to 4 April:\n\n"
+    + DOC,
     "free": "Tell me a short original story about a robot who learns to paint.",
     "numbers": "Invent twenty random five-digit numbers, separated by commas, with no pattern.",
     "explain": "In one paragraph, explain why the sky is blue to a ten-year-old.",
@@ -57,8 +58,15 @@ def run_policy(spec: str) -> tuple[int, dict[str, bool], str, bool]:
     run = spec.rstrip("ofb")
     flags = spec[len(run) :]
     settings = {"CUDA_CONFIRM": "o" not in flags, "CUDA_FOLLOW": "f" in flags}
-    notes = [n for f, n in (("o", "unconfirmed stops"), ("f", "drafts follow the confirmed match"),
-                            ("b", "drafts in batches")) if f in flags]  # fmt: skip
+    notes = [
+        n
+        for f, n in (
+            ("o", "unconfirmed stops"),
+            ("f", "drafts follow the confirmed match"),
+            ("b", "drafts in batches"),
+        )
+        if f in flags
+    ]
     return int(run), settings, ", ".join([f"runs of {run}", *notes]), "b" in flags
 
 
@@ -73,15 +81,27 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--spec-runs", default=None, help="decode steps per run while speculating, comma-separated "
-                    "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
-                    "`drafts.CUDA_FOLLOW`; b: drafts in batches too, `Engine.speculate_alone` off; "
-                    "`default`: speculative=None, the engine's choice): one contender "
-                    "each (default: one with speculative=\"prompt_lookup\" and the engine's settings)")
-    ap.add_argument("--mix", action="store_true", help="also the four workloads submitted at once (one batch; "
-                    "tok/s: all their tokens over the batch's wall time)")
-    ap.add_argument("--save-tokens", type=Path, default=None, help="write each workload's prompt and plain "
-                    "greedy tokens to this JSON file")
+    ap.add_argument(
+        "--spec-runs",
+        default=None,
+        help="decode steps per run while speculating, comma-separated "
+        "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
+        "`drafts.CUDA_FOLLOW`; b: drafts in batches too, `Engine.speculate_alone` off; "
+        "`default`: speculative=None, the engine's choice): one contender "
+        'each (default: one with speculative="prompt_lookup" and the engine\'s settings)',
+    )
+    ap.add_argument(
+        "--mix",
+        action="store_true",
+        help="also the four workloads submitted at once (one batch; "
+        "tok/s: all their tokens over the batch's wall time)",
+    )
+    ap.add_argument(
+        "--save-tokens",
+        type=Path,
+        default=None,
+        help="write each workload's prompt and plain greedy tokens to this JSON file",
+    )
     args = ap.parse_args()
     path = str(resolve_model_path(args.model))
     backend = args.backend.removesuffix("-paged")  # "native-paged": the paged pool (native's default)
@@ -106,8 +126,10 @@ def main() -> int:
             for key, value in settings.items():
                 setattr(drafts, key, value)
             t0 = time.perf_counter()
-            pending = [model.submit(m, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
-                       for m in batch]  # fmt: skip
+            pending = [
+                model.submit(m, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
+                for m in batch
+            ]
             rs = [p.result() for p in pending]
             return rs, sum(r.stats.generated_tokens for r in rs) / (time.perf_counter() - t0)
 
@@ -121,15 +143,21 @@ def main() -> int:
                 contenders["spec (the engine's choice: speculative=None)"] = lambda: go(None)
                 continue
             steps, settings, label, in_batches = run_policy(run)
-            contenders[f"spec ({label})"] = lambda steps=steps, settings=settings, a=alone_default and not in_batches: go(
-                "prompt_lookup", run=steps, settings=settings, alone=a)  # fmt: skip
+            contenders[f"spec ({label})"] = (
+                lambda steps=steps, settings=settings, a=alone_default and not in_batches: go(
+                    "prompt_lookup", run=steps, settings=settings, alone=a
+                )
+            )
         for fn in contenders.values():  # warm-up
             fn()
         samples = interleave(args.runs, contenders)
         rate = {k: [tps for _, tps in v] for k, v in samples.items()}
         results = {k: v[-1][0] for k, v in samples.items()}
         if len(batch) == 1:
-            saved[name] = {"prompt": list(model.encode_prompt(batch[0])), "greedy": list(results["plain"][0].tokens)}
+            saved[name] = {
+                "prompt": list(model.encode_prompt(batch[0])),
+                "greedy": list(results["plain"][0].tokens),
+            }
         plain = statistics.median(rate["plain"])
         for label in contenders:
             if label == "plain":
@@ -137,14 +165,35 @@ def main() -> int:
             same = all(a.tokens == b.tokens for a, b in zip(results["plain"], results[label], strict=True))
             stats = [r.stats for r in results[label]]
             spec = statistics.median(rate[label])
-            rows.append([name if len(runs) == 1 else f"{name}, {label}", str(sum(s.generated_tokens for s in stats)),
-                         f"{plain:.1f}", f"{spec:.1f}", f"{spec / plain:.2f}x",
-                         f"{sum(s.accepted_tokens for s in stats)}/{sum(s.draft_tokens for s in stats)}",
-                         "yes" if same else "NO"])  # fmt: skip
-    print(f"\nmodel: {path}; backend {args.backend} on {args.device}; {machine()}; threads {args.threads}; "
-          f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens max\n")  # fmt: skip
-    print(table(rows, ["workload", "tokens", "plain tok/s", "speculative tok/s", "speedup", "accepted/drafted",
-                       "identical"]))  # fmt: skip
+            rows.append(
+                [
+                    name if len(runs) == 1 else f"{name}, {label}",
+                    str(sum(s.generated_tokens for s in stats)),
+                    f"{plain:.1f}",
+                    f"{spec:.1f}",
+                    f"{spec / plain:.2f}x",
+                    f"{sum(s.accepted_tokens for s in stats)}/{sum(s.draft_tokens for s in stats)}",
+                    "yes" if same else "NO",
+                ]
+            )
+    print(
+        f"\nmodel: {path}; backend {args.backend} on {args.device}; {machine()}; threads {args.threads}; "
+        f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens max\n"
+    )
+    print(
+        table(
+            rows,
+            [
+                "workload",
+                "tokens",
+                "plain tok/s",
+                "speculative tok/s",
+                "speedup",
+                "accepted/drafted",
+                "identical",
+            ],
+        )
+    )
     if args.save_tokens is not None:
         args.save_tokens.write_text(json.dumps({"model": path, "device": args.device, "workloads": saved}))
     return 0

@@ -102,7 +102,9 @@ def main() -> int:
     ap.add_argument("--step", type=int, default=64)
     ap.add_argument("--new", default="1,32")
     ap.add_argument("--warm", default="0,64")
-    ap.add_argument("--cprofile", type=int, default=0, help="print the N functions of most own time (cProfile)")
+    ap.add_argument(
+        "--cprofile", type=int, default=0, help="print the N functions of most own time (cProfile)"
+    )
     args = ap.parse_args()
     import onnxgen
 
@@ -126,8 +128,12 @@ def main() -> int:
         for warm in warms:
             if warm:
                 with ThreadPoolExecutor(warm) as ex:
-                    list(ex.map(lambda p: model.generate(p, max_new_tokens=128, temperature=0, reuse=False),
-                                prompts(warm, 512, 7, vocab)))  # fmt: skip
+                    list(
+                        ex.map(
+                            lambda p: model.generate(p, max_new_tokens=128, temperature=0, reuse=False),
+                            prompts(warm, 512, 7, vocab),
+                        )
+                    )
             s = model.session()
             ctx = prompts(1, args.start, 11 + new + warm, vocab)[0]
             s.generate(ctx, max_new_tokens=1)
@@ -146,13 +152,27 @@ def main() -> int:
                 if turn == 1:  # the first turn may still warm caches
                     continue
                 per["ttft"].append(r.stats.ttft_s)
-                for k in ("encode_prompt", "submit", "schedule", "kv_open", "run", "run_graph", "sample",
-                          "accept", "finish", "replay", "event_sync", "gc"):  # fmt: skip
+                for k in (
+                    "encode_prompt",
+                    "submit",
+                    "schedule",
+                    "kv_open",
+                    "run",
+                    "run_graph",
+                    "sample",
+                    "accept",
+                    "finish",
+                    "replay",
+                    "event_sync",
+                    "gc",
+                ):
                     per[k].append(SPENT.get(k, 0.0))
             s.close()
             row = {"new": new, "warm": warm, "turns": len(per["ttft"])}
             row.update({k: statistics.median(v) * 1e6 for k, v in per.items()})
-            row["ttft_p99"] = sorted(per["ttft"])[min(len(per["ttft"]) - 1, int(0.99 * len(per["ttft"])))] * 1e6
+            row["ttft_p99"] = (
+                sorted(per["ttft"])[min(len(per["ttft"]) - 1, int(0.99 * len(per["ttft"])))] * 1e6
+            )
             row["gc_max"] = max(per["gc"]) * 1e6
             rows.append(row)
             print(row, flush=True)
@@ -160,13 +180,37 @@ def main() -> int:
         import pstats
 
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
-    cols = ["new", "warm", "turns", "ttft", "ttft_p99", "encode_prompt", "submit", "schedule", "kv_open", "run",
-            "run_graph", "replay", "event_sync", "sample", "accept", "finish", "gc", "gc_max"]  # fmt: skip
-    print(f"\nTTFT phases (µs, median per turn; {model.spec.path.name}, {args.device}, {args.start}..{args.end} "
-          f"in {args.step}-token turns)")  # fmt: skip
+    cols = [
+        "new",
+        "warm",
+        "turns",
+        "ttft",
+        "ttft_p99",
+        "encode_prompt",
+        "submit",
+        "schedule",
+        "kv_open",
+        "run",
+        "run_graph",
+        "replay",
+        "event_sync",
+        "sample",
+        "accept",
+        "finish",
+        "gc",
+        "gc_max",
+    ]
+    print(
+        f"\nTTFT phases (µs, median per turn; {model.spec.path.name}, {args.device}, {args.start}..{args.end} "
+        f"in {args.step}-token turns)"
+    )
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(f"{r.get(c, 0):.0f}" if isinstance(r.get(c, 0), float) else str(r.get(c)) for c in cols))
+        print(
+            " | ".join(
+                f"{r.get(c, 0):.0f}" if isinstance(r.get(c, 0), float) else str(r.get(c)) for c in cols
+            )
+        )
     return 0
 
 

@@ -23,9 +23,10 @@ def has_cuda() -> bool:
 
 
 def native_available() -> bool:
-    return importlib.util.find_spec("torch") is not None and importlib.util.find_spec(
-        "onnxgen.backends.native.decoder"
-    ) is not None
+    return (
+        importlib.util.find_spec("torch") is not None
+        and importlib.util.find_spec("onnxgen.backends.native.decoder") is not None
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,7 +73,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny fp32 builder-style (GroupQueryAttention) package with random weights."""
     from onnxgen.convert.synthetic import SyntheticConfig, write_package
 
-    return write_package(tmp_path_factory.mktemp("tiny") / "pkg", SyntheticConfig(num_layers=2, context_length=1024))
+    return write_package(
+        tmp_path_factory.mktemp("tiny") / "pkg", SyntheticConfig(num_layers=2, context_length=1024)
+    )
 
 
 @pytest.fixture(scope="session")

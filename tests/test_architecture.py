@@ -9,7 +9,7 @@ import pytest
 
 import onnxgen
 
-from .conftest import native_available
+from tests.conftest import native_available
 
 SRC = Path(onnxgen.__file__).parent
 SEAM = {"kv_len", "rewind_to"}  # names unique to the decoder seam; reset() is checked at run time below
@@ -47,8 +47,15 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("backend", ["ort", pytest.param("native", marks=pytest.mark.skipif(
-    not native_available(), reason="native backend not importable"))])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "ort",
+        pytest.param(
+            "native", marks=pytest.mark.skipif(not native_available(), reason="native backend not importable")
+        ),
+    ],
+)
 def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch, backend):
     """Every kv_len/rewind_to/reset call on a decoder during generation, reuse, eviction, failure
     and cancellation comes from engine/reuse.py (or from inside the backend itself), on both backends."""
@@ -91,7 +98,9 @@ def test_at_run_time_only_the_policy_calls_the_seam(tiny_dir, monkeypatch, backe
     m.close()
     seen = {Path(c).name for c in callers}
     assert "reuse.py" in seen, "the spy saw no seam calls from the policy"
-    bad = sorted({c for c in callers if not (c.endswith("onnxgen/engine/reuse.py") or "/onnxgen/backends/" in c)})
+    bad = sorted(
+        {c for c in callers if not (c.endswith("onnxgen/engine/reuse.py") or "/onnxgen/backends/" in c)}
+    )
     assert bad == []
 
 
@@ -110,10 +119,15 @@ def test_at_run_time_only_the_kv_manager_changes_pages(tiny_dir, monkeypatch):
 
     allowed = {
         PageAllocator: ({"alloc", "incref", "decref"}, ("onnxgen/kv/manager.py", "onnxgen/kv/prefix.py")),
-        PrefixIndex: ({"insert", "insert_path", "evict", "pin", "unpin", "clear"},
-                      ("onnxgen/kv/prefix.py", "onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
-        KVManager: ({"open", "grow", "commit", "release"}, ("onnxgen/kv/manager.py", "onnxgen/engine/paged.py")),
-    }  # fmt: skip
+        PrefixIndex: (
+            {"insert", "insert_path", "evict", "pin", "unpin", "clear"},
+            ("onnxgen/kv/prefix.py", "onnxgen/kv/manager.py", "onnxgen/engine/paged.py"),
+        ),
+        KVManager: (
+            {"open", "grow", "commit", "release"},
+            ("onnxgen/kv/manager.py", "onnxgen/engine/paged.py"),
+        ),
+    }
     bad: list[str] = []
     seen: set[str] = set()
 
@@ -148,8 +162,15 @@ def test_at_run_time_only_the_kv_manager_changes_pages(tiny_dir, monkeypatch):
     m.generate(base, max_new_tokens=2, reuse=False)
     b.clear()
     m.close()
-    assert {"PageAllocator.alloc", "PrefixIndex.insert_path", "PrefixIndex.pin", "PrefixIndex.unpin",
-            "KVManager.open", "KVManager.commit", "KVManager.release"} <= seen  # fmt: skip
+    assert {
+        "PageAllocator.alloc",
+        "PrefixIndex.insert_path",
+        "PrefixIndex.pin",
+        "PrefixIndex.unpin",
+        "KVManager.open",
+        "KVManager.commit",
+        "KVManager.release",
+    } <= seen
     assert bad == []
 
 
@@ -209,7 +230,10 @@ def _runtime_imports(path: Path) -> set[str]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(pkg.rstrip(".").split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    pkg.rstrip(".").split(".")[: len(pkg.split(".")) - node.level + 1]
+                    + ([base] if base else [])
+                )
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
@@ -223,7 +247,9 @@ def test_no_import_cycles_in_src():
     mods = {}
     for path in SRC.rglob("*.py"):
         parts = path.relative_to(SRC).with_suffix("").parts
-        name = ".".join(("onnxgen", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("onnxgen", *parts))
+        name = (
+            ".".join(("onnxgen", *parts[:-1])) if parts[-1] == "__init__" else ".".join(("onnxgen", *parts))
+        )
         mods[name] = path
     graph = {m: {d for d in _runtime_imports(p) if d in mods and d != m} for m, p in mods.items()}
     # Tarjan's strongly connected components
@@ -295,7 +321,9 @@ def test_each_room_imports_only_the_rooms_below_it():
             if target != room and target not in ALLOWED[room]:
                 bad.append(f"{rel} imports {mod}")
     assert bad == [], bad
-    assert set(ALLOWED) == {_room(p.relative_to(SRC).as_posix()) for p in SRC.rglob("*.py")}, "a room without rules"
+    assert set(ALLOWED) == {_room(p.relative_to(SRC).as_posix()) for p in SRC.rglob("*.py")}, (
+        "a room without rules"
+    )
 
 
 def test_http_and_schema_libraries_only_in_serve():

@@ -35,7 +35,9 @@ def resolve_backend(backend: str, device: str) -> str:
     The one check of the user's backend and device names (the engine calls it; decoders only assert):
     raises `InvalidRequest` for an unknown one."""
     if backend not in BACKENDS:
-        raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", field="backend")
+        raise InvalidRequest(
+            f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}", field="backend"
+        )
     if device not in DEVICES:
         raise InvalidRequest(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}", field="device")
     if backend == "auto":
@@ -50,7 +52,9 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
     works with backend="auto"). Raises `BackendUnavailable` when the backend's dependencies are missing."""
     assert backend in ("ort", "native") and device in DEVICES, (backend, device)
     declared = backend_options()
-    assert set(options) <= {o for opts in declared.values() for o in opts}, f"unchecked options {sorted(options)}"
+    assert set(options) <= {o for opts in declared.values() for o in opts}, (
+        f"unchecked options {sorted(options)}"
+    )
     from onnxgen.backends import native, ort
 
     mine = {k: v for k, v in options.items() if k in (ort.OPTIONS if backend == "ort" else native.OPTIONS)}
@@ -67,7 +71,9 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
     return NativeDecoder(spec, device=device, **mine)
 
 
-def create_runner(spec: ModelSpec, backend: str, device: str, *, max_batch: int, **options: Any) -> BatchRunner:
+def create_runner(
+    spec: ModelSpec, backend: str, device: str, *, max_batch: int, **options: Any
+) -> BatchRunner:
     """Build a batched runner over a paged KV pool for `spec` (see `backends/batch.py`) for steps of up to
     `max_batch` sequences, with the runner options its backend declares (others are ignored). Raises
     `BackendUnavailable` when the backend has no batched runner or cannot batch this package."""

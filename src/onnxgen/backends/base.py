@@ -77,8 +77,9 @@ class Decoder(Protocol):
     @property
     def info(self) -> Mapping[str, Any]: ...
 
-    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None,
-                rows: int = 1) -> Any: ...  # fmt: skip
+    def forward(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None, rows: int = 1
+    ) -> Any: ...
 
     def kv_len(self) -> int: ...
 

@@ -25,8 +25,12 @@ HELP = """commands:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("chat", help="chat interactively (KV reused across turns)", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = sub.add_parser(
+        "chat",
+        help="chat interactively (KV reused across turns)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_args(p)
     p.add_argument("--system", help="a system message for the conversation")
     add_sampling_args(p)
@@ -36,8 +40,15 @@ def register(sub: Any) -> None:
 class Repl:
     """The chat loop over one session; I/O streams are injectable for tests."""
 
-    def __init__(self, model: Any, sampling: dict[str, Any], system: str | None,
-                 stdin: TextIO, stdout: TextIO, stderr: TextIO) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        sampling: dict[str, Any],
+        system: str | None,
+        stdin: TextIO,
+        stdout: TextIO,
+        stderr: TextIO,
+    ) -> None:
         self.model = model
         self.session = model.session("chat")
         self.sampling = sampling
@@ -68,8 +79,11 @@ class Repl:
         elif cmd == "/stats":
             last = self.last.stats.line() if self.last is not None else "[ no reply yet ]"
             print(last, file=self.stdout)
-            print(f"[ session retains {self.session.retained_tokens} tokens · "
-                  f"{self.session.kv_bytes() / 2**20:.1f} MiB of KV ]", file=self.stdout)  # fmt: skip
+            print(
+                f"[ session retains {self.session.retained_tokens} tokens · "
+                f"{self.session.kv_bytes() / 2**20:.1f} MiB of KV ]",
+                file=self.stdout,
+            )
         else:
             print(f"unknown command {cmd!r}; /help lists them", file=self.stdout)
         self.stdout.flush()

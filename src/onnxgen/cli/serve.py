@@ -22,19 +22,51 @@ def register(sub: Any) -> None:
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (repeatable)")  # fmt: skip
-    p.add_argument("--api-key-file", type=Path, default=None, metavar="FILE",
-                   help="read API keys from FILE, one per line (# comments allowed)")  # fmt: skip
-    p.add_argument("--max-sessions", type=int, default=8, metavar="N",
-                   help="sessions whose KV is retained at once (LRU beyond; default: 8)")  # fmt: skip
-    p.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests that may wait for the engine; beyond, 429 with Retry-After (default: 64)")  # fmt: skip
-    p.add_argument("--model-id", default=None, help="the model name clients use (default: the package folder's name)")
-    p.add_argument("--max-tokens-cap", type=int, default=2048, metavar="N",
-                   help="most tokens one request may generate; also the default max_tokens (default: 2048)")  # fmt: skip
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds a request may run before it is cancelled and answered 504 (default: 600)")  # fmt: skip
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' (repeatable)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="read API keys from FILE, one per line (# comments allowed)",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sessions whose KV is retained at once (LRU beyond; default: 8)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests that may wait for the engine; beyond, 429 with Retry-After (default: 64)",
+    )
+    p.add_argument(
+        "--model-id", default=None, help="the model name clients use (default: the package folder's name)"
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="most tokens one request may generate; also the default max_tokens (default: 2048)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds a request may run before it is cancelled and answered 504 (default: 600)",
+    )
     p.set_defaults(func=run)
 
 
@@ -44,7 +76,9 @@ def read_keys(args: argparse.Namespace) -> tuple[str, ...]:
         try:
             lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
-            raise InvalidRequest(f"{args.api_key_file}: cannot read API keys ({exc})", field="api_key_file") from exc
+            raise InvalidRequest(
+                f"{args.api_key_file}: cannot read API keys ({exc})", field="api_key_file"
+            ) from exc
         keys += [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
         if not keys:
             raise InvalidRequest(f"{args.api_key_file}: holds no API key", field="api_key_file")
@@ -57,19 +91,39 @@ def run(args: argparse.Namespace) -> int:
 
         from onnxgen.serve.app import ServerConfig, create_app
     except ImportError as exc:
-        raise InvalidRequest(f"the server needs the serve extra: pip install 'onnxgen[serve]' ({exc})") from exc
+        raise InvalidRequest(
+            f"the server needs the serve extra: pip install 'onnxgen[serve]' ({exc})"
+        ) from exc
     if args.max_sessions < 1 or args.max_queue < 1 or args.max_tokens_cap < 1:
-        raise InvalidRequest("--max-sessions, --max-queue and --max-tokens-cap must be >= 1", field="max_sessions")
+        raise InvalidRequest(
+            "--max-sessions, --max-queue and --max-tokens-cap must be >= 1", field="max_sessions"
+        )
     if not args.request_timeout > 0:
-        raise InvalidRequest(f"--request-timeout must be > 0, got {args.request_timeout}", field="request_timeout")
+        raise InvalidRequest(
+            f"--request-timeout must be > 0, got {args.request_timeout}", field="request_timeout"
+        )
     keys = read_keys(args)
     model = load_model(args, max_sessions=args.max_sessions)
-    app = create_app(model, ServerConfig(api_keys=keys, max_queue=args.max_queue, model_id=args.model_id,
-                                         max_tokens_cap=args.max_tokens_cap, request_timeout_s=args.request_timeout))  # fmt: skip
-    auth = (f"{len(keys)} API key(s)" if keys else
-            "no API key (anyone who can reach the port can use it; unnamed requests share no KV)")  # fmt: skip
-    print(f"onnxgen: serving {app.state.server.model_id!r} on http://{args.host}:{args.port}/v1 · "
-          f"{model.backend}/{model.device} · {auth}", file=sys.stderr)  # fmt: skip
+    app = create_app(
+        model,
+        ServerConfig(
+            api_keys=keys,
+            max_queue=args.max_queue,
+            model_id=args.model_id,
+            max_tokens_cap=args.max_tokens_cap,
+            request_timeout_s=args.request_timeout,
+        ),
+    )
+    auth = (
+        f"{len(keys)} API key(s)"
+        if keys
+        else "no API key (anyone who can reach the port can use it; unnamed requests share no KV)"
+    )
+    print(
+        f"onnxgen: serving {app.state.server.model_id!r} on http://{args.host}:{args.port}/v1 · "
+        f"{model.backend}/{model.device} · {auth}",
+        file=sys.stderr,
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     app.state.server.close()
     return 0

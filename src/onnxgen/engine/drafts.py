@@ -150,9 +150,18 @@ class DraftControl:
 
     HOT_TOKENS = 32  # a request is `hot` for this many output tokens after a draft of it was accepted
 
-    def __init__(self, k: int = 4, k_max: int = 8, cooldown: int = 16, cooldown_max: int | None = None,
-                 ngram_min: int = 1, sizes: tuple[int, ...] = (), confirm: bool = False,
-                 follow: bool = False, solo: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        k: int = 4,
+        k_max: int = 8,
+        cooldown: int = 16,
+        cooldown_max: int | None = None,
+        ngram_min: int = 1,
+        sizes: tuple[int, ...] = (),
+        confirm: bool = False,
+        follow: bool = False,
+        solo: bool = False,
+    ) -> None:
         self.solo = solo  # drafts only while the request runs alone (`active`)
         self.confirm = confirm  # `stop_chain` waits for a match to be confirmed unless `hot`
         # with `confirm`: after a stop for a confirmed match, draft only its continuation or a longer match
@@ -161,7 +170,9 @@ class DraftControl:
         # `stop_chain`'s unconfirmed match: (output length then, the token it proposed, its source in the
         # context: the position that token was copied from)
         self._guess: tuple[int, int, int] | None = None
-        self._copy: tuple[int, int] | None = None  # a confirmed stop's match: (context length, source) at a time
+        self._copy: tuple[int, int] | None = (
+            None  # a confirmed stop's match: (context length, source) at a time
+        )
         self._accepted_at: int | None = None  # the output length after the last draft with tokens accepted
         self.k = k
         self.k_max = k_max
@@ -303,6 +314,13 @@ def draft_control(cuda: bool, sizes: tuple[int, ...] = (), solo: bool = False) -
     (docs/benchmarks/speculative-cpu.md). `solo`: drafts only while the request runs alone
     (`DraftControl.active`)."""
     if cuda:
-        return DraftControl(k_max=15, ngram_min=2, cooldown_max=256, sizes=sizes, confirm=CUDA_CONFIRM,
-                            follow=CUDA_FOLLOW, solo=solo)  # fmt: skip
+        return DraftControl(
+            k_max=15,
+            ngram_min=2,
+            cooldown_max=256,
+            sizes=sizes,
+            confirm=CUDA_CONFIRM,
+            follow=CUDA_FOLLOW,
+            solo=solo,
+        )
     return DraftControl(sizes=sizes, solo=solo)

@@ -62,6 +62,7 @@ def _held_prefix(ids: Sequence[Any], held: Sequence[int]) -> int:
     n = len(held)
     return n if 0 < n <= len(ids) and tuple(ids[:n]) == tuple(held) else 0
 
+
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]
 
 
@@ -116,8 +117,11 @@ class Engine:
         self.device = device
         self.backend = resolve_backend(backend, device)
         _check_backend_options(backend_options)
-        for name, v in (("max_running", max_running), ("max_batch_tokens", max_batch_tokens),
-                        ("decode_steps", decode_steps)):  # fmt: skip
+        for name, v in (
+            ("max_running", max_running),
+            ("max_batch_tokens", max_batch_tokens),
+            ("decode_steps", decode_steps),
+        ):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise InvalidRequest(f"{name} must be an int >= 1, got {v!r}", field=name)
         self.tokenizer = Tokenizer.from_spec(self.spec)
@@ -131,7 +135,9 @@ class Engine:
             try:
                 from onnxgen.engine.paged import PagedKV
 
-                runner = create_runner(self.spec, self.backend, device, max_batch=paged_running, **backend_options)
+                runner = create_runner(
+                    self.spec, self.backend, device, max_batch=paged_running, **backend_options
+                )
                 self.executor = PagedKV(runner)
             except BackendUnavailable:
                 if paged:
@@ -180,8 +186,9 @@ class Engine:
         else:
             running = max_running or 8
             budget = max_batch_tokens or (1 << 40)
-        self.scheduler = Scheduler(self.executor, max_running=running, token_budget=max(budget, running),
-                                   preempt=self.paged)  # fmt: skip
+        self.scheduler = Scheduler(
+            self.executor, max_running=running, token_budget=max(budget, running), preempt=self.paged
+        )
         self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
         self._progress = threading.Condition()
         self._completed = 0  # requests finished or failed so far: waiters are woken only when it changes
@@ -238,8 +245,9 @@ class Engine:
 
     # --- prompts -------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, held: Sequence[int] = (),
-                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    def encode_prompt(
+        self, prompt: Prompt, held: Sequence[int] = (), tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a prompt: raw text, chat messages or ids (validated).
 
         `held`: ids a session's cache holds. For chat messages whose rendering starts with exactly the
@@ -251,7 +259,9 @@ class Engine:
         sees (messages with `tool_calls` and `role: "tool"` are prepared by `onnxgen.text.tools`)."""
         if isinstance(prompt, str):
             if tools:
-                raise InvalidRequest("tools need a chat prompt (a list of messages), not raw text", field="tools")
+                raise InvalidRequest(
+                    "tools need a chat prompt (a list of messages), not raw text", field="tools"
+                )
             ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             if self.chat_template is None:
@@ -264,7 +274,9 @@ class Engine:
 
             funcs = tool_text.function_specs(tools)
             messages = tool_text.prepare_messages(prompt, self.tool_format, self.chat_template.source, funcs)
-            text = self.chat_template.render(messages, add_generation_prompt=True, tools=list(tools) if tools else None)
+            text = self.chat_template.render(
+                messages, add_generation_prompt=True, tools=list(tools) if tools else None
+            )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if held and reuse_policy.common_prefix(ids, held) < len(held):
                 kept = self.tokenizer.encode_after(text, held)
@@ -272,7 +284,9 @@ class Engine:
                     ids = kept
         elif isinstance(prompt, Sequence) and _all_ints(prompt[(known := _held_prefix(prompt, held)) :]):
             if tools:
-                raise InvalidRequest("tools need a chat prompt (a list of messages), not token ids", field="tools")
+                raise InvalidRequest(
+                    "tools need a chat prompt (a list of messages), not token ids", field="tools"
+                )
             ids = list(prompt)
             try:  # NOTE: vectorised: prompts may hold many thousand ids (those equal to `held`'s were checked)
                 arr = np.asarray(ids[known:], dtype=np.int64)
@@ -365,8 +379,9 @@ class Engine:
             if max_new_tokens is None:
                 max_new_tokens = DEFAULT_MAX_NEW_TOKENS
             if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-                raise InvalidRequest(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}",
-                                     field="max_new_tokens")  # fmt: skip
+                raise InvalidRequest(
+                    f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}", field="max_new_tokens"
+                )
             stops = [stop] if isinstance(stop, str) else list(stop or [])
             if not all(isinstance(s, str) for s in stops):
                 raise InvalidRequest("stop must be a string or a list of strings", field="stop")
@@ -383,12 +398,24 @@ class Engine:
             from onnxgen.text import IncrementalDetokenizer
 
             req = Request(
-                prompt=ids, digest=digest, sampler=Sampler(params, ids, processors),
-                detokenizer=IncrementalDetokenizer(self.tokenizer), max_new_tokens=max_new_tokens,
-                context_length=self.spec.context_length, eos_ids=frozenset(self.eos_token_ids), stop=stops,
-                inputs=inputs, on_token=on_token, output_logits=output_logits, cancel=cancel, reuse=reuse,
-                chunk_size=self.spec.chunk_size, owner=owner, held=held, drafts=drafts,
-            )  # fmt: skip
+                prompt=ids,
+                digest=digest,
+                sampler=Sampler(params, ids, processors),
+                detokenizer=IncrementalDetokenizer(self.tokenizer),
+                max_new_tokens=max_new_tokens,
+                context_length=self.spec.context_length,
+                eos_ids=frozenset(self.eos_token_ids),
+                stop=stops,
+                inputs=inputs,
+                on_token=on_token,
+                output_logits=output_logits,
+                cancel=cancel,
+                reuse=reuse,
+                chunk_size=self.spec.chunk_size,
+                owner=owner,
+                held=held,
+                drafts=drafts,
+            )
         except BaseException:
             self.drop_state(held)
             raise
@@ -401,10 +428,13 @@ class Engine:
         if mode in (False, "off"):
             return None
         if mode not in (True, *DRAFT_MODES):
-            raise InvalidRequest(f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
-                                 field="speculative")  # fmt: skip
-        return draft_control(str(self.device).startswith("cuda"), self.executor.verify_sizes,
-                             solo=self.speculate_alone)  # fmt: skip
+            raise InvalidRequest(
+                f"speculative must be one of {[*DRAFT_MODES, 'off']} or None, got {mode!r}",
+                field="speculative",
+            )
+        return draft_control(
+            str(self.device).startswith("cuda"), self.executor.verify_sizes, solo=self.speculate_alone
+        )
 
     def run_request(self, prompt: Prompt, **kwargs: Any) -> tuple[Result, Any]:
         """`submit` and wait: the result, and the state the request's owner keeps (None: nothing)."""
@@ -436,9 +466,15 @@ class Engine:
             if calls:
                 finish = "tool_calls"
         return Result(
-            text=req.text, tokens=list(req.output), finish_reason=finish, stats=stats, prompt_ids=req.prompt,
-            logits=np.stack(req.logits) if req.output_logits else None, tool_calls=calls, content=content,
-        )  # fmt: skip
+            text=req.text,
+            tokens=list(req.output),
+            finish_reason=finish,
+            stats=stats,
+            prompt_ids=req.prompt,
+            logits=np.stack(req.logits) if req.output_logits else None,
+            tool_calls=calls,
+            content=content,
+        )
 
     # --- steps ----------------------------------------------------------------------------
 
@@ -489,12 +525,17 @@ class Engine:
                 return True
             k, decodes = self._first_run(chunks)
             first = self._launch_first(decodes, outs, k) if k else None
-            if first is not None:  # prompts' ends, their first decode run launched before their tokens are read
+            if (
+                first is not None
+            ):  # prompts' ends, their first decode run launched before their tokens are read
                 tokens, run = first
                 picked: dict[int, Any] = dict(enumerate(tokens))
             else:  # every sampled row's token in one call (one host transfer); a processor's error fails its request
-                rows = [i for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
-                        if c.sample and not c.draft and out is not None and not isinstance(out, BaseException)]  # fmt: skip
+                rows = [
+                    i
+                    for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
+                    if c.sample and not c.draft and out is not None and not isinstance(out, BaseException)
+                ]
                 picked = self._sample(chunks, outs, rows)
             for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
                 req = c.req
@@ -551,13 +592,22 @@ class Engine:
         k = min(k, self.first_run_steps or k)
         for c in chunks:
             r = c.req
-            if (not c.sample or c.draft or r.output or r.cancelled or r.output_logits or r.sampler.needs_processing
-                    or (r.drafts is not None and r.drafts.active(len(chunks)))):  # fmt: skip
+            if (
+                not c.sample
+                or c.draft
+                or r.output
+                or r.cancelled
+                or r.output_logits
+                or r.sampler.needs_processing
+                or (r.drafts is not None and r.drafts.active(len(chunks)))
+            ):
                 return 0, []
         decodes = [Chunk(c.req, c.start + c.n - 1, 1, True) for c in chunks]
         return self._room(decodes, k, 1), decodes
 
-    def _launch_first(self, decodes: list[Chunk], outs: Sequence[Any], k: int) -> tuple[list[int], Any] | None:
+    def _launch_first(
+        self, decodes: list[Chunk], outs: Sequence[Any], k: int
+    ) -> tuple[list[int], Any] | None:
         """Choose the prompts' first tokens on the device (`outs`: their logits rows), launch `k` decode steps
         of `decodes` behind them, then read the tokens (the host's one wait: the device decodes meanwhile):
         (tokens, run; None if the launch failed), or None where nothing was chosen (the step goes on as it
@@ -588,13 +638,18 @@ class Engine:
         """Steps per run for `chunks`: `decode_steps`, at most `spec_decode_steps` when one of them is copying
         (a draft of it accepted lately, `DraftControl.hot`) or has a match waiting to be confirmed by the next
         run (`DraftControl.watching`)."""
-        if any(c.req.drafts is not None and c.req.drafts.active(len(chunks))
-               and c.req.drafts.watching(len(c.req.output)) for c in chunks):  # fmt: skip
+        if any(
+            c.req.drafts is not None
+            and c.req.drafts.active(len(chunks))
+            and c.req.drafts.watching(len(c.req.output))
+            for c in chunks
+        ):
             return min(self.decode_steps, self.spec_decode_steps)
         return self.decode_steps
 
-    def _run_decodes(self, chunks: Sequence[Any], k: int, run: Any = None, offset: int = 0,
-                     done: set[int] | None = None) -> None:  # fmt: skip
+    def _run_decodes(
+        self, chunks: Sequence[Any], k: int, run: Any = None, offset: int = 0, done: set[int] | None = None
+    ) -> None:
         """Runs of decode steps of `chunks` (`PagedKV.launch_decodes`), each request taking its tokens in
         order exactly as single steps would (EOS, stop strings and lengths checked per token). While the
         batch may continue (`_continue_run`), the next run is launched before the current one is read, so
@@ -690,8 +745,9 @@ class Engine:
             return k
         return 0
 
-    def _take_run(self, chunks: Sequence[Any], rows: list[list[int]], offset: int, done: set[int],
-                  fed: int = 0) -> set[int]:  # fmt: skip
+    def _take_run(
+        self, chunks: Sequence[Any], rows: list[list[int]], offset: int, done: set[int], fed: int = 0
+    ) -> set[int]:
         """Each request of `chunks` not in `done` takes the run's tokens (`rows[j][i]`, fed at positions
         `start + offset + j`; `fed`: how many positions the run fed from `offset`, if more than the rows)
         until it finishes, the positions fed past its end taken back out; finished and failed requests join
@@ -825,9 +881,13 @@ class Engine:
             return
         req = self.scheduler.waiting[0]
         cap = getattr(self.executor, "capacity_tokens", 0)
-        self._fail(req, DeviceOutOfMemory(
-            f"the KV pool holds {cap} tokens and cannot hold this request's {req.num_tokens}: load the model "
-            f"with a larger kv_bytes, or send a shorter prompt"))  # fmt: skip
+        self._fail(
+            req,
+            DeviceOutOfMemory(
+                f"the KV pool holds {cap} tokens and cannot hold this request's {req.num_tokens}: load the model "
+                f"with a larger kv_bytes, or send a shorter prompt"
+            ),
+        )
 
     # --- KV state kept by sessions -----------------------------------------------------------
 
@@ -844,27 +904,41 @@ class Engine:
         """KV and scheduling numbers now: running and waiting requests, preemptions, and for paged KV the
         pool's pages (total, free, used, indexed, shared), pinned sessions and prefix-cache hits."""
         with self._kv_lock:
-            out: dict[str, Any] = {"paged": self.paged, "running": len(self.scheduler.running),
-                                   "waiting": self.scheduler.num_waiting(),
-                                   "preemptions": self.scheduler.preemptions}  # fmt: skip
+            out: dict[str, Any] = {
+                "paged": self.paged,
+                "running": len(self.scheduler.running),
+                "waiting": self.scheduler.num_waiting(),
+                "preemptions": self.scheduler.preemptions,
+            }
             out.update(self.executor.stats())
         return out
 
-    def tool_processor(self, tools: Sequence[Mapping[str, Any]] | None, choice: str | Mapping[str, Any] | None,
-                        parallel: bool) -> LogitsProcessor | None:  # fmt: skip
+    def tool_processor(
+        self,
+        tools: Sequence[Mapping[str, Any]] | None,
+        choice: str | Mapping[str, Any] | None,
+        parallel: bool,
+    ) -> LogitsProcessor | None:
         """The llguidance constraint of a request's tool choice (None: no tools, or "none")."""
         from onnxgen.text import tools as tool_text
 
         if choice is not None and not isinstance(choice, (str, Mapping)):
-            raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', ...}",
-                                 field="tool_choice")  # fmt: skip
+            raise InvalidRequest(
+                "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', ...}",
+                field="tool_choice",
+            )
         funcs = tool_text.function_specs(tools)
         if isinstance(choice, str) and choice not in tool_text.TOOL_CHOICES:
-            raise InvalidRequest(f"tool_choice must be one of {', '.join(tool_text.TOOL_CHOICES)} or a named "
-                                 f"function, got {choice!r}", field="tool_choice")  # fmt: skip
+            raise InvalidRequest(
+                f"tool_choice must be one of {', '.join(tool_text.TOOL_CHOICES)} or a named "
+                f"function, got {choice!r}",
+                field="tool_choice",
+            )
         if not funcs:
             if choice not in (None, "none"):
-                raise InvalidRequest(f"tool_choice {choice!r} needs a non-empty tools list", field="tool_choice")
+                raise InvalidRequest(
+                    f"tool_choice {choice!r} needs a non-empty tools list", field="tool_choice"
+                )
             return None
         if choice == "none":
             return None
@@ -874,8 +948,11 @@ class Engine:
             name = fn.get("name") if isinstance(fn, Mapping) else None
             match = [f for f in funcs if f["name"] == name]
             if choice.get("type", "function") != "function" or not match:
-                raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools "
-                                     f"({', '.join(f['name'] for f in funcs)})", field="tool_choice")  # fmt: skip
+                raise InvalidRequest(
+                    f"tool_choice names {name!r}, which is not among the tools "
+                    f"({', '.join(f['name'] for f in funcs)})",
+                    field="tool_choice",
+                )
             funcs, required = match, True
         from onnxgen.sampling.grammar import GrammarCompiler
 
@@ -886,7 +963,9 @@ class Engine:
         if inputs is None:
             return
         if not isinstance(inputs, Mapping):
-            raise InvalidRequest("inputs must be a mapping of graph input name to array or bytes", field="inputs")
+            raise InvalidRequest(
+                "inputs must be a mapping of graph input name to array or bytes", field="inputs"
+            )
         known = {i.name for i in self.spec.extra_inputs}
         for name in inputs:
             if name not in known:

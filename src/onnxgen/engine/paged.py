@@ -78,8 +78,10 @@ class PagedKV:
     def admit(self, req: Request) -> bool:
         digest = req.digest if req.reuse else None
         peers = self._running.get(digest, ()) if digest is not None else ()
-        inflight = [InFlight(r.prompt if r.computed <= len(r.prompt) else r.tokens, r.computed, r.kv.pages)
-                    for r in peers]  # fmt: skip
+        inflight = [
+            InFlight(r.prompt if r.computed <= len(r.prompt) else r.tokens, r.computed, r.kv.pages)
+            for r in peers
+        ]
         table, cached = self.kv.open(digest, req.tokens, inflight, self._anchor(req, digest))
         req.kv = table
         req.computed = cached
@@ -139,8 +141,17 @@ class PagedKV:
         """All chunks in one batch. Per chunk: its last position's logits (a row of one `[R, vocab]`
         tensor) when it samples (with drafts: the `[1 + drafts, vocab]` rows of every fed position), else
         None. A failure of the batch raises (every request in it fails)."""
-        step = BatchStep(tuple(SeqChunk([*c.req.token_slice(c.start, c.n), *c.draft], c.start, c.req.kv.pages,
-                                        (1 + len(c.draft)) if c.sample else 0) for c in chunks))  # fmt: skip
+        step = BatchStep(
+            tuple(
+                SeqChunk(
+                    [*c.req.token_slice(c.start, c.n), *c.draft],
+                    c.start,
+                    c.req.kv.pages,
+                    (1 + len(c.draft)) if c.sample else 0,
+                )
+                for c in chunks
+            )
+        )
         rows = self.runner.run(step)
         out: list[Any] = []
         i = 0
@@ -162,12 +173,16 @@ class PagedKV:
         it and the runs before it fed): a launched run of the same chunks whose tokens are not read yet;
         this run continues from its last tokens. Returns a handle for `collect_decodes`."""
         if after is None:
-            step = BatchStep(tuple(SeqChunk(c.req.token_slice(c.start, 1), c.start, c.req.kv.pages, 1) for c in chunks))
+            step = BatchStep(
+                tuple(SeqChunk(c.req.token_slice(c.start, 1), c.start, c.req.kv.pages, 1) for c in chunks)
+            )
             choose = self._chooser(chunks)
         else:  # the ids come from `after`'s last tokens on the device; the choice continues its offsets
             step = BatchStep(tuple(SeqChunk([0], c.start + offset, c.req.kv.pages, 1) for c in chunks))
             choose = after.choose
-        return _Run(self.runner.launch_decodes(step, k, choose, offset, after.inner if after else None), choose)
+        return _Run(
+            self.runner.launch_decodes(step, k, choose, offset, after.inner if after else None), choose
+        )
 
     def choose_first(self, chunks: Sequence[Chunk], rows: Sequence[Any]) -> Any:
         """The next token of each sampled chunk (no processors) chosen on the device from its logits row
@@ -183,8 +198,12 @@ class PagedKV:
     def _chooser(self, chunks: Sequence[Chunk]) -> RowChooser:
         """The device choice of `chunks`' rows by each request's sampling settings, from its next step on."""
         samplers = [c.req.sampler for c in chunks]
-        return RowChooser([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers],
-                          self.runner.device)  # fmt: skip
+        return RowChooser(
+            [s.params for s in samplers],
+            [s.seed for s in samplers],
+            [s.step for s in samplers],
+            self.runner.device,
+        )
 
     def chosen(self, first: Any) -> list[int]:
         """The tokens of a `choose_first` handle: waits for the step that chose them, not for the runs
@@ -238,14 +257,21 @@ class PagedKV:
         pinned sessions, prefix-cache lookups and hits, and whether decode steps replay CUDA graphs."""
         alloc = self.kv.allocator
         c = self.kv.counters
-        return {"pages_total": alloc.num_pages, "pages_free": alloc.num_free, "pages_used": alloc.num_used,
-                "pages_indexed": self.index.num_nodes, "pages_shared": alloc.num_shared, "page_size": self.page_size,
-                "pinned_sessions": self.pinned_sessions, "prefix_lookups": c.lookups,
-                "prefix_lookup_tokens": c.looked_up_tokens, "prefix_hit_tokens": c.hit_tokens,
-                "prefix_inflight_hits": c.inflight_hits,
-                "cuda_graphs": bool(getattr(self.runner, "cuda_graphs", False))}  # fmt: skip
+        return {
+            "pages_total": alloc.num_pages,
+            "pages_free": alloc.num_free,
+            "pages_used": alloc.num_used,
+            "pages_indexed": self.index.num_nodes,
+            "pages_shared": alloc.num_shared,
+            "page_size": self.page_size,
+            "pinned_sessions": self.pinned_sessions,
+            "prefix_lookups": c.lookups,
+            "prefix_lookup_tokens": c.looked_up_tokens,
+            "prefix_hit_tokens": c.hit_tokens,
+            "prefix_inflight_hits": c.inflight_hits,
+            "cuda_graphs": bool(getattr(self.runner, "cuda_graphs", False)),
+        }
 
     def close(self) -> None:
         """Drop every unpinned indexed page (the sessions' pins are dropped first by the engine)."""
         self.index.clear()
-

@@ -132,8 +132,12 @@ class Scheduler:
         # waiting requests, first come first served (none in a step that had to preempt); a deferred one
         # keeps its place
         i = 0
-        while (self.preemptions == preempted and i < len(self.waiting) and budget > 0
-               and len(self.running) < self.max_running):  # fmt: skip
+        while (
+            self.preemptions == preempted
+            and i < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_running
+        ):
             req = self.waiting[i]
             if self.kv.defer(req):
                 i += 1
@@ -161,7 +165,9 @@ class Scheduler:
         and the context allow."""
         if req.drafts is None or not req.drafts.active(batch):
             return ()
-        room = min(budget - 1, req.max_new_tokens - len(req.output) - 1, req.context_length - req.num_tokens - 1)
+        room = min(
+            budget - 1, req.max_new_tokens - len(req.output) - 1, req.context_length - req.num_tokens - 1
+        )
         k = min(req.drafts.budget(len(req.output)), room)
         return tuple(req.drafts.propose(req.prompt, req.output, k)) if k > 0 else ()
 

@@ -38,8 +38,9 @@ class Runner(Protocol):
 
     registry: SessionRegistry  # touch() a session after it commits; forget() it when closed
 
-    def run_request(self, prompt: Any, *, owner: Any, held: Any, salt: str | None,
-                    **kwargs: Any) -> tuple[Result, Any]:  # fmt: skip
+    def run_request(
+        self, prompt: Any, *, owner: Any, held: Any, salt: str | None, **kwargs: Any
+    ) -> tuple[Result, Any]:
         """Run one request whose context `owner` keeps; `held` is the owner's retained state, taken for
         the request (the engine disposes of it on every path); `history=` the ids of the owner's last
         context, which a chat prompt keeps where it spells them (`Engine.encode_prompt`) even when `held`

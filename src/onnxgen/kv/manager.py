@@ -99,8 +99,13 @@ class KVManager:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def open(self, digest: bytes | None, tokens: Sequence[int], inflight: Sequence[InFlight] = (),
-             start: Anchor | None = None) -> tuple[PageTable, int]:  # fmt: skip
+    def open(
+        self,
+        digest: bytes | None,
+        tokens: Sequence[int],
+        inflight: Sequence[InFlight] = (),
+        start: Anchor | None = None,
+    ) -> tuple[PageTable, int]:
         """A page table for a request over `tokens`, sharing the longest indexed prefix of at most
         `len(tokens) - 1` tokens (at least one token is always computed). Returns the table and how many
         leading positions it already holds. A partly matched page is copied into a new page when one can
@@ -133,7 +138,9 @@ class KVManager:
         self.counters.hit_tokens += cached
         return table, cached
 
-    def _inflight_share(self, tokens: Sequence[int], inflight: Sequence[InFlight], have: int) -> Sequence[int] | None:
+    def _inflight_share(
+        self, tokens: Sequence[int], inflight: Sequence[InFlight], have: int
+    ) -> Sequence[int] | None:
         """The leading full pages of the running request that computed the most of `tokens` (at most
         `len(tokens) - 1` positions), when that beats the `have` positions the index supplies; else None."""
         P = self.page_size

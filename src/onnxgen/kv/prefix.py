@@ -116,8 +116,13 @@ class PrefixIndex:
 
     # --- lookup ------------------------------------------------------------------------------------
 
-    def match(self, digest: bytes | None, tokens: Sequence[int], limit: int | None = None,
-              start: Anchor | None = None) -> Match:  # fmt: skip
+    def match(
+        self,
+        digest: bytes | None,
+        tokens: Sequence[int],
+        limit: int | None = None,
+        start: Anchor | None = None,
+    ) -> Match:
         """The longest indexed prefix of `tokens[:limit]` under `digest` (None: undigestable, matches
         nothing). Marks the matched end as recently used. Changes no reference counts. `start`: an anchor
         under `digest` whose path `tokens` are known to begin with (the caller checked); the walk begins
@@ -167,8 +172,9 @@ class PrefixIndex:
         digest's root when `tokens` is empty."""
         return self.insert_path(digest, tokens, pages)[0]
 
-    def insert_path(self, digest: bytes, tokens: Sequence[int], pages: Sequence[int],
-                    start: Anchor | None = None) -> tuple[Node, Anchor]:  # fmt: skip
+    def insert_path(
+        self, digest: bytes, tokens: Sequence[int], pages: Sequence[int], start: Anchor | None = None
+    ) -> tuple[Node, Anchor]:
         """`insert`, beginning at `start` (an anchor under `digest` whose path `tokens` begin with, and
         whose pages `pages` begin with: the request matched them), and also returning the anchor of the
         path's last full page covered by `tokens` (where the next lookup of a longer context may start)."""
@@ -187,8 +193,10 @@ class PrefixIndex:
             path = []
         i0 = len(path)
         last_full = node  # the last node walked whose page is full (or the start)
-        chunks = itertools.chain(zip(*[iter(tokens[i0 * P : full * P])] * P, strict=False),
-                                 [tuple(tokens[full * P :])] if need > full else [])  # fmt: skip
+        chunks = itertools.chain(
+            zip(*[iter(tokens[i0 * P : full * P])] * P, strict=False),
+            [tuple(tokens[full * P :])] if need > full else [],
+        )
         for i, chunk in enumerate(chunks, i0):
             child = node.children.get(chunk)
             if child is None and len(chunk) < P:
@@ -224,14 +232,21 @@ class PrefixIndex:
         node.pins -= 1
         parent = node.parent
         if node.pins == 0 and parent is not None and len(node.tokens) < self.page_size:
-            longer = next((k for k in parent.children if len(k) > len(node.tokens) and k[: len(node.tokens)] == node.tokens),
-                          None)  # fmt: skip
+            longer = next(
+                (
+                    k
+                    for k in parent.children
+                    if len(k) > len(node.tokens) and k[: len(node.tokens)] == node.tokens
+                ),
+                None,
+            )
             if longer is not None:  # indexed positions that hold the same tokens and more
                 self._drop_superseded(parent, longer)
 
     def _evictable(self, node: Node) -> bool:
-        return (not node.children and not node.is_root and node.pins == 0
-                and self.allocator.refs(node.page) == 1)  # fmt: skip
+        return (
+            not node.children and not node.is_root and node.pins == 0 and self.allocator.refs(node.page) == 1
+        )
 
     def evict(self, n: int) -> int:
         """Free up to `n` pages by dropping least recently used leaves that only the index holds (no pin,

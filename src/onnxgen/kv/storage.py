@@ -24,9 +24,17 @@ def page_bytes(num_layers: int, page_size: int, kv_heads: int, head_dim: int, el
 class PageStorage:
     """The pool's tensor and the few operations on whole pages the manager and the runner need."""
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-                 dtype: Any, device: Any, copy_prefix: Callable[[Any, int, int, int], None] | None = None,
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        device: Any,
+        copy_prefix: Callable[[Any, int, int, int], None] | None = None,
+    ) -> None:
         """`copy_prefix(data, src, dst, n)`: how the owner's device copies a page prefix in every layer
         (default: a torch slice copy)."""
         import torch
@@ -34,8 +42,9 @@ class PageStorage:
         self._copy_prefix = copy_prefix
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.data = torch.empty((num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype=dtype,
-                                device=device)  # fmt: skip
+        self.data = torch.empty(
+            (num_layers, 2, num_pages, page_size, kv_heads, head_dim), dtype=dtype, device=device
+        )
 
     @property
     def dtype(self) -> Any:

@@ -24,13 +24,37 @@ from onnxgen.errors import (
 # Decoder-only model types ONNX Runtime GenAI's builder emits with one decoder graph.
 SUPPORTED_MODEL_TYPES = frozenset(
     {
-        "llama", "mistral", "qwen2", "qwen3", "phi", "phi3", "phimoe", "gemma", "gemma2", "gemma3_text",
-        "granite", "olmo", "nemotron", "smollm3", "chatglm", "ernie4_5", "decoder",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi",
+        "phi3",
+        "phimoe",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "granite",
+        "olmo",
+        "nemotron",
+        "smollm3",
+        "chatglm",
+        "ernie4_5",
+        "decoder",
     }
-)  # fmt: skip
+)
 
 # ONNX TensorProto element type -> numpy-style dtype name.
-ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64", 7: "int64", 6: "int32", 9: "bool", 2: "uint8"}
+ONNX_DTYPES = {
+    1: "float32",
+    10: "float16",
+    16: "bfloat16",
+    11: "float64",
+    7: "int64",
+    6: "int32",
+    9: "bool",
+    2: "uint8",
+}
 
 # Inputs every decoder is fed by the runtime itself (others must come from the request).
 _RUNTIME_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -130,7 +154,9 @@ class ModelSpec:
         return replace(self, chunk_size=chunk_size)
 
 
-def _get(cfg: dict[str, Any], dotted: str, path: Path, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+def _get(
+    cfg: dict[str, Any], dotted: str, path: Path, kind: type | tuple[type, ...], default: Any = ...
+) -> Any:
     """Read `a.b.c` from a nested dict, raising InvalidConfig naming the key when missing or mistyped."""
     node: Any = cfg
     for part in dotted.split("."):
@@ -153,7 +179,9 @@ def _get(cfg: dict[str, Any], dotted: str, path: Path, kind: type | tuple[type, 
 
 def _layer_names(pattern: str, n: int, key: str, path: Path) -> tuple[str, ...]:
     if "%d" not in pattern:
-        raise InvalidConfig(f"{path}: '{key}' must contain '%d' (one name per layer), got {pattern!r}", path, key)
+        raise InvalidConfig(
+            f"{path}: '{key}' must contain '%d' (one name per layer), got {pattern!r}", path, key
+        )
     return tuple(pattern % i for i in range(n))
 
 
@@ -164,7 +192,9 @@ def _read_graph_io(onnx_path: Path) -> tuple[tuple[GraphIO, ...], tuple[GraphIO,
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError / OSError variants
-        raise MissingModelFile(f"{onnx_path}: cannot read the ONNX graph ({exc}); re-export the package", onnx_path) from exc
+        raise MissingModelFile(
+            f"{onnx_path}: cannot read the ONNX graph ({exc}); re-export the package", onnx_path
+        ) from exc
 
     def io(v: Any) -> GraphIO:
         tt = v.type.tensor_type
@@ -191,7 +221,11 @@ def _eos_ids(cfg: dict[str, Any], gen_cfg: dict[str, Any], path: Path) -> tuple[
             continue
         for v in raw if isinstance(raw, list) else [raw]:
             if not isinstance(v, int) or isinstance(v, bool):
-                raise InvalidConfig(f"{path}: model.eos_token_id must be an int or a list of ints, got {raw!r}", path, "model.eos_token_id")
+                raise InvalidConfig(
+                    f"{path}: model.eos_token_id must be an int or a list of ints, got {raw!r}",
+                    path,
+                    "model.eos_token_id",
+                )
             if v not in ids:
                 ids.append(v)
     return tuple(ids)
@@ -220,7 +254,9 @@ def load_spec(path: str | Path) -> ModelSpec:
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidConfig(f"{cfg_path}: not valid JSON ({exc}); fix or regenerate the file", cfg_path) from exc
+        raise InvalidConfig(
+            f"{cfg_path}: not valid JSON ({exc}); fix or regenerate the file", cfg_path
+        ) from exc
     if not isinstance(cfg, dict):
         raise InvalidConfig(f"{cfg_path}: must hold a JSON object", cfg_path)
 
@@ -240,22 +276,47 @@ def load_spec(path: str | Path) -> ModelSpec:
     hidden_size = _get(cfg, f"{dec}.hidden_size", cfg_path, int, num_heads * head_size)
     vocab_size = _get(cfg, "model.vocab_size", cfg_path, int)
     context_length = _get(cfg, "model.context_length", cfg_path, int)
-    for key, val in (("num_hidden_layers", num_layers), ("num_attention_heads", num_heads),
-                     ("num_key_value_heads", num_kv_heads), ("head_size", head_size)):  # fmt: skip
+    for key, val in (
+        ("num_hidden_layers", num_layers),
+        ("num_attention_heads", num_heads),
+        ("num_key_value_heads", num_kv_heads),
+        ("head_size", head_size),
+    ):
         if val < 1:
             raise InvalidConfig(f"{cfg_path}: {dec}.{key} must be >= 1, got {val}", cfg_path, f"{dec}.{key}")
     if num_heads % num_kv_heads:
         raise InvalidConfig(
             f"{cfg_path}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})",
-            cfg_path, f"{dec}.num_key_value_heads",
-        )  # fmt: skip
+            cfg_path,
+            f"{dec}.num_key_value_heads",
+        )
 
     ins = _get(cfg, f"{dec}.inputs", cfg_path, dict, {})
     outs = _get(cfg, f"{dec}.outputs", cfg_path, dict, {})
-    past_k = _layer_names(ins.get("past_key_names", "past_key_values.%d.key"), num_layers, f"{dec}.inputs.past_key_names", cfg_path)
-    past_v = _layer_names(ins.get("past_value_names", "past_key_values.%d.value"), num_layers, f"{dec}.inputs.past_value_names", cfg_path)
-    pres_k = _layer_names(outs.get("present_key_names", "present.%d.key"), num_layers, f"{dec}.outputs.present_key_names", cfg_path)
-    pres_v = _layer_names(outs.get("present_value_names", "present.%d.value"), num_layers, f"{dec}.outputs.present_value_names", cfg_path)
+    past_k = _layer_names(
+        ins.get("past_key_names", "past_key_values.%d.key"),
+        num_layers,
+        f"{dec}.inputs.past_key_names",
+        cfg_path,
+    )
+    past_v = _layer_names(
+        ins.get("past_value_names", "past_key_values.%d.value"),
+        num_layers,
+        f"{dec}.inputs.past_value_names",
+        cfg_path,
+    )
+    pres_k = _layer_names(
+        outs.get("present_key_names", "present.%d.key"),
+        num_layers,
+        f"{dec}.outputs.present_key_names",
+        cfg_path,
+    )
+    pres_v = _layer_names(
+        outs.get("present_value_names", "present.%d.value"),
+        num_layers,
+        f"{dec}.outputs.present_value_names",
+        cfg_path,
+    )
 
     onnx_path = root / filename
     if not onnx_path.is_file():
@@ -276,33 +337,50 @@ def load_spec(path: str | Path) -> ModelSpec:
     out_names = {o.name for o in outputs}
     input_ids = ins.get("input_ids", "input_ids")
     if input_ids not in in_names:
-        raise InvalidConfig(f"{cfg_path}: the graph has no input {input_ids!r} (model.decoder.inputs.input_ids)", cfg_path, f"{dec}.inputs.input_ids")
+        raise InvalidConfig(
+            f"{cfg_path}: the graph has no input {input_ids!r} (model.decoder.inputs.input_ids)",
+            cfg_path,
+            f"{dec}.inputs.input_ids",
+        )
     logits = outs.get("logits", "logits")
     if logits not in out_names:
-        raise InvalidConfig(f"{cfg_path}: the graph has no output {logits!r} (model.decoder.outputs.logits)", cfg_path, f"{dec}.outputs.logits")
-    for kind, names, have in (("inputs.past_key_names", past_k, in_names), ("inputs.past_value_names", past_v, in_names),
-                              ("outputs.present_key_names", pres_k, out_names), ("outputs.present_value_names", pres_v, out_names)):  # fmt: skip
+        raise InvalidConfig(
+            f"{cfg_path}: the graph has no output {logits!r} (model.decoder.outputs.logits)",
+            cfg_path,
+            f"{dec}.outputs.logits",
+        )
+    for kind, names, have in (
+        ("inputs.past_key_names", past_k, in_names),
+        ("inputs.past_value_names", past_v, in_names),
+        ("outputs.present_key_names", pres_k, out_names),
+        ("outputs.present_value_names", pres_v, out_names),
+    ):
         missing = [n for n in names if n not in have]
         if missing:
             raise InvalidConfig(
                 f"{cfg_path}: the graph lacks {missing[0]!r} named by model.decoder.{kind}; "
                 "fix the name pattern or num_hidden_layers",
-                cfg_path, f"{dec}.{kind}",
-            )  # fmt: skip
+                cfg_path,
+                f"{dec}.{kind}",
+            )
     mask = ins.get("attention_mask", "attention_mask")
     pos = ins.get("position_ids", "position_ids")
     kv_dtype = in_names[past_k[0]].dtype
 
     tok_path = root / "tokenizer.json"
     if not tok_path.is_file():
-        raise MissingTokenizer(f"{tok_path}: missing; copy the model's tokenizer.json into the package", tok_path)
+        raise MissingTokenizer(
+            f"{tok_path}: missing; copy the model's tokenizer.json into the package", tok_path
+        )
     tok_cfg: dict[str, Any] = {}
     tok_cfg_path = root / "tokenizer_config.json"
     if tok_cfg_path.is_file():
         try:
             tok_cfg = json.loads(tok_cfg_path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise MissingTokenizer(f"{tok_cfg_path}: not valid JSON ({exc}); fix or remove it", tok_cfg_path) from exc
+            raise MissingTokenizer(
+                f"{tok_cfg_path}: not valid JSON ({exc}); fix or remove it", tok_cfg_path
+            ) from exc
     template_path = root / "chat_template.jinja"
     chat_template = template_path.read_text(encoding="utf-8") if template_path.is_file() else None
     if chat_template is None and isinstance(tok_cfg.get("chat_template"), str):
@@ -329,7 +407,9 @@ def load_spec(path: str | Path) -> ModelSpec:
     if chunk is None:
         chunk = _get(cfg, "search.chunk_size", cfg_path, int, None)
     if chunk is not None and chunk < 1:
-        raise InvalidConfig(f"{cfg_path}: chunk_size must be >= 1, got {chunk}", cfg_path, "search.chunk_size")
+        raise InvalidConfig(
+            f"{cfg_path}: chunk_size must be >= 1, got {chunk}", cfg_path, "search.chunk_size"
+        )
 
     def opt_int(key: str) -> int | None:
         v = cfg["model"].get(key)

@@ -41,8 +41,11 @@ def _is_torch(x: Any) -> bool:
 def race_noise_numpy(seed: int, step: int, n: int) -> np.ndarray:
     """`Exp(1)` draws for token ids 0..n-1 at (seed, step): splitmix64 of a counter, float64."""
     with np.errstate(over="ignore"):
-        x = (np.uint64(seed & _M64) + np.uint64((step * _STEP) & _M64)
-             + np.arange(n, dtype=np.uint64) * np.uint64(_TOKEN))  # fmt: skip
+        x = (
+            np.uint64(seed & _M64)
+            + np.uint64((step * _STEP) & _M64)
+            + np.arange(n, dtype=np.uint64) * np.uint64(_TOKEN)
+        )
         x ^= x >> np.uint64(30)
         x *= np.uint64(_MIX1)
         x ^= x >> np.uint64(27)
@@ -123,7 +126,9 @@ def choose_numpy(p: SamplingParams, seed: int, step: int, logits: np.ndarray) ->
     return int(np.argmax(probs / race_noise_numpy(seed, step, probs.shape[0])))
 
 
-def choose_rows(params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int], logits: Any) -> list[int]:
+def choose_rows(
+    params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int], logits: Any
+) -> list[int]:
     """The token of each row of `logits` (`[R, V]`, numpy or torch). torch rows are chosen together on
     their device with one transfer to the host (`RowChooser`)."""
     if not _is_torch(logits):
@@ -137,8 +142,9 @@ class RowChooser:
     many tokens each row has generated since `steps`). Rows differing in their settings are filtered with
     per-row values (a top-k or top-p of 0 / 1 keeps every token)."""
 
-    def __init__(self, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int],
-                 device: Any) -> None:  # fmt: skip
+    def __init__(
+        self, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int], device: Any
+    ) -> None:
         import torch
 
         self.params = list(params)
@@ -150,10 +156,16 @@ class RowChooser:
         f64 = torch.float64
         self.temp = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=f64, device=dev)
         self.top_k = [p.top_k for p in params]
-        self.min_p = (torch.tensor([p.min_p for p in params], dtype=f64, device=dev)
-                      if any(p.min_p > 0 for p in params) else None)  # fmt: skip
-        self.top_p = (torch.tensor([p.top_p for p in params], dtype=f64, device=dev)
-                      if any(p.top_p < 1 for p in params) else None)  # fmt: skip
+        self.min_p = (
+            torch.tensor([p.min_p for p in params], dtype=f64, device=dev)
+            if any(p.min_p > 0 for p in params)
+            else None
+        )
+        self.top_p = (
+            torch.tensor([p.top_p for p in params], dtype=f64, device=dev)
+            if any(p.top_p < 1 for p in params)
+            else None
+        )
         self.seeds = torch.tensor([_signed(s & _M64) for s in seeds], dtype=torch.int64, device=dev)
         self.steps = torch.tensor(list(steps), dtype=torch.int64, device=dev)
         self.is_greedy = torch.tensor([p.greedy for p in params], device=dev)

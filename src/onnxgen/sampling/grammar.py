@@ -60,10 +60,14 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]) -> None:
         llg = _llg()
         if not eos_ids:
-            raise GrammarError("structured output needs an EOS token id; the package defines none", field="response_format")
+            raise GrammarError(
+                "structured output needs an EOS token id; the package defines none", field="response_format"
+            )
         self.vocab_size = int(vocab_size)
         self.eos_ids = tuple(int(i) for i in eos_ids)
-        self.ll_tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=self.vocab_size, eos_token=list(self.eos_ids))
+        self.ll_tokenizer = llg.LLTokenizer(
+            tokenizer_json, n_vocab=self.vocab_size, eos_token=list(self.eos_ids)
+        )
 
     _cache: ClassVar[weakref.WeakKeyDictionary[Any, GrammarCompiler]] = weakref.WeakKeyDictionary()
     _cache_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -108,14 +112,18 @@ class GrammarCompiler:
                     raise GrammarError("the Lark grammar must be a non-empty string", field=field)
                 grammar = llg.LLMatcher.grammar_from_lark(source)
             else:
-                raise GrammarError(f"unknown constraint kind {kind!r}; use one of {', '.join(KINDS)}", field=field)
+                raise GrammarError(
+                    f"unknown constraint kind {kind!r}; use one of {', '.join(KINDS)}", field=field
+                )
         except (ValueError, TypeError) as exc:
             if isinstance(exc, GrammarError):
                 raise
             raise GrammarError(f"invalid {kind}: {exc}", field=field) from exc
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if is_error:
-            raise GrammarError(f"invalid {kind}: {messages[0] if messages else 'rejected by llguidance'}", field=field)
+            raise GrammarError(
+                f"invalid {kind}: {messages[0] if messages else 'rejected by llguidance'}", field=field
+            )
         return grammar
 
     def processor(self, kind: str, source: Any = None) -> GrammarProcessor:
@@ -176,7 +184,11 @@ class GrammarProcessor:
             if logits.shape[-1] > n:
                 logits[..., n:] = float("-inf")
             return logits
-        x = logits if isinstance(logits, np.ndarray) and logits.dtype.kind == "f" else np.asarray(logits, np.float32)
+        x = (
+            logits
+            if isinstance(logits, np.ndarray) and logits.dtype.kind == "f"
+            else np.asarray(logits, np.float32)
+        )
         n = min(allowed.shape[0], x.shape[-1])
         np.copyto(x[..., :n], np.float32(-np.inf), where=~allowed[:n])
         if x.shape[-1] > n:

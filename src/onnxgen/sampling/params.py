@@ -32,7 +32,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0) or self.temperature > 100:
-            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}", field="temperature")
+            raise InvalidRequest(
+                f"temperature must be in [0, 100], got {self.temperature}", field="temperature"
+            )
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}", field="top_k")
         if not (0.0 < self.top_p <= 1.0):
@@ -40,8 +42,10 @@ class SamplingParams:
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
         if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
-            raise InvalidRequest(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
-                                 field="repetition_penalty")  # fmt: skip
+            raise InvalidRequest(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+                field="repetition_penalty",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not (-2.0 <= v <= 2.0):
@@ -86,6 +90,8 @@ class SamplingParams:
                 repetition_penalty if repetition_penalty is not None else s.repetition_penalty
             ),
             presence_penalty=float(presence_penalty if presence_penalty is not None else d.presence_penalty),
-            frequency_penalty=float(frequency_penalty if frequency_penalty is not None else d.frequency_penalty),
+            frequency_penalty=float(
+                frequency_penalty if frequency_penalty is not None else d.frequency_penalty
+            ),
             seed=seed,
         )

@@ -37,11 +37,17 @@ class LogitBias:
                 tok = int(k)
                 val = float(v)
             except (TypeError, ValueError) as exc:
-                raise InvalidRequest(f"logit_bias maps token ids to numbers, got {k!r}: {v!r}", field="logit_bias") from exc
+                raise InvalidRequest(
+                    f"logit_bias maps token ids to numbers, got {k!r}: {v!r}", field="logit_bias"
+                ) from exc
             if not 0 <= tok < vocab_size:
-                raise InvalidRequest(f"logit_bias token id {tok} is outside [0, {vocab_size})", field="logit_bias")
+                raise InvalidRequest(
+                    f"logit_bias token id {tok} is outside [0, {vocab_size})", field="logit_bias"
+                )
             if not -100.0 <= val <= 100.0:
-                raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {val}", field="logit_bias")
+                raise InvalidRequest(
+                    f"logit_bias values must be in [-100, 100], got {val}", field="logit_bias"
+                )
             ids.append(tok)
             vals.append(val)
         self._ids = np.asarray(ids, dtype=np.int64)
@@ -57,7 +63,10 @@ class LogitBias:
 
             if self._t is None or self._dev != logits.device:
                 self._dev = logits.device
-                self._t = (torch.from_numpy(self._ids).to(logits.device), torch.from_numpy(self._vals).to(logits.device))
+                self._t = (
+                    torch.from_numpy(self._ids).to(logits.device),
+                    torch.from_numpy(self._vals).to(logits.device),
+                )
             idx, vals = self._t
             logits[idx] += vals.to(logits.dtype)
             return logits

@@ -146,4 +146,6 @@ def sample_rows(samplers: Sequence[Sampler], rows: Sequence[Any], processed: boo
         stacked = torch.stack([r.reshape(-1).float() for r in rows])
     else:
         stacked = np.stack([np.asarray(r, dtype=np.float32).reshape(-1) for r in rows])
-    return choose_rows([s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers], stacked)
+    return choose_rows(
+        [s.params for s in samplers], [s.seed for s in samplers], [s.step for s in samplers], stacked
+    )

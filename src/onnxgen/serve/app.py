@@ -82,7 +82,9 @@ class RunningServer:
         self.host, self.port = self.sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False)
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

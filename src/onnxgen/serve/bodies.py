@@ -74,8 +74,11 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     """Decode a request body (see the module docstring). Raises APIError(400)."""
     depth = nesting_depth(raw)
     if depth > MAX_DEPTH:
-        raise APIError(400, f"the request body nests arrays/objects {depth} deep; at most {MAX_DEPTH} levels are accepted",
-                       code="invalid_json")  # fmt: skip
+        raise APIError(
+            400,
+            f"the request body nests arrays/objects {depth} deep; at most {MAX_DEPTH} levels are accepted",
+            code="invalid_json",
+        )
     try:
         data = json.loads(raw, parse_constant=_no_constants, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -85,9 +88,13 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     bad = _surrogate_path(data, [])
     if bad is not None:
         param = ".".join(bad) or None
-        raise APIError(400, f"{param or 'body'}: a string holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
-                       "text; send valid Unicode (pair surrogates, or escape the character itself)",
-                       param=param, code="invalid_value")  # fmt: skip
+        raise APIError(
+            400,
+            f"{param or 'body'}: a string holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+            "text; send valid Unicode (pair surrogates, or escape the character itself)",
+            param=param,
+            code="invalid_value",
+        )
     return data
 
 
@@ -114,4 +121,6 @@ async def read_json(request: Any, schema: Any, limit: int) -> Any:
         err = exc.errors()[0]
         loc = [str(p) for p in err.get("loc", ())]
         param = ".".join(loc) or None
-        raise APIError(400, f"{param or 'body'}: {err.get('msg')}", param=param, code="invalid_value") from None
+        raise APIError(
+            400, f"{param or 'body'}: {err.get('msg')}", param=param, code="invalid_value"
+        ) from None

@@ -44,8 +44,12 @@ def from_engine_error(exc: BaseException, *, prompt_field: str = "messages") -> 
             field = "max_tokens"
         return APIError(400, str(exc), param=field, code="invalid_value")
     if isinstance(exc, TemplateError):
-        return APIError(400, f"the chat template failed on these messages: {exc}", param=prompt_field,
-                        code="invalid_value")  # fmt: skip
+        return APIError(
+            400,
+            f"the chat template failed on these messages: {exc}",
+            param=prompt_field,
+            code="invalid_value",
+        )
     if isinstance(exc, Cancelled):
         return APIError(499, "the request was cancelled", code="cancelled")
     if isinstance(exc, OnnxgenError):

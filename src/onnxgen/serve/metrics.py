@@ -62,9 +62,21 @@ class Metrics:
                 lines.append(f'onnxgen_requests_total{{route="{_esc(route)}",status="{status}"}} {n}')
             for name, help_text, value in (
                 ("onnxgen_prompt_tokens_total", "Prompt tokens of finished generations.", self.prompt_tokens),
-                ("onnxgen_completion_tokens_total", "Generated tokens of finished generations.", self.completion_tokens),
-                ("onnxgen_reused_tokens_total", "Prompt tokens served from retained KV (not prefilled).", self.reused_tokens),
-                ("onnxgen_cancelled_total", "Generations cancelled (e.g. client disconnected).", self.cancelled),
+                (
+                    "onnxgen_completion_tokens_total",
+                    "Generated tokens of finished generations.",
+                    self.completion_tokens,
+                ),
+                (
+                    "onnxgen_reused_tokens_total",
+                    "Prompt tokens served from retained KV (not prefilled).",
+                    self.reused_tokens,
+                ),
+                (
+                    "onnxgen_cancelled_total",
+                    "Generations cancelled (e.g. client disconnected).",
+                    self.cancelled,
+                ),
             ):
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
             lines += [

@@ -79,7 +79,9 @@ def completion_prompt(req: Any) -> Any:
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise APIError(400, "only one prompt per request is supported", param="prompt", code="invalid_value")
+            raise APIError(
+                400, "only one prompt per request is supported", param="prompt", code="invalid_value"
+            )
         prompt = prompt[0]
     return prompt
 
@@ -92,8 +94,12 @@ def _flatten_content(content: Any, i: int) -> str:
     parts = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise APIError(400, f"content parts of type {part.type!r} are not supported (text only)",
-                           param=f"messages.{i}.content", code="unsupported")  # fmt: skip
+            raise APIError(
+                400,
+                f"content parts of type {part.type!r} are not supported (text only)",
+                param=f"messages.{i}.content",
+                code="unsupported",
+            )
         parts.append(part.text)
     return "\n".join(parts)
 
@@ -101,8 +107,9 @@ def _flatten_content(content: Any, i: int) -> str:
 # --- request → generate keyword arguments -------------------------------------------------------------
 
 
-def prepare(model: Any, req: Any, prompt: Any, kind: Kind, *, model_id: str, model_names: Collection[str],
-            cap: int) -> Prepared:  # fmt: skip
+def prepare(
+    model: Any, req: Any, prompt: Any, kind: Kind, *, model_id: str, model_names: Collection[str], cap: int
+) -> Prepared:
     """Validate everything that can be validated before the request is queued (so every problem is a 400,
     for streams too) and map it onto `Session.generate` arguments. Encodes the prompt (milliseconds for a
     long one: call it off the event loop). Raises APIError naming the field."""
@@ -114,19 +121,30 @@ def prepare(model: Any, req: Any, prompt: Any, kind: Kind, *, model_id: str, mod
     except Exception as exc:
         raise from_engine_error(exc, prompt_field=field) from None
     if req.model not in model_names:
-        raise APIError(400, f"unknown model {req.model!r}; this server serves {model_id!r}",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            400,
+            f"unknown model {req.model!r}; this server serves {model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
     if req.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
     max_new_tokens = _max_new_tokens(req, kind, len(ids), model.spec.context_length, cap)
     stop = req.stop
     if isinstance(stop, list) and (len(stop) > MAX_STOP or not all(stop)):
-        raise APIError(400, f"stop must be at most {MAX_STOP} non-empty strings", param="stop", code="invalid_value")
+        raise APIError(
+            400, f"stop must be at most {MAX_STOP} non-empty strings", param="stop", code="invalid_value"
+        )
     sampling = {
-        "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "min_p": req.min_p,
-        "repetition_penalty": req.repetition_penalty, "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty, "seed": req.seed,
-    }  # fmt: skip
+        "temperature": req.temperature,
+        "top_k": req.top_k,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "seed": req.seed,
+    }
     tools: dict[str, Any] = {}
     recorder = None
     try:
@@ -134,28 +152,49 @@ def prepare(model: Any, req: Any, prompt: Any, kind: Kind, *, model_id: str, mod
         if kind.chat:
             tools = _tool_kwargs(model, req)
             if req.top_logprobs is not None and not req.logprobs:
-                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+                raise APIError(
+                    400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
+                )
             if req.logprobs:
                 recorder = LogprobsRecorder(req.top_logprobs or 0)  # checks top_logprobs in [0, 20]
         else:
             _check_completion_only(req)
             if req.logprobs is not None:
                 if not 0 <= req.logprobs <= 5:  # the completions API's own bound (LogprobsRecorder takes 20)
-                    raise APIError(400, f"logprobs must be in [0, 5], got {req.logprobs}", param="logprobs",
-                                   code="invalid_value")  # fmt: skip
+                    raise APIError(
+                        400,
+                        f"logprobs must be in [0, 5], got {req.logprobs}",
+                        param="logprobs",
+                        code="invalid_value",
+                    )
                 recorder = LogprobsRecorder(req.logprobs)
     except InvalidRequest as exc:
         raise from_engine_error(exc, prompt_field=field) from None
-    processors = [p for p in (recorder, _logit_bias(model, req.logit_bias), _response_format(model, req.response_format))
-                  if p is not None]  # fmt: skip
+    processors = [
+        p
+        for p in (recorder, _logit_bias(model, req.logit_bias), _response_format(model, req.response_format))
+        if p is not None
+    ]
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
         raise APIError(400, "stream_options needs stream=true", param="stream_options", code="invalid_value")
-    kwargs = {"max_new_tokens": max_new_tokens, "stop": stop or None, "processors": processors,
-              "speculative": req.speculative, **sampling, **tools}  # fmt: skip
+    kwargs = {
+        "max_new_tokens": max_new_tokens,
+        "stop": stop or None,
+        "processors": processors,
+        "speculative": req.speculative,
+        **sampling,
+        **tools,
+    }
     marker = model.tool_format.marker if tools.get("tools") and tools.get("tool_choice") != "none" else ""
-    return Prepared(prompt if kind.chat else ids, kwargs, recorder, stream,
-                    bool(req.stream_options and req.stream_options.include_usage), marker)  # fmt: skip
+    return Prepared(
+        prompt if kind.chat else ids,
+        kwargs,
+        recorder,
+        stream,
+        bool(req.stream_options and req.stream_options.include_usage),
+        marker,
+    )
 
 
 def _max_new_tokens(req: Any, kind: Kind, prompt_tokens: int, context_length: int, cap: int) -> int:
@@ -170,12 +209,20 @@ def _max_new_tokens(req: Any, kind: Kind, prompt_tokens: int, context_length: in
     if n is None:
         return min(cap, room)
     if not 1 <= n <= cap:
-        raise APIError(400, f"{field} must be between 1 and this server's cap of {cap} tokens per request, got {n}",
-                       param=field, code="invalid_value")  # fmt: skip
+        raise APIError(
+            400,
+            f"{field} must be between 1 and this server's cap of {cap} tokens per request, got {n}",
+            param=field,
+            code="invalid_value",
+        )
     if n > room:
-        raise APIError(400, f"the prompt ({prompt_tokens} tokens) plus {field} ({n}) exceeds the model's context "
-                       f"length ({context_length}); lower {field} to at most {room} or shorten the prompt",
-                       param=field, code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"the prompt ({prompt_tokens} tokens) plus {field} ({n}) exceeds the model's context "
+            f"length ({context_length}); lower {field} to at most {room} or shorten the prompt",
+            param=field,
+            code="context_length_exceeded",
+        )
     return n
 
 
@@ -227,8 +274,12 @@ def _response_format(model: Any, rf: Any) -> Any:
             return grammar_processor(model, "json_object")
         if rf.type == "json_schema":
             if rf.json_schema is None:
-                raise APIError(400, "response_format.json_schema is required for type json_schema",
-                               param="response_format.json_schema", code="invalid_value")  # fmt: skip
+                raise APIError(
+                    400,
+                    "response_format.json_schema is required for type json_schema",
+                    param="response_format.json_schema",
+                    code="invalid_value",
+                )
             return grammar_processor(model, "json_schema", rf.json_schema.schema_)
         if rf.type == "regex":
             return grammar_processor(model, "regex", rf.regex)
@@ -281,8 +332,12 @@ class Logprobs:
             # bytes, so the bytes of consecutive tokens rebuild multi-byte characters
             return {"token": self.text(tok), "logprob": lp, "bytes": list(self._tokenizer.token_bytes(tok))}
 
-        return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                            for e in entries]}  # fmt: skip
+        return {
+            "content": [
+                {**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
 
     def completion(self, entries: Sequence[Any], offset: int = 0) -> dict[str, Any]:
         tokens, lps, tops, offsets = [], [], [], []
@@ -310,8 +365,13 @@ class Reply:
         self._offset = 0  # characters streamed so far (completions' text_offset)
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
-                "system_fingerprint": None}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model_id,
+            "system_fingerprint": None,
+        }
 
     def _logprobs(self, entries: Sequence[Any] | None, offset: int = 0) -> dict[str, Any] | None:
         if entries is None:
@@ -321,28 +381,52 @@ class Reply:
     def body(self, result: Any, entries: Sequence[Any] | None) -> dict[str, Any]:
         """The whole response of a finished request (`entries`: its visible logprob entries, or None)."""
         output = {"message": message(result)} if self.kind.chat else {"text": result.text}
-        choice = {"index": 0, **output, "logprobs": self._logprobs(entries), "finish_reason": result.finish_reason}
+        choice = {
+            "index": 0,
+            **output,
+            "logprobs": self._logprobs(entries),
+            "finish_reason": result.finish_reason,
+        }
         return {**self._head(self.kind.object), "choices": [choice], "usage": usage(result)}
 
     def opening(self) -> list[dict[str, Any]]:
         """The chunks a stream starts with: chat announces the assistant's role; completions, nothing."""
         if not self.kind.chat:
             return []
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         return [{**self._head(self.kind.chunk_object), "choices": [choice], **self._usage_null}]
 
-    def chunk(self, piece: str | None, finish: str | None = None, entries: Sequence[Any] | None = None,
-              tool_calls: Sequence[Any] = ()) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self,
+        piece: str | None,
+        finish: str | None = None,
+        entries: Sequence[Any] | None = None,
+        tool_calls: Sequence[Any] = (),
+    ) -> dict[str, Any]:
         """A stream chunk carrying `piece` of text (None: none), the logprobs of its tokens, the finish
         reason on the last one, and (chat) tool calls."""
         if self.kind.chat:
             delta: dict[str, Any] = {} if piece is None else {"content": piece}
             if tool_calls:
                 delta["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(tool_calls)]
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(entries), "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": self._logprobs(entries),
+                "finish_reason": finish,
+            }
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": self._logprobs(entries, self._offset),
-                      "finish_reason": finish}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": piece or "",
+                "logprobs": self._logprobs(entries, self._offset),
+                "finish_reason": finish,
+            }
             self._offset += len(piece or "")
         return {**self._head(self.kind.chunk_object), "choices": [choice], **self._usage_null}
 

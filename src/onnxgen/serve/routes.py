@@ -51,16 +51,23 @@ def add_routes(app: Any, server: Server) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         server.authenticate(request)
-        return {"object": "list", "data": [
-            {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "onnxgen"}
-        ]}  # fmt: skip
+        return {
+            "object": "list",
+            "data": [
+                {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "onnxgen"}
+            ],
+        }
 
     @app.get("/v1/models/{model_name:path}")
     async def model_info(model_name: str, request: Request) -> dict[str, Any]:
         server.authenticate(request)
         if model_name not in server.model_names:
-            raise APIError(404, f"unknown model {model_name!r}; this server serves {server.model_id!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"unknown model {model_name!r}; this server serves {server.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
         return {"id": model_name, "object": "model", "created": server.created, "owned_by": "onnxgen"}
 
     @app.post("/v1/sessions")
@@ -69,10 +76,14 @@ def add_routes(app: Any, server: Server) -> None:
         try:
             sid = server.store.create(owner)
         except SessionLimit:
-            raise APIError(429, f"this key holds {server.config.max_sessions_per_key} sessions; delete some first",
-                           code="too_many_sessions") from None  # fmt: skip
-        return JSONResponse({"id": sid, "object": "session", "created": int(time.time())},
-                            headers={SESSION_HEADER: sid})  # fmt: skip
+            raise APIError(
+                429,
+                f"this key holds {server.config.max_sessions_per_key} sessions; delete some first",
+                code="too_many_sessions",
+            ) from None
+        return JSONResponse(
+            {"id": sid, "object": "session", "created": int(time.time())}, headers={SESSION_HEADER: sid}
+        )
 
     @app.delete("/v1/sessions/{sid}")
     async def delete_session(sid: str, request: Request) -> dict[str, Any]:
@@ -80,7 +91,9 @@ def add_routes(app: Any, server: Server) -> None:
         session = server.store.remove(owner, sid)
         if session is None:
             raise APIError(404, f"unknown session {sid!r}", param="session_id", code="session_not_found")
-        server.cancel_running(session)  # a running request stops at its next step; close() then returns at once
+        server.cancel_running(
+            session
+        )  # a running request stops at its next step; close() then returns at once
         await run_in_threadpool(session.close)
         return {"id": sid, "object": "session.deleted", "deleted": True}
 
@@ -92,13 +105,23 @@ def add_routes(app: Any, server: Server) -> None:
     async def completions(request: Request) -> Response:
         return await complete(request, openai.COMPLETION, CompletionRequest, openai.completion_prompt)
 
-    async def complete(request: Request, kind: openai.Kind, schema: Any, prompt_of: Callable[[Any], Any]) -> Response:
+    async def complete(
+        request: Request, kind: openai.Kind, schema: Any, prompt_of: Callable[[Any], Any]
+    ) -> Response:
         owner = server.authenticate(request)
         req = await read_json(request, schema, server.config.max_body_bytes)
         session = server.resolve_session(request, owner)
         prompt = prompt_of(req)
-        prep = await run_in_threadpool(openai.prepare, server.model, req, prompt, kind, model_id=server.model_id,
-                                       model_names=server.model_names, cap=server.config.max_tokens_cap)  # fmt: skip
+        prep = await run_in_threadpool(
+            openai.prepare,
+            server.model,
+            req,
+            prompt,
+            kind,
+            model_id=server.model_id,
+            model_names=server.model_names,
+            cap=server.config.max_tokens_cap,
+        )
         reply = openai.Reply(kind, server.model_id, server.logprobs, prep.include_usage)
         headers = {}
         if request.headers.get(SESSION_HEADER):
@@ -113,7 +136,9 @@ def add_routes(app: Any, server: Server) -> None:
         except Exception as exc:
             raise from_engine_error(exc) from None
         server.record(result)
-        entries = server.logprobs.visible(prep.recorder.finish(result.tokens), result) if prep.recorder else None
+        entries = (
+            server.logprobs.visible(prep.recorder.finish(result.tokens), result) if prep.recorder else None
+        )
         return JSONResponse(reply.body(result, entries), headers=headers)
 
 

@@ -77,7 +77,9 @@ class _Sampling(_Model):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    speculative: Literal["prompt_lookup", "off"] | None = None  # onnxgen's: drafts by prompt lookup (None: the engine's choice)
+    speculative: Literal["prompt_lookup", "off"] | None = (
+        None  # onnxgen's: drafts by prompt lookup (None: the engine's choice)
+    )
     stop: str | list[str] | None = None
     max_tokens: int | None = None
     n: int | None = None

@@ -66,23 +66,44 @@ class Server:
         self.store = SessionStore(model, config.max_sessions_per_key, keyed=bool(config.api_keys))
         self.logprobs = Logprobs(model)
         self.metrics = Metrics()
-        self.metrics.gauge("onnxgen_queue_depth", "Requests waiting for or running on the engine worker.",
-                           lambda: self.worker.depth)  # fmt: skip
-        self.metrics.gauge("onnxgen_sessions", "Open sessions (including per-key default sessions).", lambda: len(self.store))
-        self.metrics.gauge("onnxgen_retained_kv_bytes", "Bytes of KV retained by sessions.", model.retained_kv_bytes)
+        self.metrics.gauge(
+            "onnxgen_queue_depth",
+            "Requests waiting for or running on the engine worker.",
+            lambda: self.worker.depth,
+        )
+        self.metrics.gauge(
+            "onnxgen_sessions", "Open sessions (including per-key default sessions).", lambda: len(self.store)
+        )
+        self.metrics.gauge(
+            "onnxgen_retained_kv_bytes", "Bytes of KV retained by sessions.", model.retained_kv_bytes
+        )
         kv = model.kv_stats
-        self.metrics.gauge("onnxgen_requests_running", "Requests the engine is running now.", lambda: kv()["running"])
-        self.metrics.gauge("onnxgen_requests_waiting", "Requests waiting for the engine (in its queue or for a "
-                           "worker thread).", lambda: kv()["waiting"] + self.worker.waiting)  # fmt: skip
-        self.metrics.gauge("onnxgen_preemptions", "Running requests preempted (KV dropped, recomputed) "
-                           "since start.", lambda: kv()["preemptions"])  # fmt: skip
+        self.metrics.gauge(
+            "onnxgen_requests_running", "Requests the engine is running now.", lambda: kv()["running"]
+        )
+        self.metrics.gauge(
+            "onnxgen_requests_waiting",
+            "Requests waiting for the engine (in its queue or for a worker thread).",
+            lambda: kv()["waiting"] + self.worker.waiting,
+        )
+        self.metrics.gauge(
+            "onnxgen_preemptions",
+            "Running requests preempted (KV dropped, recomputed) since start.",
+            lambda: kv()["preemptions"],
+        )
         if model.paged:
             self.metrics.gauge("onnxgen_kv_pages_used", "KV pool pages in use.", lambda: kv()["pages_used"])
             self.metrics.gauge("onnxgen_kv_pages_free", "KV pool pages free.", lambda: kv()["pages_free"])
-            self.metrics.gauge("onnxgen_kv_pages_shared", "KV pool pages held by more than one request or "
-                               "session.", lambda: kv()["pages_shared"])  # fmt: skip
-            self.metrics.gauge("onnxgen_prefix_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens "
-                               "looked up, since start.", lambda: _hit_rate(kv()))  # fmt: skip
+            self.metrics.gauge(
+                "onnxgen_kv_pages_shared",
+                "KV pool pages held by more than one request or session.",
+                lambda: kv()["pages_shared"],
+            )
+            self.metrics.gauge(
+                "onnxgen_prefix_hit_rate",
+                "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
+                lambda: _hit_rate(kv()),
+            )
         self.created = int(time.time())
         self._running: dict[int, threading.Event] = {}  # id(session) -> cancel event of its running request
         self._running_lock = threading.Lock()
@@ -98,7 +119,9 @@ class Server:
             for known_id, key in self.keys.items():
                 if secrets.compare_digest(token.encode(), key.encode()):
                     return known_id
-        raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise APIError(
+            401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
 
     def resolve_session(self, request: Any, owner: str) -> Any:
         """The session a request runs on: the one named by `X-Session-Id` (scoped to the key), else the
@@ -109,8 +132,12 @@ class Server:
             return self.store.default(owner) if self.keys else None
         session = self.store.get(owner, sid.strip())
         if session is None:
-            raise APIError(404, f"unknown session {sid!r}: create one with POST /v1/sessions",
-                           param=SESSION_HEADER, code="session_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"unknown session {sid!r}: create one with POST /v1/sessions",
+                param=SESSION_HEADER,
+                code="session_not_found",
+            )
         return session
 
     def submit(self, session: Any, prep: Prepared, on_token: Any = None) -> Job:
@@ -140,8 +167,12 @@ class Server:
                 return target.generate(prep.prompt, cancel=cancel, on_token=on_token, **prep.kwargs, **extra)
             except Cancelled:
                 if timed_out.is_set():
-                    raise APIError(504, f"the request ran longer than this server's limit of {timeout:g} s and was "
-                                   "cancelled; ask for fewer tokens", code="timeout") from None  # fmt: skip
+                    raise APIError(
+                        504,
+                        f"the request ran longer than this server's limit of {timeout:g} s and was "
+                        "cancelled; ask for fewer tokens",
+                        code="timeout",
+                    ) from None
                 raise
             finally:
                 timer.cancel()
@@ -152,9 +183,11 @@ class Server:
             return self.worker.submit(run)
         except QueueFull:
             raise APIError(
-                429, f"the server is busy ({self.config.max_queue} requests waiting); retry later",
-                code="queue_full", headers={"Retry-After": str(self.config.retry_after_s)},
-            ) from None  # fmt: skip
+                429,
+                f"the server is busy ({self.config.max_queue} requests waiting); retry later",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            ) from None
 
     def cancel_running(self, session: Any) -> bool:
         """Cancel the request running on `session` (it stops at its next step); True if there was one."""

@@ -50,7 +50,9 @@ class Feed:
         self.loop.call_soon_threadsafe(self.items.put_nowait, ("token", piece, new))
 
     def watch(self, job: Any) -> None:
-        job.future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self.items.put_nowait, ("done", f, None)))
+        job.future.add_done_callback(
+            lambda f: self.loop.call_soon_threadsafe(self.items.put_nowait, ("done", f, None))
+        )
 
 
 def respond(server: Server, session: Any, prep: Prepared, reply: Reply, headers: dict[str, str]) -> Any:
@@ -61,8 +63,11 @@ def respond(server: Server, session: Any, prep: Prepared, reply: Reply, headers:
     feed = Feed(prep.recorder)
     job = server.submit(session, prep, feed.on_token)
     feed.watch(job)
-    return StreamingResponse(events(server, prep, reply, job, feed), media_type="text/event-stream",
-                             headers={**headers, "Cache-Control": "no-cache"})  # fmt: skip
+    return StreamingResponse(
+        events(server, prep, reply, job, feed),
+        media_type="text/event-stream",
+        headers={**headers, "Cache-Control": "no-cache"},
+    )
 
 
 async def events(server: Server, prep: Prepared, reply: Reply, job: Any, feed: Feed) -> AsyncIterator[str]:

@@ -40,7 +40,9 @@ class EngineWorker:
         self._q: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._running = 0
         self._count = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 

@@ -38,7 +38,11 @@ _BYTE_DECODER: dict[str, int] = {}
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable character standing for each byte -> the byte."""
     if not _BYTE_DECODER:
-        keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+        keep = [
+            *range(ord("!"), ord("~") + 1),
+            *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), 256),
+        ]
         extra = 0
         for b in range(256):
             if b in keep:
@@ -259,7 +263,9 @@ class Tokenizer:
         except UnicodeDecodeError:
             whole, ends = _lossy_spelling(pieces)
         n = min(len(raw), len(whole))
-        diff = np.flatnonzero(np.frombuffer(raw[:n], dtype=np.uint8) != np.frombuffer(whole[:n], dtype=np.uint8))
+        diff = np.flatnonzero(
+            np.frombuffer(raw[:n], dtype=np.uint8) != np.frombuffer(whole[:n], dtype=np.uint8)
+        )
         common = int(diff[0]) if diff.size else n  # bytes of text spelled by held's text
         k = int(np.searchsorted(np.maximum.accumulate(ends), common, side="right"))  # tokens inside common
         while k > 0 and ends[k - 1] < 0:

@@ -46,7 +46,11 @@ class ToolCall:
     id: str
 
     def openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def _dumps(v: Any) -> str:
@@ -62,17 +66,27 @@ def function_specs(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, 
     Raises InvalidRequest(field="tools")."""
     out = []
     for i, t in enumerate(tools or ()):
-        if not isinstance(t, Mapping) or t.get("type", "function") != "function" or not isinstance(t.get("function"), Mapping):
-            raise InvalidRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'parameters'}}}}",
-                                 field="tools")  # fmt: skip
+        if (
+            not isinstance(t, Mapping)
+            or t.get("type", "function") != "function"
+            or not isinstance(t.get("function"), Mapping)
+        ):
+            raise InvalidRequest(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name', 'parameters'}}}}",
+                field="tools",
+            )
         f = t["function"]
         name = f.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-            raise InvalidRequest(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
-                                 field="tools")  # fmt: skip
+            raise InvalidRequest(
+                f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', got {name!r}",
+                field="tools",
+            )
         params = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, Mapping):
-            raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", field="tools")
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters must be a JSON schema object", field="tools"
+            )
         out.append({"name": name, "description": f.get("description", ""), "parameters": dict(params)})
     if len({f["name"] for f in out}) != len(out):
         raise InvalidRequest("tools: two tools have the same name", field="tools")
@@ -90,8 +104,13 @@ class ToolFormat:
         raise NotImplementedError
 
     def _call_schema(self, f: Mapping[str, Any], args_key: str = "arguments") -> dict[str, Any]:
-        return {"type": "object", "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
-                "required": ["name", args_key], "additionalProperties": False, "x-guidance": _LAYOUT}  # fmt: skip
+        return {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+            "x-guidance": _LAYOUT,
+        }
 
     def _body_rules(self, funcs: Sequence[Mapping[str, Any]], args_key: str = "arguments") -> str:
         alts = " | ".join(f"c{i}" for i in range(len(funcs)))
@@ -104,7 +123,9 @@ class ToolFormat:
         calls (`auto`); one call, or several when `parallel`."""
         raise NotImplementedError
 
-    def _start(self, one: str, sep: str, *, required: bool, parallel: bool, wrap: tuple[str, str] = ("", "")) -> str:
+    def _start(
+        self, one: str, sep: str, *, required: bool, parallel: bool, wrap: tuple[str, str] = ("", "")
+    ) -> str:
         """The `start` rule: `one` call (a rule name), several joined by the literal `sep` when `parallel`,
         inside the literals `wrap`; with `auto`, or else a text whose first character cannot begin a call."""
         calls = f'{one} ("{sep}" {one})*' if parallel else one
@@ -143,8 +164,10 @@ class Hermes(ToolFormat):
     _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
     def render(self, calls: Sequence[Mapping[str, Any]]) -> str:
-        return "\n".join(f"<tool_call>\n{_dumps({'name': c['name'], 'arguments': c['arguments']})}\n</tool_call>"
-                         for c in calls)  # fmt: skip
+        return "\n".join(
+            f"<tool_call>\n{_dumps({'name': c['name'], 'arguments': c['arguments']})}\n</tool_call>"
+            for c in calls
+        )
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         calls: list[ToolCall] = []
@@ -233,7 +256,9 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json(), Mi
 
 def get_format(name: str) -> ToolFormat:
     if name not in FORMATS:
-        raise InvalidRequest(f"unknown tool-call format {name!r}; choose one of {', '.join(FORMATS)}", field="tool_parser")
+        raise InvalidRequest(
+            f"unknown tool-call format {name!r}; choose one of {', '.join(FORMATS)}", field="tool_parser"
+        )
     return FORMATS[name]
 
 
@@ -252,12 +277,18 @@ def detect_format(template: str | None) -> ToolFormat:
 def _tools_prompt(fmt: ToolFormat, funcs: Sequence[Mapping[str, Any]]) -> str:
     example = fmt.render([{"name": "<function name>", "arguments": {"<argument>": "<value>"}}])
     listing = "\n".join(_dumps(f) for f in funcs)
-    return ("You can call functions. To call one, answer with nothing but the call, in exactly this form:\n"
-            f"{example}\nThe functions:\n{listing}")  # fmt: skip
+    return (
+        "You can call functions. To call one, answer with nothing but the call, in exactly this form:\n"
+        f"{example}\nThe functions:\n{listing}"
+    )
 
 
-def prepare_messages(messages: Sequence[Mapping[str, Any]], fmt: ToolFormat, template: str | None,
-                     funcs: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:  # fmt: skip
+def prepare_messages(
+    messages: Sequence[Mapping[str, Any]],
+    fmt: ToolFormat,
+    template: str | None,
+    funcs: Sequence[Mapping[str, Any]] = (),
+) -> list[dict[str, Any]]:
     """A conversation ready for `template` (see the module docstring). The caller's objects are not modified."""
     t = template or ""
     renders_calls = "tool_calls" in t
@@ -270,18 +301,29 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]], fmt: ToolFormat, tem
             for j, c in enumerate(calls):
                 f = c.get("function", c) if isinstance(c, Mapping) else None
                 if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
-                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}] must have a function name", field="messages")
+                    raise InvalidRequest(
+                        f"messages[{i}].tool_calls[{j}] must have a function name", field="messages"
+                    )
                 args = f.get("arguments", {})
                 if isinstance(args, str):
                     try:
                         args = json.loads(args) if args.strip() else {}
                     except ValueError:
-                        raise InvalidRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
-                                             field="messages") from None  # fmt: skip
+                        raise InvalidRequest(
+                            f"messages[{i}].tool_calls[{j}].function.arguments is not JSON", field="messages"
+                        ) from None
                 parsed.append({"name": f["name"], "arguments": args, "id": c.get("id")})
             if renders_calls:
-                msg["tool_calls"] = [{"id": p["id"], "type": "function", "function": {"name": p["name"], "arguments": p["arguments"]},
-                                      "name": p["name"], "arguments": p["arguments"]} for p in parsed]  # fmt: skip
+                msg["tool_calls"] = [
+                    {
+                        "id": p["id"],
+                        "type": "function",
+                        "function": {"name": p["name"], "arguments": p["arguments"]},
+                        "name": p["name"],
+                        "arguments": p["arguments"],
+                    }
+                    for p in parsed
+                ]
             else:
                 content = msg.get("content") or ""
                 msg.pop("tool_calls")

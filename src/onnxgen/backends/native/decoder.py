@@ -58,7 +58,6 @@ from onnxgen.kv.buffers import KVBuffers
 log = logging.getLogger(__name__)
 
 
-
 class NativeDecoder:
     """Decoder protocol over a lowered ONNX graph (backend "native").
 
@@ -84,25 +83,46 @@ class NativeDecoder:
     backend = "native"
     can_rewind = True
 
-    def __init__(self, spec: Any, device: str = "cpu", *, kv_floor: int = 256, cuda_graphs: bool = True,
-                 graph_max_tokens: int = 1024, static_steps: bool = False, int4: str | None = None,
-                 _program: Program | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: Any,
+        device: str = "cpu",
+        *,
+        kv_floor: int = 256,
+        cuda_graphs: bool = True,
+        graph_max_tokens: int = 1024,
+        static_steps: bool = False,
+        int4: str | None = None,
+        _program: Program | None = None,
+    ) -> None:
         """`_program`: the lowered program to share (a fork's); None: the package's shared one."""
         t0 = time.perf_counter()
         self.spec = spec
         self.device = device
         self._dev = torch_device(device)
         int4 = int4_mode(int4)
-        self._options = {"kv_floor": kv_floor, "cuda_graphs": cuda_graphs, "graph_max_tokens": graph_max_tokens,
-                         "static_steps": static_steps, "int4": int4}  # fmt: skip
+        self._options = {
+            "kv_floor": kv_floor,
+            "cuda_graphs": cuda_graphs,
+            "graph_max_tokens": graph_max_tokens,
+            "static_steps": static_steps,
+            "int4": int4,
+        }
         dtype = kv_dtype(spec)
         self.program: Program = _program if _program is not None else shared_program(spec, self._dev, int4)
         self.kv = KVBuffers(
-            spec.num_layers, spec.num_kv_heads, spec.head_size, dtype, self._dev,
-            floor=kv_floor, max_capacity=spec.context_length,
-        )  # fmt: skip
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_size,
+            dtype,
+            self._dev,
+            floor=kv_floor,
+            max_capacity=spec.context_length,
+        )
         if graph_max_tokens < 0:
-            raise InvalidRequest(f"graph_max_tokens must be >= 0, got {graph_max_tokens}", field="graph_max_tokens")
+            raise InvalidRequest(
+                f"graph_max_tokens must be >= 0, got {graph_max_tokens}", field="graph_max_tokens"
+            )
         self._use_graphs = bool(cuda_graphs) and device == "cuda" and self.program.static_ok
         self._static_steps = bool(static_steps) and self.program.static_ok
         self._graph_max = static_step_size(graph_max_tokens, 1 << 30) if graph_max_tokens > 1 else 1
@@ -129,8 +149,11 @@ class NativeDecoder:
         warm_s = self._warm_up() if self._use_graphs or self._static_steps else 0.0
         self.load_seconds = time.perf_counter() - t0
         self._described = describe(p)
-        self._load_info = {"int4": "dequantized at load" if int4 == "dense" else "packed",
-                           "load_s": round(self.load_seconds, 3), "warm_up_s": round(warm_s, 3)}  # fmt: skip
+        self._load_info = {
+            "int4": "dequantized at load" if int4 == "dense" else "packed",
+            "load_s": round(self.load_seconds, 3),
+            "warm_up_s": round(warm_s, 3),
+        }
         log.info("native decoder: %s (load %.2fs)", self._described, self.load_seconds)
 
     # --- the seam ------------------------------------------------------------------------------
@@ -218,8 +241,9 @@ class NativeDecoder:
             out[self.program.input_slots[io.name]] = t.to(self._dev)
         return out
 
-    def _run_eager(self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor],
-                   rows: int = 1) -> torch.Tensor:  # fmt: skip
+    def _run_eager(
+        self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor], rows: int = 1
+    ) -> torch.Tensor:
         n = len(tokens)
         env = self.program.new_env()
         ids = torch.empty(n, dtype=torch.int64, device=self._dev)
@@ -362,8 +386,11 @@ class NativeDecoder:
         """After a capture that raised: disable graphs for this decoder (logged once), drop its graphs
         and pool, and repair what a broken capture leaves behind process-wide."""
         if self._use_graphs:
-            log.warning("CUDA graph capture failed (%s: %s); this decoder runs eagerly from now on",
-                        type(exc).__name__, exc)  # fmt: skip
+            log.warning(
+                "CUDA graph capture failed (%s: %s); this decoder runs eagerly from now on",
+                type(exc).__name__,
+                exc,
+            )
         self._use_graphs = False
         self._graphs.clear()
         self._seen.clear()
@@ -384,5 +411,3 @@ def static_step_size(n: int, largest: int) -> int:
         return 1
     m = max(16, 1 << (n - 1).bit_length())
     return m if m <= largest else 0
-
-

@@ -124,7 +124,15 @@ def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Pro
     int4 = int4_mode(int4)
     path = spec.decoder_path
     st = path.stat()
-    key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(dev), spec.past_key_names, spec.logits_name, int4)
+    key = (
+        str(path.resolve()),
+        st.st_mtime_ns,
+        st.st_size,
+        str(dev),
+        spec.past_key_names,
+        spec.logits_name,
+        int4,
+    )
     prog = _PROGRAMS.get(key)
     if prog is None:
         prog = lower(path, spec, dev, int4)

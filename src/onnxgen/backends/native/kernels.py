@@ -96,8 +96,15 @@ def rms_norm_ref(
     return y, (sf.to(x.dtype) if skip is not None else None)
 
 
-def cache_attention_ref(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, past: torch.Tensor,
-                        scale: float, softcap: float = 0.0, window: int = -1) -> torch.Tensor:  # fmt: skip
+def cache_attention_ref(
+    q: torch.Tensor,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+    past: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = -1,
+) -> torch.Tensor:
     """Static-shape reference: scores over the whole capacity, masked on the device (see `cache_attention`)."""
     n, m, hkv, cap = q.shape[1], q.shape[2], kbuf.shape[1], kbuf.shape[2]
     idx = torch.arange(cap, device=q.device)
@@ -132,9 +139,18 @@ def rms_norm(
     s = torch.empty_like(x) if skip is not None else x
     block = max(16, 1 << (n - 1).bit_length())
     tl_k["rms"][(rows,)](
-        x, skip if skip is not None else x, w, y, s, n, eps,
-        HAS_SKIP=skip is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4, **launch_options(x),
-    )  # fmt: skip
+        x,
+        skip if skip is not None else x,
+        w,
+        y,
+        s,
+        n,
+        eps,
+        HAS_SKIP=skip is not None,
+        BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
+        **launch_options(x),
+    )
     return y, (s if skip is not None else None)
     # pragma: cuda-end
 
@@ -152,8 +168,9 @@ def embedding(idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty((ids.numel(), h), dtype=w.dtype, device=w.device)
     block = min(1024, max(16, 1 << (h - 1).bit_length()))
     if ids.numel():
-        _TRITON["embedding"][(ids.numel(), triton_cdiv(h, block))](ids, w, out, v, h, BLOCK=block, num_warps=4,
-                                                                   **launch_options(w))  # fmt: skip
+        _TRITON["embedding"][(ids.numel(), triton_cdiv(h, block))](
+            ids, w, out, v, h, BLOCK=block, num_warps=4, **launch_options(w)
+        )
     return out.reshape(*idx.shape, h)
     # pragma: cuda-end
 
@@ -190,14 +207,26 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
         return silu_mul(g, y[..., n:], out=g)
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     total = y.numel() // 2
-    _TRITON["silu_halves"][(triton_cdiv(total, 2048),)](y, y, n, total, BLOCK=2048, num_warps=4,
-                                                          **launch_options(y))
+    _TRITON["silu_halves"][(triton_cdiv(total, 2048),)](
+        y, y, n, total, BLOCK=2048, num_warps=4, **launch_options(y)
+    )
     return g
     # pragma: cuda-end
 
 
-GEMV_CONFIGS = ((4, 256, 4), (8, 256, 4), (8, 128, 4), (16, 128, 4), (2, 512, 4), (4, 512, 4), (1, 1024, 4),
-                (2, 1024, 4), (4, 1024, 4), (1, 2048, 8), (8, 512, 8))
+GEMV_CONFIGS = (
+    (4, 256, 4),
+    (8, 256, 4),
+    (8, 128, 4),
+    (16, 128, 4),
+    (2, 512, 4),
+    (4, 512, 4),
+    (1, 1024, 4),
+    (2, 1024, 4),
+    (4, 1024, 4),
+    (1, 2048, 8),
+    (8, 512, 8),
+)
 """(BLOCK_N, BLOCK_K, warps) tried for each one-row product shape; the fastest, or cuBLAS, is kept."""
 ROPE_GEMV_CONFIGS = tuple(c for c in GEMV_CONFIGS if c[0] % 2 == 0)  # rotation pairs in one program
 
@@ -221,9 +250,14 @@ than it is inside a decode graph, where each launch also ends an overlap of prog
 (the H200's 0.5B step kept 25 norm kernels, the H100's none). Read at each choice and part of its key."""
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, rowwise: bool = False,
-           residual: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    silu_halves: bool = False,
+    rowwise: bool = False,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """`x @ w.T` for `w` `[N, K]` (or `silu(g) * u` over `w` = `[gate; up]`, `[2N, K]`) in x's dtype;
     `residual` (x's rows of N, not with `silu_halves`): `residual + x @ w.T` (a skip-norm's sum formed by the
     product that feeds it), added to the float32 product before its one rounding by the Triton kernels; the
@@ -277,8 +311,13 @@ SKINNY_CONFIGS = ((64, 128, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4), (128, 128, 
 blocks and with and without SiLU the first time a shape is timed (Triton caches compiles on disk)."""
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int, int],
-            residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+def _skinny(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    silu: bool,
+    cfg: tuple[int, int, int, int],
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:  # pragma: cuda
     """The few-row GEMM launch (`triton_skinny`): x `[..., K]` of M rows (`residual`: `[..., N]`, added)."""
     k = w.shape[1]
     n = w.shape[0] // 2 if silu else w.shape[0]
@@ -291,35 +330,72 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, i
     bm = min(128, max(16, 1 << (m - 1).bit_length()))
     res = residual_rows(residual, m, n, y)
     _TRITON["skinny"][(triton_cdiv(n, bn), triton_cdiv(m, bm))](
-        x2, w, y, m, n, k, x2.stride(0), y.stride(0), res, res.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        SILU=silu, HAS_RES=residual is not None, IEEE=not x.is_cuda, num_warps=warps, num_stages=stages,
+        x2,
+        w,
+        y,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        y.stride(0),
+        res,
+        res.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SILU=silu,
+        HAS_RES=residual is not None,
+        IEEE=not x.is_cuda,
+        num_warps=warps,
+        num_stages=stages,
         **launch_options(x),
-    )  # fmt: skip
+    )
     return y.reshape(*x.shape[:-1], n)
 
 
-def _skinny_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int, int, int] | None:  # pragma: cuda
+def _skinny_choice(
+    x: torch.Tensor, w: torch.Tensor, silu: bool
+) -> tuple[int, int, int, int] | None:  # pragma: cuda
     """The few-row GEMM configuration for this shape and row count (rounded up to a power of two), or None
     for cuBLAS."""
     m = x.numel() // x.shape[-1]
     key = ("skinny", 1 << (m - 1).bit_length(), tuple(w.shape), w.dtype, silu, x.device)
-    return choose_config(key, x, w, SKINNY_CONFIGS, lambda wc: linear_unfused(x, wc, silu),
-                         lambda wc, cfg: _skinny(x, wc, silu, cfg))  # fmt: skip
+    return choose_config(
+        key,
+        x,
+        w,
+        SKINNY_CONFIGS,
+        lambda wc: linear_unfused(x, wc, silu),
+        lambda wc, cfg: _skinny(x, wc, silu, cfg),
+    )
 
 
-def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
-               silu_halves: bool = False, rowwise: bool = False,
-               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Any]:  # fmt: skip
+def rms_linear(
+    x: torch.Tensor,
+    skip: torch.Tensor | None,
+    nw: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    silu_halves: bool = False,
+    rowwise: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, Any]:
     """`linear(rms_norm(x, skip, nw, eps)[0], w, silu_halves)` and the residual sum `x + skip` (None without
     skip). A one-row product on a Triton device normalises inside the GEMV (no norm launch) where that
     measured faster, for this shape, than the norm kernel followed by `linear`: every GEMV program reduces
     the row itself, which costs more than the saved launch when programs are many (one row each).
     `rowwise`: as `linear`'s (the one-row decision, each row computed as alone); `out_dtype`: as
     `linear`'s."""
-    if (_as_one_rows(x, rowwise) and _gemv_ok(x, w) and x.is_contiguous()
-            and (skip is None or (skip.is_contiguous() and skip.shape == x.shape))):  # fmt: skip
+    if (
+        _as_one_rows(x, rowwise)
+        and _gemv_ok(x, w)
+        and x.is_contiguous()
+        and (skip is None or (skip.is_contiguous() and skip.shape == x.shape))
+    ):
         # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
-        cfg = _rms_gemv_choice(_first_row(x), None if skip is None else _first_row(skip), nw, eps, w, silu_halves)
+        cfg = _rms_gemv_choice(
+            _first_row(x), None if skip is None else _first_row(skip), nw, eps, w, silu_halves
+        )
         if cfg is not None:
             s = torch.empty_like(x) if skip is not None else None
             return _gemv(x, w, silu_halves, cfg, (skip, nw, eps, s), out_dtype=out_dtype), s
@@ -328,21 +404,29 @@ def rms_linear(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps
     return linear(h, w, silu_halves, rowwise, out_dtype=out_dtype), s
 
 
-def _rms_gemv_choice(x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
-                     silu: bool) -> tuple[int, int, int] | None:  # fmt: skip  # pragma: cuda
+def _rms_gemv_choice(
+    x: torch.Tensor, skip: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor, silu: bool
+) -> tuple[int, int, int] | None:  # pragma: cuda
     """The GEMV configuration that normalises inside for this shape, or None for the norm kernel followed
     by `linear` (the norm's cost included in both)."""
     s = torch.empty_like(x) if skip is not None else None
     key = ("rms_gemv", tuple(w.shape), w.dtype, silu, skip is not None, NORM_LATE, FOLD_ALWAYS, x.device)
     separate = None if FOLD_ALWAYS else lambda wc: linear(rms_norm(x, skip, nw, eps)[0], wc, silu)
-    return choose_config(key, x, w, GEMV_CONFIGS, separate,
-                         lambda wc, cfg: _gemv(x, wc, silu, cfg, (skip, nw, eps, s)))  # fmt: skip
+    return choose_config(
+        key, x, w, GEMV_CONFIGS, separate, lambda wc, cfg: _gemv(x, wc, silu, cfg, (skip, nw, eps, s))
+    )
 
 
-def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int],
-          norm: tuple[Any, Any, float, Any] | None = None, rope: Rope | None = None,
-          residual: torch.Tensor | None = None,
-          out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+def _gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    silu: bool,
+    cfg: tuple[int, int, int],
+    norm: tuple[Any, Any, float, Any] | None = None,
+    rope: Rope | None = None,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # pragma: cuda
     """The GEMV launch over x's rows (each computed as a one-row launch would: `triton_gemv`); `norm` =
     (skip or None, norm weight, eps, sum output or None); `rope`: the product is a layer's packed QKV whose k
     and v go to the KV cache (`linear_rope`; `rope.pos` / `rope.slot` hold one entry per row); `residual`:
@@ -357,8 +441,21 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     skip, nw, eps, s = norm if norm is not None else (None, x, 0.0, None)
     if rope is not None:
         kb, vb = rope.kv.keys[rope.layer], rope.kv.values[rope.layer]
-        ra = (rope.cos, rope.sin, rope.pos, rope.slot, kb, vb, kb.stride(1), kb.stride(2), vb.stride(1),
-              vb.stride(2), rope.cos.stride(0), rope.heads * rope.head_dim, rope.kv_heads * rope.head_dim)  # fmt: skip
+        ra = (
+            rope.cos,
+            rope.sin,
+            rope.pos,
+            rope.slot,
+            kb,
+            vb,
+            kb.stride(1),
+            kb.stride(2),
+            vb.stride(1),
+            vb.stride(2),
+            rope.cos.stride(0),
+            rope.heads * rope.head_dim,
+            rope.kv_heads * rope.head_dim,
+        )
     else:
         ra = (x, x, x, x, x, x, 0, 0, 0, 0, 0, 0, 0)
     rb = min(r, ROWS_PER_PROGRAM)
@@ -366,13 +463,34 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, silu: bool, cfg: tuple[int, int, int
     assert residual is None or not (silu or rope is not None)
     res = residual_rows(residual, r, n, y)
     _TRITON["gemv"][(triton_cdiv(n, bn) * triton_cdiv(r, rb),)](
-        x.contiguous(), w, y, k, n, r, skip.contiguous() if skip is not None else x, nw,
-        s if s is not None else y, eps, *ra, res,
-        BLOCK_N=bn, BLOCK_K=bk, SILU=silu, NORM=norm is not None, HAS_SKIP=skip is not None, ROPE=rope is not None,
-        HEAD=rope.head_dim if rope is not None else 1, HALF=rope.cos.shape[1] if rope is not None else 0, RB=rb,
-        ONE=r == 1, LATE=NORM_LATE, X2D=x2d, HAS_RES=residual is not None,
-        num_warps=warps, **launch_options(x),
-    )  # fmt: skip
+        x.contiguous(),
+        w,
+        y,
+        k,
+        n,
+        r,
+        skip.contiguous() if skip is not None else x,
+        nw,
+        s if s is not None else y,
+        eps,
+        *ra,
+        res,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SILU=silu,
+        NORM=norm is not None,
+        HAS_SKIP=skip is not None,
+        ROPE=rope is not None,
+        HEAD=rope.head_dim if rope is not None else 1,
+        HALF=rope.cos.shape[1] if rope is not None else 0,
+        RB=rb,
+        ONE=r == 1,
+        LATE=NORM_LATE,
+        X2D=x2d,
+        HAS_RES=residual is not None,
+        num_warps=warps,
+        **launch_options(x),
+    )
     return y
 
 
@@ -418,9 +536,13 @@ class Rope:
     head_dim: int
 
 
-def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
-                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None, rowwise: bool = False,
-                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+def linear_rope(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    rope: Rope,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+    rowwise: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A one-row packed-QKV product whose rotation pairs are adjacent rows (the lowering interleaves them):
     `linear(x, w)` (`norm` = (skip, weight, eps): of `rms_norm(x, skip, ...)`, as `rms_linear`), then q and k
     rotated at `rope.pos` (interleaved pairs) and k, v written at `rope.slot` — `rope_qkv_write`'s values —
@@ -428,13 +550,25 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
     kernel. Returns (the rotated `[.., N]` rows, the residual sum or None), or None: not fused here (the
     caller runs the separate ops). `rowwise`: x may hold up to `ROWWISE_ROWS` rows (positions and slots one
     per row), each computed as a one-row step would (the one-row decision and configuration)."""
-    if not (_as_one_rows(x, rowwise) and _gemv_ok(x, w) and x.is_contiguous()
-            and (norm is None or norm[0] is None or norm[0].is_contiguous())):  # fmt: skip
+    if not (
+        _as_one_rows(x, rowwise)
+        and _gemv_ok(x, w)
+        and x.is_contiguous()
+        and (norm is None or norm[0] is None or norm[0].is_contiguous())
+    ):
         return None
     # pragma: cuda-begin (Triton: CUDA, or the Triton interpreter)
     skip = norm[0] if norm is not None else None
-    key = ("rope_gemv", tuple(w.shape), w.dtype, norm is not None, skip is not None, NORM_LATE, FOLD_ALWAYS,
-           x.device)  # fmt: skip
+    key = (
+        "rope_gemv",
+        tuple(w.shape),
+        w.dtype,
+        norm is not None,
+        skip is not None,
+        NORM_LATE,
+        FOLD_ALWAYS,
+        x.device,
+    )
     cfg = CHOICES[key] if key in CHOICES else _rope_gemv_choice(key, x, w, rope, norm)
     if cfg is None:
         return None
@@ -443,8 +577,13 @@ def linear_rope(x: torch.Tensor, w: torch.Tensor, rope: Rope,
     # pragma: cuda-end
 
 
-def _rope_gemv_choice(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, rope: Rope,
-                      norm: tuple[torch.Tensor | None, torch.Tensor, float] | None) -> tuple[int, int, int] | None:  # fmt: skip  # pragma: cuda
+def _rope_gemv_choice(
+    key: tuple[Any, ...],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    rope: Rope,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None,
+) -> tuple[int, int, int] | None:  # pragma: cuda
     """`linear_rope`'s decision for this shape, taken on x's first row (a decode step's shape): the fused
     GEMV configuration, or None for the product followed by the rotary kernel."""
     x1 = _first_row(x)
@@ -458,8 +597,19 @@ def _rope_gemv_choice(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, ro
     def separate(wc: torch.Tensor) -> tuple[torch.Tensor, Any]:
         y, s = rms_linear(x1, n1[0], n1[1], n1[2], wc) if n1 is not None else (linear(x1, wc), None)
         n, hkv, d = rope.heads, rope.kv_heads, rope.head_dim
-        rope_qkv_write(y.view(1, 1, -1), rope.cos, rope.sin, rope1.pos, rope.kv, rope.layer, n, hkv, d, True,
-                       slots=rope1.slot)  # fmt: skip
+        rope_qkv_write(
+            y.view(1, 1, -1),
+            rope.cos,
+            rope.sin,
+            rope1.pos,
+            rope.kv,
+            rope.layer,
+            n,
+            hkv,
+            d,
+            True,
+            slots=rope1.slot,
+        )
         return y, s
 
     fold = FOLD_ALWAYS and norm is not None
@@ -472,12 +622,19 @@ def _gemv_choice(x: torch.Tensor, w: torch.Tensor, silu: bool) -> tuple[int, int
     cuBLAS could only do row by row; (2) timed alone, a product cannot show what programmatic dependent
     launch gains it inside a decode graph (the chains of run 5 in docs/benchmarks/decode-gpu.md: the GEMV
     chain beat cuBLAS at every shape; end to end the 8B step measured the same either way, run 8)."""
-    return choose_config(("gemv", tuple(w.shape), w.dtype, silu, x.device), x, w, GEMV_CONFIGS, None,
-                         lambda wc, cfg: _gemv(x, wc, silu, cfg))  # fmt: skip
+    return choose_config(
+        ("gemv", tuple(w.shape), w.dtype, silu, x.device),
+        x,
+        w,
+        GEMV_CONFIGS,
+        None,
+        lambda wc, cfg: _gemv(x, wc, silu, cfg),
+    )
 
 
-def choose_config(key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, configs: Any, reference: Any,
-                  candidate: Any) -> Any:  # fmt: skip  # pragma: cuda
+def choose_config(
+    key: tuple[Any, ...], x: torch.Tensor, w: torch.Tensor, configs: Any, reference: Any, candidate: Any
+) -> Any:  # pragma: cuda
     """The per-shape decision of a kernel with several configurations against its reference: the cached
     choice under `key`; under the interpreter the first configuration; on CUDA `fastest` over
     `reference(weight)` (None: use the reference; no `reference`: a configuration is always chosen) and
@@ -572,8 +729,9 @@ def repair_after_failed_capture(dev: torch.device) -> None:  # pragma: cuda
         _log.error("could not restore the CUDA state after a failed capture: %s", exc)
 
 
-def linear_unfused(x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def linear_unfused(
+    x: torch.Tensor, w: torch.Tensor, silu_halves: bool = False, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """The cuBLAS / torch form of `linear` (its reference). With a residual (not with `silu_halves`): in
     float32 `addmm`; in half precision the product is rounded, then the sum is formed in float32 and rounded
     (the values of the unfused product and skip-norm): cuBLAS's bf16 `addmm` did not keep to one rounding
@@ -602,9 +760,16 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, past: torch.Tensor,
-                    scale: float, softcap: float = 0.0, window: int = -1,
-                    config: tuple[int, int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+def cache_attention(
+    q: torch.Tensor,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+    past: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = -1,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """Attention of M new tokens over a KV buffer that already holds their keys and values.
 
     `q` `[1, N, M, D]` (contiguous): queries at absolute positions `past .. past + M - 1`; `kbuf`/`vbuf`
@@ -644,23 +809,70 @@ def cache_attention(q: torch.Tensor, kbuf: torch.Tensor, vbuf: torch.Tensor, pas
     ml = qc if direct else torch.empty((2, hkv, nsplit, rp), dtype=torch.float32, device=q.device)
     k_ = _TRITON
     k_["attn_split"][(hkv, rblocks, nsplit)](
-        qc, kbuf, vbuf, past, acc, ml, out, kbuf.stride(1), kbuf.stride(2), vbuf.stride(1), vbuf.stride(2),
-        float(scale) * _LOG2E, float(softcap), int(window), m, rows, rp, hkv * nsplit * rp, split,
-        nsplit, D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, num_warps=warps, num_stages=stages, **launch_options(q),
-    )  # fmt: skip
+        qc,
+        kbuf,
+        vbuf,
+        past,
+        acc,
+        ml,
+        out,
+        kbuf.stride(1),
+        kbuf.stride(2),
+        vbuf.stride(1),
+        vbuf.stride(2),
+        float(scale) * _LOG2E,
+        float(softcap),
+        int(window),
+        m,
+        rows,
+        rp,
+        hkv * nsplit * rp,
+        split,
+        nsplit,
+        D=d,
+        DP=dp,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DIRECT=direct,
+        SOFTCAP=softcap > 0,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda,
+        num_warps=warps,
+        num_stages=stages,
+        **launch_options(q),
+    )
     if not direct:
         k_["attn_combine"][(n * m,)](
-            acc, ml, out, rows, rp, hkv * nsplit * rp, nsplit, D=d, DP=dp, NSP=_MAX_SPLITS, num_warps=4,
+            acc,
+            ml,
+            out,
+            rows,
+            rp,
+            hkv * nsplit * rp,
+            nsplit,
+            D=d,
+            DP=dp,
+            NSP=_MAX_SPLITS,
+            num_warps=4,
             **launch_options(q),
-        )  # fmt: skip
+        )
     return out
     # pragma: cuda-end
 
 
-def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, positions: torch.Tensor,
-                   kv: Any, layer: int, n: int, hkv: int, d: int, interleaved: bool,
-                   slots: torch.Tensor | None = None, token_major: bool = False) -> torch.Tensor:  # fmt: skip
+def rope_qkv_write(
+    qkv: torch.Tensor,
+    cos_c: torch.Tensor,
+    sin_c: torch.Tensor,
+    positions: torch.Tensor,
+    kv: Any,
+    layer: int,
+    n: int,
+    hkv: int,
+    d: int,
+    interleaved: bool,
+    slots: torch.Tensor | None = None,
+    token_major: bool = False,
+) -> torch.Tensor:
     """Packed QKV of S tokens `[1, S, (n + 2*hkv) * d]` -> rotated q `[1, n, S, d]` (rotated at `positions`,
     `[S]` int64 on the device); rotated k and v are written into `kv.keys[layer]` / `kv.values[layer]`
     (`[1, hkv, rows, d]`, any strides) at rows `slots` (default: `positions`). One kernel launch on CUDA
@@ -686,16 +898,44 @@ def rope_qkv_write(qkv: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, 
     q = qout.transpose(1, 2) if token_major else qout  # [1, n, S, d] either way
     half = cos_c.shape[1]
     _TRITON["rope_qkv"][(n + 2 * hkv, s)](
-        qkv, cos_c, sin_c, positions, slots, q, kb, vb, q.stride(1), q.stride(2), kb.stride(1), kb.stride(2),
-        vb.stride(1), vb.stride(2), cos_c.stride(0), n, hkv, (n + 2 * hkv) * d, D=d, HALF=half,
-        DP=max(16, 1 << (d - 1).bit_length()), INTERLEAVED=interleaved, num_warps=1, **launch_options(qkv),
-    )  # fmt: skip
+        qkv,
+        cos_c,
+        sin_c,
+        positions,
+        slots,
+        q,
+        kb,
+        vb,
+        q.stride(1),
+        q.stride(2),
+        kb.stride(1),
+        kb.stride(2),
+        vb.stride(1),
+        vb.stride(2),
+        cos_c.stride(0),
+        n,
+        hkv,
+        (n + 2 * hkv) * d,
+        D=d,
+        HALF=half,
+        DP=max(16, 1 << (d - 1).bit_length()),
+        INTERLEAVED=interleaved,
+        num_warps=1,
+        **launch_options(qkv),
+    )
     return q
     # pragma: cuda-end
 
 
-def decode_advance_ref(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, toks: torch.Tensor,
-                       batch: int, max_pages: int, page: int) -> None:  # fmt: skip
+def decode_advance_ref(
+    top: torch.Tensor,
+    wide: torch.Tensor,
+    narrow: torch.Tensor,
+    toks: torch.Tensor,
+    batch: int,
+    max_pages: int,
+    page: int,
+) -> None:
     """The torch reference of `decode_advance` (tests)."""
     b = batch
     cnt, live = int(wide[4 * b]), int(wide[4 * b + 1])
@@ -710,8 +950,15 @@ def decode_advance_ref(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tens
     wide[4 * b] = cnt + 1
 
 
-def decode_advance(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, toks: torch.Tensor, batch: int,
-                   max_pages: int, page: int) -> None:  # fmt: skip
+def decode_advance(
+    top: torch.Tensor,
+    wide: torch.Tensor,
+    narrow: torch.Tensor,
+    toks: torch.Tensor,
+    batch: int,
+    max_pages: int,
+    page: int,
+) -> None:
     """The tail of a captured decode step of `batch` rows, so that the next replay is the next decode step
     with no host work: for each live row r (`wide[4B + 1]` of them) the step's chosen token `top[r]`
     becomes its next token id and is recorded in `toks[count % len(toks), r]` (`count` = `wide[4B]`,
@@ -724,9 +971,22 @@ def decode_advance(top: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, 
         return
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     _TRITON["decode_advance"][(1,)](
-        top, top, wide, narrow, toks, batch, max_pages, toks.shape[0], 1, PAGE=page,
-        BLOCK=max(16, 1 << (batch - 1).bit_length()), PART=False, CP=1, num_warps=4, **launch_options(top),
-    )  # fmt: skip
+        top,
+        top,
+        wide,
+        narrow,
+        toks,
+        batch,
+        max_pages,
+        toks.shape[0],
+        1,
+        PAGE=page,
+        BLOCK=max(16, 1 << (batch - 1).bit_length()),
+        PART=False,
+        CP=1,
+        num_warps=4,
+        **launch_options(top),
+    )
     # pragma: cuda-end
 
 
@@ -739,8 +999,15 @@ GREEDY_IN_ADVANCE = os.environ.get("ONNXGEN_GREEDY_IN_ADVANCE", "1") == "1"
 _ARGMAX_BLOCK = 4096  # columns per partial maximum
 
 
-def greedy_advance(logits: torch.Tensor, wide: torch.Tensor, narrow: torch.Tensor, toks: torch.Tensor,
-                   batch: int, max_pages: int, page: int) -> None:  # fmt: skip
+def greedy_advance(
+    logits: torch.Tensor,
+    wide: torch.Tensor,
+    narrow: torch.Tensor,
+    toks: torch.Tensor,
+    batch: int,
+    max_pages: int,
+    page: int,
+) -> None:
     """`decode_advance(logits.argmax(-1), ...)` for `[batch, V]` logits: each row's token is its first maximum
     (`torch.argmax`'s choice, ties to the first column). With `GREEDY_IN_ADVANCE` on a Triton device, one
     launch writes partial maxima per block of columns and `decode_advance`'s launch picks each row's token
@@ -754,13 +1021,26 @@ def greedy_advance(logits: torch.Tensor, wide: torch.Tensor, narrow: torch.Tenso
     c = triton_cdiv(v, _ARGMAX_BLOCK)
     pv = torch.empty((rows, c), dtype=torch.float32, device=logits.device)
     pi = torch.empty((rows, c), dtype=torch.int32, device=logits.device)
-    _TRITON["argmax_part"][(rows, c)](logits, pv, pi, v, logits.stride(0), c, BLOCK=_ARGMAX_BLOCK, num_warps=4,
-                                      **launch_options(logits))  # fmt: skip
+    _TRITON["argmax_part"][(rows, c)](
+        logits, pv, pi, v, logits.stride(0), c, BLOCK=_ARGMAX_BLOCK, num_warps=4, **launch_options(logits)
+    )
     _TRITON["decode_advance"][(1,)](
-        pi, pv, wide, narrow, toks, batch, max_pages, toks.shape[0], c, PAGE=page,
-        BLOCK=max(16, 1 << (batch - 1).bit_length()), PART=True, CP=max(2, 1 << (c - 1).bit_length()),
-        num_warps=4, **launch_options(logits),
-    )  # fmt: skip
+        pi,
+        pv,
+        wide,
+        narrow,
+        toks,
+        batch,
+        max_pages,
+        toks.shape[0],
+        c,
+        PAGE=page,
+        BLOCK=max(16, 1 << (batch - 1).bit_length()),
+        PART=True,
+        CP=max(2, 1 << (c - 1).bit_length()),
+        num_warps=4,
+        **launch_options(logits),
+    )
     # pragma: cuda-end
 
 
@@ -777,8 +1057,16 @@ def copy_page_prefix(data: torch.Tensor, src: int, dst: int, n: int) -> None:
     elems = n * data.stride(3)
     block = 1024
     _TRITON["copy_prefix"][(data.shape[0] * 2, triton_cdiv(elems, block))](
-        data, src, dst, data.stride(1), data.stride(2), elems, BLOCK=block, num_warps=4, **launch_options(data),
-    )  # fmt: skip
+        data,
+        src,
+        dst,
+        data.stride(1),
+        data.stride(2),
+        elems,
+        BLOCK=block,
+        num_warps=4,
+        **launch_options(data),
+    )
     # pragma: cuda-end
 
 
@@ -793,8 +1081,17 @@ def _build() -> None:  # pragma: cuda (Triton only)
     from onnxgen.backends.native import triton_kernels as tk
     from onnxgen.backends.native import triton_skinny as ts
 
-    _TRITON = {"rms": tk.rms_kernel, "silu_mul": tk.silu_mul_kernel, "attn_split": tk.attn_split_kernel,
-               "attn_combine": tk.attn_combine_kernel, "rope_qkv": tk.rope_qkv_kernel, "gemv": tg.gemv_kernel,
-               "argmax_part": tk.argmax_part_kernel,
-               "silu_halves": tg.silu_mul_halves_kernel, "decode_advance": tk.decode_advance_kernel, "skinny": ts.skinny_kernel,
-               "copy_prefix": tk.copy_prefix_kernel, "embedding": tk.embedding_kernel}  # fmt: skip
+    _TRITON = {
+        "rms": tk.rms_kernel,
+        "silu_mul": tk.silu_mul_kernel,
+        "attn_split": tk.attn_split_kernel,
+        "attn_combine": tk.attn_combine_kernel,
+        "rope_qkv": tk.rope_qkv_kernel,
+        "gemv": tg.gemv_kernel,
+        "argmax_part": tk.argmax_part_kernel,
+        "silu_halves": tg.silu_mul_halves_kernel,
+        "decode_advance": tk.decode_advance_kernel,
+        "skinny": ts.skinny_kernel,
+        "copy_prefix": tk.copy_prefix_kernel,
+        "embedding": tk.embedding_kernel,
+    }

@@ -126,8 +126,16 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     nodes: list[O.Node] = []
     for i, n in enumerate(model.graph.node):
         attrs = {a.name: _attr_value(a, ext) for a in n.attribute}
-        nodes.append(O.Node(n.op_type, _norm_domain(n.domain), n.name or f"{n.op_type}_{i}",
-                            list(n.input), list(n.output), attrs))  # fmt: skip
+        nodes.append(
+            O.Node(
+                n.op_type,
+                _norm_domain(n.domain),
+                n.name or f"{n.op_type}_{i}",
+                list(n.input),
+                list(n.output),
+                attrs,
+            )
+        )
 
     # Constant nodes -> constants.
     rest = []
@@ -207,17 +215,29 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
         while ins and ins[-1] == -1:
             ins = ins[:-1]
         outs = tuple(sid(o) if (o and (o in consumed or o == spec.logits_name)) else -1 for o in n.outputs)
-        frees = tuple(s for s in set(ins) if s >= 0 and s not in const_slots and last_use.get(s) == i
-                      and s != logits_slot)  # fmt: skip
+        frees = tuple(
+            s
+            for s in set(ins)
+            if s >= 0 and s not in const_slots and last_use.get(s) == i and s != logits_slot
+        )
         steps.append(Step(O.builder(n)(n), ins, outs, frees, n))
     mask_name = spec.attention_mask_name
     uses_mask = bool(mask_name) and mask_name in consumed
     return Program(
-        steps=steps, nslots=len(slot), consts=const_slots, input_slots=input_slots, logits_slot=logits_slot,
-        kv_layers=spec.num_layers, uses_attention_mask=uses_mask, static_ok=static_ok and not uses_mask,
+        steps=steps,
+        nslots=len(slot),
+        consts=const_slots,
+        input_slots=input_slots,
+        logits_slot=logits_slot,
+        kv_layers=spec.num_layers,
+        uses_attention_mask=uses_mask,
+        static_ok=static_ok and not uses_mask,
         weight_bytes=weight_bytes,
-        info={"ops": sorted({f"{n.domain + '::' if n.domain else ''}{n.op}" for n in nodes}), "steps": len(steps)},
-    )  # fmt: skip
+        info={
+            "ops": sorted({f"{n.domain + '::' if n.domain else ''}{n.op}" for n in nodes}),
+            "steps": len(steps),
+        },
+    )
 
 
 def _is_host(t: torch.Tensor) -> bool:
@@ -423,9 +443,13 @@ def _nk_layout(cuda: bool, dtype: torch.dtype) -> bool:
 
 
 def _prepare_linear(
-    nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device,
-    int4_meta: dict[str, tuple[tuple[int, ...], bool]], packed: bool = False, on_device: set[str] | None = None,
-) -> list[O.Node]:  # fmt: skip
+    nodes: list[O.Node],
+    consts: dict[str, torch.Tensor],
+    device: torch.device,
+    int4_meta: dict[str, tuple[tuple[int, ...], bool]],
+    packed: bool = False,
+    on_device: set[str] | None = None,
+) -> list[O.Node]:
     """Constant-weight MatMul / MatMulNBits -> Linear (`packed`: MatMulNBits -> Int4Linear on its packed
     inputs, named in `on_device`); GatherBlockQuantized -> Gather over a dequantized table."""
     cuda = device.type == "cuda"
@@ -451,12 +475,16 @@ def _prepare_linear(
             scales = consts[n.inputs[2]]
             if packed:
                 if bits != 4 or block % 8:
-                    raise UnsupportedOp(f"MatMulNBits(bits={bits}, block_size={block})", n.domain, n.name,
-                                        O.supported_ops())  # fmt: skip
+                    raise UnsupportedOp(
+                        f"MatMulNBits(bits={bits}, block_size={block})", n.domain, n.name, O.supported_ops()
+                    )
                 # the packed bytes K-major (the GEMV's layout, `ops.quant.kmajor`), built on the device, once per
                 # initializer: the originals are not placed (no node reads them any more)
-                names = [n.inputs[1] + "::kmajor", n.inputs[2] + "::kmajor",
-                         n.inputs[3] + "::kmajor" if zp is not None else ""]  # fmt: skip
+                names = [
+                    n.inputs[1] + "::kmajor",
+                    n.inputs[2] + "::kmajor",
+                    n.inputs[3] + "::kmajor" if zp is not None else "",
+                ]
                 if names[0] not in consts:
                     dev = device if cuda else torch.device("cpu")
                     zdev = None if zp is None else zp.to(dev)
@@ -472,9 +500,15 @@ def _prepare_linear(
                 continue
             dev = device if cuda else torch.device("cpu")
             w = O.dequant_matmul_nbits(
-                consts[n.inputs[1]].to(dev), scales.to(dev), None if zp is None else zp.to(dev), k, nn, bits, block,
+                consts[n.inputs[1]].to(dev),
+                scales.to(dev),
+                None if zp is None else zp.to(dev),
+                k,
+                nn,
+                bits,
+                block,
                 scales.dtype,
-            )  # fmt: skip
+            )
             name = n.name + "::dequant"
             if _nk_layout(cuda, w.dtype):
                 consts[name] = w  # [N, K]
@@ -501,10 +535,15 @@ def _prepare_linear(
             if shape is None:  # uint8 packed: last dim holds two values per byte
                 shape = (*raw.shape[:-1], raw.shape[-1] * 2)
             table = O.dequant_gather_block(
-                raw, scales, consts[zp] if zp else None, bits=int(n.attr("bits", 4)),
-                block=int(n.attr("block_size", 128)), quant_axis=int(n.attr("quantize_axis", 1)), signed=signed,
+                raw,
+                scales,
+                consts[zp] if zp else None,
+                bits=int(n.attr("bits", 4)),
+                block=int(n.attr("block_size", 128)),
+                quant_axis=int(n.attr("quantize_axis", 1)),
+                signed=signed,
                 shape=tuple(shape),
-            )  # fmt: skip
+            )
             name = n.name + "::dequant"
             consts[name] = table
             n.inputs = [name, n.inputs[1]]
@@ -514,8 +553,11 @@ def _prepare_linear(
 
 
 def _merge_gate_up(
-    nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device, on_device: set[str] | None = None
-) -> list[O.Node]:  # fmt: skip
+    nodes: list[O.Node],
+    consts: dict[str, torch.Tensor],
+    device: torch.device,
+    on_device: set[str] | None = None,
+) -> list[O.Node]:
     """`SiluMul(Linear(x, Wg), Linear(x, Wu))` -> `LinearSiluMul(x, [Wg | Wu])` when both Linears have no
     bias, the same layout and dtype, and feed only the SiluMul. The merged weight is built on the device
     (CUDA: the halves are copied there first, so no host copy of the weights is made). Two packed
@@ -528,15 +570,22 @@ def _merge_gate_up(
         if m.op != "SiluMul" or m.domain != "onnxgen":
             continue
         g, u = (producer.get(x) for x in m.inputs)
-        if g is None or u is None or g is u or g.inputs[0] != u.inputs[0] \
-                or any(len(readers.get(p.outputs[0], ())) != 1 for p in (g, u)):  # fmt: skip
+        if (
+            g is None
+            or u is None
+            or g is u
+            or g.inputs[0] != u.inputs[0]
+            or any(len(readers.get(p.outputs[0], ())) != 1 for p in (g, u))
+        ):
             continue
         if g.op == u.op == "Int4Linear" and g.domain == u.domain == "onnxgen":
             if _merge_int4_pair(m, g, u, consts, readers, on_device):
                 drop.update((id(g), id(u)))
             continue
-        if any(p.op != "Linear" or p.domain != "onnxgen" or len(p.inputs) != 2 or p.inputs[1] not in consts
-               for p in (g, u)):  # fmt: skip
+        if any(
+            p.op != "Linear" or p.domain != "onnxgen" or len(p.inputs) != 2 or p.inputs[1] not in consts
+            for p in (g, u)
+        ):
             continue
         t = bool(g.attrs.get("_transposed", 0))
         wg, wu = consts[g.inputs[1]], consts[u.inputs[1]]
@@ -551,12 +600,23 @@ def _merge_gate_up(
     return [n for n in nodes if id(n) not in drop]
 
 
-def _merge_int4_pair(m: O.Node, g: O.Node, u: O.Node, consts: dict[str, torch.Tensor],
-                     readers: dict[str, list[O.Node]], on_device: set[str] | None) -> bool:  # fmt: skip
+def _merge_int4_pair(
+    m: O.Node,
+    g: O.Node,
+    u: O.Node,
+    consts: dict[str, torch.Tensor],
+    readers: dict[str, list[O.Node]],
+    on_device: set[str] | None,
+) -> bool:
     """Rewrite SiluMul `m` of packed products `g` and `u` as `Int4LinearSiluMul` (see `_merge_gate_up`);
     False (nothing changed) unless both are bias-free with the same K, N, block and kind of zero point."""
     gi, ui = g.inputs + [""] * (5 - len(g.inputs)), u.inputs + [""] * (5 - len(u.inputs))
-    if gi[4] or ui[4] or bool(gi[3]) != bool(ui[3]) or any(g.attr(a) != u.attr(a) for a in ("K", "N", "block_size")):
+    if (
+        gi[4]
+        or ui[4]
+        or bool(gi[3]) != bool(ui[3])
+        or any(g.attr(a) != u.attr(a) for a in ("K", "N", "block_size"))
+    ):
         return False
     if consts[gi[2]].dtype != consts[ui[2]].dtype or (gi[3] and consts[gi[3]].dtype != consts[ui[3]].dtype):
         return False
@@ -593,8 +653,12 @@ def _residual_into_product(nodes: list[O.Node], logits: str) -> None:
     at = {id(n): i for i, n in enumerate(nodes)}
     readers = _readers(nodes)
     for n in nodes:
-        if not (n.op == "SkipSimplifiedLayerNormalization" and n.domain == "com.microsoft"
-                and (len(n.inputs) < 4 or not any(n.inputs[3:])) and len(n.inputs) >= 3):  # fmt: skip
+        if not (
+            n.op == "SkipSimplifiedLayerNormalization"
+            and n.domain == "com.microsoft"
+            and (len(n.inputs) < 4 or not any(n.inputs[3:]))
+            and len(n.inputs) >= 3
+        ):
             continue
         if any(readers.get(o) for o in n.outputs[1:3] if o) or logits in n.outputs[1:]:
             continue
@@ -602,9 +666,14 @@ def _residual_into_product(nodes: list[O.Node], logits: str) -> None:
             p = producer.get(n.inputs[i])
             r = readers.get(n.inputs[i], [])
             q = producer.get(n.inputs[1 - i])  # the residual must exist before the product runs
-            movable = p is not None and p.domain == "onnxgen" and (
-                (p.op == "Int4Linear" and not any(p.inputs[4:]))
-                or (p.op == "Linear" and len(p.inputs) == 2 and "_rope" not in p.attrs))  # fmt: skip
+            movable = (
+                p is not None
+                and p.domain == "onnxgen"
+                and (
+                    (p.op == "Int4Linear" and not any(p.inputs[4:]))
+                    or (p.op == "Linear" and len(p.inputs) == 2 and "_rope" not in p.attrs)
+                )
+            )
             if movable and len(r) == 1 and r[0] is n and (q is None or at[id(q)] < at[id(p)]):
                 break
         else:
@@ -614,7 +683,11 @@ def _residual_into_product(nodes: list[O.Node], logits: str) -> None:
         keep = 4 if p.op == "Int4Linear" else 2
         p.inputs = (p.inputs + [""] * 5)[:keep] + [""] * (5 - keep) + [n.inputs[1 - i]]
         total = n.outputs[3] if len(n.outputs) > 3 else ""
-        n.op, n.inputs, n.outputs = "SimplifiedLayerNormalization", [p.outputs[0], n.inputs[2]], [n.outputs[0]]
+        n.op, n.inputs, n.outputs = (
+            "SimplifiedLayerNormalization",
+            [p.outputs[0], n.inputs[2]],
+            [n.outputs[0]],
+        )
         n.attrs = {"epsilon": n.attr("epsilon", 1e-5), "axis": -1}
         for r in readers.get(total, []) if total else []:
             r.inputs = [p.outputs[0] if x == total else x for x in r.inputs]
@@ -642,28 +715,57 @@ def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> l
             gamma = n.inputs[2] if skip else n.inputs[1]
             # packed int4: no bias and no residual (inputs 4 and 5), which RmsInt4Linear would drop
             int4 = lin.op == "Int4LinearSiluMul" or (lin.op == "Int4Linear" and not any(lin.inputs[4:]))
-            ok = (gamma in consts and (not skip or len(n.inputs) < 4 or not n.inputs[3])
-                  and lin.domain == "onnxgen" and lin.inputs[0] == n.outputs[0]
-                  and not any(readers.get(o) for o in n.outputs[1:3] if o)
-                  and (int4 or (lin.op in ("Linear", "LinearSiluMul") and len(lin.inputs) == 2
-                                and lin.inputs[1] in consts)))  # fmt: skip
+            ok = (
+                gamma in consts
+                and (not skip or len(n.inputs) < 4 or not n.inputs[3])
+                and lin.domain == "onnxgen"
+                and lin.inputs[0] == n.outputs[0]
+                and not any(readers.get(o) for o in n.outputs[1:3] if o)
+                and (
+                    int4
+                    or (
+                        lin.op in ("Linear", "LinearSiluMul")
+                        and len(lin.inputs) == 2
+                        and lin.inputs[1] in consts
+                    )
+                )
+            )
         if not ok:
             out.append(n)
             continue
         assert lin is not None
         total = n.outputs[3] if skip and len(n.outputs) > 3 else ""
         if int4:  # packed int4: the norm folded into the packed GEMV (`ops.quant`)
-            out.append(O.Node("RmsInt4Linear", "onnxgen", f"{n.name}+{lin.name}",
-                              [n.inputs[0], n.inputs[1] if skip else "", gamma, *(lin.inputs[1:4] + [""] * 3)[:3]],
-                              [lin.outputs[0], total],
-                              {"epsilon": float(n.attr("epsilon", 1e-5)), "silu": int(lin.op == "Int4LinearSiluMul"),
-                               **{a: lin.attr(a) for a in ("K", "N", "block_size")}}))  # fmt: skip
+            out.append(
+                O.Node(
+                    "RmsInt4Linear",
+                    "onnxgen",
+                    f"{n.name}+{lin.name}",
+                    [n.inputs[0], n.inputs[1] if skip else "", gamma, *(lin.inputs[1:4] + [""] * 3)[:3]],
+                    [lin.outputs[0], total],
+                    {
+                        "epsilon": float(n.attr("epsilon", 1e-5)),
+                        "silu": int(lin.op == "Int4LinearSiluMul"),
+                        **{a: lin.attr(a) for a in ("K", "N", "block_size")},
+                    },
+                )
+            )
             drop.add(id(lin))
             continue
-        out.append(O.Node("RmsLinear", "onnxgen", f"{n.name}+{lin.name}",
-                          [n.inputs[0], n.inputs[1] if skip else "", gamma, lin.inputs[1]], [lin.outputs[0], total],
-                          {"epsilon": float(n.attr("epsilon", 1e-5)), "silu": int(lin.op == "LinearSiluMul"),
-                           "_transposed": int(lin.attrs.get("_transposed", 0))}))  # fmt: skip
+        out.append(
+            O.Node(
+                "RmsLinear",
+                "onnxgen",
+                f"{n.name}+{lin.name}",
+                [n.inputs[0], n.inputs[1] if skip else "", gamma, lin.inputs[1]],
+                [lin.outputs[0], total],
+                {
+                    "epsilon": float(n.attr("epsilon", 1e-5)),
+                    "silu": int(lin.op == "LinearSiluMul"),
+                    "_transposed": int(lin.attrs.get("_transposed", 0)),
+                },
+            )
+        )
         drop.add(id(lin))
     return out
 
@@ -678,10 +780,17 @@ def _cut_before_final_norm(nodes: list[O.Node]) -> list[O.Node]:
     for cut in [n for n in nodes if n.op == "SliceLast" and n.domain == "onnxgen"]:
         norm = producer.get(cut.inputs[0])
         users = readers.get(cut.outputs[0], [])
-        if (norm is None or norm.op != "SimplifiedLayerNormalization" or norm.domain not in ("", "com.microsoft")
-                or int(norm.attr("axis", -1)) != -1 or len(readers.get(norm.outputs[0], [])) != 1
-                or any(readers.get(o) for o in norm.outputs[1:] if o) or len(users) != 1
-                or users[0].domain != "onnxgen" or users[0].op not in ("Linear", "Int4Linear")):  # fmt: skip
+        if (
+            norm is None
+            or norm.op != "SimplifiedLayerNormalization"
+            or norm.domain not in ("", "com.microsoft")
+            or int(norm.attr("axis", -1)) != -1
+            or len(readers.get(norm.outputs[0], [])) != 1
+            or any(readers.get(o) for o in norm.outputs[1:] if o)
+            or len(users) != 1
+            or users[0].domain != "onnxgen"
+            or users[0].op not in ("Linear", "Int4Linear")
+        ):
             continue
         sliced = cut.outputs[0]
         cut.inputs, cut.outputs = [norm.inputs[0]], [norm.inputs[0] + "::last"]
@@ -724,13 +833,28 @@ def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device:
     producer = {o: n for n in nodes for o in n.outputs if o}
     readers = _readers(nodes)
     for g in nodes:
-        if not (g.op == "GroupQueryAttention" and g.domain == "com.microsoft" and g.layer is not None
-                and int(g.attr("do_rotary", 0)) and not int(g.attr("rotary_interleaved", 0))):  # fmt: skip
+        if not (
+            g.op == "GroupQueryAttention"
+            and g.domain == "com.microsoft"
+            and g.layer is not None
+            and int(g.attr("do_rotary", 0))
+            and not int(g.attr("rotary_interleaved", 0))
+        ):
             continue
         ins = g.inputs + [""] * 17
         p = producer.get(ins[0])
-        if (ins[1] or ins[2] or ins[10] or ins[14] or ins[15] or p is None or p.domain != "onnxgen"
-                or len(readers.get(ins[0], ())) != 1 or ins[7] not in consts or ins[8] not in consts):  # fmt: skip
+        if (
+            ins[1]
+            or ins[2]
+            or ins[10]
+            or ins[14]
+            or ins[15]
+            or p is None
+            or p.domain != "onnxgen"
+            or len(readers.get(ins[0], ())) != 1
+            or ins[7] not in consts
+            or ins[8] not in consts
+        ):
             continue
         if p.op == "Linear" and len(p.inputs) == 2:
             wi = 1
@@ -748,8 +872,12 @@ def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device:
         if d % 2 or not 0 < 2 * half <= d:
             continue
         lane = torch.arange(d)
-        pair = torch.where(lane < 2 * half, lane // 2 + (lane % 2) * half, lane)  # new lane j holds old lane pair[j]
-        rows = torch.cat([(h * d + pair) for h in range(n + hkv)] + [torch.arange((n + hkv) * d, w.shape[axis])])
+        pair = torch.where(
+            lane < 2 * half, lane // 2 + (lane % 2) * half, lane
+        )  # new lane j holds old lane pair[j]
+        rows = torch.cat(
+            [(h * d + pair) for h in range(n + hkv)] + [torch.arange((n + hkv) * d, w.shape[axis])]
+        )
         name = p.inputs[wi] + "::rope"
         src = w.to(device) if device.type == "cuda" else w
         consts[name] = src.index_select(axis, rows.to(src.device)).contiguous()

@@ -109,8 +109,16 @@ def measure(pkg: str, tokens: int, device: str, seed: int = 0) -> list[dict[str,
                 ref = env_r[o]
                 local = _rel(vt, ref)
                 floor = _rel(vi.to(vt.dtype), ref)
-                rows.append({"node": st_t.node.name, "op": st_t.node.op, "out": k, "local": local, "floor": floor,
-                             "ratio": local / floor if floor > 0 else (0.0 if local == 0 else float("inf"))})  # fmt: skip
+                rows.append(
+                    {
+                        "node": st_t.node.name,
+                        "op": st_t.node.op,
+                        "out": k,
+                        "local": local,
+                        "floor": floor,
+                        "ratio": local / floor if floor > 0 else (0.0 if local == 0 else float("inf")),
+                    }
+                )
         for f in st_r.frees:
             env_r[f] = None
     return rows
@@ -124,5 +132,9 @@ def by_op(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for op, rs in groups.items():
         ratios = sorted(r["ratio"] for r in rs)
-        out[op] = {"nodes": len(rs), "median": ratios[len(rs) // 2], "worst": max(rs, key=lambda r: r["ratio"])}
+        out[op] = {
+            "nodes": len(rs),
+            "median": ratios[len(rs) // 2],
+            "worst": max(rs, key=lambda r: r["ratio"]),
+        }
     return out

@@ -61,8 +61,11 @@ class PagedStep:
             for b in range(len(self.seq_lens)):
                 rows = group * (self.q_starts[b + 1] - self.q_starts[b])
                 if self.per_token:
-                    items += [(b, t + j, t + min(j + block_m, group)) for t in range(0, rows, group)
-                              for j in range(0, group, block_m)]  # fmt: skip
+                    items += [
+                        (b, t + j, t + min(j + block_m, group))
+                        for t in range(0, rows, group)
+                        for j in range(0, group, block_m)
+                    ]
                 else:
                     items += [(b, r, min(r + block_m, rows)) for r in range(0, rows, block_m)]
             self._work[key] = torch.tensor(items, dtype=torch.int32).to(self.positions.device)
@@ -96,9 +99,18 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
     maxp = max(len(x) for x in tables)
     flat = [p for x in tables for p in (*x, *([0] * (maxp - len(x))))]
     narrow = torch.tensor([*flat, *q_starts, *seq_lens], dtype=torch.int32).to(device, non_blocking=True)
-    return PagedStep(storage, page_size, wide[:t], wide[t : 2 * t], wide[2 * t : 2 * t + r],
-                     narrow[: b * maxp].view(b, maxp), narrow[b * maxp : b * maxp + b + 1],
-                     narrow[b * maxp + b + 1 :], q_starts, seq_lens)  # fmt: skip
+    return PagedStep(
+        storage,
+        page_size,
+        wide[:t],
+        wide[t : 2 * t],
+        wide[2 * t : 2 * t + r],
+        narrow[: b * maxp].view(b, maxp),
+        narrow[b * maxp : b * maxp + b + 1],
+        narrow[b * maxp + b + 1 :],
+        q_starts,
+        seq_lens,
+    )
 
 
 class PoolRows:
@@ -121,8 +133,9 @@ def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> Non
     ps.storage.write(layer, ps.slots, k, v)
 
 
-def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
-              window: int = -1) -> torch.Tensor:  # fmt: skip
+def attention(
+    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0, window: int = -1
+) -> torch.Tensor:
     """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
     this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
     torch reference elsewhere."""
@@ -135,7 +148,9 @@ def attention(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap:
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
-Tile = tuple[int, int, int, int]  # rows per program (BLOCK_M), keys per block (BLOCK_N), warps, pipeline stages
+Tile = tuple[
+    int, int, int, int
+]  # rows per program (BLOCK_M), keys per block (BLOCK_N), warps, pipeline stages
 
 
 LARGE_ROWS = 64  # work items of more query rows (prefill chunks) may take the large tile
@@ -155,7 +170,12 @@ def tile_for(rows: int, fewest: int, group: int, d: int, fp32: bool = False) -> 
         return 64, 64 if d <= 128 else 32, 4, 2
     if fewest > LARGE_ROWS and d <= 128:
         return 128, 128, 8, 3
-    return min(64, max(16, 1 << (rows - 1).bit_length())), 64 if d <= 128 else 32, 4, 2 if rows <= group else 3
+    return (
+        min(64, max(16, 1 << (rows - 1).bit_length())),
+        64 if d <= 128 else 32,
+        4,
+        2 if rows <= group else 3,
+    )
 
 
 @functools.cache
@@ -184,8 +204,9 @@ faster at 528 keys, the 0.5B's 0.3-0.6 %; the attention alone 0.2-1.5 us a layer
 1.5 us slower with 8 blocks a split, the 8B shape at 16,000 keys)."""
 
 
-def plan_splits(items: int, plan: int, block_m: int, block_n: int, device: torch.device,
-                nsplit: int | None = None) -> int:  # fmt: skip
+def plan_splits(
+    items: int, plan: int, block_m: int, block_n: int, device: torch.device, nsplit: int | None = None
+) -> int:
     """The key splits of an attention launch over `plan` keys: `nsplit`, or by default `splits_for`'s count,
     made whole key blocks each and none empty at the plan's length. A work item cuts its own keys into that
     many parts (on the device, from its own length)."""
@@ -213,9 +234,16 @@ def short_keys(items: int, group: int, d: int, plan: int, device: torch.device) 
     return min(plan, _short_limit(plan_splits(items, plan, block_m, block_n, device), block_n))
 
 
-def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,  # pragma: cuda
-                     window: int = -1, nsplit: int | None = None,
-                     tile: Tile | None = None) -> torch.Tensor:  # fmt: skip
+def attention_triton(
+    ps: PagedStep,
+    layer: int,
+    q: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,  # pragma: cuda
+    window: int = -1,
+    nsplit: int | None = None,
+    tile: Tile | None = None,
+) -> torch.Tensor:
     """The Triton path of `attention`. `nsplit` (tests, benchmarks): the number of key splits; by default
     `splits_for`'s over `ps.plan_len` (a captured step's host shapes: the whole context). Each work item
     splits its own keys (the longest of its rows) into `nsplit` parts of whole key blocks, on the device:
@@ -247,24 +275,66 @@ def attention_triton(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, s
     ml = qc if direct else torch.empty((w, hkv, nsplit, block_m, 2), dtype=torch.float32, device=q.device)
     one = ps.num_tokens == len(ps.seq_lens) and g <= block_m  # item b: sequence b's one token, rows 0..g
     tp.paged_attn_kernel[(w, hkv, nsplit)](
-        qc, kpool, vpool, ps.page_table, ps.q_starts_t, ps.seq_lens_t, work, out, acc, ml,
-        float(scale) * _LOG2E, float(softcap), int(window), ps.page_table.shape[1], nsplit,
-        kpool.stride(0), kpool.stride(1), vpool.stride(0), vpool.stride(1), N=n, G=g, D=d, DP=dp,
-        PAGE=ps.page_size, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct, SOFTCAP=softcap > 0,
-        IEEE=q.dtype == torch.float32 or not q.is_cuda, ONE=one, num_warps=warps, num_stages=stages,
+        qc,
+        kpool,
+        vpool,
+        ps.page_table,
+        ps.q_starts_t,
+        ps.seq_lens_t,
+        work,
+        out,
+        acc,
+        ml,
+        float(scale) * _LOG2E,
+        float(softcap),
+        int(window),
+        ps.page_table.shape[1],
+        nsplit,
+        kpool.stride(0),
+        kpool.stride(1),
+        vpool.stride(0),
+        vpool.stride(1),
+        N=n,
+        G=g,
+        D=d,
+        DP=dp,
+        PAGE=ps.page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DIRECT=direct,
+        SOFTCAP=softcap > 0,
+        IEEE=q.dtype == torch.float32 or not q.is_cuda,
+        ONE=one,
+        num_warps=warps,
+        num_stages=stages,
         **kernels.launch_options(q),
-    )  # fmt: skip
+    )
     if not direct:
         nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits a combine program loads at once
         tp.paged_combine_kernel[(w, hkv, block_m)](
-            acc, ml, ps.q_starts_t, work, out, nsplit, hkv, N=n, G=g, D=d, DP=dp, BLOCK_M=block_m, NSP=nsp,
-            ONE=one, num_warps=1, **kernels.launch_options(out),
-        )  # fmt: skip
+            acc,
+            ml,
+            ps.q_starts_t,
+            work,
+            out,
+            nsplit,
+            hkv,
+            N=n,
+            G=g,
+            D=d,
+            DP=dp,
+            BLOCK_M=block_m,
+            NSP=nsp,
+            ONE=one,
+            num_warps=1,
+            **kernels.launch_options(out),
+        )
     return out
 
 
-def attention_ref(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0,
-                  window: int = -1) -> torch.Tensor:  # fmt: skip
+def attention_ref(
+    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0, window: int = -1
+) -> torch.Tensor:
     """The torch reference (the CPU path): a decode step (one query per sequence) in one batched product
     over the page table; otherwise sequence by sequence. float32 inside."""
     if len(ps.seq_lens) > 1 and ps.q_starts[-1] == len(ps.seq_lens):
@@ -278,8 +348,9 @@ def attention_ref(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, soft
     return out
 
 
-def _decode_batched(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float,
-                    window: int) -> torch.Tensor:  # fmt: skip
+def _decode_batched(
+    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float, window: int
+) -> torch.Tensor:
     """`q` `[B, N, D]`, one query per sequence at position `seq_lens[b] - 1`: every sequence's pages read at
     once (padded to the longest, the padding masked), grouped-query heads without repeating K/V."""
     b, n, d = q.shape
@@ -303,8 +374,16 @@ def _decode_batched(ps: PagedStep, layer: int, q: torch.Tensor, scale: float, so
     return o.reshape(b, n, d).to(q.dtype)
 
 
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, total: int, n: int, scale: float,
-                softcap: float, window: int) -> torch.Tensor:  # fmt: skip
+def _attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    total: int,
+    n: int,
+    scale: float,
+    softcap: float,
+    window: int,
+) -> torch.Tensor:
     """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, total, D]`. float32 inside."""
     m = q.shape[0]
     hkv = k.shape[0]
@@ -323,4 +402,3 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, total: int, n
         s = s.masked_fill(~keep, float("-inf"))
     o = torch.matmul(torch.softmax(s, dim=-1), vf)  # [N, m, D]
     return o.transpose(0, 1).to(q.dtype)
-

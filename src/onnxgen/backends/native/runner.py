@@ -93,8 +93,11 @@ def _rowwise(step: BatchStep) -> bool:
     are few enough for rowwise products (`kernels.ROWWISE_ROWS`). Such rows are the same bits as plain
     decoding's on a Triton device, so speculative decoding returns plain greedy decoding's tokens there."""
     n = step.num_tokens
-    return (ROWWISE and len(step.seqs) < n <= kernels.ROWWISE_ROWS
-            and all(s.logits == len(s.tokens) for s in step.seqs))  # fmt: skip
+    return (
+        ROWWISE
+        and len(step.seqs) < n <= kernels.ROWWISE_ROWS
+        and all(s.logits == len(s.tokens) for s in step.seqs)
+    )
 
 
 def batchable(program: Program, spec: Any) -> str | None:
@@ -108,7 +111,9 @@ def batchable(program: Program, spec: Any) -> str | None:
     return None
 
 
-def replay_plan(k: int, greedy: bool, multi: bool) -> list[tuple[int, int, int | None, tuple[int, int, bool] | None]]:
+def replay_plan(
+    k: int, greedy: bool, multi: bool
+) -> list[tuple[int, int, int | None, tuple[int, int, bool] | None]]:
     """How `_graph_decodes` runs `k` decode steps: one (j, n, flush, part) per replay — its first step `j` and
     its steps `n` (more than one: the `RUN_GRAPH_STEPS`-step graph, for `greedy` runs of a graph that has it
     (`multi`) where its steps fit before the run's end and within one token record); greedy runs: `flush`,
@@ -120,11 +125,18 @@ def replay_plan(k: int, greedy: bool, multi: bool) -> list[tuple[int, int, int |
     plan = []
     j = staged = 0
     while j < k:
-        deep = greedy and multi and j + RUN_GRAPH_STEPS <= k and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS \
-            and (j > 0 or RUN_FIRST_MULTI)  # fmt: skip
+        deep = (
+            greedy
+            and multi
+            and j + RUN_GRAPH_STEPS <= k
+            and j % RUN_TOKENS + RUN_GRAPH_STEPS <= RUN_TOKENS
+            and (j > 0 or RUN_FIRST_MULTI)
+        )
         n = RUN_GRAPH_STEPS if deep else 1
         last = j + n - 1
-        flush = last - last % RUN_TOKENS if greedy and ((last + 1) % RUN_TOKENS == 0 or last == k - 1) else None
+        flush = (
+            last - last % RUN_TOKENS if greedy and ((last + 1) % RUN_TOKENS == 0 or last == k - 1) else None
+        )
         flushed = not greedy or flush is not None
         part = None
         if last == k - 1 or flush is not None or (PART_STEPS and (last + 1) // PART_STEPS > j // PART_STEPS):
@@ -152,7 +164,9 @@ class _Graph:
     graph: Any = None
     out: Any = None  # the program's logits output [1, batch, vocab]
     step: Any = None  # the step's attention metadata (NOTE: the graph reads its tensors: keep them alive)
-    toks: Any = None  # decode graphs: [RUN_TOKENS, batch] int64, each replay's greedy tokens (`decode_advance`)
+    toks: Any = (
+        None  # decode graphs: [RUN_TOKENS, batch] int64, each replay's greedy tokens (`decode_advance`)
+    )
     # the KV length its attention's pipeline depth is chosen for (0: the context; `paged.SHORT_BLOCKS`); the
     # key splits are the context's either way, so the graph is right for any length
     keys: int = 0
@@ -174,8 +188,17 @@ class NativeRunner:
 
     backend = "native"
 
-    def __init__(self, spec: Any, device: str = "cpu", *, page_size: int = PAGE_SIZE, kv_bytes: int | None = None,
-                 cuda_graphs: bool = True, max_batch: int = 64, int4: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spec: Any,
+        device: str = "cpu",
+        *,
+        page_size: int = PAGE_SIZE,
+        kv_bytes: int | None = None,
+        cuda_graphs: bool = True,
+        max_batch: int = 64,
+        int4: str | None = None,
+    ) -> None:
         """`kv_bytes`: the pool's size in bytes (default: `CPU_KV_BYTES` on the CPU, `GPU_KV_FRACTION` of the
         free device memory on CUDA). `cuda_graphs`: replay decode steps of up to `max_batch` sequences from
         CUDA graphs (captured at load). `int4`: MatMulNBits weights "dense" (dequantized at load) or "packed"
@@ -200,11 +223,22 @@ class NativeRunner:
                 kv_bytes = CPU_KV_BYTES
         num_pages = max(int(kv_bytes) // per_page, 1)
         if num_pages * page_size < spec.context_length:
-            log.warning("the KV pool holds %d tokens, less than one full context (%d)", num_pages * page_size,
-                        spec.context_length)  # fmt: skip
+            log.warning(
+                "the KV pool holds %d tokens, less than one full context (%d)",
+                num_pages * page_size,
+                spec.context_length,
+            )
         try:  # one page more than the pool: the scratch page padding rows of graph steps write into
-            self.storage = PageStorage(spec.num_layers, num_pages + 1, page_size, spec.num_kv_heads,
-                                       spec.head_size, dtype, self._dev, copy_page_prefix)  # fmt: skip
+            self.storage = PageStorage(
+                spec.num_layers,
+                num_pages + 1,
+                page_size,
+                spec.num_kv_heads,
+                spec.head_size,
+                dtype,
+                self._dev,
+                copy_page_prefix,
+            )
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
             raise DeviceOutOfMemory(f"cannot allocate a KV pool of {kv_bytes / 2**30:.1f} GiB") from exc
         self.page_size = page_size
@@ -220,7 +254,9 @@ class NativeRunner:
         self._max_pages = -(-spec.context_length // page_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._short: dict[int, _Graph] = {}  # decode graphs by batch for KV lengths up to their `keys`
-        self._verify: dict[int, _Graph | None] = {}  # verify steps by padded length (None: its capture failed)
+        self._verify: dict[
+            int, _Graph | None
+        ] = {}  # verify steps by padded length (None: its capture failed)
         self._pool: Any = None
         on = cuda_graphs and self._dev.type == "cuda"
         self._graph_batches = [b for b in GRAPH_BATCHES if b <= max_batch] if on else []
@@ -235,7 +271,9 @@ class NativeRunner:
                 self._capture(*key)
             group = spec.num_heads // spec.num_kv_heads
             for b in self._graph_batches:  # decode graphs for short contexts: unpipelined attention
-                keys = paged.short_keys(b * spec.num_kv_heads, group, spec.head_size, spec.context_length, self._dev)
+                keys = paged.short_keys(
+                    b * spec.num_kv_heads, group, spec.head_size, spec.context_length, self._dev
+                )
                 if not self.cuda_graphs or keys < SHORT_GRAPH_KEYS or keys >= spec.context_length:
                     continue
                 self._capture(b, 1, keys=keys)
@@ -302,11 +340,13 @@ class NativeRunner:
                 g = self._graph_for(step)
                 return self._run_graph(g, step) if g is not None else self._run_eager(step)
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
-            raise DeviceOutOfMemory(f"the device ran out of memory running a batch of {step.num_tokens} "
-                                    "token(s)") from exc  # fmt: skip
+            raise DeviceOutOfMemory(
+                f"the device ran out of memory running a batch of {step.num_tokens} token(s)"
+            ) from exc
 
-    def launch_decodes(self, step: BatchStep, k: int, choose: Any, offset: int = 0,
-                       after: DeviceTokens | None = None) -> DecodeRun:  # fmt: skip
+    def launch_decodes(
+        self, step: BatchStep, k: int, choose: Any, offset: int = 0, after: DeviceTokens | None = None
+    ) -> DecodeRun:
         """`BatchRunner.launch_decodes`: on CUDA with graphs, `_graph_decodes`, and the tokens copied to pinned
         memory behind an event (nothing waits here); elsewhere `k` eager steps, each fed the previous step's
         choice on the device."""
@@ -319,13 +359,16 @@ class NativeRunner:
                     return self._graph_decodes(g, step, k, choose, first, offset)
                 toks = torch.empty((k, b), dtype=torch.int64, device=self._dev)
                 for j in range(k):
-                    seqs = tuple(SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs)
+                    seqs = tuple(
+                        SeqChunk(s.tokens if j == 0 else [0], s.start + j, s.pages, 1) for s in step.seqs
+                    )
                     logits = self._run_eager(BatchStep(seqs), toks[j - 1] if j else first)
                     toks[j] = choose(logits, offset + j)
                 return DecodeRun(toks)
         except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
-            raise DeviceOutOfMemory(f"the device ran out of memory running {k} decode steps of {b} "
-                                    "sequence(s)") from exc  # fmt: skip
+            raise DeviceOutOfMemory(
+                f"the device ran out of memory running {k} decode steps of {b} sequence(s)"
+            ) from exc
 
     def stage_tokens(self, toks: torch.Tensor) -> DecodeRun:
         """`BatchRunner.stage_tokens`: on CUDA their copy to pinned memory and an event after it (one part)."""
@@ -361,8 +404,9 @@ class NativeRunner:
             return run.host[:rows].tolist()
         return run.toks[:rows].tolist()
 
-    def _graph_decodes(self, g: _Graph, step: BatchStep, k: int, choose: Any, first: torch.Tensor | None,
-                       offset: int) -> DecodeRun:  # fmt: skip  # pragma: cuda
+    def _graph_decodes(
+        self, g: _Graph, step: BatchStep, k: int, choose: Any, first: torch.Tensor | None, offset: int
+    ) -> DecodeRun:  # pragma: cuda
         """`k` decode steps as `k` replays of the decode graph: the first uploads the inputs (page tables for
         the whole run; `first`: its token ids on the device); each replay then chooses its greedy tokens and
         advances the inputs to the next step on the device (`_graph_body`), so the host only enqueues
@@ -390,8 +434,9 @@ class NativeRunner:
                 toks[flush : last + 1] = g.toks[: last + 1 - flush, :b]
             if part is not None:
                 a, e, flushed = part
-                self._stage_part(run, toks[a:e] if flushed else g.toks[a % RUN_TOKENS : (e - 1) % RUN_TOKENS + 1, :b],
-                                 a, e)  # fmt: skip
+                self._stage_part(
+                    run, toks[a:e] if flushed else g.toks[a % RUN_TOKENS : (e - 1) % RUN_TOKENS + 1, :b], a, e
+                )
         return run
 
     # --- eager -------------------------------------------------------------------------------------
@@ -401,7 +446,9 @@ class NativeRunner:
         t = step.num_tokens
         ps = paged.build_step(step, self.storage, self.page_size, self._dev)
         rowwise = _rowwise(step)
-        if rowwise or t == len(step.seqs):  # verify rows or decodes: key splits planned as a captured decode's
+        if rowwise or t == len(
+            step.seqs
+        ):  # verify rows or decodes: key splits planned as a captured decode's
             ps.plan_len, ps.per_token = self.spec.context_length, rowwise
         env = self.program.new_env()
         if ids_t is None:
@@ -409,15 +456,23 @@ class NativeRunner:
         env[self._in_ids] = ids_t.to(self._dev, non_blocking=True).view(1, t).to(self._ids_dtype)
         if self._in_pos >= 0:
             env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
-        out = self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
-                                               rowwise=rowwise))  # fmt: skip
+        out = self.program.execute(
+            env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps, rowwise=rowwise)
+        )
         self.steps["eager"] += 1
         return out.reshape(-1, out.shape[-1]).float()
 
     # --- CUDA graphs for decode steps --------------------------------------------------------------
 
-    def _run_graph(self, g: _Graph, step: BatchStep, ids_t: torch.Tensor | None = None,
-                   raw: bool = False, run: int = 0, multi: bool = False) -> torch.Tensor:  # fmt: skip  # pragma: cuda
+    def _run_graph(
+        self,
+        g: _Graph,
+        step: BatchStep,
+        ids_t: torch.Tensor | None = None,
+        raw: bool = False,
+        run: int = 0,
+        multi: bool = False,
+    ) -> torch.Tensor:  # pragma: cuda
         """`ids_t`: a decode step's token ids as a device tensor `[B]` (copied in after the upload). `raw`: the
         logits as the graph's output rows in the model's dtype (a view, valid until the next replay; the
         device choice reads them exactly), not a float32 copy. `run`: the first of `run` decode steps whose
@@ -442,7 +497,9 @@ class NativeRunner:
             qs[:] = np.arange(g.batch + 1)
             lens[:b] = np.asarray(starts) + 1
             for i, s in enumerate(step.seqs):  # entries past the run's last position are never read
-                table[i, : (starts[i] + max(run, 1) - 1) // P + 1] = s.pages[: (starts[i] + max(run, 1) - 1) // P + 1]
+                table[i, : (starts[i] + max(run, 1) - 1) // P + 1] = s.pages[
+                    : (starts[i] + max(run, 1) - 1) // P + 1
+                ]
             # padding rows: one position on the scratch page, attending to it alone
             ids[b:], pos[b:], slots[b:], lens[b:], table[b:, 0] = 0, 0, scratch * P, 1, scratch
         else:  # one sequence's prefill chunk, padded with copies of its last token at the next positions
@@ -491,12 +548,19 @@ class NativeRunner:
         one by one, as decode steps (`_rowwise`)."""
         bm, m, t, mp = g.batch, g.tokens, g.batch * g.tokens, self._max_pages
         return paged.PagedStep(
-            self.storage, self.page_size, positions=g.wide[t : 2 * t], slots=g.wide[2 * t : 3 * t],
-            last=g.wide[3 * t : 3 * t + g.rows], page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
-            q_starts_t=g.narrow[bm * (1 + mp) :], seq_lens_t=g.narrow[:bm],
-            q_starts=list(range(0, t + 1, m)), seq_lens=[g.keys or self.spec.context_length] * bm,
-            plan_len=self.spec.context_length, per_token=ROWWISE and g.rows > bm,
-        )  # fmt: skip
+            self.storage,
+            self.page_size,
+            positions=g.wide[t : 2 * t],
+            slots=g.wide[2 * t : 3 * t],
+            last=g.wide[3 * t : 3 * t + g.rows],
+            page_table=g.narrow[bm : bm * (1 + mp)].view(bm, mp),
+            q_starts_t=g.narrow[bm * (1 + mp) :],
+            seq_lens_t=g.narrow[:bm],
+            q_starts=list(range(0, t + 1, m)),
+            seq_lens=[g.keys or self.spec.context_length] * bm,
+            plan_len=self.spec.context_length,
+            per_token=ROWWISE and g.rows > bm,
+        )
 
     def _graph_forward(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
         t = g.batch * g.tokens
@@ -504,8 +568,12 @@ class NativeRunner:
         env[self._in_ids] = g.wide[:t].view(1, t).to(self._ids_dtype)
         if self._in_pos >= 0:
             env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
-        return self.program.execute(env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps,
-                                                static=True, rowwise=ps.per_token))  # fmt: skip
+        return self.program.execute(
+            env,
+            RunCtx(
+                self._rows, -1, t, ps.positions, last=ps.last, paged=ps, static=True, rowwise=ps.per_token
+            ),
+        )
 
     def _graph_body(self, g: _Graph, ps: paged.PagedStep) -> torch.Tensor:  # pragma: cuda
         """What a graph runs: the forward step; a decode step then chooses each row's greedy token and
@@ -513,12 +581,14 @@ class NativeRunner:
         host fills every input before each replay, only a counter moves)."""
         out = self._graph_forward(g, ps)
         if g.toks is not None:
-            greedy_advance(out.reshape(g.batch, -1), g.wide, g.narrow, g.toks, g.batch, self._max_pages,
-                           self.page_size)  # fmt: skip
+            greedy_advance(
+                out.reshape(g.batch, -1), g.wide, g.narrow, g.toks, g.batch, self._max_pages, self.page_size
+            )
         return out
 
-    def _capture(self, batch: int, tokens: int, rows: int | None = None, disable_on_failure: bool = True,
-                 keys: int = 0) -> _Graph | None:  # fmt: skip  # pragma: cuda
+    def _capture(
+        self, batch: int, tokens: int, rows: int | None = None, disable_on_failure: bool = True, keys: int = 0
+    ) -> _Graph | None:  # pragma: cuda
         """Capture the step of `batch` sequences of `tokens` positions returning `rows` logits rows (default:
         one per sequence; all padding: harmless to run); `keys`: a decode graph for KV lengths up to that
         (`_short`: kept apart from the graph for any length). On failure repair what a broken capture leaves
@@ -534,10 +604,21 @@ class NativeRunner:
         w[2 * t : 3 * t] = self._scratch * P + w[t : 2 * t] % P
         w[3 * t : 3 * t + rows] = np.arange(batch) * tokens + tokens - 1 if rows == batch else np.arange(rows)
         host_narrow.numpy()[:batch] = tokens
-        g = _Graph(batch, tokens, rows, host_wide.to(self._dev), host_narrow.to(self._dev), host_wide,
-                   host_narrow, torch.cuda.Event(), keys=keys)  # fmt: skip
+        g = _Graph(
+            batch,
+            tokens,
+            rows,
+            host_wide.to(self._dev),
+            host_narrow.to(self._dev),
+            host_wide,
+            host_narrow,
+            torch.cuda.Event(),
+            keys=keys,
+        )
         g.uploaded.record()
-        if tokens == 1 and rows == batch:  # a decode step: its replays can follow each other (`launch_decodes`)
+        if (
+            tokens == 1 and rows == batch
+        ):  # a decode step: its replays can follow each other (`launch_decodes`)
             g.toks = torch.zeros((RUN_TOKENS, batch), dtype=torch.int64, device=self._dev)
         try:
             stream = torch.cuda.Stream()
@@ -564,8 +645,14 @@ class NativeRunner:
                 self._graphs[(batch, tokens)] = g
             return g
         except (NotCapturable, RuntimeError) as exc:
-            log.warning("CUDA graph capture of a %d x %d step failed (%s: %s); %s run eagerly", batch, tokens,
-                        type(exc).__name__, exc, "steps" if disable_on_failure else "such steps")  # fmt: skip
+            log.warning(
+                "CUDA graph capture of a %d x %d step failed (%s: %s); %s run eagerly",
+                batch,
+                tokens,
+                type(exc).__name__,
+                exc,
+                "steps" if disable_on_failure else "such steps",
+            )
             if disable_on_failure:
                 self._graph_batches = []
                 self._graph_chunks = []

@@ -31,8 +31,22 @@ from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wa
 
 
 @triton.jit
-def _x_tile(X, SKIP, NW, SUM, k0, rk, first, K, rstd, OUT_TY: tl.constexpr, NORM: tl.constexpr,
-            HAS_SKIP: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr):  # fmt: skip
+def _x_tile(
+    X,
+    SKIP,
+    NW,
+    SUM,
+    k0,
+    rk,
+    first,
+    K,
+    rstd,
+    OUT_TY: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    LATE: tl.constexpr,
+    X2D: tl.constexpr,
+):
     """x[k0 : k0 + BLOCK_K] in float32, ready to multiply the weight tile (`[1, BLOCK_K]`, or with `X2D` the
     columns `rk` broadcast to `[BLOCK_N, BLOCK_K]`), and the row before any norm (`x (+ skip)`, in `rk`'s
     shape). With NORM the normalised row, rounded as the separate RMSNorm would write it; with LATE (the
@@ -58,8 +72,29 @@ def _x_tile(X, SKIP, NW, SUM, k0, rk, first, K, rstd, OUT_TY: tl.constexpr, NORM
 
 
 @triton.jit
-def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, NQ, NK,
-                BLOCK_N: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr):  # fmt: skip
+def _rope_store(
+    Y,
+    y,
+    rn,
+    nmask,
+    pid,
+    COS,
+    SIN,
+    POS,
+    SLOT,
+    KB,
+    VB,
+    sk_h,
+    sk_s,
+    sv_h,
+    sv_s,
+    cos_stride,
+    NQ,
+    NK,
+    BLOCK_N: tl.constexpr,
+    HEAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
     """The QKV product's epilogue (`ROPE`): y (its BLOCK_N rows, pairs adjacent: interleaved rotary) rounded
     as the product's output, q and k rows rotated at the token's position, all rows written to Y, k and v
     rows also into the KV buffers at the token's slot (`kernels.rope_qkv_write`'s values)."""
@@ -84,11 +119,46 @@ def _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, s
 
 
 @triton.jit(do_not_specialize=["R"])
-def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s,
-                cos_stride, NQ, NK, RES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr, HEAD: tl.constexpr,
-                HALF: tl.constexpr, RB: tl.constexpr, ONE: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
-                HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def gemv_kernel(
+    X,
+    W,
+    Y,
+    K,
+    N,
+    R,
+    SKIP,
+    NW,
+    SUM,
+    eps,
+    COS,
+    SIN,
+    POS,
+    SLOT,
+    KB,
+    VB,
+    sk_h,
+    sk_s,
+    sv_h,
+    sv_s,
+    cos_stride,
+    NQ,
+    NK,
+    RES,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SILU: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEAD: tl.constexpr,
+    HALF: tl.constexpr,
+    RB: tl.constexpr,
+    ONE: tl.constexpr,
+    LATE: tl.constexpr,
+    X2D: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program `i` owns output tile `i // ceil(R / RB)` for rows `RB * (i % ceil(R / RB))` onwards (`RB` rows
     at most, one after another, each by `_gemv_row`'s code: the same bits as a one-row launch); `ONE`
     (R = 1, a decode step's launch) skips that index arithmetic: program `i` owns tile `i`. With PDL
@@ -118,17 +188,97 @@ def gemv_kernel(X, W, Y, K, N, R, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, V
         gdc_wait()
     for i in tl.static_range(RB):
         if r0 + i < R:
-            _gemv_row((r0 + i).to(tl.int64), X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s,
-                      sv_h, sv_s, cos_stride, NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N, BLOCK_K,
-                      SILU, NORM, HAS_SKIP, ROPE, HEAD, HALF, LATE, X2D, HAS_RES)  # fmt: skip
+            _gemv_row(
+                (r0 + i).to(tl.int64),
+                X,
+                Y,
+                K,
+                N,
+                SKIP,
+                NW,
+                SUM,
+                eps,
+                COS,
+                SIN,
+                POS,
+                SLOT,
+                KB,
+                VB,
+                sk_h,
+                sk_s,
+                sv_h,
+                sv_s,
+                cos_stride,
+                NQ,
+                NK,
+                RES,
+                pid,
+                rn,
+                nmask,
+                rk,
+                wp,
+                up,
+                w0,
+                u0,
+                BLOCK_N,
+                BLOCK_K,
+                SILU,
+                NORM,
+                HAS_SKIP,
+                ROPE,
+                HEAD,
+                HALF,
+                LATE,
+                X2D,
+                HAS_RES,
+            )
 
 
 @triton.jit
-def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride,
-              NQ, NK, RES, pid, rn, nmask, rk, wp, up, w0, u0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              SILU: tl.constexpr, NORM: tl.constexpr, HAS_SKIP: tl.constexpr, ROPE: tl.constexpr,
-              HEAD: tl.constexpr, HALF: tl.constexpr, LATE: tl.constexpr, X2D: tl.constexpr,
-              HAS_RES: tl.constexpr):  # fmt: skip
+def _gemv_row(
+    row,
+    X,
+    Y,
+    K,
+    N,
+    SKIP,
+    NW,
+    SUM,
+    eps,
+    COS,
+    SIN,
+    POS,
+    SLOT,
+    KB,
+    VB,
+    sk_h,
+    sk_s,
+    sv_h,
+    sv_s,
+    cos_stride,
+    NQ,
+    NK,
+    RES,
+    pid,
+    rn,
+    nmask,
+    rk,
+    wp,
+    up,
+    w0,
+    u0,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SILU: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEAD: tl.constexpr,
+    HALF: tl.constexpr,
+    LATE: tl.constexpr,
+    X2D: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
     """Row `row` of x (X, SKIP, SUM have rows of K, Y rows of N; POS, SLOT one entry per row) times the
     weights: `w0` / `u0` hold the first tile, the rest is loaded. With `ROPE` (a QKV product whose rotation
     pairs are adjacent rows, even BLOCK_N) `_rope_store` finishes the row. With `NORM` and `LATE` nothing
@@ -170,8 +320,9 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
     if SILU:
         acc_u = u0.to(tl.float32) * x
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        x, raw = _x_tile(X, SKIP, NW, SUM, k0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE,
-                         X2D)  # fmt: skip
+        x, raw = _x_tile(
+            X, SKIP, NW, SUM, k0, rk2, first, K, rstd, Y.dtype.element_ty, NORM, HAS_SKIP, LATE, X2D
+        )
         if NORM and LATE:
             ss += raw * raw
         m2 = nmask[:, None] & ((k0 + rk) < K)[None, :]
@@ -193,8 +344,29 @@ def _gemv_row(row, X, Y, K, N, SKIP, NW, SUM, eps, COS, SIN, POS, SLOT, KB, VB, 
         u = u.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
     if ROPE:
-        _rope_store(Y, y, rn, nmask, pid, COS, SIN, POS, SLOT, KB, VB, sk_h, sk_s, sv_h, sv_s, cos_stride, NQ, NK,
-                    BLOCK_N, HEAD, HALF)  # fmt: skip
+        _rope_store(
+            Y,
+            y,
+            rn,
+            nmask,
+            pid,
+            COS,
+            SIN,
+            POS,
+            SLOT,
+            KB,
+            VB,
+            sk_h,
+            sk_s,
+            sv_h,
+            sv_s,
+            cos_stride,
+            NQ,
+            NK,
+            BLOCK_N,
+            HEAD,
+            HALF,
+        )
     else:
         if HAS_RES:
             y += tl.load(RES + rn, mask=nmask, other=0.0).to(tl.float32)

@@ -54,8 +54,20 @@ def _at(v, SHIFT: tl.constexpr, MASK: tl.constexpr, ONE_BITS):
 
 
 @triton.jit
-def _x(xo, j: tl.constexpr, xk, K, X, SKIP, NW, SUM, store, EVEN: tl.constexpr, NORM: tl.constexpr,
-       HAS_SKIP: tl.constexpr):  # fmt: skip
+def _x(
+    xo,
+    j: tl.constexpr,
+    xk,
+    K,
+    X,
+    SKIP,
+    NW,
+    SUM,
+    store,
+    EVEN: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+):
     """Element j of x for each word row (`[BK8, 1]` offsets `xo` into a row of X, float32) and its square.
     NORM: x (+ SKIP, the sum also stored to SUM where `store`) times the norm weight NW; the square is of
     the unweighted sum (an RMSNorm's `rstd` comes from their total after the loop); else the square is 0."""
@@ -121,10 +133,36 @@ def _block_dot(qx, xs, S, Z, at, km, ZP: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def int4_gemv_kernel(X, W, S, Z, Y, SKIP, NW, SUM, eps, RES, K, N, LD, NB, sxm, sym, ONE_BITS,
-                     BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr, ZP: tl.constexpr,
-                     EVEN: tl.constexpr, SCHEME: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
-                     HAS_SKIP: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def int4_gemv_kernel(
+    X,
+    W,
+    S,
+    Z,
+    Y,
+    SKIP,
+    NW,
+    SUM,
+    eps,
+    RES,
+    K,
+    N,
+    LD,
+    NB,
+    sxm,
+    sym,
+    ONE_BITS,
+    BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BK8: tl.constexpr,
+    ZP: tl.constexpr,
+    EVEN: tl.constexpr,
+    SCHEME: tl.constexpr,
+    SILU: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (i, m): output columns `i * BLOCK_N ..` of row m of x. W, S and Z have rows of LD columns
     (N, or 2N with SILU: gate columns then up columns, and the output is `silu(g) * u`, each rounded to Y's
     dtype first as the unfused product would be). ZP: 0 none (8), 1 uint8, 2 floats (both `[NB, LD]`).
@@ -201,11 +239,22 @@ def int4_gemv_kernel(X, W, S, Z, Y, SKIP, NW, SUM, eps, RES, K, N, LD, NB, sxm, 
     tl.store(Y + m * sym + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 
-def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-                k: int, n: int, block: int, block_n: int = 32, bk8: int = 64, warps: int = 4,
-                scheme: int | None = None, silu: bool = False,
-                norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
-                residual: torch.Tensor | None = None) -> Any:  # fmt: skip
+def int4_linear(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    k: int,
+    n: int,
+    block: int,
+    block_n: int = 32,
+    bk8: int = 64,
+    warps: int = 4,
+    scheme: int | None = None,
+    silu: bool = False,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+) -> Any:
     """`x` `[..., K]` times the K-major packed weights (`ops.quant.kmajor`'s tensors) -> `[..., N]` in x's
     dtype (float32 accumulation). `silu`: the tensors hold a gate and an up product side by side (`2 * N`
     columns, `ops.quant.Int4LinearSiluMul`) and the result is `silu(x @ Wg.T) * (x @ Wu.T)`. `block_n`
@@ -227,12 +276,36 @@ def int4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zero
         scheme = 0 if x.dtype == torch.float32 else 1
     even = (nb * block // 8) % bk8 == 0 and n % block_n == 0 and k % block == 0
     int4_gemv_kernel[(triton.cdiv(n, block_n), x2.shape[0])](
-        x2, words, scales, scales if zero_points is None else zero_points, y, x2 if skip2 is None else skip2, nw,
-        x2 if total is None else total, eps, residual_rows(residual, x2.shape[0], n, y), k, n, ld, nb, x2.stride(0),
-        y.stride(0), 0x3F800000, BLOCK=block, BLOCK_N=block_n, BK8=bk8, ZP=zmode, EVEN=even, SCHEME=scheme,
-        SILU=silu, NORM=norm is not None, HAS_SKIP=skip2 is not None, HAS_RES=residual is not None, num_warps=warps,
+        x2,
+        words,
+        scales,
+        scales if zero_points is None else zero_points,
+        y,
+        x2 if skip2 is None else skip2,
+        nw,
+        x2 if total is None else total,
+        eps,
+        residual_rows(residual, x2.shape[0], n, y),
+        k,
+        n,
+        ld,
+        nb,
+        x2.stride(0),
+        y.stride(0),
+        0x3F800000,
+        BLOCK=block,
+        BLOCK_N=block_n,
+        BK8=bk8,
+        ZP=zmode,
+        EVEN=even,
+        SCHEME=scheme,
+        SILU=silu,
+        NORM=norm is not None,
+        HAS_SKIP=skip2 is not None,
+        HAS_RES=residual is not None,
+        num_warps=warps,
         **launch_options(x),
-    )  # fmt: skip
+    )
     out = y.reshape(*x.shape[:-1], n)
     if norm is None:
         return out
@@ -260,8 +333,9 @@ def _nibble_values(w, s, z, t: tl.constexpr):
 
 
 @triton.jit
-def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr,
-                        ZP: tl.constexpr):  # fmt: skip
+def int4_dequant_kernel(
+    W, S, Z, OUT, K, N, KW, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BK8: tl.constexpr, ZP: tl.constexpr
+):
     """OUT[k, c] = (q(k, c) - z) * s for the K-major words `W` `[KW, N]`, scales and zero points
     `[n_blocks, N]`: program (i, j) expands word rows `i * BK8 ..` of columns `j * BLOCK_N ..`, nibble `t`
     of each word to row `8 r + t` (rows past K are padding and not stored)."""
@@ -271,12 +345,22 @@ def int4_dequant_kernel(W, S, Z, OUT, K, N, KW, BLOCK: tl.constexpr, BLOCK_N: tl
     w, s, z = _word_tile(W, S, Z, rw, rn, (rw < KW)[:, None] & nmask, N, BLOCK, ZP)
     for t in tl.static_range(8):
         row = rw * 8 + t
-        tl.store(OUT + row[:, None].to(tl.int64) * N + rn[None, :],
-                 _nibble_values(w, s, z, t).to(OUT.dtype.element_ty), mask=(row < K)[:, None] & nmask)  # fmt: skip
+        tl.store(
+            OUT + row[:, None].to(tl.int64) * N + rn[None, :],
+            _nibble_values(w, s, z, t).to(OUT.dtype.element_ty),
+            mask=(row < K)[:, None] & nmask,
+        )
 
 
-def int4_dequant(words: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, k: int, n: int,
-                 block: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def int4_dequant(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor | None,
+    k: int,
+    n: int,
+    block: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """The K-major tensors of `ops.quant.kmajor` (`n` columns: 2N for a merged gate/up) -> the dense weight
     `[K, n]` in `dtype`: `ops.quant.dequant_kmajor`'s values (computed in float32, rounded once), transposed."""
     assert words.dtype == torch.int32 and block % 8 == 0 and words.shape[1] == n
@@ -284,6 +368,17 @@ def int4_dequant(words: torch.Tensor, scales: torch.Tensor, zero_points: torch.T
     zmode = 0 if zero_points is None else 1
     bk8, bn = 32, 64
     int4_dequant_kernel[(triton.cdiv(words.shape[0], bk8), triton.cdiv(n, bn))](
-        words, scales, scales if zero_points is None else zero_points, out, k, n, words.shape[0], BLOCK=block, BLOCK_N=bn, BK8=bk8, ZP=zmode, num_warps=4,
-    )  # fmt: skip
+        words,
+        scales,
+        scales if zero_points is None else zero_points,
+        out,
+        k,
+        n,
+        words.shape[0],
+        BLOCK=block,
+        BLOCK_N=bn,
+        BK8=bk8,
+        ZP=zmode,
+        num_warps=4,
+    )
     return out

@@ -79,9 +79,26 @@ def load_rows(ptr, nm, dmask, D: tl.constexpr, DP: tl.constexpr, MASKED: tl.cons
 
 
 @triton.jit
-def softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scale, softcap, dmask,
-                  D: tl.constexpr, DP: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                  IEEE: tl.constexpr):  # fmt: skip
+def softmax_block(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kptr,
+    vptr,
+    offs,
+    hi,
+    limit,
+    window,
+    qk_scale,
+    softcap,
+    dmask,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """The keys and values of positions `offs` (pointer tiles `kptr`, `vptr`: `[BLOCK_N, DP]`) into the online
     softmax (scores in base 2): the one block step of every attention kernel here and in `triton_paged`.
     Unmasked blocks lie wholly below every row's limit and `hi`."""
@@ -118,21 +135,87 @@ def softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scal
 
 
 @triton.jit
-def attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s, qk_scale, softcap,
-                dcol, dmask, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+def attn_block(
+    q,
+    acc,
+    m_i,
+    l_i,
+    kbase,
+    vbase,
+    start,
+    hi,
+    limit,
+    window,
+    sk_s,
+    sv_s,
+    qk_scale,
+    softcap,
+    dcol,
+    dmask,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One block of BLOCK_N contiguous keys from `start` (`softmax_block`)."""
     offs = start + tl.arange(0, BLOCK_N)
     kptr = kbase + offs[:, None].to(tl.int64) * sk_s + dcol[None, :]
     vptr = vbase + offs[:, None].to(tl.int64) * sv_s + dcol[None, :]
-    return softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scale, softcap, dmask, D, DP,
-                         MASKED, SOFTCAP, IEEE)  # fmt: skip
+    return softmax_block(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kptr,
+        vptr,
+        offs,
+        hi,
+        limit,
+        window,
+        qk_scale,
+        softcap,
+        dmask,
+        D,
+        DP,
+        MASKED,
+        SOFTCAP,
+        IEEE,
+    )
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])  # the split count varies with the KV capacity: one compile
-def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_scale, softcap, window, M, R, RP,
-                      ML_STRIDE, SPLIT, NSPLIT, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def attn_split_kernel(
+    Q,
+    K,
+    V,
+    PAST,
+    ACC,
+    ML,
+    OUT,
+    sk_h,
+    sk_s,
+    sv_h,
+    sv_s,
+    qk_scale,
+    softcap,
+    window,
+    M,
+    R,
+    RP,
+    ML_STRIDE,
+    SPLIT,
+    NSPLIT,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     h = tl.program_id(0)  # KV head
     rb = tl.program_id(1)  # block of rows (query head within the group x token)
@@ -161,15 +244,62 @@ def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_sc
     kbase = K + h.to(tl.int64) * sk_h
     vbase = V + h.to(tl.int64) * sv_h
     for start in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s,
-                                    qk_scale, softcap, dcol, dmask, D, DP, BLOCK_N, False, SOFTCAP, IEEE)  # fmt: skip
+        acc, m_i, l_i = attn_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            kbase,
+            vbase,
+            start,
+            hi,
+            limit,
+            window,
+            sk_s,
+            sv_s,
+            qk_scale,
+            softcap,
+            dcol,
+            dmask,
+            D,
+            DP,
+            BLOCK_N,
+            False,
+            SOFTCAP,
+            IEEE,
+        )
     for start in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = attn_block(q, acc, m_i, l_i, kbase, vbase, start, hi, limit, window, sk_s, sv_s,
-                                    qk_scale, softcap, dcol, dmask, D, DP, BLOCK_N, True, SOFTCAP, IEEE)  # fmt: skip
+        acc, m_i, l_i = attn_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            kbase,
+            vbase,
+            start,
+            hi,
+            limit,
+            window,
+            sk_s,
+            sv_s,
+            qk_scale,
+            softcap,
+            dcol,
+            dmask,
+            D,
+            DP,
+            BLOCK_N,
+            True,
+            SOFTCAP,
+            IEEE,
+        )
     if DIRECT:  # one split: normalise and write the output here
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
-                 mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+        tl.store(
+            OUT + qrow[:, None] * D + dcol[None, :],
+            o.to(OUT.dtype.element_ty),
+            mask=rmask[:, None] & dmask[None, :],
+        )
     else:
         base = (h * NSPLIT + sp) * RP
         tl.store(ACC + (base + rows)[:, None].to(tl.int64) * DP + dcol[None, :], acc)
@@ -178,8 +308,19 @@ def attn_split_kernel(Q, K, V, PAST, ACC, ML, OUT, sk_h, sk_s, sv_h, sv_s, qk_sc
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
-def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr, DP: tl.constexpr,
-                        NSP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def attn_combine_kernel(
+    ACC,
+    ML,
+    OUT,
+    R,
+    RP,
+    ML_STRIDE,
+    NSPLIT,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    NSP: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     row = tl.program_id(0)  # global query row: KV head h, row r within it
     h = row // R
@@ -199,9 +340,31 @@ def attn_combine_kernel(ACC, ML, OUT, R, RP, ML_STRIDE, NSPLIT, D: tl.constexpr,
 
 
 @triton.jit
-def rope_qkv_kernel(QKV, COS, SIN, POS, SLOT, QO, KB, VB, sq_h, sq_s, sk_h, sk_s, sv_h, sv_s, cos_stride, N, HKV,
-                    ROW, D: tl.constexpr, HALF: tl.constexpr, DP: tl.constexpr, INTERLEAVED: tl.constexpr,
-                    PDL: tl.constexpr):  # fmt: skip
+def rope_qkv_kernel(
+    QKV,
+    COS,
+    SIN,
+    POS,
+    SLOT,
+    QO,
+    KB,
+    VB,
+    sq_h,
+    sq_s,
+    sk_h,
+    sk_s,
+    sv_h,
+    sv_s,
+    cos_stride,
+    N,
+    HKV,
+    ROW,
+    D: tl.constexpr,
+    HALF: tl.constexpr,
+    DP: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     hh = tl.program_id(0)  # head among q (N), k (HKV), v (HKV)
     t = tl.program_id(1)  # token
@@ -246,8 +409,22 @@ def argmax_part_kernel(X, PV, PI, V, stride, C, BLOCK: tl.constexpr, PDL: tl.con
 
 
 @triton.jit
-def decode_advance_kernel(TOP, PV, WIDE, NARROW, TOKS, B, MP, KMAX, C, PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                          PART: tl.constexpr, CP: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def decode_advance_kernel(
+    TOP,
+    PV,
+    WIDE,
+    NARROW,
+    TOKS,
+    B,
+    MP,
+    KMAX,
+    C,
+    PAGE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PART: tl.constexpr,
+    CP: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """`kernels.decode_advance`: one program over the rows of a captured decode step. `PART`: the tokens are
     the first maxima of the `C` partial maxima per row (`TOP`: their columns, `PV`: their values,
     `argmax_part_kernel`), the first column on ties as `torch.argmax`."""

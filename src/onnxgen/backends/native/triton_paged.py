@@ -15,9 +15,34 @@ from onnxgen.backends.native.triton_kernels import pdl_begin, softmax_block
 
 
 @triton.jit
-def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row, sv_page, sv_row,
-                 qk_scale, softcap, dmask, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+def _paged_block(
+    q,
+    acc,
+    m_i,
+    l_i,
+    K,
+    V,
+    pt,
+    koff,
+    start,
+    hi,
+    limit,
+    window,
+    sk_page,
+    sk_row,
+    sv_page,
+    sv_row,
+    qk_scale,
+    softcap,
+    dmask,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """One block of BLOCK_N keys from `start`, read through the page table (`softmax_block`)."""
     offs = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -27,16 +52,62 @@ def _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_
     row = (offs % PAGE).to(tl.int64)
     kptr = K + (page * sk_page + row * sk_row)[:, None] + koff[None, :]
     vptr = V + (page * sv_page + row * sv_row)[:, None] + koff[None, :]
-    return softmax_block(q, acc, m_i, l_i, kptr, vptr, offs, hi, limit, window, qk_scale, softcap, dmask, D, DP,
-                         MASKED, SOFTCAP, IEEE)  # fmt: skip
+    return softmax_block(
+        q,
+        acc,
+        m_i,
+        l_i,
+        kptr,
+        vptr,
+        offs,
+        hi,
+        limit,
+        window,
+        qk_scale,
+        softcap,
+        dmask,
+        D,
+        DP,
+        MASKED,
+        SOFTCAP,
+        IEEE,
+    )
 
 
 @triton.jit(do_not_specialize=["NSPLIT", "MAXP"])
-def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap, window, MAXP, NSPLIT,
-                      sk_page, sk_row, sv_page, sv_row, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                      DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      DIRECT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ONE: tl.constexpr,
-                      PDL: tl.constexpr):  # fmt: skip
+def paged_attn_kernel(
+    Q,
+    K,
+    V,
+    PT,
+    QS,
+    SL,
+    WORK,
+    OUT,
+    ACC,
+    ML,
+    qk_scale,
+    softcap,
+    window,
+    MAXP,
+    NSPLIT,
+    sk_page,
+    sk_row,
+    sv_page,
+    sv_row,
+    N: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr,
+    ONE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
     writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`."""
     pdl_begin(PDL)
@@ -83,17 +154,70 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
     if window <= 0:
         full_end = lo + tl.maximum(tl.minimum(hi, low_limit) - lo, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row,
-                                     sv_page, sv_row, qk_scale, softcap, dmask, D, DP, PAGE, BLOCK_N, False,
-                                     SOFTCAP, IEEE)  # fmt: skip
+        acc, m_i, l_i = _paged_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            K,
+            V,
+            pt,
+            koff,
+            start,
+            hi,
+            limit,
+            window,
+            sk_page,
+            sk_row,
+            sv_page,
+            sv_row,
+            qk_scale,
+            softcap,
+            dmask,
+            D,
+            DP,
+            PAGE,
+            BLOCK_N,
+            False,
+            SOFTCAP,
+            IEEE,
+        )
     for start in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _paged_block(q, acc, m_i, l_i, K, V, pt, koff, start, hi, limit, window, sk_page, sk_row,
-                                     sv_page, sv_row, qk_scale, softcap, dmask, D, DP, PAGE, BLOCK_N, True,
-                                     SOFTCAP, IEEE)  # fmt: skip
+        acc, m_i, l_i = _paged_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            K,
+            V,
+            pt,
+            koff,
+            start,
+            hi,
+            limit,
+            window,
+            sk_page,
+            sk_row,
+            sv_page,
+            sv_row,
+            qk_scale,
+            softcap,
+            dmask,
+            D,
+            DP,
+            PAGE,
+            BLOCK_N,
+            True,
+            SOFTCAP,
+            IEEE,
+        )
     if DIRECT:  # one split: normalise and write the output here
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(OUT + qrow[:, None] * D + dcol[None, :], o.to(OUT.dtype.element_ty),
-                 mask=rmask[:, None] & dmask[None, :])  # fmt: skip
+        tl.store(
+            OUT + qrow[:, None] * D + dcol[None, :],
+            o.to(OUT.dtype.element_ty),
+            mask=rmask[:, None] & dmask[None, :],
+        )
     else:
         item = ((w * tl.num_programs(1) + h) * NSPLIT + sp).to(tl.int64) * BLOCK_M
         r = tl.arange(0, BLOCK_M)
@@ -103,9 +227,23 @@ def paged_attn_kernel(Q, K, V, PT, QS, SL, WORK, OUT, ACC, ML, qk_scale, softcap
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])
-def paged_combine_kernel(ACC, ML, QS, WORK, OUT, NSPLIT, HKV, N: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                         DP: tl.constexpr, BLOCK_M: tl.constexpr, NSP: tl.constexpr, ONE: tl.constexpr,
-                         PDL: tl.constexpr):  # fmt: skip
+def paged_combine_kernel(
+    ACC,
+    ML,
+    QS,
+    WORK,
+    OUT,
+    NSPLIT,
+    HKV,
+    N: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NSP: tl.constexpr,
+    ONE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl_begin(PDL)
     w = tl.program_id(0)
     h = tl.program_id(1)

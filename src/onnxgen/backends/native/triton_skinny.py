@@ -28,9 +28,25 @@ def _mma(x, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def skinny_kernel(X, W, Y, M, N, K, sxm, sym, RES, srm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SILU: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
-                  PDL: tl.constexpr):  # fmt: skip
+def skinny_kernel(
+    X,
+    W,
+    Y,
+    M,
+    N,
+    K,
+    sxm,
+    sym,
+    RES,
+    srm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    IEEE: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if PDL:
@@ -66,7 +82,13 @@ def skinny_kernel(X, W, Y, M, N, K, sxm, sym, RES, srm, BLOCK_M: tl.constexpr, B
         u = acc_u.to(Y.dtype.element_ty).to(tl.float32)
         y = g / (1.0 + tl.exp(-g)) * u
     if HAS_RES:
-        y += tl.load(RES + rm[:, None].to(tl.int64) * srm + rn[None, :], mask=mmask[:, None] & nmask[None, :],
-                     other=0.0).to(tl.float32)  # fmt: skip
-    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], y.to(Y.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])  # fmt: skip
+        y += tl.load(
+            RES + rm[:, None].to(tl.int64) * srm + rn[None, :],
+            mask=mmask[:, None] & nmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+    tl.store(
+        Y + rm[:, None].to(tl.int64) * sym + rn[None, :],
+        y.to(Y.dtype.element_ty),
+        mask=mmask[:, None] & nmask[None, :],
+    )

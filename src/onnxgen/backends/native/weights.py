@@ -16,15 +16,37 @@ import torch
 
 # ONNX TensorProto.DataType -> (numpy storage dtype, torch dtype)
 ONNX_TO_TORCH: dict[int, torch.dtype] = {
-    1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16, 6: torch.int32, 7: torch.int64,
-    9: torch.bool, 10: torch.float16, 11: torch.float64, 12: torch.uint32, 13: torch.uint64, 16: torch.bfloat16,
+    1: torch.float32,
+    2: torch.uint8,
+    3: torch.int8,
+    5: torch.int16,
+    6: torch.int32,
+    7: torch.int64,
+    9: torch.bool,
+    10: torch.float16,
+    11: torch.float64,
+    12: torch.uint32,
+    13: torch.uint64,
+    16: torch.bfloat16,
     4: torch.uint16,
-}  # fmt: skip
+}
 _NP_STORAGE: dict[int, Any] = {
-    1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
-    10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64, 16: np.uint16,
-    21: np.uint8, 22: np.uint8,  # UINT4 / INT4: packed two per byte
-}  # fmt: skip
+    1: np.float32,
+    2: np.uint8,
+    3: np.int8,
+    4: np.uint16,
+    5: np.int16,
+    6: np.int32,
+    7: np.int64,
+    9: np.bool_,
+    10: np.float16,
+    11: np.float64,
+    12: np.uint32,
+    13: np.uint64,
+    16: np.uint16,
+    21: np.uint8,
+    22: np.uint8,  # UINT4 / INT4: packed two per byte
+}
 INT4_TYPES = (21, 22)
 
 

@@ -67,19 +67,27 @@ def _last_position_graph(model: Any, logits_name: str) -> bool:
     hidden = node.input[0]
     prefix = "/onnxgen/last_position"
     graph.input.append(helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1]))
-    graph.initializer.extend([
-        helper.make_tensor(f"{prefix}/ends", TensorProto.INT64, [1], [2**62]),
-        helper.make_tensor(f"{prefix}/axes", TensorProto.INT64, [1], [1]),
-    ])  # fmt: skip
+    graph.initializer.extend(
+        [
+            helper.make_tensor(f"{prefix}/ends", TensorProto.INT64, [1], [2**62]),
+            helper.make_tensor(f"{prefix}/axes", TensorProto.INT64, [1], [1]),
+        ]
+    )
     sliced = f"{prefix}/output"
     at = list(graph.node).index(node)
-    graph.node.insert(at, helper.make_node("Slice", [hidden, LOGITS_FROM, f"{prefix}/ends", f"{prefix}/axes"],
-                                           [sliced], name=prefix))  # fmt: skip
+    graph.node.insert(
+        at,
+        helper.make_node(
+            "Slice", [hidden, LOGITS_FROM, f"{prefix}/ends", f"{prefix}/axes"], [sliced], name=prefix
+        ),
+    )
     node.input[0] = sliced
     return True
 
 
-def _open_session(spec: ModelSpec, opts: Any, providers: list[str], last_logits: bool) -> tuple[Any, bool, bool]:
+def _open_session(
+    spec: ModelSpec, opts: Any, providers: list[str], last_logits: bool
+) -> tuple[Any, bool, bool]:
     """Create the InferenceSession; returns (session, uses GroupQueryAttention, last-position logits)."""
     import onnx
     import onnxruntime as ort
@@ -88,7 +96,9 @@ def _open_session(spec: ModelSpec, opts: Any, providers: list[str], last_logits:
     gqa = any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
     if last_logits and _last_position_graph(model, spec.logits_name):
         # the graph comes from memory; its external weights stay in the package folder
-        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(spec.decoder_path.parent))
+        opts.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(spec.decoder_path.parent)
+        )
         return ort.InferenceSession(model.SerializeToString(), opts, providers=providers), gqa, True
     return ort.InferenceSession(str(spec.decoder_path), opts, providers=providers), gqa, False
 
@@ -169,8 +179,16 @@ class OrtDecoder:
         # shared mode: capacity buffers, and an IO binding over them kept until they are reallocated
         self._kv: KVBuffers | None = None
         if kv_mode == "shared":
-            self._kv = KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, self._dtype, "cpu",
-                                 floor=kv_floor, max_capacity=spec.context_length, alloc=self._alloc)  # fmt: skip
+            self._kv = KVBuffers(
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_size,
+                self._dtype,
+                "cpu",
+                floor=kv_floor,
+                max_capacity=spec.context_length,
+                alloc=self._alloc,
+            )
         self._io: Any = None
         self._io_gen = -1
         self._io_ov: list[Any] = []
@@ -267,8 +285,9 @@ class OrtDecoder:
                 )
             io.bind_cpu_input(gi.name, np.ascontiguousarray(value))
 
-    def forward(self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None,
-                rows: int = 1) -> np.ndarray:  # fmt: skip
+    def forward(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None, rows: int = 1
+    ) -> np.ndarray:
         """Feed `tokens` at `start_pos` (== kv_len()) and return the last position's float32 logits (the
         last `rows` positions' as `[rows, vocab]` when rows > 1)."""
         assert start_pos == self.kv_len(), f"forward at {start_pos} but the cache holds {self.kv_len()}"
@@ -304,7 +323,10 @@ class OrtDecoder:
         one_row = n == 1 or (self.last_logits and rows == 1)
         shape = (1, rows if self.last_logits else n, spec.vocab_size)
         logits = self._step_logits if one_row else np.empty(shape, dtype=self._logits_dtype)
-        io.bind_ortvalue_output(spec.logits_name, self._step_logits_ov if one_row else self._ort.OrtValue.ortvalue_from_numpy(logits))
+        io.bind_ortvalue_output(
+            spec.logits_name,
+            self._step_logits_ov if one_row else self._ort.OrtValue.ortvalue_from_numpy(logits),
+        )
         if self._kv is None:
             for i in range(spec.num_layers):
                 io.bind_ortvalue_input(spec.past_key_names[i], self._concat_ov[2 * i])

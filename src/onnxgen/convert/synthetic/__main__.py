@@ -27,10 +27,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     over = {
         k: v
-        for k, v in (("num_layers", args.layers), ("dtype", args.dtype), ("attention", args.attention),
-                     ("quant", args.quant), ("context_length", args.context_length))
+        for k, v in (
+            ("num_layers", args.layers),
+            ("dtype", args.dtype),
+            ("attention", args.attention),
+            ("quant", args.quant),
+            ("context_length", args.context_length),
+        )
         if v is not None
-    }  # fmt: skip
+    }
     cfg = dataclasses.replace(presets[args.preset], **over)
     t0 = time.time()
     out = write_package(

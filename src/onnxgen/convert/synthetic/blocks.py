@@ -47,8 +47,15 @@ class Builder:
 
     # -- weights --
 
-    def linear(self, base: str, x: str, hf_names: list[str], onnx_weight: str, out_features: int,
-               output: str | None = None) -> str:  # fmt: skip
+    def linear(
+        self,
+        base: str,
+        x: str,
+        hf_names: list[str],
+        onnx_weight: str,
+        out_features: int,
+        output: str | None = None,
+    ) -> str:
         """`x @ W.T` for W = concat(hf_names) [out, in]: float MatMul or MatMulNBits. Returns its output."""
         cfg, g, src = self.cfg, self.g, self.src
         k = (
@@ -62,9 +69,18 @@ class Builder:
             )
             return g.node("MatMul", [x, w], f"{base}/MatMul", outputs=[output] if output else None)
         q = self.quant_weight(onnx_weight, out_features, k, lambda: cat([src.get(n) for n in hf_names], 0))
-        return g.node("MatMulNBits", [x, *q], f"{base}/MatMul_Q4", domain="com.microsoft",
-                      outputs=[output] if output else None, K=k, N=out_features, bits=4,
-                      block_size=BLOCK_SIZE, accuracy_level=cfg.accuracy_level)  # fmt: skip
+        return g.node(
+            "MatMulNBits",
+            [x, *q],
+            f"{base}/MatMul_Q4",
+            domain="com.microsoft",
+            outputs=[output] if output else None,
+            K=k,
+            N=out_features,
+            bits=4,
+            block_size=BLOCK_SIZE,
+            accuracy_level=cfg.accuracy_level,
+        )
 
     def quant_weight(self, weight: str, n: int, k: int, get: Callable[[], Any]) -> list[str]:
         """Register `weight`_Q4 / _scales (/ _zero_points) initializers for W [n, k]; returns their names.
@@ -89,8 +105,10 @@ class Builder:
 
             return f
 
-        names = [g.init(f"{weight}_Q4", (n, nb, BLOCK_SIZE // 2), take(0), dtype=None),
-                 g.init(f"{weight}_scales", (n * nb,), take(1))]  # fmt: skip
+        names = [
+            g.init(f"{weight}_Q4", (n, nb, BLOCK_SIZE // 2), take(0), dtype=None),
+            g.init(f"{weight}_scales", (n * nb,), take(1)),
+        ]
         if cfg.quant_zero_points:
             names.append(g.init(f"{weight}_zero_points", (n * ((nb + 1) // 2),), take(2), dtype=None))
         return names
@@ -140,8 +158,16 @@ class Builder:
                     ins.append(
                         g.node("Reshape", [qn[2], g.const([v, (nb + 1) // 2], "INT64")], f"{base}/Reshape_2")
                     )
-            out = g.node("GatherBlockQuantized", ins, f"{base}/GatherBlockQuantized", domain="com.microsoft",
-                         bits=4, block_size=BLOCK_SIZE, gather_axis=0, quantize_axis=1)  # fmt: skip
+            out = g.node(
+                "GatherBlockQuantized",
+                ins,
+                f"{base}/GatherBlockQuantized",
+                domain="com.microsoft",
+                bits=4,
+                block_size=BLOCK_SIZE,
+                gather_axis=0,
+                quantize_axis=1,
+            )
             if nb * BLOCK_SIZE != k:
                 out = g.node(
                     "Slice",
@@ -208,9 +234,18 @@ class Builder:
             q = self.quant_weight(
                 "lm_head.MatMul.weight", cfg.vocab_size, cfg.hidden_size, lambda: src.get(head)
             )
-            out = g.node("MatMulNBits", [x, *q], "/lm_head/MatMul_Q4", domain="com.microsoft",
-                         outputs=[final] if final else None, K=cfg.hidden_size, N=cfg.vocab_size, bits=4,
-                         block_size=BLOCK_SIZE, accuracy_level=cfg.accuracy_level)  # fmt: skip
+            out = g.node(
+                "MatMulNBits",
+                [x, *q],
+                "/lm_head/MatMul_Q4",
+                domain="com.microsoft",
+                outputs=[final] if final else None,
+                K=cfg.hidden_size,
+                N=cfg.vocab_size,
+                bits=4,
+                block_size=BLOCK_SIZE,
+                accuracy_level=cfg.accuracy_level,
+            )
         if final is None:
             g.node("Cast", [out], "/lm_head/Cast", outputs=["logits"], to=1)
 

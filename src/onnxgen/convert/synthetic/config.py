@@ -54,8 +54,15 @@ class SyntheticConfig:
         def bad(msg: str) -> ConversionError:
             return ConversionError(f"SyntheticConfig: {msg}")
 
-        for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
-                    "vocab_size", "context_length"):  # fmt: skip
+        for key in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "vocab_size",
+            "context_length",
+        ):
             if getattr(self, key) < 1:
                 raise bad(f"{key} must be >= 1, got {getattr(self, key)}")
         if self.num_heads % self.num_kv_heads:
@@ -98,15 +105,33 @@ class SyntheticConfig:
 
 
 LLAMA_1B = SyntheticConfig(
-    num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_size=64, intermediate_size=8192,
-    vocab_size=128256, context_length=16384, dtype="bfloat16", rope_theta=500000.0, tie_embeddings=True,
-)  # fmt: skip
+    num_layers=16,
+    hidden_size=2048,
+    num_heads=32,
+    num_kv_heads=8,
+    head_size=64,
+    intermediate_size=8192,
+    vocab_size=128256,
+    context_length=16384,
+    dtype="bfloat16",
+    rope_theta=500000.0,
+    tie_embeddings=True,
+)
 """Llama-3.2-1B's shape (1,235,814,400 parameters); plain RoPE (no llama3 rope scaling)."""
 
 LLAMA_8B = SyntheticConfig(
-    num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_size=128, intermediate_size=14336,
-    vocab_size=128256, context_length=8192, dtype="bfloat16", rope_theta=500000.0, tie_embeddings=False,
-)  # fmt: skip
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_size=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    context_length=8192,
+    dtype="bfloat16",
+    rope_theta=500000.0,
+    tie_embeddings=False,
+)
 """Llama-3-8B's shape (8,030,261,248 parameters)."""
 
 

@@ -37,45 +37,93 @@ def build_gqa(b: Builder) -> None:
         lb = f"/model/layers.{i}"
         if i == 0:
             w = b.norm_weight(p + "input_layernorm.weight", p + "input_layernorm.weight")
-            normed = g.node("SimplifiedLayerNormalization", [x, w], f"{lb}/input_layernorm/LayerNorm",
-                            outputs=[f"{lb}/input_layernorm/output_0"], epsilon=cfg.rms_norm_eps, axis=-1,
-                            stash_type=1)  # fmt: skip
+            normed = g.node(
+                "SimplifiedLayerNormalization",
+                [x, w],
+                f"{lb}/input_layernorm/LayerNorm",
+                outputs=[f"{lb}/input_layernorm/output_0"],
+                epsilon=cfg.rms_norm_eps,
+                axis=-1,
+                stash_type=1,
+            )
         assert normed is not None
-        qkv = b.linear(f"{lb}/attn/qkv_proj", normed,
-                       [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
-                       f"{p}attn.qkv_proj.MatMul.weight", cfg.q_size + 2 * cfg.kv_size)  # fmt: skip
+        qkv = b.linear(
+            f"{lb}/attn/qkv_proj",
+            normed,
+            [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+            f"{p}attn.qkv_proj.MatMul.weight",
+            cfg.q_size + 2 * cfg.kv_size,
+        )
         if i == 0:
             g.init("cos_cache", cos.shape, lambda: cos)
             g.init("sin_cache", sin.shape, lambda: sin)
         attn = g.node(
             "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len,
-             "cos_cache", "sin_cache", "", "", ""],
-            f"{lb}/attn/GroupQueryAttention", domain="com.microsoft",
+            [
+                qkv,
+                "",
+                "",
+                f"past_key_values.{i}.key",
+                f"past_key_values.{i}.value",
+                seqlens_k,
+                total_len,
+                "cos_cache",
+                "sin_cache",
+                "",
+                "",
+                "",
+            ],
+            f"{lb}/attn/GroupQueryAttention",
+            domain="com.microsoft",
             outputs=[f"{lb}/attn/GroupQueryAttention/output_0", f"present.{i}.key", f"present.{i}.value"],
-            num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads, scale=1.0 / math.sqrt(cfg.head_dim),
-            local_window_size=cfg.local_window_size, softcap=float(cfg.softcap), do_rotary=1,
+            num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads,
+            scale=1.0 / math.sqrt(cfg.head_dim),
+            local_window_size=cfg.local_window_size,
+            softcap=float(cfg.softcap),
+            do_rotary=1,
             rotary_interleaved=0,
-        )[0]  # fmt: skip
+        )[0]
         o = b.linear(
-            f"{lb}/attn/o_proj", attn, [p + "self_attn.o_proj.weight"], f"{p}attn.o_proj.MatMul.weight",
+            f"{lb}/attn/o_proj",
+            attn,
+            [p + "self_attn.o_proj.weight"],
+            f"{p}attn.o_proj.MatMul.weight",
             cfg.hidden_size,
-        )  # fmt: skip
+        )
         w = b.norm_weight(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
         pb = f"{lb}/post_attention_layernorm"
-        g.node("SkipSimplifiedLayerNormalization", [residual, o, w], f"{pb}/SkipLayerNorm", domain="com.microsoft",
-               outputs=[f"{pb}/output_0", "", "", f"{pb}/output_3"], epsilon=cfg.rms_norm_eps)  # fmt: skip
+        g.node(
+            "SkipSimplifiedLayerNormalization",
+            [residual, o, w],
+            f"{pb}/SkipLayerNorm",
+            domain="com.microsoft",
+            outputs=[f"{pb}/output_0", "", "", f"{pb}/output_3"],
+            epsilon=cfg.rms_norm_eps,
+        )
         normed, residual = f"{pb}/output_0", f"{pb}/output_3"
         down = b.mlp(i, normed)
         if i + 1 < cfg.num_layers:
             nb = f"/model/layers.{i + 1}/input_layernorm"
             hf = f"model.layers.{i + 1}.input_layernorm.weight"
             w = b.norm_weight(hf, hf)
-            g.node("SkipSimplifiedLayerNormalization", [residual, down, w], f"{nb}/SkipLayerNorm", domain="com.microsoft",
-                   outputs=[f"{nb}/output_0", "", "", f"{nb}/output_3"], epsilon=cfg.rms_norm_eps)  # fmt: skip
+            g.node(
+                "SkipSimplifiedLayerNormalization",
+                [residual, down, w],
+                f"{nb}/SkipLayerNorm",
+                domain="com.microsoft",
+                outputs=[f"{nb}/output_0", "", "", f"{nb}/output_3"],
+                epsilon=cfg.rms_norm_eps,
+            )
             normed, residual = f"{nb}/output_0", f"{nb}/output_3"
     fb = f"/model/layers.{cfg.num_layers}/final_norm_layernorm"
     w = b.norm_weight(f"model.layers.{cfg.num_layers}.final_norm_layernorm.weight", "model.norm.weight")
-    g.node("SkipSimplifiedLayerNormalization", [residual, down, w], f"{fb}/SkipLayerNorm", domain="com.microsoft",
-           outputs=[f"{fb}/output_0"], epsilon=cfg.rms_norm_eps)  # fmt: skip
+    g.node(
+        "SkipSimplifiedLayerNormalization",
+        [residual, down, w],
+        f"{fb}/SkipLayerNorm",
+        domain="com.microsoft",
+        outputs=[f"{fb}/output_0"],
+        epsilon=cfg.rms_norm_eps,
+    )
     b.lm_head(f"{fb}/output_0")

@@ -48,8 +48,16 @@ class Graph:
         """The onnx TensorProto type of the model dtype."""
         return ONNX_FLOAT_TYPES[self.dtype]
 
-    def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "",
-             outputs: list[str] | None = None, **attrs: Any) -> Any:  # fmt: skip
+    def node(
+        self,
+        op: str,
+        inputs: list[str],
+        name: str,
+        n_out: int = 1,
+        domain: str = "",
+        outputs: list[str] | None = None,
+        **attrs: Any,
+    ) -> Any:
         """Append a node; returns its output name (a list of names when it has several). Outputs are
         named `NAME/output_i` unless `outputs` names them ("" for an omitted optional output)."""
         from onnx import helper

@@ -19,8 +19,15 @@ from onnxgen.convert.synthetic.weights import WeightSource
 from onnxgen.errors import ConversionError
 
 
-def write_package(out_dir: str | os.PathLike[str], cfg: SyntheticConfig, weights: Mapping[str, Any] | None = None, *,
-                  seed: int = 0, tokenizer_dir: str | os.PathLike[str] | None = None, progress: bool = False) -> Path:  # fmt: skip
+def write_package(
+    out_dir: str | os.PathLike[str],
+    cfg: SyntheticConfig,
+    weights: Mapping[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+) -> Path:
     """Write a package for `cfg` into `out_dir` (created; existing package files are overwritten).
 
     `weights`: HF Llama names (see `hf_weight_shapes`), numpy arrays or torch tensors of any float
@@ -103,9 +110,19 @@ def genai_config(cfg: SyntheticConfig, bos: int | None, eos: list[int], pad: int
     if cfg.chunk_size is not None:
         model["runtime_configurable"] = {"chunked_prefill": {"chunk_size": cfg.chunk_size}}
     search = {
-        "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-        "max_length": cfg.context_length, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-        "num_return_sequences": 1, "past_present_share_buffer": cfg.attention == "gqa",
-        "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
-    }  # fmt: skip
+        "diversity_penalty": 0.0,
+        "do_sample": False,
+        "early_stopping": True,
+        "length_penalty": 1.0,
+        "max_length": cfg.context_length,
+        "min_length": 0,
+        "no_repeat_ngram_size": 0,
+        "num_beams": 1,
+        "num_return_sequences": 1,
+        "past_present_share_buffer": cfg.attention == "gqa",
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_k": 50,
+        "top_p": 1.0,
+    }
     return {"model": model, "search": search}

@@ -28,10 +28,16 @@ def build_plain(b: Builder) -> None:
     g.init("sin_cache", sinc.shape, lambda: sinc)
     if not onnx23:
         rb = "/model/rotary_emb"
-        cos = g.node("Unsqueeze", [g.node("Gather", ["cos_cache", "position_ids"], f"{rb}/Gather_cos"),
-                                   g.const([1], "INT64")], f"{rb}/Unsqueeze_cos")  # fmt: skip
-        sin = g.node("Unsqueeze", [g.node("Gather", ["sin_cache", "position_ids"], f"{rb}/Gather_sin"),
-                                   g.const([1], "INT64")], f"{rb}/Unsqueeze_sin")  # fmt: skip
+        cos = g.node(
+            "Unsqueeze",
+            [g.node("Gather", ["cos_cache", "position_ids"], f"{rb}/Gather_cos"), g.const([1], "INT64")],
+            f"{rb}/Unsqueeze_cos",
+        )
+        sin = g.node(
+            "Unsqueeze",
+            [g.node("Gather", ["sin_cache", "position_ids"], f"{rb}/Gather_sin"), g.const([1], "INT64")],
+            f"{rb}/Unsqueeze_sin",
+        )
         bias5 = g.node(
             "Unsqueeze", [bias, g.const([1], "INT64")], "/model/attn_mask/Unsqueeze_5d"
         )  # [B,1,1,S,T]
@@ -66,13 +72,30 @@ def _attention_onnx23(b: Builder, i: int, q: str, k: str, v: str, bias: str) -> 
     cfg, g = b.cfg, b.g
     h, kvh = cfg.num_heads, cfg.num_kv_heads
     a = f"/model/layers.{i}/self_attn"
-    q = g.node("RotaryEmbedding", [q, "cos_cache", "sin_cache", "position_ids"], f"{a}/q_rotary",
-               num_heads=h, interleaved=0)  # fmt: skip
-    k = g.node("RotaryEmbedding", [k, "cos_cache", "sin_cache", "position_ids"], f"{a}/k_rotary",
-               num_heads=kvh, interleaved=0)  # fmt: skip
-    return g.node("Attention", [q, k, v, bias, f"past_key_values.{i}.key", f"past_key_values.{i}.value"],
-                  f"{a}/Attention", outputs=[f"{a}/Attention/output_0", f"present.{i}.key", f"present.{i}.value"],
-                  q_num_heads=h, kv_num_heads=kvh, scale=1.0 / math.sqrt(cfg.head_dim), is_causal=0)[0]  # fmt: skip
+    q = g.node(
+        "RotaryEmbedding",
+        [q, "cos_cache", "sin_cache", "position_ids"],
+        f"{a}/q_rotary",
+        num_heads=h,
+        interleaved=0,
+    )
+    k = g.node(
+        "RotaryEmbedding",
+        [k, "cos_cache", "sin_cache", "position_ids"],
+        f"{a}/k_rotary",
+        num_heads=kvh,
+        interleaved=0,
+    )
+    return g.node(
+        "Attention",
+        [q, k, v, bias, f"past_key_values.{i}.key", f"past_key_values.{i}.value"],
+        f"{a}/Attention",
+        outputs=[f"{a}/Attention/output_0", f"present.{i}.key", f"present.{i}.value"],
+        q_num_heads=h,
+        kv_num_heads=kvh,
+        scale=1.0 / math.sqrt(cfg.head_dim),
+        is_causal=0,
+    )[0]
 
 
 def _attention_plain(b: Builder, i: int, q: str, k: str, v: str, cos: str, sin: str, bias5: str) -> str:
@@ -140,8 +163,14 @@ def _rms(b: Builder, x: str, hf: str, base: str) -> str:
     cfg, g = b.cfg, b.g
     w = b.norm_weight(hf, hf)
     if cfg.attention == "onnx23":
-        return g.node("RMSNormalization", [x, w], f"{base}/RMSNormalization", axis=-1,
-                      epsilon=cfg.rms_norm_eps, stash_type=1)  # fmt: skip
+        return g.node(
+            "RMSNormalization",
+            [x, w],
+            f"{base}/RMSNormalization",
+            axis=-1,
+            epsilon=cfg.rms_norm_eps,
+            stash_type=1,
+        )
     xf = x if cfg.dtype == "float32" else g.node("Cast", [x], f"{base}/Cast", to=1)
     sq = g.node("Pow", [xf, g.const(2.0, "FLOAT")], f"{base}/Pow")
     mean = g.node("ReduceMean", [sq, g.const([-1], "INT64")], f"{base}/ReduceMean", keepdims=1)
@@ -170,9 +199,10 @@ def _rope(b: Builder, x: str, cos: str, sin: str, base: str) -> str:
         f"{base}/Slice_1",
     )
     x2 = g.node(
-        "Slice", [x, g.const([half], "INT64"), g.const([2 * half], "INT64"), g.const([-1], "INT64")],
+        "Slice",
+        [x, g.const([half], "INT64"), g.const([2 * half], "INT64"), g.const([-1], "INT64")],
         f"{base}/Slice_2",
-    )  # fmt: skip
+    )
     rot = g.node("Concat", [g.node("Neg", [x2], f"{base}/Neg"), x1], f"{base}/Concat", axis=-1)
     c = g.node("Mul", [x, cos], f"{base}/Mul_cos")
     s = g.node("Mul", [rot, sin], f"{base}/Mul_sin")

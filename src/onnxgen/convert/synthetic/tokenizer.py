@@ -104,15 +104,24 @@ def byte_level_tokenizer(cfg: SyntheticConfig) -> TokenizerFiles:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
+        vocab_size=cfg.vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_TRAIN_TEXT] * 4, trainer=trainer)
     added = {
-        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True}
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in SPECIAL_TOKENS
-    }  # fmt: skip
+    }
     tok_cfg = {
         "add_bos_token": False,
         "add_prefix_space": False,
@@ -135,8 +144,10 @@ def tokenizer_from_dir(path: Path) -> TokenizerFiles:
     if not (path / "tokenizer.json").is_file():
         raise ConversionError(f"{path}: no tokenizer.json to copy")
     cfg_path, template_path, map_path = (
-        path / "tokenizer_config.json", path / "chat_template.jinja", path / "special_tokens_map.json"
-    )  # fmt: skip
+        path / "tokenizer_config.json",
+        path / "chat_template.jinja",
+        path / "special_tokens_map.json",
+    )
     return TokenizerFiles(
         (path / "tokenizer.json").read_text(encoding="utf-8"),
         json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {},

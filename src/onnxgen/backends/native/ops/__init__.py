@@ -15,9 +15,17 @@ from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matm
 from onnxgen.errors import UnsupportedOp
 
 __all__ = [
-    "BUILDERS", "Builder", "Fn", "Node", "RunCtx", "builder", "dequant_gather_block", "dequant_matmul_nbits",
-    "kmajor", "supported_ops",
-]  # fmt: skip
+    "BUILDERS",
+    "Builder",
+    "Fn",
+    "Node",
+    "RunCtx",
+    "builder",
+    "dequant_gather_block",
+    "dequant_matmul_nbits",
+    "kmajor",
+    "supported_ops",
+]
 
 BUILDERS: dict[tuple[str, str], Builder] = {}
 for _family in (elementwise, tensor, linear, norms, rotary, attention, quant):

@@ -37,9 +37,19 @@ def _sdpa_kernels() -> Any:
 _FLASH = [True]  # cleared if this torch build cannot run flash attention on our shapes
 
 
-def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *, scale: float,
-           softcap: float = 0.0, window: int = -1, bias: torch.Tensor | None = None,
-           mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def attend(
+    ctx: RunCtx,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    *,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = -1,
+    bias: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Append `k`/`v` (`[1, Hkv, S, D]`; None when already written) to layer `layer`'s KV and attend
     `q` (`[1, N, S, D]`) over it.
 
@@ -68,8 +78,16 @@ def attend(ctx: RunCtx, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: 
     total = pos0 + s
     kk, vv = kv.view(layer, total)
     n, hkv = q.shape[1], kk.shape[1]
-    if (_FLASH[0] and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and softcap <= 0
-            and bias is None and mask is None and window <= 0 and q.shape[-1] % 8 == 0):  # fmt: skip
+    if (
+        _FLASH[0]
+        and q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and softcap <= 0
+        and bias is None
+        and mask is None
+        and window <= 0
+        and q.shape[-1] % 8 == 0
+    ):
         # Flash attention reads the grouped KV as it is (no repeat_interleave copy of the whole cache) and
         # its causal mask is aligned bottom-right, which is what a chunk after cached tokens needs.
         try:
@@ -150,10 +168,26 @@ def _gqa(node: Node) -> Fn:
     layer = node.layer
     assert layer is not None
 
-    def f(ctx: RunCtx, query: Any, key: Any = None, value: Any = None, _pk: Any = None, _pv: Any = None,
-          _seqlens: Any = None, _total: Any = None, cos_c: Any = None, sin_c: Any = None, _pos: Any = None,
-          bias: Any = None, _sink: Any = None, _ks: Any = None, _vs: Any = None, qnw: Any = None,
-          knw: Any = None, *_: Any) -> tuple[Any, ...]:  # fmt: skip
+    def f(
+        ctx: RunCtx,
+        query: Any,
+        key: Any = None,
+        value: Any = None,
+        _pk: Any = None,
+        _pv: Any = None,
+        _seqlens: Any = None,
+        _total: Any = None,
+        cos_c: Any = None,
+        sin_c: Any = None,
+        _pos: Any = None,
+        bias: Any = None,
+        _sink: Any = None,
+        _ks: Any = None,
+        _vs: Any = None,
+        qnw: Any = None,
+        knw: Any = None,
+        *_: Any,
+    ) -> tuple[Any, ...]:
         b, s, _h = query.shape
         if key is None:
             d = query.shape[2] // (n + 2 * hkv)
@@ -170,7 +204,7 @@ def _gqa(node: Node) -> Fn:
             k = rms(k, knw, kn_eps)
         scale = scale_attr or 1.0 / math.sqrt(d)
         if bias is not None:
-            bias, = same_device(ctx, bias)  # fmt: skip
+            (bias,) = same_device(ctx, bias)
         if key is None and layer in ctx.prepared:  # the QKV product rotated q and k and wrote k and v
             q = query[..., : n * d].reshape(b, s, n, d).transpose(1, 2)
             o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
@@ -179,8 +213,20 @@ def _gqa(node: Node) -> Fn:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
             assert ctx.static or ctx.paged is not None or ctx.pos0 + s <= ctx.kv.capacity
             slots = ctx.paged.slots if ctx.paged is not None else None
-            q = kernels.rope_qkv_write(query, cos_c, sin_c, ctx.positions, ctx.kv, layer, n, hkv, d, interleaved,
-                                       slots=slots, token_major=ctx.paged is not None)  # fmt: skip
+            q = kernels.rope_qkv_write(
+                query,
+                cos_c,
+                sin_c,
+                ctx.positions,
+                ctx.kv,
+                layer,
+                n,
+                hkv,
+                d,
+                interleaved,
+                slots=slots,
+                token_major=ctx.paged is not None,
+            )
             o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:
@@ -188,8 +234,17 @@ def _gqa(node: Node) -> Fn:
             cos = cos_c.index_select(0, pos).unsqueeze(1)  # [S, 1, rd/2]
             sin = sin_c.index_select(0, pos).unsqueeze(1)
             q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
-        o = attend(ctx, layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                   softcap=softcap, window=window, bias=bias)  # fmt: skip
+        o = attend(
+            ctx,
+            layer,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            scale=scale,
+            softcap=softcap,
+            window=window,
+            bias=bias,
+        )
         return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
 
     return f
@@ -217,7 +272,7 @@ def _attention23(node: Node) -> Fn:
         d = q4.shape[-1]
         scale = float(scale_attr) if scale_attr else 1.0 / math.sqrt(d)
         if mask is not None:
-            mask, = same_device(ctx, mask)  # fmt: skip
+            (mask,) = same_device(ctx, mask)
             if mask.device != q4.device:
                 mask = mask.to(q4.device)
         if not causal and mask is None and q4.shape[2] > 1:
@@ -249,5 +304,7 @@ def _kv_concat(node: Node) -> Fn:
 
 
 BUILDERS: dict[tuple[str, str], Builder] = {
-    (MS, "GroupQueryAttention"): _gqa, (AI, "Attention"): _attention23, (INTERNAL, "KVConcat"): _kv_concat,
-}  # fmt: skip
+    (MS, "GroupQueryAttention"): _gqa,
+    (AI, "Attention"): _attention23,
+    (INTERNAL, "KVConcat"): _kv_concat,
+}

@@ -46,9 +46,19 @@ Builder = Callable[[Node], Fn]
 class RunCtx:
     """Per-forward state the ops read: KV buffers, positions, and whether the step is static."""
 
-    def __init__(self, kv: Any, pos0: int, n: int, positions: torch.Tensor | None, *,
-                 past: torch.Tensor | None = None, last: torch.Tensor | None = None,
-                 paged: Any = None, static: bool | None = None, rowwise: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        kv: Any,
+        pos0: int,
+        n: int,
+        positions: torch.Tensor | None,
+        *,
+        past: torch.Tensor | None = None,
+        last: torch.Tensor | None = None,
+        paged: Any = None,
+        static: bool | None = None,
+        rowwise: bool = False,
+    ) -> None:
         self.kv = kv
         self.pos0 = pos0  # KV length before this forward (host int; -1 when static or paged)
         self.n = n  # tokens in this forward (static: the bucket size, padding included)

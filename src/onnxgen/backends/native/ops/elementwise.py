@@ -13,11 +13,20 @@ from onnxgen.backends.native import kernels
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, same_device
 
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
-    "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul,
-    "Equal": torch.eq, "Less": torch.lt, "Greater": torch.gt, "LessOrEqual": torch.le,
-    "GreaterOrEqual": torch.ge, "And": torch.logical_and, "Or": torch.logical_or, "Xor": torch.logical_xor,
-    "BitwiseAnd": torch.bitwise_and, "BitwiseOr": torch.bitwise_or,
-}  # fmt: skip
+    "Add": torch.add,
+    "Sub": torch.sub,
+    "Mul": torch.mul,
+    "Equal": torch.eq,
+    "Less": torch.lt,
+    "Greater": torch.gt,
+    "LessOrEqual": torch.le,
+    "GreaterOrEqual": torch.ge,
+    "And": torch.logical_and,
+    "Or": torch.logical_or,
+    "Xor": torch.logical_xor,
+    "BitwiseAnd": torch.bitwise_and,
+    "BitwiseOr": torch.bitwise_or,
+}
 _ARITH = {"Add", "Sub", "Mul", "Div", "Pow", "Mod"}
 
 
@@ -68,8 +77,11 @@ def _binary(node: Node) -> Fn:
 
 
 _VARIADIC: dict[str, Callable[[Any, Any], Any]] = {
-    "Max": torch.maximum, "Min": torch.minimum, "Sum": torch.add, "Mean": torch.add,
-}  # fmt: skip
+    "Max": torch.maximum,
+    "Min": torch.minimum,
+    "Sum": torch.add,
+    "Mean": torch.add,
+}
 
 
 def _variadic(node: Node) -> Fn:
@@ -89,11 +101,26 @@ def _variadic(node: Node) -> Fn:
 
 
 _UNARY: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Sqrt": torch.sqrt, "Reciprocal": torch.reciprocal, "Neg": torch.neg, "Sigmoid": torch.sigmoid,
-    "Tanh": torch.tanh, "Exp": torch.exp, "Log": torch.log, "Abs": torch.abs, "Sin": torch.sin,
-    "Cos": torch.cos, "Erf": torch.erf, "Relu": torch.relu, "Not": torch.logical_not, "Floor": torch.floor,
-    "Ceil": torch.ceil, "Softplus": F.softplus, "Sign": torch.sign, "IsNaN": torch.isnan, "Round": torch.round,
-}  # fmt: skip
+    "Sqrt": torch.sqrt,
+    "Reciprocal": torch.reciprocal,
+    "Neg": torch.neg,
+    "Sigmoid": torch.sigmoid,
+    "Tanh": torch.tanh,
+    "Exp": torch.exp,
+    "Log": torch.log,
+    "Abs": torch.abs,
+    "Sin": torch.sin,
+    "Cos": torch.cos,
+    "Erf": torch.erf,
+    "Relu": torch.relu,
+    "Not": torch.logical_not,
+    "Floor": torch.floor,
+    "Ceil": torch.ceil,
+    "Softplus": F.softplus,
+    "Sign": torch.sign,
+    "IsNaN": torch.isnan,
+    "Round": torch.round,
+}
 
 
 def _unary(node: Node) -> Fn:
@@ -157,8 +184,15 @@ BUILDERS: dict[tuple[str, str], Builder] = {
     **{(AI, op): _binary for op in (*_BINARY, "Div", "Pow", "Mod")},
     **{(AI, op): _variadic for op in _VARIADIC},
     **{(AI, op): _unary for op in _UNARY},
-    (AI, "Identity"): _identity, (AI, "Dropout"): _identity, (AI, "Where"): _where,
-    (AI, "Softmax"): _softmax, (AI, "LogSoftmax"): _softmax, (AI, "Gelu"): _gelu,
-    (MS, "FastGelu"): _fast_gelu, (MS, "QuickGelu"): _quick_gelu, (MS, "Gelu"): _gelu,
-    (INTERNAL, "Silu"): _silu, (INTERNAL, "SiluMul"): _silu_mul,
-}  # fmt: skip
+    (AI, "Identity"): _identity,
+    (AI, "Dropout"): _identity,
+    (AI, "Where"): _where,
+    (AI, "Softmax"): _softmax,
+    (AI, "LogSoftmax"): _softmax,
+    (AI, "Gelu"): _gelu,
+    (MS, "FastGelu"): _fast_gelu,
+    (MS, "QuickGelu"): _quick_gelu,
+    (MS, "Gelu"): _gelu,
+    (INTERNAL, "Silu"): _silu,
+    (INTERNAL, "SiluMul"): _silu_mul,
+}

@@ -35,8 +35,9 @@ def _linear(node: Node) -> Fn:
     qkv = node.attr("_rope", None)
     out = torch.float32 if node.attr("_out_float", 0) else None
 
-    def f(ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None,
-          residual: Any = None) -> tuple[Any, ...]:  # fmt: skip
+    def f(
+        ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None, residual: Any = None
+    ) -> tuple[Any, ...]:
         if qkv is not None and transposed and bias is None:
             done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
             if done is not None:
@@ -46,8 +47,15 @@ def _linear(node: Node) -> Fn:
     return f
 
 
-def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any, sin: Any,
-              norm: tuple[Any, Any, float] | None) -> tuple[Any, Any] | None:  # fmt: skip
+def _qkv_rope(
+    ctx: Any,
+    qkv: tuple[int, int, int, int],
+    x: Any,
+    w: Any,
+    cos: Any,
+    sin: Any,
+    norm: tuple[Any, Any, float] | None,
+) -> tuple[Any, Any] | None:
     """A one-token step's QKV product with rotary and the KV write (`kernels.linear_rope`; a rowwise step's
     tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
     nothing; None when not fused."""
@@ -62,8 +70,15 @@ def _qkv_rope(ctx: Any, qkv: tuple[int, int, int, int], x: Any, w: Any, cos: Any
     return out
 
 
-def _product(x: Any, w: Any, bias: Any, transposed: bool, rowwise: bool = False, residual: Any = None,
-             out_dtype: torch.dtype | None = None) -> Any:  # fmt: skip
+def _product(
+    x: Any,
+    w: Any,
+    bias: Any,
+    transposed: bool,
+    rowwise: bool = False,
+    residual: Any = None,
+    out_dtype: torch.dtype | None = None,
+) -> Any:
     """`x @ W (+ bias) (+ residual)`: W `[N, K]` (`transposed`) or `[K, N]`; a residual (never with a bias)
     is added to the product before it is rounded where the kernels can (`kernels.linear`); `out_dtype`: the
     result (rounded to x's dtype first) in that dtype."""
@@ -138,8 +153,12 @@ def _upcast_cpu_matmul(x: torch.Tensor) -> bool:
     function either way: products of bf16 values are exact in float32 and both accumulate in float32,
     rounding once to the output dtype. Decode rows (< 16) stay in low precision, where the weight
     conversion would dominate."""
-    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and not _CPU_LOWP_MATMUL
-            and x.numel() // max(1, x.shape[-1]) >= 16)  # fmt: skip
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and not _CPU_LOWP_MATMUL
+        and x.numel() // max(1, x.shape[-1]) >= 16
+    )
 
 
 def _gemm(node: Node) -> Fn:
@@ -160,7 +179,10 @@ def _gemm(node: Node) -> Fn:
 
 
 BUILDERS: dict[tuple[str, str], Builder] = {
-    (AI, "MatMul"): _matmul, (AI, "Gemm"): _gemm,
+    (AI, "MatMul"): _matmul,
+    (AI, "Gemm"): _gemm,
     (MS, "MatMulNBits"): _linear,  # the lowering dequantizes the weight at load (see `quant`)
-    (INTERNAL, "Linear"): _linear, (INTERNAL, "LinearSiluMul"): _linear_silu_mul, (INTERNAL, "RmsLinear"): _rms_linear,
-}  # fmt: skip
+    (INTERNAL, "Linear"): _linear,
+    (INTERNAL, "LinearSiluMul"): _linear_silu_mul,
+    (INTERNAL, "RmsLinear"): _rms_linear,
+}

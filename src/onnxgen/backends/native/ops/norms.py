@@ -94,8 +94,10 @@ def _skip_ln(node: Node) -> Fn:
 
 
 BUILDERS: dict[tuple[str, str], Builder] = {
-    (AI, "RMSNormalization"): _rms_norm23, (AI, "LayerNormalization"): _layer_norm,
+    (AI, "RMSNormalization"): _rms_norm23,
+    (AI, "LayerNormalization"): _layer_norm,
     (AI, "SimplifiedLayerNormalization"): _simplified_ln,
     (MS, "SimplifiedLayerNormalization"): _simplified_ln,
-    (MS, "SkipSimplifiedLayerNormalization"): _skip_simplified_ln, (MS, "SkipLayerNormalization"): _skip_ln,
-}  # fmt: skip
+    (MS, "SkipSimplifiedLayerNormalization"): _skip_simplified_ln,
+    (MS, "SkipLayerNormalization"): _skip_ln,
+}

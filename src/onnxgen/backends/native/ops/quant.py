@@ -17,8 +17,16 @@ from onnxgen.backends.native.ops.base import INTERNAL, Builder, Fn, Node, RunCtx
 from onnxgen.package.int4 import unpack_nibbles
 
 
-def dequant_matmul_nbits(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int,
-                         bits: int, block: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def dequant_matmul_nbits(
+    b: torch.Tensor,
+    scales: torch.Tensor,
+    zp: torch.Tensor | None,
+    k: int,
+    n: int,
+    bits: int,
+    block: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """MatMulNBits' B (uint8 `[N, n_blocks, blob]`) -> dense `[N, K]` in `dtype` (computed in float32)."""
     if bits != 4:
         raise NotImplementedError(f"MatMulNBits bits={bits}")
@@ -37,8 +45,9 @@ def dequant_matmul_nbits(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor
     return w.to(dtype).contiguous()
 
 
-def kmajor(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int,
-           block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def kmajor(
+    b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """MatMulNBits' 4-bit B (uint8 `[N, n_blocks, block / 2]`), scales (`[N * n_blocks]`) and zero points
     (packed uint8 `[N, ceil(n_blocks / 2)]`, floats `[N * n_blocks]`, or None) -> the K-major tensors of
     `triton_int4.int4_linear`: int32 words `[n_blocks * block / 8, N]` (word (r, c): elements 8r .. 8r + 7
@@ -57,8 +66,15 @@ def kmajor(b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: in
     return words.T.contiguous(), scales.reshape(n, nb).T.contiguous(), zt
 
 
-def dequant_kmajor(words: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, k: int, n: int, block: int,
-                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def dequant_kmajor(
+    words: torch.Tensor,
+    scales: torch.Tensor,
+    zp: torch.Tensor | None,
+    k: int,
+    n: int,
+    block: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """`kmajor`'s tensors -> dense `[N, K]` in `dtype` (computed in float32): `dequant_matmul_nbits`'s values."""
     q = unpack_nibbles(words.T.contiguous().view(torch.uint8)).float()  # B's own bytes again: [N, K padded]
     nb = scales.shape[0]
@@ -67,8 +83,17 @@ def dequant_kmajor(words: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor |
     return w.reshape(n, nb * block)[:, :k].to(dtype).contiguous()
 
 
-def dequant_gather_block(data: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, *, bits: int,
-                         block: int, quant_axis: int, signed: bool, shape: tuple[int, ...]) -> torch.Tensor:  # fmt: skip
+def dequant_gather_block(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    zp: torch.Tensor | None,
+    *,
+    bits: int,
+    block: int,
+    quant_axis: int,
+    signed: bool,
+    shape: tuple[int, ...],
+) -> torch.Tensor:
     """GatherBlockQuantized's table -> dense float (scales' dtype). `data` is packed uint8 for 4 bits."""
     if bits != 4:
         raise NotImplementedError(f"GatherBlockQuantized bits={bits}")
@@ -98,8 +123,19 @@ GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode 
 # on the H200, up to 17x the dense product at 64 rows: docs/benchmarks/decode-gpu.md, sixth session; removed)
 
 
-INT4_CONFIGS = ((16, 64, 4), (32, 64, 4), (16, 128, 8), (32, 128, 8), (64, 32, 4), (64, 64, 8), (32, 32, 2),
-                (16, 32, 2), (8, 128, 4), (8, 256, 8), (16, 256, 16))
+INT4_CONFIGS = (
+    (16, 64, 4),
+    (32, 64, 4),
+    (16, 128, 8),
+    (32, 128, 8),
+    (64, 32, 4),
+    (64, 64, 8),
+    (32, 32, 2),
+    (16, 32, 2),
+    (8, 128, 4),
+    (8, 256, 8),
+    (16, 256, 16),
+)
 """(output columns, word rows per step, warps) tried for each packed int4 GEMV shape (`triton_int4`); each
 compiles to a loop with no barrier or shuffle on sm_90 (checked offline with `benchmarks/sass_stats.py`:
 other shapes made Triton move x through shared memory every step). 16 x 128 x 8 warps gives a 4,096-row
@@ -112,8 +148,9 @@ a 4,096-long K in two steps), each with the same 8 words a thread per step and a
 move through shared memory)."""
 
 
-def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int,
-                 silu: bool = False) -> tuple[int, int, int]:  # pragma: cuda
+def _int4_choice(
+    x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool = False
+) -> tuple[int, int, int]:  # pragma: cuda
     """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM; timed
     on the plain product, and reused when a norm is folded in); the first elsewhere."""
     from onnxgen.backends.native import kernels
@@ -127,14 +164,28 @@ def _int4_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block
 
     x1 = x.reshape(-1, k)[:1]
     copies = kernels.cold_copies(words, scales)
-    cands = [(cfg, lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *cfg,
-                                                  silu=silu))
-             for cfg in INT4_CONFIGS]  # fmt: skip
+    cands = [
+        (
+            cfg,
+            lambda i, cfg=cfg: int4_linear(x1, copies[i][0], copies[i][1], zp, k, n, block, *cfg, silu=silu),
+        )
+        for cfg in INT4_CONFIGS
+    ]
     return kernels.fastest(key, cands, len(copies))
 
 
-def _int4_fold_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
-                      norm: tuple[Any, Any, float], cfg: tuple[int, int, int]) -> bool:  # pragma: cuda
+def _int4_fold_choice(
+    x: Any,
+    words: Any,
+    scales: Any,
+    zp: Any,
+    k: int,
+    n: int,
+    block: int,
+    silu: bool,
+    norm: tuple[Any, Any, float],
+    cfg: tuple[int, int, int],
+) -> bool:  # pragma: cuda
     """Whether the RMSNorm folded into the packed GEMV (`triton_int4`'s NORM) beats the norm kernel followed
     by the plain GEMV for this shape on CUDA (timed once, both with `cfg`, the norm's cost in both): the fold
     saves a launch but adds loads and squares (with a skip, also the residual store) for every word row a
@@ -158,9 +209,19 @@ def _int4_fold_choice(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, 
     return bool(kernels.fastest(key, [(False, apart), (True, fold)], len(copies)))
 
 
-def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool,
-                    norm: tuple[Any, Any, float] | None = None, residual: Any = None,
-                    rowwise: bool = False) -> Any:  # fmt: skip
+def _packed_product(
+    x: Any,
+    words: Any,
+    scales: Any,
+    zp: Any,
+    k: int,
+    n: int,
+    block: int,
+    silu: bool,
+    norm: tuple[Any, Any, float] | None = None,
+    residual: Any = None,
+    rowwise: bool = False,
+) -> Any:
     """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`; any number when
     `rowwise`, a verify step's rows: each row then has a decode step's bits, one program per row), else the weight
     dequantized for this call (`triton_int4.int4_dequant` where Triton runs; float32 on the CPU) and one
@@ -175,8 +236,14 @@ def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, bl
         from onnxgen.backends.native.triton_int4 import int4_linear
 
         cfg = _int4_choice(x, words, scales, zp, k, n, block, silu)
-        if norm is None or not x.is_cuda or _int4_fold_choice(x, words, scales, zp, k, n, block, silu, norm, cfg):
-            return int4_linear(x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm, residual=residual)
+        if (
+            norm is None
+            or not x.is_cuda
+            or _int4_fold_choice(x, words, scales, zp, k, n, block, silu, norm, cfg)
+        ):
+            return int4_linear(
+                x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm, residual=residual
+            )
     if norm is not None:
         h, total = kernels.rms_norm(x, *norm)
         return _packed_product(h, words, scales, zp, k, n, block, silu, rowwise=rowwise), total
@@ -186,7 +253,9 @@ def _packed_product(x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, bl
 
         y = torch.matmul(x, int4_dequant(words, scales, zp, k, cols, block, x.dtype))
     else:
-        w = dequant_kmajor(words, scales, zp, k, cols, block, torch.float32 if x.device.type == "cpu" else x.dtype)
+        w = dequant_kmajor(
+            words, scales, zp, k, cols, block, torch.float32 if x.device.type == "cpu" else x.dtype
+        )
         y = torch.nn.functional.linear(x.to(w.dtype), w)
     if residual is not None:
         y = y.float() + residual.float()
@@ -201,10 +270,13 @@ def _int4_linear(node: Node) -> Fn:
     k, n = int(node.attr("K")), int(node.attr("N"))
     block = int(node.attr("block_size"))
 
-    def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None,
-          residual: Any = None) -> tuple[Any, ...]:  # fmt: skip
+    def f(
+        ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None, residual: Any = None
+    ) -> tuple[Any, ...]:
         assert bias is None or residual is None
-        y = _packed_product(x, words, scales, zp, k, n, block, False, residual=residual, rowwise=is_rowwise(ctx))
+        y = _packed_product(
+            x, words, scales, zp, k, n, block, False, residual=residual, rowwise=is_rowwise(ctx)
+        )
         return (y if bias is None else y + bias,)
 
     return f
@@ -232,15 +304,24 @@ def _rms_int4_linear(node: Node) -> Fn:
     where that times faster for the shape, else the norm kernel and the GEMV; longer chunks and the CPU:
     the norm, then the product (the two ops' values)."""
     k, n = int(node.attr("K")), int(node.attr("N"))
-    block, silu, eps = int(node.attr("block_size")), bool(node.attr("silu", 0)), float(node.attr("epsilon", 1e-5))
+    block, silu, eps = (
+        int(node.attr("block_size")),
+        bool(node.attr("silu", 0)),
+        float(node.attr("epsilon", 1e-5)),
+    )
 
-    def f(ctx: RunCtx, x: Any, skip: Any, nw: Any, words: Any, scales: Any, zp: Any = None) -> tuple[Any, ...]:
-        return _packed_product(x, words, scales, zp, k, n, block, silu, (skip, nw, eps), rowwise=is_rowwise(ctx))
+    def f(
+        ctx: RunCtx, x: Any, skip: Any, nw: Any, words: Any, scales: Any, zp: Any = None
+    ) -> tuple[Any, ...]:
+        return _packed_product(
+            x, words, scales, zp, k, n, block, silu, (skip, nw, eps), rowwise=is_rowwise(ctx)
+        )
 
     return f
 
 
 BUILDERS: dict[tuple[str, str], Builder] = {
-    (INTERNAL, "Int4Linear"): _int4_linear, (INTERNAL, "Int4LinearSiluMul"): _int4_linear_silu_mul,
+    (INTERNAL, "Int4Linear"): _int4_linear,
+    (INTERNAL, "Int4LinearSiluMul"): _int4_linear_silu_mul,
     (INTERNAL, "RmsInt4Linear"): _rms_int4_linear,
 }

@@ -63,5 +63,6 @@ def _rotary_23(node: Node) -> Fn:
 
 
 BUILDERS: dict[tuple[str, str], Builder] = {
-    (MS, "RotaryEmbedding"): _rotary_ms, (AI, "RotaryEmbedding"): _rotary_23,
-}  # fmt: skip
+    (MS, "RotaryEmbedding"): _rotary_ms,
+    (AI, "RotaryEmbedding"): _rotary_23,
+}

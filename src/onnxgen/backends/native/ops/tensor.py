@@ -283,8 +283,11 @@ def _range(node: Node) -> Fn:
         dt = start.dtype if isinstance(start, torch.Tensor) else torch.int64
         s, lim, d = _scalar(start), _scalar(limit), _scalar(delta)
         n = max(math.ceil((lim - s) / d), 0)
-        return (torch.arange(n, dtype=torch.float64).mul(d).add(s).to(dt) if dt.is_floating_point
-                else torch.arange(s, s + n * d, d, dtype=dt)[:n],)  # fmt: skip
+        return (
+            torch.arange(n, dtype=torch.float64).mul(d).add(s).to(dt)
+            if dt.is_floating_point
+            else torch.arange(s, s + n * d, d, dtype=dt)[:n],
+        )
 
     return f
 
@@ -350,13 +353,27 @@ def _reduce(node: Node) -> Fn:
 
 BUILDERS: dict[tuple[str, str], Builder] = {
     **{(AI, op): _reduce for op in _REDUCE},
-    (AI, "Shape"): _shape, (AI, "Size"): _size, (AI, "Cast"): _cast, (AI, "CastLike"): _cast_like,
-    (AI, "Reshape"): _reshape, (AI, "Flatten"): _flatten, (AI, "Transpose"): _transpose,
+    (AI, "Shape"): _shape,
+    (AI, "Size"): _size,
+    (AI, "Cast"): _cast,
+    (AI, "CastLike"): _cast_like,
+    (AI, "Reshape"): _reshape,
+    (AI, "Flatten"): _flatten,
+    (AI, "Transpose"): _transpose,
     (AI, "Concat"): _concat,
-    (AI, "Split"): _split, (AI, "Unsqueeze"): _unsqueeze, (AI, "Squeeze"): _squeeze, (AI, "Slice"): _slice,
-    (AI, "Gather"): _gather, (AI, "GatherElements"): _gather_elements, (AI, "Expand"): _expand,
-    (AI, "Tile"): _tile, (AI, "ConstantOfShape"): _constant_of_shape, (AI, "Range"): _range,
-    (AI, "Trilu"): _trilu, (AI, "CumSum"): _cumsum, (AI, "Constant"): _constant,
+    (AI, "Split"): _split,
+    (AI, "Unsqueeze"): _unsqueeze,
+    (AI, "Squeeze"): _squeeze,
+    (AI, "Slice"): _slice,
+    (AI, "Gather"): _gather,
+    (AI, "GatherElements"): _gather_elements,
+    (AI, "Expand"): _expand,
+    (AI, "Tile"): _tile,
+    (AI, "ConstantOfShape"): _constant_of_shape,
+    (AI, "Range"): _range,
+    (AI, "Trilu"): _trilu,
+    (AI, "CumSum"): _cumsum,
+    (AI, "Constant"): _constant,
     (MS, "GatherBlockQuantized"): _gather,  # the lowering dequantizes the table at load (see `quant`)
     (INTERNAL, "SliceLast"): _slice_last,
-}  # fmt: skip
+}

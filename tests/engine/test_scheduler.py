@@ -1,0 +1,171 @@
+"""The scheduler over a fake KV adapter that counts pages: budgets, order, chunking, preemption."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from onnxgen.engine.request import Request, Status
+from onnxgen.engine.scheduler import Scheduler
+
+P = 4
+
+
+class PagesKV:
+    """A KV adapter with `pages` pages of P positions; admission caches nothing."""
+
+    def __init__(self, pages: int) -> None:
+        self.free = pages
+        self.released: list[int] = []
+
+    def admit(self, req: Request) -> bool:
+        req.kv = 0
+        req.computed = 0
+        return True
+
+    def reserve(self, req: Request, total: int) -> bool:
+        need = -(-total // P) - req.kv
+        if need > self.free:
+            return False
+        self.free -= max(need, 0)
+        req.kv += max(need, 0)
+        return True
+
+    def release(self, req: Request) -> None:
+        self.free += req.kv
+        req.kv = 0
+        self.released.append(req.id)
+
+    deferred: frozenset[int] = frozenset()  # ids of requests `defer` holds back
+
+    def defer(self, req: Request) -> bool:
+        return req.id in self.deferred
+
+
+def request(n: int, chunk: int | None = None) -> Request:
+    return Request(
+        prompt=list(range(1, n + 1)),
+        digest=b"d",
+        sampler=None,
+        detokenizer=None,
+        max_new_tokens=8,
+        context_length=1024,
+        eos_ids=frozenset(),
+        chunk_size=chunk,
+    )
+
+
+def feed(chunks, sample_token: int = 7) -> None:
+    """What the engine does after running a step: advance `computed`, append a token where sampled."""
+    for c in chunks:
+        c.req.computed = c.start + c.n
+        if c.sample:
+            c.req.output.append(sample_token)
+
+
+def plan(chunks) -> list[tuple[int, int, int, bool]]:
+    return [(c.req.id, c.start, c.n, c.sample) for c in chunks]
+
+
+def test_decodes_first_then_prefill_chunks_then_admissions_within_the_budget() -> None:
+    s = Scheduler(PagesKV(100), max_running=8, token_budget=8, preempt=True)
+    a, b, c = request(3), request(9), request(5)
+    for r in (a, b, c):
+        s.add(r)
+    chunks, _ = s.schedule()
+    assert plan(chunks) == [(a.id, 0, 3, True), (b.id, 0, 5, False)]
+    feed(chunks)
+    chunks, _ = s.schedule()  # a decodes (1), b continues (4 of 4 left), c gets the remaining 3
+    assert plan(chunks) == [(a.id, 3, 1, True), (b.id, 5, 4, True), (c.id, 0, 3, False)]
+    feed(chunks)
+    chunks, _ = s.schedule()
+    assert plan(chunks) == [(a.id, 4, 1, True), (b.id, 9, 1, True), (c.id, 3, 2, True)]
+
+
+@pytest.mark.parametrize(
+    ("n", "chunk", "sizes"), [(10, 4, [4, 4, 2]), (8, 4, [4, 4]), (8, 8, [8]), (5, None, [5])]
+)
+def test_chunk_size_caps_a_requests_prefill(n: int, chunk: int | None, sizes: list[int]) -> None:
+    s = Scheduler(PagesKV(100), max_running=8, token_budget=100, preempt=True)
+    r = request(n, chunk=chunk)
+    s.add(r)
+    got = []
+    while not r.output:
+        chunks, _ = s.schedule()
+        got.append(chunks[0].n)
+        feed(chunks)
+    assert got == sizes, "no chunk is dropped, and the last one samples"
+
+
+def test_running_set_is_bounded_and_waiting_is_fcfs() -> None:
+    s = Scheduler(PagesKV(100), max_running=2, token_budget=100, preempt=True)
+    reqs = [request(2) for _ in range(4)]
+    for r in reqs:
+        s.add(r)
+    chunks, _ = s.schedule()
+    assert [c.req for c in chunks] == reqs[:2] and s.num_waiting() == 2
+    s.remove(reqs[0])
+    chunks, _ = s.schedule()
+    assert [c.req for c in chunks] == [reqs[1], reqs[2]]
+
+
+def test_out_of_pages_preempts_the_newest_and_it_is_recomputed() -> None:
+    kv = PagesKV(4)
+    s = Scheduler(kv, max_running=4, token_budget=64, preempt=True)
+    a, b = request(7), request(7)  # 2 pages each: the pool is full after both are admitted
+    s.add(a)
+    s.add(b)
+    chunks, _ = s.schedule()
+    assert [c.req for c in chunks] == [a, b] and kv.free == 0
+    feed(chunks)  # both sampled a token: 8 tokens, 7 computed; the next decode needs position 7 (page 2)
+    chunks, _ = s.schedule()
+    feed(chunks)
+    # a's decode fit in its second page; b's too. Now both need a third page: b (newest) is preempted.
+    chunks, _ = s.schedule()
+    assert plan(chunks) == [(a.id, 8, 1, True)]
+    assert b.status is Status.WAITING and b.computed == 0 and kv.released == [b.id]
+    assert s.preemptions == 1 and s.waiting[0] is b and len(b.output) == 2, "its generated tokens are kept"
+    s.remove(a)
+    kv.release(a)
+    chunks, _ = s.schedule()  # b is admitted again and recomputes prompt + output in one chunk
+    assert plan(chunks) == [(b.id, 0, 9, True)]
+
+
+def test_a_waiting_request_that_does_not_fit_waits() -> None:
+    kv = PagesKV(2)
+    s = Scheduler(kv, max_running=4, token_budget=64, preempt=True)
+    big, small = request(20), request(2)
+    s.add(big)
+    s.add(small)
+    chunks, _ = s.schedule()
+    assert chunks == [] and s.num_waiting() == 2 and kv.free == 2, "head of line waits; nothing leaks"
+
+
+def test_cancelled_requests_are_taken_out() -> None:
+    s = Scheduler(PagesKV(100), max_running=4, token_budget=64, preempt=True)
+    a, b = request(3), request(3)
+    a.cancel = threading.Event()
+    s.add(a)
+    s.add(b)
+    chunks, _ = s.schedule()
+    feed(chunks)
+    a.cancel.set()
+    chunks, cancelled = s.schedule()
+    assert cancelled == [a] and plan(chunks) == [(b.id, 3, 1, True)] and a not in s.running
+
+
+def test_a_deferred_request_keeps_its_place_while_later_ones_are_admitted() -> None:
+    kv = PagesKV(100)
+    s = Scheduler(kv, max_running=8, token_budget=64, preempt=True)
+    a, b, c = request(5), request(6), request(7)
+    for r in (a, b, c):
+        s.add(r)
+    kv.deferred = frozenset({b.id})
+    chunks, _ = s.schedule()
+    assert [c_.req.id for c_ in chunks] == [a.id, c.id] and list(s.waiting) == [b]
+    feed(chunks)
+    kv.deferred = frozenset()
+    chunks, _ = s.schedule()
+    assert [c_.req.id for c_ in chunks] == [a.id, c.id, b.id] and not s.waiting
+    assert plan(chunks)[-1] == (b.id, 0, 6, True)
