@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 import onnxgen
-
 from tests.conftest import native_available
 
 SRC = Path(onnxgen.__file__).parent

@@ -15,7 +15,6 @@ from onnxgen.backends import backend_options, create_decoder
 from onnxgen.backends.base import INFO_KEYS, Decoder
 from onnxgen.errors import ContextOverflow, InvalidRequest, MissingRequiredInput
 from onnxgen.package import load_spec
-
 from tests.conftest import native_available
 
 needs_native = pytest.mark.skipif(not native_available(), reason="native backend not importable")

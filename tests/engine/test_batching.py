@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 import onnxgen
 from onnxgen.errors import Cancelled
-
 from tests.conftest import native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import onnxgen
-
 from tests.conftest import native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")

@@ -20,7 +20,6 @@ from onnxgen.engine.identity import make_identity
 from onnxgen.engine.reuse import Keep, Reset, Rewind, plan, shared_prefix
 from onnxgen.engine.slots import DecoderPool
 from onnxgen.errors import Cancelled, MissingRequiredInput
-
 from tests.conftest import native_available
 
 BACKENDS = [

@@ -18,7 +18,6 @@ import pytest
 
 import onnxgen
 from onnxgen.engine.identity import make_identity
-
 from tests.conftest import native_available
 
 BACKENDS = [

@@ -14,7 +14,6 @@ httpx = pytest.importorskip("httpx")
 
 import onnxgen  # noqa: E402
 from onnxgen.serve.app import RunningServer, ServerConfig, create_app  # noqa: E402
-
 from tests.conftest import native_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")
