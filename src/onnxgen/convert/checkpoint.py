@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
+from onnxgen import envs
 from onnxgen.convert.progress import Reporter, as_reporter
 from onnxgen.errors import ConversionError, PackageError
 
@@ -302,7 +303,7 @@ def _run_logged(
     Raises ConversionError naming `what`, with the log's tail and path, when the command fails.
     Ctrl-C terminates the child and propagates.
     """
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = envs.subprocess_env(PYTHONUNBUFFERED="1")
     with open(log_path, "ab") as logf, rep.bar(title) as bar:
         logf.write(f"$ {' '.join(cmd)}\n".encode())
         logf.flush()

@@ -11,7 +11,9 @@ DEFAULT_ALIASES = (None, "", "default")
 
 def onnxgen_home() -> Path:
     """The root folder for built models and downloaded sources."""
-    return Path(os.environ.get("ONNXGEN_HOME") or Path.home() / ".cache" / "onnxgen").expanduser()
+    from onnxgen import envs
+
+    return envs.read("HOME")
 
 
 def models_dir() -> Path:
