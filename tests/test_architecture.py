@@ -288,16 +288,29 @@ def test_no_import_cycles_in_src():
 # The rooms of src/onnxgen and what each may import (docs/architecture.md): the layers, lowest first.
 ALLOWED = {
     "errors": set(),
-    "package": {"errors"},
+    "envs": set(),
+    "config": {"errors"},
+    "package": {"errors", "envs"},
     "kv": {"errors"},
     "text": {"errors", "package"},
     "sampling": {"errors", "package", "text"},
-    "backends": {"errors", "package", "kv"},
-    "convert": {"errors", "package"},
-    "engine": {"errors", "package", "kv", "text", "sampling", "backends"},
+    "backends": {"errors", "envs", "package", "kv"},
+    "convert": {"errors", "envs", "package"},
+    "engine": {"errors", "config", "package", "kv", "text", "sampling", "backends"},
     "serve": {"errors", "sampling", "__init__"},  # the public Model/Session API and nothing of the engine
-    "__init__": {"errors", "package", "convert", "engine"},
-    "cli": {"errors", "package", "convert", "engine", "sampling", "serve", "text", "__init__"},
+    "__init__": {"errors", "config", "package", "convert", "engine", "sampling"},
+    "cli": {
+        "errors",
+        "config",
+        "envs",
+        "package",
+        "convert",
+        "engine",
+        "sampling",
+        "serve",
+        "text",
+        "__init__",
+    },
 }
 
 
@@ -335,3 +348,108 @@ def test_http_and_schema_libraries_only_in_serve():
             continue
         bad += [f"{rel} imports {m}" for m in _imports(path) if m.split(".")[0] in edge]
     assert bad == []
+
+
+def test_no_environment_variable_is_read_outside_the_registry():
+    """`onnxgen/envs.py` is the only module of src/onnxgen that reads the environment (`os.environ`,
+    `os.getenv`, `os.environb`): every knob is listed there with what it does."""
+    bad = []
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "envs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb", "putenv"):
+                bad.append(f"{rel}:{node.lineno} uses os.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "os":
+                bad += [
+                    f"{rel}:{node.lineno} imports os.{a.name}"
+                    for a in node.names
+                    if a.name.startswith(("environ", "getenv"))
+                ]
+    assert bad == [], bad
+
+
+# The documented API of `onnxgen.Model` (README "Python"): nothing else of it is public.
+MODEL_API = {
+    "backend",
+    "chat_template",
+    "close",
+    "config",
+    "default_session",
+    "device",
+    "encode",
+    "eos_token_ids",
+    "from_spec",
+    "generate",
+    "kv_stats",
+    "max_running",
+    "paged",
+    "prepare",
+    "session",
+    "settle",
+    "spec",
+    "submit",
+    "tokenizer",
+    "tool_format",
+}
+
+
+def test_the_public_model_exposes_only_the_documented_api(tiny_dir):
+    """`onnxgen.Model` is a thin face over the engine: its public names are exactly the documented ones (none
+    of the engine's parts: executor, scheduler, registry, step ...), on the class and on a loaded model, and
+    the README names each."""
+    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
+    assert {n for n in dir(type(m)) if not n.startswith("_")} == MODEL_API
+    assert {n for n in vars(m) if not n.startswith("_")} == set()
+    readme = (SRC.parent.parent / "README.md").read_text(encoding="utf-8")
+    assert [n for n in sorted(MODEL_API) if f"{n}" not in readme] == []
+
+
+def _defined_names() -> set[str]:
+    """Every name src/onnxgen defines: modules, classes, functions, methods, parameters, assigned names and
+    attributes (`self.x = ...`), dataclass fields."""
+    names: set[str] = set()
+    for path in SRC.rglob("*.py"):
+        names.update(path.relative_to(SRC).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return names
+
+
+def test_structure_doc_names_only_symbols_that_exist():
+    """Every code name docs/structure.md mentions in backticks (`Name`, `module.Name`, `Class.method`, a path)
+    exists in the tree: the map never describes code that is gone."""
+    import re
+
+    root = SRC.parent.parent
+    doc = (root / "docs" / "structure.md").read_text(encoding="utf-8")
+    names = _defined_names()
+    missing = []
+    for token in re.findall(r"`([^`\n]+)`", doc):
+        token = token.strip()
+        if "/" in token or token.endswith((".py", ".md", ".sh", ".json", ".cu")):
+            path = token.split(" ")[0].split(":")[0].rstrip("/")
+            if not any(
+                (base / path).exists()
+                for base in (root, root / "src", SRC, root / "tests", root / "benchmarks")
+            ):
+                missing.append(token)
+            continue
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(\(\))?", token):
+            continue  # prose, values, commands
+        last = token.removesuffix("()").split(".")[-1]
+        if last.isupper() and last.startswith("ONNXGEN"):
+            continue
+        if last not in names:
+            missing.append(token)
+    assert missing == [], f"docs/structure.md names what does not exist: {missing}"

@@ -12,55 +12,68 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from onnxgen.config import CacheConfig, Config, DecodingConfig, ModelConfig, SchedulerConfig
 from onnxgen.errors import OnnxgenError
+from onnxgen.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from onnxgen.engine.engine import Engine as Model
-    from onnxgen.engine.result import Result, Stats
+    from onnxgen.engine.input import Prepared
+    from onnxgen.engine.model import Model
+    from onnxgen.engine.output import Handle, Result, Stats
     from onnxgen.engine.session import Session
 
 __version__ = "0.1.0"
-__all__ = ["Model", "OnnxgenError", "Result", "Session", "Stats", "load"]
+__all__ = [
+    "CacheConfig",
+    "Config",
+    "DecodingConfig",
+    "Handle",
+    "Model",
+    "ModelConfig",
+    "OnnxgenError",
+    "Prepared",
+    "Result",
+    "SamplingParams",
+    "SchedulerConfig",
+    "Session",
+    "Stats",
+    "load",
+]
+
+_LAZY = {
+    "Model": "onnxgen.engine.model",
+    "Handle": "onnxgen.engine.output",
+    "Result": "onnxgen.engine.output",
+    "Stats": "onnxgen.engine.output",
+    "Session": "onnxgen.engine.session",
+    "Prepared": "onnxgen.engine.input",
+}
 
 
-def load(
-    path: str | None = None,
-    backend: str = "auto",
-    device: str = "cpu",
-    **options: Any,
-) -> Model:
+def load(path: str | None = None, config: Config | None = None, **overrides: Any) -> Model:
     """Load a model package and return a ready `Model`.
 
-    path: a package folder; omitted (or "default") means the embedded default model, built on first
-    use (needs the `convert` extra). backend: "auto" (native on CUDA, ort on CPU), "ort" or
-    "native". device: "cpu" or "cuda". options: chunk_size, max_sessions, max_kv_bytes, paged, max_running,
-    max_batch_tokens, decode_steps (decode steps per host round trip with paged KV: 8 on CUDA), tool_parser
-    (hermes | llama3_json | mistral; default: detected from the chat template), and the options each
-    backend declares (`OPTIONS` in `onnxgen.backends.ort` / `onnxgen.backends.native`; a backend
-    ignores the other's): threads, kv_mode, last_logits (ort), kv_floor (smallest KV capacity bucket,
-    both), cuda_graphs and graph_max_tokens (native on CUDA: replay decode and prefill chunks of up to
-    this many tokens, default 1024, from CUDA graphs), static_steps (native, testing).
-    Raises `InvalidRequest` for an unknown backend, device or option.
+    path: a package folder; omitted (or "default") means the embedded default model, built on first use
+    (needs the `convert` extra). config: an `onnxgen.Config` (default: every field's default). overrides: any
+    field of the config by its name, e.g. `load("pkg", backend="native", device="cuda", max_running=32)`
+    (`Config.options()` lists them: backend, device, int4, threads, chunk_size, max_sessions, paged, kv_bytes,
+    max_running, max_batch_tokens, decode_steps, speculative, ...). Raises `InvalidRequest` naming an unknown
+    option or a bad value, `BackendUnavailable` when a backend's dependencies are missing, and the package's
+    load errors.
     """
     from onnxgen.convert.default import resolve_model_path
-    from onnxgen.engine.engine import Engine
+    from onnxgen.engine.model import Model
     from onnxgen.package.spec import load_spec
 
+    cfg = (config if config is not None else Config()).replace(**overrides)
     spec = load_spec(resolve_model_path(path))
-    return Engine(spec, backend=backend, device=device, **options)
+    return Model.from_spec(spec, cfg)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Model":
-        from onnxgen.engine.engine import Engine
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onnxgen' has no attribute {name!r}")
+    import importlib
 
-        return Engine
-    if name in ("Result", "Stats"):
-        from onnxgen.engine import result
-
-        return getattr(result, name)
-    if name == "Session":
-        from onnxgen.engine.session import Session
-
-        return Session
-    raise AttributeError(name)
+    return getattr(importlib.import_module(module), name)

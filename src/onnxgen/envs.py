@@ -1,6 +1,6 @@
 """Every `ONNXGEN_*` environment variable onnxgen reads, and the only module that reads them.
 
-    from onnxgen import envs
+    import onnxgen.envs as envs
     envs.HOME            # read when asked (each access reads the environment anew)
     envs.describe()      # every variable with its default and what it does (`onnxgen show --env`)
 

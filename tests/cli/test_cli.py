@@ -81,8 +81,8 @@ def test_chat_repl_reuses_history_and_commands(tiny_dir):
     reused_edit = int(re.search(r"· (\d+) reused", second_after_edit).group(1))
     n_in = int(re.search(r"\[ (\d+) in", second_after_edit).group(1))
     assert 0 < reused_edit < n_in - 10
-    ids_a = m.encode_prompt([{"role": "system", "content": "You are helpful."}])
-    ids_b = m.encode_prompt([{"role": "system", "content": "be terse"}])
+    ids_a = m.encode([{"role": "system", "content": "You are helpful."}])
+    ids_b = m.encode([{"role": "system", "content": "be terse"}])
     lcp = next(i for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=False)) if a != b)
     assert reused_edit == lcp
     assert "[ conversation and KV cache cleared ]" in lines

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import onnxgen
 from onnxgen.errors import Cancelled
 from tests.conftest import native_available
+from tests.harness import loaded, stepper
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")
 
@@ -80,9 +81,7 @@ def test_batched_requests_equal_each_request_alone(
     spec = alone_model.spec
     # a small pool (20 pages = 320 tokens) forces requests to wait and running ones to be preempted
     kv_bytes = (20 if small_pool else 400) * PAGE * per_token_bytes(spec)
-    model = onnxgen.load(
-        str(tiny_dir), backend="native", kv_bytes=kv_bytes, max_running=4, max_batch_tokens=64
-    )
+    model = stepper(tiny_dir, backend="native", kv_bytes=kv_bytes, max_running=4, max_batch_tokens=64)
     rng = np.random.default_rng(len(arrivals))
     bases = [rng.integers(3, spec.vocab_size - 1, size=70).tolist() for _ in range(3)]
     pending: list[tuple[dict, list[int], Any, threading.Event]] = []
@@ -105,7 +104,7 @@ def test_batched_requests_equal_each_request_alone(
         step += 1
         assert step < 10_000, "the engine made no progress"
     for a, prompt, h, ev in pending:
-        if ev.is_set() and h.request.error is not None:
+        if ev.is_set() and h.error is not None:
             with pytest.raises(Cancelled):
                 h.result()
             continue
@@ -117,7 +116,7 @@ def test_batched_requests_equal_each_request_alone(
 
 
 def test_eight_sessions_under_one_system_prompt_hold_one_copy(tiny_dir: Path) -> None:
-    model = onnxgen.load(str(tiny_dir), backend="native")
+    model = stepper(tiny_dir, backend="native")
     rng = np.random.default_rng(7)
     system = rng.integers(3, 380, size=500).tolist()  # 31 full pages + 4 positions of page 31
     turns = [rng.integers(3, 380, size=5 + i).tolist() for i in range(8)]
@@ -146,7 +145,7 @@ def test_requests_arriving_together_under_one_system_prompt_compute_it_once(
     """Eight requests under one 500-token system prompt submitted at once: the first computes it, the others
     wait for that step (`PagedKV.defer`) and then share its 31 full pages while it still runs (in-flight, not
     yet indexed); each gets what it gets alone. Under another salt nothing is shared."""
-    model = onnxgen.load(str(tiny_dir), backend="native")
+    model = stepper(tiny_dir, backend="native")
     rng = np.random.default_rng(11)
     system = rng.integers(3, 380, size=500).tolist()  # 31 full pages + 4 positions of page 31
     prompts = [system + rng.integers(3, 380, size=5 + i).tolist() for i in range(8)]
@@ -170,7 +169,7 @@ def test_followers_keep_the_pages_they_share_when_the_request_that_computed_them
 ) -> None:
     """The first request computes the shared prefix and is cancelled right after the followers took its
     pages: they finish with what they get alone, nothing of the cancelled request is indexed, no page leaks."""
-    model = onnxgen.load(str(tiny_dir), backend="native")
+    model = stepper(tiny_dir, backend="native")
     rng = np.random.default_rng(12)
     system = rng.integers(3, 380, size=200).tolist()
     prompts = [system + rng.integers(3, 380, size=7).tolist() for _ in range(3)]
@@ -197,7 +196,7 @@ def test_followers_keep_the_pages_they_share_when_the_request_that_computed_them
 
 def test_stateless_requests_share_prefixes_and_a_pin_survives_eviction(tiny_dir: Path) -> None:
     spec = onnxgen.load(str(tiny_dir), backend="native", paged=False).spec
-    model = onnxgen.load(str(tiny_dir), backend="native", kv_bytes=8 * PAGE * per_token_bytes(spec))
+    model = stepper(tiny_dir, backend="native", kv_bytes=8 * PAGE * per_token_bytes(spec))
     s = model.session()
     base = list(range(3, 60))  # 57 tokens
     r1 = s.generate(base, max_new_tokens=4)
@@ -215,7 +214,7 @@ def test_stateless_requests_share_prefixes_and_a_pin_survives_eviction(tiny_dir:
 def test_sampled_requests_batched_equal_alone(tiny_dir: Path, alone_model: Any) -> None:
     """Seeded sampling (temperature, top-k, top-p, min-p, penalties) in one batch: each request's tokens are
     those it gets alone, whatever its neighbours ask for."""
-    model = onnxgen.load(str(tiny_dir), backend="native")
+    model = stepper(tiny_dir, backend="native")
     rng = np.random.default_rng(9)
     settings_ = [
         dict(temperature=0.8, seed=1),
@@ -241,9 +240,7 @@ def test_pool_exhaustion_makes_requests_wait_and_every_result_is_right(
 ) -> None:
     spec = alone_model.spec
     # 12 pages = 192 tokens for 8 requests of 52-72 tokens each, all queued before the first step
-    model = onnxgen.load(
-        str(tiny_dir), backend="native", kv_bytes=12 * PAGE * per_token_bytes(spec), max_running=8
-    )
+    model = stepper(tiny_dir, backend="native", kv_bytes=12 * PAGE * per_token_bytes(spec), max_running=8)
     rng = np.random.default_rng(3)
     prompts = [
         rng.integers(3, spec.vocab_size - 1, size=int(rng.integers(40, 60))).tolist() for _ in range(8)
@@ -256,16 +253,16 @@ def test_pool_exhaustion_makes_requests_wait_and_every_result_is_right(
 
 
 def test_threads_are_batched_into_the_same_steps(tiny_dir: Path, alone_model: Any) -> None:
-    model = onnxgen.load(str(tiny_dir), backend="native")
+    engine, model = loaded(tiny_dir, backend="native")
     steps = {"n": 0, "batched": 0}
-    original = model.executor.run
+    original = engine.executor.run
 
     def counting(chunks: Any) -> Any:
         steps["n"] += 1
         steps["batched"] += len(chunks) > 1
         return original(chunks)
 
-    model.executor.run = counting
+    engine.executor.run = counting
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 380, size=30).tolist() for _ in range(6)]
     out: list[Any] = [None] * 6
@@ -284,12 +281,12 @@ def test_threads_are_batched_into_the_same_steps(tiny_dir: Path, alone_model: An
         same(r, alone(alone_model, p, 24))
     assert steps["batched"] > 0, "concurrent callers never shared a step"
     assert steps["n"] < 6 * 24, f"{steps['n']} steps for 6 x 24 tokens: not batched"
-    check_pool(model)
+    check_pool(engine)
 
 
 def test_a_request_larger_than_the_pool_fails_clearly(tiny_dir: Path) -> None:
     spec = onnxgen.load(str(tiny_dir), backend="native", paged=False).spec
-    model = onnxgen.load(str(tiny_dir), backend="native", kv_bytes=2 * PAGE * per_token_bytes(spec))
+    model = stepper(tiny_dir, backend="native", kv_bytes=2 * PAGE * per_token_bytes(spec))
     with pytest.raises(onnxgen.OnnxgenError, match="KV pool holds 32 tokens"):
         model.generate(list(range(3, 60)), max_new_tokens=2)
     r = model.generate(list(range(3, 20)), max_new_tokens=2)  # the engine is fine afterwards

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import onnxgen
+from tests.harness import loaded
 
 THREADS, TURNS, NEW = 4, 3, 8
 
@@ -80,11 +81,12 @@ def test_four_threads_on_four_sessions_equal_serial_runs(backend: str, tiny_dir:
 def test_four_threads_with_decode_runs_equal_serial_runs(tiny_dir: Path) -> None:
     """The paged engine with runs of decode steps, each first run launched behind its prompts' step (as on
     CUDA, `launch_first`), serving four threads' conversations: the serial runs' tokens and reuse."""
-    model = onnxgen.load(str(tiny_dir), backend="native", device="cpu", threads=1, paged=True, decode_steps=8)
-    model.launch_first = True
+    engine, model = loaded(
+        tiny_dir, backend="native", device="cpu", threads=1, paged=True, decode_steps=8, launch_first=True
+    )
     launched = []
-    launch_first = model._launch_first
-    model._launch_first = lambda *a: launched.append(a) or launch_first(*a)
+    launch_first = engine.pipeline.launch_first
+    engine.pipeline.launch_first = lambda *a: launched.append(a) or launch_first(*a)
     _check_concurrent_equals_serial(
         model, logits=False, speculative=False
     )  # no drafts: first runs launched early
@@ -96,9 +98,9 @@ def test_four_threads_with_decode_runs_equal_serial_runs(tiny_dir: Path) -> None
 
 @pytest.mark.gpu
 def test_cuda_four_threads_with_graphs_equal_serial_runs(tiny_dir: Path) -> None:
-    model = onnxgen.load(str(tiny_dir), backend="native", device="cuda", kv_floor=16, paged=False)
+    engine, model = loaded(tiny_dir, backend="native", device="cuda", kv_floor=16, paged=False)
     _check_concurrent_equals_serial(model)
-    decoder = model.pool.acquire()
+    decoder = engine.pool.acquire()
     assert decoder.info["cuda_graphs"], "graphs stayed on through the concurrent run"
 
 

@@ -1,4 +1,4 @@
-"""Decode runs (`Engine.decode_steps`): several decode steps back to back with tokens chosen on the device and
+"""Decode runs (`DecodingConfig.decode_steps`): several decode steps back to back with tokens chosen on the device and
 read once per run give exactly what one step at a time gives: the same tokens, text and finish reasons
 (greedy and seeded sampling, EOS, stop strings, lengths, requests of one batch finishing at different
 steps), and the positions fed after a request finished never reach a later turn (native, paged, CPU)."""
@@ -13,6 +13,7 @@ import pytest
 
 import onnxgen
 from tests.conftest import native_available
+from tests.harness import Stepper, set_policy, stepper
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")
 
@@ -20,8 +21,9 @@ PROMPTS = [[5, 9, 2, 33, 7], [11, 4, 4, 80, 3, 19, 21, 6, 2], [100, 3], list(ran
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir: Path) -> Any:
-    return onnxgen.load(str(tiny_dir), backend="native", paged=True)
+def model(tiny_dir: Path) -> Stepper:
+    """The module's engine (paged, native), driven by the test's own thread; tests switch its decode policy."""
+    return stepper(tiny_dir, backend="native", paged=True)
 
 
 class Spy:
@@ -45,9 +47,9 @@ def batch(model: Any, steps: int, prompts: list[list[int]], first: int | None = 
     """The prompts submitted at once with `decode_steps` = `steps`, as CUDA would run them (the first run
     launched behind the prompts' step, `launch_first`; `first`: its steps, `first_run_steps`, else the
     default) on the CPU's paged pool."""
-    saved = model.first_run_steps
-    model.decode_steps, model.launch_first = steps, True
-    model.first_run_steps = saved if first is None else first
+    saved = model.pipeline.policy.first_run_steps
+    set_policy(model, decode_steps=steps, launch_first=True)
+    set_policy(model, first_run_steps=saved if first is None else first)
     try:
         pend = [
             model.submit(p, reuse=False, speculative=False, **{**kw, **extra})
@@ -55,7 +57,13 @@ def batch(model: Any, steps: int, prompts: list[list[int]], first: int | None = 
         ]
         return [p.result() for p in pend]
     finally:
-        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, saved
+        set_policy(model, decode_steps=1, launch_first=False, first_run_steps=saved)
+
+
+def tail(model: Stepper) -> Any:
+    """The executor's handle of the run the engine left for its next step to wait for (None: none)."""
+    run = model.pipeline.tail
+    return None if run is None else run.handle
 
 
 def same(a: list[Any], b: list[Any]) -> None:
@@ -99,13 +107,13 @@ def test_stop_strings_and_eos_mid_run(model: Any) -> None:
         same(got, want)
     assert want[1].finish_reason == "stop" and len(want[1].tokens) < 24
     # EOS: a model whose eos list holds a token the reference emits mid-run
-    saved = model.eos_token_ids
-    model.eos_token_ids = (eos,)
+    saved = model.inputs.eos_ids
+    model.inputs.eos_ids = (eos,)
     try:
         want = batch(model, 1, PROMPTS, max_new_tokens=24, temperature=0)
         got = batch(model, 8, PROMPTS, max_new_tokens=24, temperature=0)
     finally:
-        model.eos_token_ids = saved
+        model.inputs.eos_ids = saved
     same(got, want)
     assert got[3].finish_reason == "stop" and got[3].tokens[-1] == eos and len(got[3].tokens) == 10
 
@@ -120,14 +128,14 @@ def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path, launc
     probe = model.generate(prompt, max_new_tokens=20, temperature=0, reuse=False, speculative=False)
     stop = probe.text[8:11]
     s = model.session(f"runs-{launch_first}")
-    model.decode_steps, model.launch_first = 8, launch_first
+    set_policy(model, decode_steps=8, launch_first=launch_first)
     try:
         one = s.generate(prompt, max_new_tokens=20, temperature=0, stop=[stop], speculative=False)
         assert one.finish_reason == "stop" and len(one.tokens) < 20
         ctx = [*one.prompt_ids, *one.tokens, 50, 51, 52]
         two = s.generate(ctx, max_new_tokens=6, temperature=0, output_logits=True, speculative=False)
     finally:
-        model.decode_steps, model.launch_first = 1, False
+        set_policy(model, decode_steps=1, launch_first=False)
     ref = fresh.generate(
         ctx, max_new_tokens=6, temperature=0, output_logits=True, reuse=False, speculative=False
     )
@@ -146,11 +154,11 @@ def test_a_reply_ending_in_a_runs_first_part_does_not_wait_for_the_rest(model: A
     steps'; the next request's too."""
     from onnxgen.backends.native import runner
 
-    assert runner.PART_STEPS == 4 and model.first_run_steps == 1
+    assert runner.PART_STEPS == 4 and model.pipeline.policy.first_run_steps == 1
     probe = model.generate(PROMPTS[3], max_new_tokens=max_new, temperature=0, reuse=False, speculative=False)
     p = next(i for i in range(10, 13) if probe.tokens[i] not in probe.tokens[:i])
-    saved = model.eos_token_ids
-    model.eos_token_ids = (probe.tokens[p],)
+    saved = model.inputs.eos_ids
+    model.inputs.eos_ids = (probe.tokens[p],)
     reads: list[tuple[Any, Any]] = []
     launches: list[Any] = []
     launch, collect = model.executor.launch_decodes, model.executor.collect_decodes
@@ -161,23 +169,23 @@ def test_a_reply_ending_in_a_runs_first_part_does_not_wait_for_the_rest(model: A
             PROMPTS[3], max_new_tokens=max_new, temperature=0, reuse=False, speculative=False
         )
         assert not launches and len(want.tokens) == p + 1 and want.finish_reason == "stop"
-        model.decode_steps, model.launch_first = 8, True
+        set_policy(model, decode_steps=8, launch_first=True)
         got = model.generate(
             PROMPTS[3], max_new_tokens=max_new, temperature=0, reuse=False, speculative=False
         )
         assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, want.finish_reason)
         holder = launches[2]  # the run holding EOS: read up to its first part only
         assert [rows for run, rows in reads if run is holder] == [4]
-        trailing = model._trailing
+        trailing = tail(model)
         assert trailing is (launches[3] if max_new == 40 else holder) and len(launches) == 3 + (max_new == 40)
-        model.decode_steps, model.launch_first = 1, False
+        set_policy(model, decode_steps=1, launch_first=False)
         again = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
-        assert model._trailing is None and any(
+        assert model.pipeline.tail is None and any(
             run is trailing and rows is None for run, rows in reads
         )  # drained
     finally:
-        model.eos_token_ids = saved
-        model.decode_steps, model.launch_first = 1, False
+        model.inputs.eos_ids = saved
+        set_policy(model, decode_steps=1, launch_first=False)
         model.executor.launch_decodes, model.executor.collect_decodes = launch, collect
         model.settle()
     plain = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
@@ -187,7 +195,7 @@ def test_a_reply_ending_in_a_runs_first_part_does_not_wait_for_the_rest(model: A
 def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(model: Any) -> None:
     """A lone request that stops inside a chain of runs returns once the run holding its stop is read: the
     run launched behind it (steps past its end, whose tokens nobody takes) is waited for by the next step,
-    before that step's own work (`Engine._trailing`, `settle`); the next request's output is unchanged."""
+    before that step's own work (`DecodePipeline.tail`, `settle`); the next request's output is unchanged."""
     probe = model.generate(PROMPTS[3], max_new_tokens=30, temperature=0, reuse=False, speculative=False)
     stop = probe.text[12:15]
     want = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
@@ -200,29 +208,29 @@ def test_a_finished_requests_caller_does_not_wait_for_the_run_behind_its_last(mo
 
     model.executor.launch_decodes = spy_launch
     model.executor.collect_decodes = lambda run, rows=None: log.append(("collect", run)) or collect(run, rows)
-    model.decode_steps, model.launch_first = 4, True  # as on CUDA
+    set_policy(model, decode_steps=4, launch_first=True)  # as on CUDA
     try:
         one = model.generate(
             PROMPTS[3], max_new_tokens=30, temperature=0, stop=[stop], reuse=False, speculative=False
         )
-        trailing, first = model._trailing, len(log)
+        trailing, first = tail(model), len(log)
         assert one.finish_reason == "stop" and len(one.tokens) < 30 and ("launch", True) in log
         assert trailing is not None and not any(x is trailing for _, x in log)  # launched, not waited for
         two = model.generate(PROMPTS[0], max_new_tokens=12, temperature=0, reuse=False, speculative=False)
         assert log[first][0] == "collect" and log[first][1] is trailing  # the next step's first act
-        assert model._trailing is not trailing and any(kind == "launch" for kind, _ in log[first + 1 :])
+        assert tail(model) is not trailing and any(kind == "launch" for kind, _ in log[first + 1 :])
     finally:
-        model.decode_steps, model.launch_first = 1, False
+        set_policy(model, decode_steps=1, launch_first=False)
         model.executor.launch_decodes, model.executor.collect_decodes = launch, collect
         model.settle()
     assert (two.tokens, two.text) == (want.tokens, want.text)
-    assert model._trailing is None
+    assert model.pipeline.tail is None
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 7}])
 def test_the_first_run_is_launched_before_the_prompts_token_is_read(model: Any, sampling: dict) -> None:
     """The step that ends a prompt chooses the first token on the device and launches the first decode run
-    behind it (continuing from that choice, offset 1) before the host reads the token (`Engine._launch_first`),
+    behind it (continuing from that choice, offset 1) before the host reads the token (`DecodePipeline.launch_first`),
     so the device decodes while the host takes the first token; the output is unchanged."""
     want = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
     log: list[tuple[Any, ...]] = []
@@ -234,16 +242,18 @@ def test_the_first_run_is_launched_before_the_prompts_token_is_read(model: Any, 
 
     model.executor.launch_decodes = spy_launch
     model.executor.chosen = lambda first: log.append(("read",)) or chosen(first)
-    assert model.launch_first is False  # the CPU's default: a run launched there is computed at once
-    model.decode_steps, model.launch_first = 4, True  # CUDA's default
+    assert (
+        model.pipeline.policy.launch_first is False
+    )  # the CPU's default: a run launched there is computed at once
+    set_policy(model, decode_steps=4, launch_first=True)  # CUDA's default
     try:
         got = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
         chained = list(log)
         log.clear()
-        model.launch_first = False  # the first run launched by the next step, from the read token
+        set_policy(model, launch_first=False)  # the first run launched by the next step, from the read token
         late = model.generate(PROMPTS[3], max_new_tokens=20, reuse=False, speculative=False, **sampling)
     finally:
-        model.decode_steps = 1
+        set_policy(model, decode_steps=1)
         del model.executor.launch_decodes, model.executor.chosen
         model.settle()
     for r in (got, late):
@@ -276,24 +286,26 @@ def test_first_runs_equal_single_steps_where_requests_end_early(
             assert spy.runs[spy.offsets.index(1)] == 1
             assert spy.runs[1:] == [min(8, n - 2)] * (n > 2)
     ref = batch(model, 1, PROMPTS, max_new_tokens=12, **sampling)
-    saved = model.eos_token_ids
+    saved = model.inputs.eos_ids
     try:
         for eos in ((ref[2].tokens[0],), tuple(r.tokens[0] for r in ref)):
-            model.eos_token_ids = eos
+            model.inputs.eos_ids = eos
             want = batch(model, 1, PROMPTS, max_new_tokens=12, **sampling)
             got = batch(model, 8, PROMPTS, first, max_new_tokens=12, **sampling)
             same(got, want)
             assert got[2].finish_reason == "stop" and len(got[2].tokens) == 1
-        assert model._trailing is not None  # every request stopped at its first token: the run behind is left
+        assert (
+            model.pipeline.tail is not None
+        )  # every request stopped at its first token: the run behind is left
     finally:
-        model.eos_token_ids = saved
+        model.inputs.eos_ids = saved
         model.settle()
 
     def boom(_: str) -> None:
         raise RuntimeError("callback failed")
 
-    saved = model.first_run_steps
-    model.decode_steps, model.launch_first, model.first_run_steps = 8, True, first
+    saved = model.pipeline.policy.first_run_steps
+    set_policy(model, decode_steps=8, launch_first=True, first_run_steps=first)
     try:
         pend = [
             model.submit(
@@ -310,7 +322,7 @@ def test_first_runs_equal_single_steps_where_requests_end_early(
             pend[1].result()
         got = [p.result() for i, p in enumerate(pend) if i != 1]
     finally:
-        model.decode_steps, model.launch_first, model.first_run_steps = 1, False, saved
+        set_policy(model, decode_steps=1, launch_first=False, first_run_steps=saved)
     same(got, [r for i, r in enumerate(ref) if i != 1])
 
 
@@ -328,7 +340,7 @@ def test_cancel_during_continued_runs(model: Any) -> None:
         if len(seen) == 10:
             ev.set()
 
-    model.decode_steps = 4
+    set_policy(model, decode_steps=4)
     spy = Spy(model)
     try:
         doomed = model.submit(
@@ -340,7 +352,7 @@ def test_cancel_during_continued_runs(model: Any) -> None:
         got = other.result()
     finally:
         model.executor.launch_decodes = spy._inner
-        model.decode_steps = 1
+        set_policy(model, decode_steps=1)
     assert got.tokens == ref[0].tokens and spy.continued
     assert 10 <= len(seen) <= 10 + 2 * 4  # the run being read and the one launched after it
     assert model.kv_stats()["pages_used"] == held
@@ -353,10 +365,10 @@ def test_copying_requests_run_shorter_runs(model: Any) -> None:
     speculation does; the output is plain decoding's."""
     prompt = [5, 9, 2, 33, 7, 5, 9, 2, 33, 7, 5, 9, 2, 33, 7]  # something to copy
     ref = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative=False)
-    model.decode_steps = 8
+    set_policy(model, decode_steps=8)
     spy = Spy(model)
     try:
-        assert model.spec_decode_steps == 2
+        assert model.pipeline.policy.spec_decode_steps == 2
         got = model.generate(
             prompt, max_new_tokens=40, temperature=0, reuse=False, speculative="prompt_lookup"
         )
@@ -365,7 +377,7 @@ def test_copying_requests_run_shorter_runs(model: Any) -> None:
         plain = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative=False)
     finally:
         model.executor.launch_decodes = spy._inner
-        model.decode_steps = 1
+        set_policy(model, decode_steps=1)
     assert got.tokens == ref.tokens == plain.tokens
     assert got.stats.accepted_tokens > 0
     assert spec_runs and max(spec_runs) <= 8 and 2 in spec_runs
@@ -388,7 +400,7 @@ def test_host_side_sampling_runs_one_step_at_a_time(model: Any) -> None:
 def test_decode_steps_validated(tiny_dir: Path) -> None:
     with pytest.raises(onnxgen.errors.InvalidRequest, match="decode_steps"):
         onnxgen.load(str(tiny_dir), backend="native", decode_steps=0)
-    assert onnxgen.load(str(tiny_dir), backend="native").decode_steps == 1  # the CPU default
+    assert stepper(tiny_dir, backend="native").pipeline.policy.decode_steps == 1  # the CPU default
 
 
 @pytest.mark.gpu
@@ -406,9 +418,11 @@ def test_runs_on_cuda_graphs_equal_single_steps(
     from onnxgen.backends.native import runner as runner_module
 
     monkeypatch.setattr(runner_module, "RUN_FIRST_MULTI", first_multi)
-    m = onnxgen.load(str(tiny_dir), backend="native", device="cuda")
+    m = stepper(tiny_dir, backend="native", device="cuda")
     runner = m.executor.runner
-    assert m.decode_steps == 8 and runner.cuda_graphs and m.first_run_steps == 1
+    assert (
+        m.pipeline.policy.decode_steps == 8 and runner.cuda_graphs and m.pipeline.policy.first_run_steps == 1
+    )
     # runs of 40 steps: longer than a graph's token record (RUN_TOKENS), across page boundaries; the first
     # run (launched behind the prompts' step) is one step, the next one as long as the shortest request's
     # rest: 38 - 1 (the prompt's token) - 1
@@ -559,16 +573,16 @@ def test_a_request_ending_at_a_parts_last_row_gives_back_the_rest_of_its_run(mod
             break
     else:
         pytest.fail("no prompt whose token 13 is new: pick another EOS position")
-    saved, discard = model.eos_token_ids, model.executor.discard
-    model.eos_token_ids = (probe.tokens[13],)
+    saved, discard = model.inputs.eos_ids, model.executor.discard
+    model.inputs.eos_ids = (probe.tokens[13],)
     kept: list[int] = []
     model.executor.discard = lambda req, keep: kept.append(keep) or discard(req, keep)
-    model.decode_steps, model.launch_first = 8, True
+    set_policy(model, decode_steps=8, launch_first=True)
     try:
         got = model.generate(prompt, max_new_tokens=40, temperature=0, reuse=False, speculative=False)
     finally:
-        model.eos_token_ids, model.executor.discard = saved, discard
-        model.decode_steps, model.launch_first = 1, False
+        model.inputs.eos_ids, model.executor.discard = saved, discard
+        set_policy(model, decode_steps=1, launch_first=False)
         model.settle()
     assert got.tokens == probe.tokens[:14] and got.finish_reason == "stop"
     assert kept == [len(prompt) + 13]  # computed: the prompt and the 13 tokens before EOS (EOS is never fed)

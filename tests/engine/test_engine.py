@@ -9,6 +9,7 @@ import onnxgen
 from onnxgen.engine.request import StopScanner
 from onnxgen.errors import ContextOverflow, EmptyPrompt, InvalidRequest
 from onnxgen.sampling import Sampler, SamplingParams
+from tests.harness import loaded
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def test_greedy_is_deterministic_and_streams_the_same_text(tiny):
     assert a.tokens == b.tokens
     assert "".join(pieces) == a.text
     assert a.text == tiny.tokenizer.decode([t for t in a.tokens if t not in tiny.eos_token_ids])
-    assert a.stats.prompt_tokens == len(tiny.encode_prompt(PROMPT))
+    assert a.stats.prompt_tokens == len(tiny.encode(PROMPT))
     assert a.stats.generated_tokens == len(a.tokens)
 
 
@@ -72,7 +73,7 @@ def test_stop_string_spanning_token_boundary(tiny):
 
 
 def test_prompt_forms_and_errors(tiny):
-    ids = tiny.encode_prompt(PROMPT)
+    ids = tiny.encode(PROMPT)
     r1 = tiny.generate(ids, max_new_tokens=8, reuse=False)
     r2 = tiny.generate(PROMPT, max_new_tokens=8, reuse=False)
     assert r1.tokens == r2.tokens
@@ -164,17 +165,17 @@ def test_sampling_precedence_uses_package_defaults_when_not_given():
 
 @pytest.mark.parametrize("backend", ["ort", "native"])
 def test_close_frees_every_cache_and_sessions_stay_usable(tiny_dir, backend):
-    m = onnxgen.load(str(tiny_dir), backend=backend, threads=1, paged=False)
+    engine, m = loaded(tiny_dir, backend=backend, threads=1, paged=False)
     s = m.session()
     prompt = list(range(5, 40))
     first = s.generate(prompt, max_new_tokens=4)
     m.generate(prompt, max_new_tokens=4)
     m.generate(prompt, max_new_tokens=4, reuse=False)  # leaves an idle decoder (with its buffers) in the pool
     assert s.kv_bytes() > 0 and m.default_session.kv_bytes() > 0
-    assert m.pool.idle >= 1 and m.pool.kv_bytes() > 0
+    assert engine.pool.idle >= 1 and engine.pool.kv_bytes() > 0
     m.close()
-    assert s.kv_bytes() == 0 and m.default_session.kv_bytes() == 0 and m.registry.total_kv_bytes() == 0
-    assert m.pool.idle == 0 and m.pool.kv_bytes() == 0
+    assert s.kv_bytes() == 0 and m.default_session.kv_bytes() == 0 and engine.registry.total_kv_bytes() == 0
+    assert engine.pool.idle == 0 and engine.pool.kv_bytes() == 0
     again = s.generate(prompt, max_new_tokens=4)  # nothing retained: computed from scratch, same tokens
     assert again.stats.reused_tokens == 0 and again.tokens == first.tokens
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import onnxgen
+from tests.harness import stepper
 
 STEP = 0.2  # seconds a processor sleeps before each sample
 
@@ -178,7 +179,7 @@ def test_a_fresh_ort_engine_has_one_idle_decoder(tiny_dir):
 
 
 def test_reused_fraction_and_the_result_record(tiny):
-    from onnxgen.engine.result import Result
+    from onnxgen.engine.output import Result
 
     s = tiny.session()
     prompt = list(range(3, 43))
@@ -196,7 +197,7 @@ def test_reused_fraction_and_the_result_record(tiny):
 
 
 def test_step_says_whether_there_was_work(tiny_dir):
-    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
+    m = stepper(tiny_dir, backend="ort", threads=1)
     assert m.step() is False  # nothing queued
     p = m.submit([5, 6, 7], max_new_tokens=3, reuse=False)
     steps = 0

@@ -21,6 +21,7 @@ from onnxgen.engine.reuse import Keep, Reset, Rewind, plan, shared_prefix
 from onnxgen.engine.slots import DecoderPool
 from onnxgen.errors import Cancelled, MissingRequiredInput
 from tests.conftest import native_available
+from tests.harness import loaded
 
 BACKENDS = [
     "ort",
@@ -203,13 +204,13 @@ class NoRewind:
 def decoder_model(request, tiny_dir):
     """A model that runs one decoder per request (paged KV off)."""
     opts = {"threads": 1} if request.param == "ort" else {"kv_floor": 16}
-    return onnxgen.load(str(tiny_dir), backend=request.param, paged=False, **opts)
+    return loaded(tiny_dir, backend=request.param, paged=False, **opts)
 
 
 def test_backend_that_declines_rewind_resets(decoder_model, monkeypatch):
-    model = decoder_model
-    inner = model.pool
-    monkeypatch.setattr(model.executor, "pool", DecoderPool(lambda: NoRewind(inner.acquire())))
+    engine, model = decoder_model
+    inner = engine.pool
+    monkeypatch.setattr(engine.executor, "pool", DecoderPool(lambda: NoRewind(inner.acquire())))
     s = session(model)
     r1 = run(s, BASE)
     edited = BASE[:20] + [99] + BASE[21:]

@@ -19,6 +19,7 @@ import pytest
 import onnxgen
 from onnxgen.engine.identity import make_identity
 from tests.conftest import native_available
+from tests.harness import loaded
 
 BACKENDS = [
     "ort",
@@ -98,7 +99,7 @@ def test_declined_rewind_on_a_rewinding_backend_resets_and_recomputes(tiny_dir, 
 
 
 @pytest.fixture(scope="module")
-def vision_any_size(tmp_path_factory):
+def vision_path(tmp_path_factory):
     """A tiny package with a `pixel_values` input of any height and width ([batch, 3, h, w]; the graph
     reduces it to a zero, so it shapes the identity but not the logits)."""
     from onnxgen.convert.synthetic import SyntheticConfig, write_package
@@ -113,7 +114,12 @@ def vision_any_size(tmp_path_factory):
         dim.ClearField("dim_value")
         dim.dim_param = name
     onnx.save(proto, str(graph_file))
-    return load(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vision_any_size(vision_path):
+    return load(vision_path)
 
 
 def test_large_attachments_differing_in_the_middle_reuse_nothing(vision_any_size):
@@ -286,14 +292,14 @@ def test_a_session_alone_over_max_kv_bytes_retains_nothing(tiny_dir, tiny):
     over = load(tiny_dir, max_kv_bytes=per - 1)
     s = over.session()
     r1 = run(s, BASE)
-    assert s.retained_tokens == 0 and s.kv_bytes() == 0 and over.retained_kv_bytes() == 0
+    assert s.retained_tokens == 0 and s.kv_bytes() == 0 and over.kv_stats()["retained_kv_bytes"] == 0
     r2 = run(s, BASE)
     assert r2.stats.reused_tokens == 0
     check_same(r2, r1)
     exact = load(tiny_dir, max_kv_bytes=per)  # at the bound is within it
     t = exact.session()
     run(t, BASE)
-    assert t.kv_bytes() == per and exact.retained_kv_bytes() == per
+    assert t.kv_bytes() == per and exact.kv_stats()["retained_kv_bytes"] == per
     assert run(t, BASE).stats.reused_tokens == len(BASE) - 1
 
 
@@ -303,22 +309,22 @@ def test_a_session_alone_over_max_kv_bytes_retains_nothing(tiny_dir, tiny):
 
 
 def test_an_evicted_sessions_decoder_goes_back_to_the_pool_emptied(tiny_dir):
-    m = load(tiny_dir, "ort")
+    engine, m = loaded(tiny_dir, backend="ort", threads=1)
     s = m.session()
     run(s, BASE)
     held = s.kv_bytes()
     assert held > 0
     idle_before = m.kv_stats()["idle_decoders"]
     released = []
-    release = m.pool.release
-    m.pool.release = lambda d: (released.append(d), release(d))  # a spy: what the eviction hands back
+    release = engine.pool.release
+    engine.pool.release = lambda d: (released.append(d), release(d))  # a spy: what the eviction hands back
     assert s.evict() == held and s.kv_bytes() == 0
-    m.pool.release = release
+    engine.pool.release = release
     assert len(released) == 1 and m.kv_stats()["idle_decoders"] == idle_before + 1
-    idle = m.pool.acquire()
+    idle = engine.pool.acquire()
     assert idle is released[0]  # recycled, and emptied
     assert idle.kv_len() == 0
-    m.pool.release(idle)
+    engine.pool.release(idle)
     r = run(s, BASE)
     assert r.stats.reused_tokens == 0
     check_same(r, fresh(m, BASE))
@@ -462,14 +468,14 @@ class _Opaque:
         return self.arr
 
 
-def test_failed_and_unretainable_requests_hand_their_decoder_back_emptied(vision_any_size):
+def test_failed_and_unretainable_requests_hand_their_decoder_back_emptied(vision_path):
     """Internal (a spy on the decoder pool): a request that fails, or whose context cannot be retained,
     gives its decoder back to the pool at once, emptied; the session holds nothing."""
-    m = vision_any_size
+    engine, m = loaded(vision_path, backend="ort", threads=1)
     s = m.session()
     released = []
-    release = m.pool.release
-    m.pool.release = lambda d: (released.append(d), release(d))
+    release = engine.pool.release
+    engine.pool.release = lambda d: (released.append(d), release(d))
     try:
         run(s, BASE, inputs={"pixel_values": np.zeros((1, 3, 8, 8), np.float32)})
         assert released == [] and s.retained_tokens > 0
@@ -484,7 +490,7 @@ def test_failed_and_unretainable_requests_hand_their_decoder_back_emptied(vision
         )
         assert len(released) == 3 and released[2].kv_len() == 0
     finally:
-        m.pool.release = release
+        engine.pool.release = release
 
 
 # --- the LRU bound on retained sessions (load(max_sessions=, max_kv_bytes=)) ----------------------------
@@ -509,7 +515,7 @@ def test_lru_order_follows_use_and_sessions_holding_nothing_do_not_count(tiny_di
     b.evict()  # b stays registered but holds nothing: it must not count against max_sessions
     run(c, BASE)
     assert (a.retained_tokens > 0, b.retained_tokens > 0, c.retained_tokens > 0) == (True, False, True)
-    assert m.retained_kv_bytes() == a.kv_bytes() + c.kv_bytes()
+    assert m.kv_stats()["retained_kv_bytes"] == a.kv_bytes() + c.kv_bytes()
 
 
 def test_max_kv_bytes_evicts_only_as_many_sessions_as_needed(tiny_dir, tiny):
@@ -520,10 +526,10 @@ def test_max_kv_bytes_evicts_only_as_many_sessions_as_needed(tiny_dir, tiny):
     a, b, c = _retaining(m, 3)
     run(a, BASE)
     run(b, BASE)
-    assert a.kv_bytes() == per and b.kv_bytes() == per and m.retained_kv_bytes() == 2 * per
+    assert a.kv_bytes() == per and b.kv_bytes() == per and m.kv_stats()["retained_kv_bytes"] == 2 * per
     run(c, BASE)  # 3 * per: evict the least recently used one, and only it
     assert (a.retained_tokens, b.retained_tokens > 0, c.retained_tokens > 0) == (0, True, True)
-    assert m.retained_kv_bytes() == 2 * per
+    assert m.kv_stats()["retained_kv_bytes"] == 2 * per
 
 
 def test_clear_and_close_drop_the_context_and_a_closed_session_is_collectable(tiny):
@@ -563,7 +569,7 @@ def test_a_paged_sessions_kv_bytes_are_its_pages(tiny_dir):
     per_page = page_bytes(spec.num_layers, page, spec.num_kv_heads, spec.head_size, 4)  # fp32 KV
     assert s.retained_tokens >= len(BASE)  # the session pins its context
     assert s.kv_bytes() == -(-s.retained_tokens // page) * per_page > 0
-    assert m.retained_kv_bytes() >= s.kv_bytes()
+    assert m.kv_stats()["retained_kv_bytes"] >= s.kv_bytes()
 
 
 @needs_native

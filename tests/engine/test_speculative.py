@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import onnxgen
 from onnxgen.engine.drafts import DraftControl, NgramIndex, draft_control, prompt_lookup
 from onnxgen.errors import InvalidRequest
+from tests.harness import loaded
 
 DOC = (
     "The quick brown fox jumps over the lazy dog. The dog sleeps under the old oak tree near the river. "
@@ -220,11 +221,11 @@ def test_ngram_match_length_reads_back_from_the_source_and_the_end() -> None:
 
 
 def test_a_chain_stops_only_for_a_request_that_can_still_draft_after_the_launched_run() -> None:
-    """`Engine._drafts_ready`: a stop is for a request that, once it has taken the steps launched behind the
+    """`DecodePipeline.drafts_ready`: a stop is for a request that, once it has taken the steps launched behind the
     run just read, may still generate a sample and a draft (else the next step could only decode)."""
     from types import SimpleNamespace
 
-    from onnxgen.engine.engine import Engine
+    from onnxgen.engine.pipeline import DecodePipeline
 
     req = SimpleNamespace(
         drafts=DraftControl(),
@@ -235,11 +236,11 @@ def test_a_chain_stops_only_for_a_request_that_can_still_draft_after_the_launche
         num_tokens=4,
     )
     chunks = [SimpleNamespace(req=req)]
-    assert Engine._drafts_ready(chunks, set(), 7)  # 10 - 1 - 7: room for a sample and a draft
-    assert not Engine._drafts_ready(chunks, set(), 8)  # one token left after the launched run
-    assert not Engine._drafts_ready(chunks, {0}, 0)  # finished in the run just read
+    assert DecodePipeline.drafts_ready(chunks, set(), 7)  # 10 - 1 - 7: room for a sample and a draft
+    assert not DecodePipeline.drafts_ready(chunks, set(), 8)  # one token left after the launched run
+    assert not DecodePipeline.drafts_ready(chunks, {0}, 0)  # finished in the run just read
     req.context_length = 12  # 12 - 4 - 7: the context leaves one position
-    assert not Engine._drafts_ready(chunks, set(), 7)
+    assert not DecodePipeline.drafts_ready(chunks, set(), 7)
 
 
 @pytest.fixture(scope="module")
@@ -307,10 +308,10 @@ def test_paged_requests_speculate_alone_and_in_a_batch(smollm2_dir) -> None:
     """On the paged pool: drafts of several requests verified in one ragged batch, each request's output
     exactly its plain decoding's; the pool is consistent afterwards (rejected drafts leak no page)."""
     pytest.importorskip("torch")
-    paged = onnxgen.load(str(smollm2_dir), backend="native", max_running=4)
+    engine, paged = loaded(smollm2_dir, backend="native", max_running=4)
     assert paged.paged
     assert (
-        paged.executor.verify_sizes == () and paged._draft_control(True).sizes == ()
+        engine.executor.verify_sizes == () and engine.draft_control(True).sizes == ()
     )  # no graphs: no padding
     prompts = [
         EDIT,
@@ -327,24 +328,24 @@ def test_paged_requests_speculate_alone_and_in_a_batch(smollm2_dir) -> None:
         assert a.tokens == b.tokens
         assert abs(a.logits - b.logits).max() <= 1e-3 * abs(b.logits).max()
     assert batched[0].stats.accepted_tokens > 10
-    kv = paged.executor.kv
+    kv = engine.executor.kv
     kv.allocator.check_integrity()
     kv.index.check_integrity()
     assert paged.kv_stats()["pages_used"] == len(kv.index.pages())
 
 
 def test_on_cuda_requests_draft_only_while_running_alone(smollm2_dir) -> None:
-    """`Engine.speculate_alone` (CUDA's setting, forced here on the CPU's paged pool): a request running alone
+    """`DecodingConfig.speculate_alone` (CUDA's setting, forced here on the CPU's paged pool): a request running alone
     drafts; two running together draft nothing (no verify step beside another's decodes), whether they
     asked for "prompt_lookup" or left it to the engine; without the setting (the CPU's) they draft in the
     batch. Every output is plain decoding's."""
     pytest.importorskip("torch")
-    paged = onnxgen.load(str(smollm2_dir), backend="native", max_running=4)
-    assert not paged.speculate_alone  # the CPU's default: batches draft
+    engine, paged = loaded(smollm2_dir, backend="native", max_running=4)
+    assert not engine.speculate_alone  # the CPU's default: batches draft
     plain = paged.generate(EDIT, max_new_tokens=32, temperature=0, speculative="off")
     for alone_only in (True, False):
-        paged.speculate_alone = alone_only
-        assert paged._draft_control(None).solo == paged._draft_control("prompt_lookup").solo == alone_only
+        engine, paged = loaded(smollm2_dir, backend="native", max_running=4, speculate_alone=alone_only)
+        assert engine.draft_control(None).solo == engine.draft_control("prompt_lookup").solo == alone_only
         alone = paged.generate(EDIT, max_new_tokens=32, temperature=0)
         assert alone.tokens == plain.tokens and alone.stats.accepted_tokens > 10
         for mode in (None, "prompt_lookup"):
@@ -440,8 +441,8 @@ def test_cuda_greedy_output_and_logits_are_plain_decodings_bits(tmp_path, dtype)
         dtype=dtype,
         context_length=4096,
     )
-    model = onnxgen.load(str(write_package(tmp_path / "pkg", cfg)), backend="native", device="cuda")
-    assert model.executor.verify_sizes == (4, 8, 16)  # the verify graphs: draft lengths fill them
+    engine, model = loaded(write_package(tmp_path / "pkg", cfg), backend="native", device="cuda")
+    assert engine.executor.verify_sizes == (4, 8, 16)  # the verify graphs: draft lengths fill them
     rng = np.random.default_rng(3)
     for prompt in (
         [int(t) for t in rng.integers(3, 300, 40)] * 3,
@@ -481,15 +482,15 @@ def test_chance_matches_do_not_break_chains_of_decode_runs(smollm2_dir, monkeypa
     monkeypatch.setattr(
         engine_mod, "draft_control", lambda cuda, sizes=(), solo=False: draft_control(True, (4, 8, 16))
     )
-    model = onnxgen.load(str(smollm2_dir), backend="native", paged=True, decode_steps=8)
+    engine, model = loaded(smollm2_dir, backend="native", paged=True, decode_steps=8)
     runs: list[tuple[int, bool]] = []
-    launch = model.executor.launch_decodes
+    launch = engine.executor.launch_decodes
 
     def spy(chunks, k, offset=0, after=None):  # (k, whether it continues a chain: not its first run)
         runs.append((k, after is not None and offset > 1))  # offset 1: the first run behind a prompt's step
         return launch(chunks, k, offset, after)
 
-    model.executor.launch_decodes = spy
+    engine.executor.launch_decodes = spy
     msgs = [{"role": "user", "content": "In one paragraph, explain why the sky is blue to a ten-year-old."}]
     got = {}
     for mode in ("off", "prompt_lookup"):

@@ -130,11 +130,11 @@ def test_cuda_decode_runs_greedy_tokens_agree_with_transformers(builder_bf16: tu
     error there."""
     from transformers import AutoModelForCausalLM
 
-    import onnxgen
+    from tests.harness import loaded, set_policy
 
     hf, pkg = builder_bf16
-    model = onnxgen.load(str(pkg), backend="native", device="cuda", kv_bytes=2 << 30)
-    assert model.decode_steps == 8 and model.launch_first
+    engine, model = loaded(pkg, backend="native", device="cuda", kv_bytes=2 << 30)
+    assert engine.pipeline.policy.decode_steps == 8 and engine.pipeline.policy.launch_first
     refs = {
         dt: AutoModelForCausalLM.from_pretrained(hf, dtype=dt).to("cuda").eval()
         for dt in (torch.float32, torch.bfloat16)
@@ -145,12 +145,12 @@ def test_cuda_decode_runs_greedy_tokens_agree_with_transformers(builder_bf16: tu
         ids = torch.randint(100, model.spec.vocab_size - 100, (n,), generator=g).tolist()
         kw = {"max_new_tokens": 40, "temperature": 0, "reuse": False, "speculative": "off", "stop": []}
         runs = model.generate(ids, **kw)
-        assert model.executor.runner.steps["multi"] > 0  # the several-step graphs ran
-        model.decode_steps, model.launch_first = 1, False
+        assert engine.executor.runner.steps["multi"] > 0  # the several-step graphs ran
+        set_policy(engine, decode_steps=1, launch_first=False)
         try:
             single = model.generate(ids, **kw)
         finally:
-            model.decode_steps, model.launch_first = 8, True
+            set_policy(engine, decode_steps=8, launch_first=True)
         assert runs.tokens == single.tokens and len(runs.tokens) == 40
         seq = torch.tensor([ids + runs.tokens[:-1]], device="cuda")
         with torch.no_grad():

@@ -16,16 +16,21 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import onnxgen  # noqa: E402
 from onnxgen.serve.app import RunningServer, ServerConfig, create_app  # noqa: E402
+from tests.harness import loaded  # noqa: E402
 
 KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
 MAX_BODY = 64 * 1024
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_dir: Path):
-    return onnxgen.load(str(tiny_dir), backend="ort", threads=1)
+def tiny_engine(tiny_dir: Path):
+    return loaded(tiny_dir, backend="ort", threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_engine):
+    return tiny_engine[1]
 
 
 @pytest.fixture(scope="module")
@@ -339,70 +344,78 @@ def test_unknown_route_is_openai_shaped_404(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
-def test_full_queue_is_429_and_queued_disconnect_cancels(server, model_id):
+def test_full_queue_is_429_and_queued_disconnect_cancels(server, model_id, tiny_engine):
+    engine = tiny_engine[0]
     state = server.app.state.server
     release = threading.Event()
-    started = threading.Event()
-
-    def blocker(cancel):
-        started.set()
-        release.wait(30)
-
-    threads = state.worker.threads
-    jobs = _occupy(state, blocker)
-    assert started.is_set() and state.worker.running == threads
-    jobs += [state.worker.submit(lambda c: release.wait(30)) for _ in range(state.worker.max_queue)]
     body = {"model": model_id, "messages": msgs("x"), "max_tokens": 1}
-    try:
-        r = post(server, "/v1/chat/completions", body)
-        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
-        assert r.json()["error"]["type"] == "rate_limit_error"
-        stream = post(server, "/v1/chat/completions", {**body, "stream": True})
-        assert stream.status_code == 429
-        metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
-        assert f"onnxgen_queue_depth {threads + 2}" in metrics
-    finally:
-        release.set()
-    for j in jobs:
-        j.future.result(10)
+    capacity = state.capacity
+    assert capacity == tiny_engine[1].max_running + 2  # what the engine runs at once + max_queue
+    with _engine_held(engine, release):
+        with ThreadPoolExecutor(capacity) as pool:
+            jobs = [pool.submit(post, server, "/v1/chat/completions", body) for _ in range(capacity)]
+            deadline = time.monotonic() + 30
+            while state.depth < capacity and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert state.depth == capacity
+            try:
+                r = post(server, "/v1/chat/completions", body)
+                assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+                assert r.json()["error"]["type"] == "rate_limit_error"
+                stream = post(server, "/v1/chat/completions", {**body, "stream": True})
+                assert stream.status_code == 429
+                metrics = httpx.get(
+                    server.url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"}
+                ).text
+                assert f"onnxgen_queue_depth {capacity}" in metrics
+            finally:
+                release.set()
+            assert [j.result(60).status_code for j in jobs] == [200] * capacity
     # a queued request whose client goes away is cancelled, not run
     release.clear()
-    jobs = _occupy(state, lambda c: release.wait(30))
     before = state.metrics.cancelled
-    with pytest.raises(httpx.ReadTimeout):
-        post_timeout = httpx.Timeout(10, read=0.5)
-        httpx.post(
-            server.url + "/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {KEY_A}"},
-            timeout=post_timeout,
-        )
-    deadline = time.monotonic() + 10
-    while state.metrics.cancelled == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    release.set()
-    for j in jobs:
-        j.future.result(10)
-    assert state.metrics.cancelled == before + 1
-    assert state.worker.depth == 0 or _drain(state)
-
-
-def _occupy(state, fn) -> list:
-    """Keep every worker thread busy with `fn` (submitted one by one: the queue is small)."""
-    jobs = []
-    for i in range(state.worker.threads):
-        jobs.append(state.worker.submit(fn))
+    with _engine_held(engine, release):
+        with pytest.raises(httpx.ReadTimeout):
+            post_timeout = httpx.Timeout(10, read=0.5)
+            httpx.post(
+                server.url + "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {KEY_A}"},
+                timeout=post_timeout,
+            )
         deadline = time.monotonic() + 10
-        while state.worker.running <= i and time.monotonic() < deadline:
-            time.sleep(0.005)
-    return jobs
+        while state.metrics.cancelled == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        release.set()
+    assert state.metrics.cancelled == before + 1
+    assert _drain(state)
+
+
+class _engine_held:
+    """While inside, the engine's loop blocks before each step until `release` is set (a busy engine)."""
+
+    def __init__(self, engine, release: threading.Event) -> None:
+        self.engine, self.release = engine, release
+
+    def __enter__(self) -> None:
+        step, release = self.engine.step, self.release
+
+        def held() -> bool:
+            release.wait(30)
+            return step()
+
+        self.engine.step = held
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
+        del self.engine.step
 
 
 def _drain(state) -> bool:
     deadline = time.monotonic() + 10
-    while state.worker.depth and time.monotonic() < deadline:
+    while state.depth and time.monotonic() < deadline:
         time.sleep(0.05)
-    return state.worker.depth == 0
+    return state.depth == 0
 
 
 def test_metrics_exposition(server, model_id):

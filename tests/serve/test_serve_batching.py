@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-import onnxgen  # noqa: E402
 from onnxgen.serve.app import RunningServer, ServerConfig, create_app  # noqa: E402
 from tests.conftest import native_available  # noqa: E402
+from tests.harness import loaded  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")
 
@@ -23,10 +23,15 @@ CLIENTS = 32
 
 
 @pytest.fixture(scope="module")
-def paged_model(tiny_dir: Path):
-    m = onnxgen.load(str(tiny_dir), backend="native")
+def paged_engine(tiny_dir: Path):
+    engine, m = loaded(tiny_dir, backend="native")
     assert m.paged
-    return m
+    return engine, m
+
+
+@pytest.fixture(scope="module")
+def paged_model(paged_engine):
+    return paged_engine[1]
 
 
 def chat(http, model_id: str, text: str, key: str, n: int = 6) -> httpx.Response:
@@ -39,17 +44,18 @@ def chat(http, model_id: str, text: str, key: str, n: int = 6) -> httpx.Response
     return http.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
 
 
-def test_concurrent_clients_equal_serial_runs_and_no_5xx(paged_model) -> None:
+def test_concurrent_clients_equal_serial_runs_and_no_5xx(paged_engine) -> None:
+    engine, paged_model = paged_engine
     app = create_app(paged_model, ServerConfig(api_keys=(KEY_A, KEY_B)))
     steps = {"n": 0, "batched": 0}
-    original = paged_model.executor.run
+    original = engine.executor.run
 
     def counting(chunks):
         steps["n"] += 1
         steps["batched"] += len(chunks) > 1
         return original(chunks)
 
-    paged_model.executor.run = counting
+    engine.executor.run = counting
     try:
         with RunningServer(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
             model_id = http.get("/v1/models", headers={"Authorization": f"Bearer {KEY_A}"}).json()["data"][0][
@@ -67,7 +73,7 @@ def test_concurrent_clients_equal_serial_runs_and_no_5xx(paged_model) -> None:
                 out = list(ex.map(client, range(CLIENTS)))
             metrics = http.get("/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
     finally:
-        paged_model.executor.run = original
+        engine.executor.run = original
     assert [s for s, _ in out] == [200] * CLIENTS
     for c, (_, text) in enumerate(out):
         ref = paged_model.generate(

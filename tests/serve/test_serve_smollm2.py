@@ -126,7 +126,7 @@ def test_disconnect_mid_stream_cancels_and_session_stays_consistent(server, clie
                 if seen >= 3:
                     break  # leave the context: the connection is closed mid-generation
     deadline = time.monotonic() + 20
-    while (state.metrics.cancelled == before or state.worker.depth) and time.monotonic() < deadline:
+    while (state.metrics.cancelled == before or state.depth) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert state.metrics.cancelled == before + 1
     # The cancelled request left nothing behind: the next turn reuses nothing and equals a fresh run.

@@ -1,6 +1,6 @@
 """Reuse that survives re-tokenization. A client sends the history back with the model's reply as text, and
 that text does not always re-tokenize into the ids that were sampled. The engine keeps the ids the session
-generated for the span the text spells (`Engine.encode_prompt(held=...)`), so turn 2 reuses every retained
+generated for the span the text spells (`Model.encode(history=...)`), so turn 2 reuses every retained
 token, and the result equals a fresh run on the same ids."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _two_turns(model, q: str, temperature: float, seed: int, max_new_tokens: int
     r1 = s.generate(history, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     held = r1.prompt_ids + r1.tokens[:-1]  # what the session's cache holds
     history += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "Thanks. One more?"}]
-    plain = model.encode_prompt(history)
+    plain = model.encode(history)
     r2 = s.generate(history, max_new_tokens=4, temperature=0.0, output_logits=True)
     s.close()
     return r1, held, plain, r2
@@ -62,12 +62,10 @@ def test_plain_encoding_is_kept_when_it_reproduces_the_ids(smollm2_ort):
     history = [{"role": "user", "content": "What is the capital of France?"}]
     r1 = s.generate(history, max_new_tokens=32, temperature=0)
     history += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And of Spain?"}]
-    assert smollm2_ort.encode_prompt(
-        history, held=r1.prompt_ids + r1.tokens[:-1]
-    ) == smollm2_ort.encode_prompt(history)
+    assert smollm2_ort.encode(history, history=r1.prompt_ids + r1.tokens[:-1]) == smollm2_ort.encode(history)
     edited = [*history[:1], {"role": "assistant", "content": "Something else."}, history[2]]
-    kept = smollm2_ort.encode_prompt(edited, held=r1.prompt_ids + r1.tokens[:-1])
-    assert kept == smollm2_ort.encode_prompt(edited)  # an edited reply: nothing to keep beyond plain encoding
+    kept = smollm2_ort.encode(edited, history=r1.prompt_ids + r1.tokens[:-1])
+    assert kept == smollm2_ort.encode(edited)  # an edited reply: nothing to keep beyond plain encoding
 
 
 def test_a_new_prompt_is_never_split_where_held_text_ends(tiny_dir) -> None:
@@ -79,7 +77,7 @@ def test_a_new_prompt_is_never_split_where_held_text_ends(tiny_dir) -> None:
     for c in range(12):  # one session, unrelated prompts: each turn holds the previous one's context
         msgs = [{"role": "user", "content": f"client {c} says hello number {c * 7}"}]
         r = s.generate(msgs, max_new_tokens=3, temperature=0.0)
-        assert r.prompt_ids == model.encode_prompt(msgs), c
+        assert r.prompt_ids == model.encode(msgs), c
 
 
 def test_a_reply_with_invalid_utf8_keeps_every_id(smollm2_ort) -> None:
@@ -117,9 +115,9 @@ def test_an_evicted_session_encodes_its_next_prompt_the_same(smollm2_ort) -> Non
     a = kept.generate(history, max_new_tokens=4, temperature=0)
     b = evicted.generate(history, max_new_tokens=4, temperature=0)
     assert b.stats.reused_tokens < a.stats.reused_tokens  # the KV is gone...
-    assert b.prompt_ids == a.prompt_ids != smollm2_ort.encode_prompt(history)  # ...the generated ids are not
+    assert b.prompt_ids == a.prompt_ids != smollm2_ort.encode(history)  # ...the generated ids are not
     assert b.tokens == a.tokens
     evicted.clear()  # /reset forgets the ids too
-    assert evicted.generate(history, max_new_tokens=4, temperature=0).prompt_ids == smollm2_ort.encode_prompt(
+    assert evicted.generate(history, max_new_tokens=4, temperature=0).prompt_ids == smollm2_ort.encode(
         history
     )

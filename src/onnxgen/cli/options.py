@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from onnxgen.engine.engine import DEFAULT_MAX_NEW_TOKENS
+from onnxgen.config import DecodingConfig
+
+DEFAULT_MAX_NEW_TOKENS = DecodingConfig.max_new_tokens  # the CLI's defaults are the config's
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

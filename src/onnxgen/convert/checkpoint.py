@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-from onnxgen import envs
+import onnxgen.envs as envs
 from onnxgen.convert.progress import Reporter, as_reporter
 from onnxgen.errors import ConversionError, PackageError
 

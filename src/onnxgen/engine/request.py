@@ -112,6 +112,11 @@ class Request:
     held: Any = None  # the owner's retained state, taken for this request (docs/reuse.md, invariant 2)
     kept: Any = None  # after success: the state the owner keeps (its decoder, or a pin on its context)
     drafts: Any = None  # a `drafts.DraftControl` when the request decodes speculatively, else None
+    tools: Sequence[Mapping[str, Any]] | None = None  # the tool definitions its text is parsed for
+    tool_choice: Any = None
+    on_done: Callable[[Request], None] | None = (
+        None  # called once when it finishes or fails (the engine's thread)
+    )
 
     id: int = field(default_factory=lambda: next(_ids))
     output: list[int] = field(default_factory=list)

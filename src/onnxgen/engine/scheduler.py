@@ -84,6 +84,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self._incoming)
 
+    def pending(self) -> list[Request]:
+        """Every request queued, waiting or running, in that order (the queues are left as they are)."""
+        with self._lock:
+            incoming = list(self._incoming)
+        return [*incoming, *self.waiting, *self.running]
+
+    def forget_incoming(self, req: Request) -> None:
+        """Take a request that was queued but never scheduled back out (its owner failed it)."""
+        with self._lock:
+            if req in self._incoming:
+                self._incoming.remove(req)
+
     def remove(self, req: Request) -> None:
         """Take a finished or failed request out of the queues (its KV is the caller's to handle)."""
         if req in self.running:

@@ -1,24 +1,26 @@
 """Sessions: one conversation's retained context, kept alive across requests.
 
-    Session.generate(request)
+    Session.submit(request)
       1. take      state = session.retained; session.retained = None        (docs/reuse.md, invariant 2)
       2. request   tokens + identity digest; the engine schedules it         (engine/engine.py)
       3. reuse     decoders: plan/apply Reset | Keep | Rewind on the taken decoder (engine/slots.py);
                    paged KV: the longest indexed prefix under the identity    (engine/paged.py)
       4. steps     chunked prefill of the suffix, decode, batched with others (engine/scheduler.py)
-      5. commit    on success only: the new state (invariant 3)
+      5. commit    on success only: the new state (invariant 3), by the request's `on_done`
 
-The state is ONE value, opaque here: a decoder with exactly what its cache holds (`slots.Retained`), or
-a pin on the index path of the last context (`paged.Pinned`); no path updates its KV without its
-description. Any exception (including cancellation) between 1 and 5 drops the taken state: the failure
-direction is "lose the speedup", never "corrupt the context".
+The state is ONE value, opaque here: a decoder with exactly what its cache holds (`slots.Retained`), or a pin
+on the index path of the last context (`paged.Pinned`); no path updates its KV without its description. Any
+failure (including cancellation) between 1 and 5 drops the taken state: the failure direction is "lose the
+speedup", never "corrupt the context".
 
-A session also remembers the ids of its last context (its history: ints, not KV). A chat prompt is
-encoded against them (`Engine.encode_prompt(held=...)`) whether or not the KV survived eviction, so the
-ids a request runs on, and so its output, never depend on memory pressure; only the reuse does.
+A session runs one request at a time: a request submitted while another runs waits in the session's queue
+and starts when it is done (started by the previous one's `on_done`, so no thread waits for it). A session
+also remembers the ids of its last context (its history: ints, not KV). A chat prompt is encoded against
+them (`InputProcessor.rebase`) whether or not the KV survived eviction, so the ids a request runs on, and so
+its output, never depend on memory pressure; only the reuse does.
 
-`SessionRegistry` bounds retained KV (LRU by count and bytes). A Session reaches its engine only
-through `Runner`: this module does not import the engine.
+`SessionRegistry` bounds retained KV (LRU by count and bytes). A Session reaches its engine only through
+`Runner`: this module does not import the engine.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING, Any, Protocol
 
+from onnxgen.engine.output import Handle
+
 if TYPE_CHECKING:
-    from onnxgen.engine.result import Result
+    from onnxgen.engine.input import Prepared
+    from onnxgen.engine.output import Result
+    from onnxgen.engine.request import Request
 
 
 class Runner(Protocol):
@@ -38,14 +44,17 @@ class Runner(Protocol):
 
     registry: SessionRegistry  # touch() a session after it commits; forget() it when closed
 
-    def run_request(
-        self, prompt: Any, *, owner: Any, held: Any, salt: str | None, **kwargs: Any
-    ) -> tuple[Result, Any]:
-        """Run one request whose context `owner` keeps; `held` is the owner's retained state, taken for
-        the request (the engine disposes of it on every path); `history=` the ids of the owner's last
-        context, which a chat prompt keeps where it spells them (`Engine.encode_prompt`) even when `held`
-        was evicted. Returns the result and the new state to keep (None: nothing)."""
+    def prepare(self, prompt: Any, **options: Any) -> Prepared:
+        """Check and encode a request (`InputProcessor.prepare`)."""
         ...
+
+    def submit(self, prepared: Prepared, *, owner: Any, held: Any, history: Any, salt: str | None,
+               on_token: Any, cancel: Any, on_done: Any) -> Request:  # fmt: skip
+        """Queue `prepared` for `owner`, holding `held` (the engine disposes of it on every path); `on_done(req)`
+        is called once it is over, on the engine's thread."""
+        ...
+
+    def result_of(self, req: Request) -> Result: ...
 
     def drop_state(self, state: Any) -> None:
         """Let go of a retained state (its KV is freed or becomes evictable)."""
@@ -57,9 +66,9 @@ class Runner(Protocol):
 
 
 class Session:
-    """One conversation's retained context. Thread-safe: one request at a time (others wait).
+    """One conversation's retained context. Thread-safe: its requests run one at a time, in submission order.
 
-    Use `Engine.session()` (or `Model.session()`) to make one. `closed` is True after `close()`.
+    Use `Model.session()` to make one. `closed` is True after `close()`.
     """
 
     _ids = itertools.count(1)
@@ -68,10 +77,12 @@ class Session:
         self.engine = engine
         self.name = name or f"session-{next(self._ids)}"
         self.salt = salt
-        self._request_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._retained: Any = None  # the engine's state: a retained decoder, or a pin on the paged index
         self._history: tuple[int, ...] = ()  # the ids of the last context, kept when its KV is evicted
+        self._queue: deque[tuple[Prepared, Handle, Any]] = deque()
+        self._busy = False  # a request of this session is in the engine
+        self._idle = threading.Condition()
         self.last_used = time.monotonic()
         self.closed = False
 
@@ -89,9 +100,9 @@ class Session:
             self.last_used = time.monotonic()
 
     def evict(self) -> int:
-        """Drop the retained KV (the session stays usable and simply reuses nothing it does not find in
-        the cache next time). Returns the bytes the session held. Safe to call from another thread; a
-        running request is untouched."""
+        """Drop the retained KV (the session stays usable and simply reuses nothing it does not find in the
+        cache next time). Returns the bytes the session held. Safe to call from any thread; a running request
+        is untouched."""
         state = self._take()
         if state is None:
             return 0
@@ -109,46 +120,117 @@ class Session:
         state = self._retained
         return self.engine.state_bytes(state) if state is not None else 0
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request of this session is queued or running; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._busy, timeout)
+
     def clear(self) -> None:
-        """Forget the retained context and its ids (e.g. the REPL's /reset); waits for a running request."""
-        with self._request_lock:
-            self.evict()
-            self._history = ()
+        """Forget the retained context and its ids (e.g. the REPL's /reset); waits for running requests."""
+        self.wait_idle()
+        self.evict()
+        self._history = ()
 
     def close(self) -> None:
-        self.clear()
+        """Clear and close: requests submitted later raise `InvalidRequest`; queued ones are cancelled."""
         self.closed = True
+        with self._idle:
+            for _, handle, _ in self._queue:
+                handle.cancel()
+        self.clear()
         self.engine.registry.forget(self)
 
     # --- requests ------------------------------------------------------------------------
 
-    def generate(self, prompt: Any, **kwargs: Any) -> Result:
-        """Generate with reuse of this session's retained context. Same arguments and result as
-        `Model.generate` (see `Engine.run_request`). `reuse=False` computes from scratch and neither
-        reads nor changes the retained state."""
-        if self.closed:
-            from onnxgen.errors import InvalidRequest
+    def generate(self, prompt: Any, **options: Any) -> Result:
+        """Generate with reuse of this session's retained context and wait for the result. Same arguments and
+        result as `Model.generate`. `reuse=False` computes from scratch and neither reads nor changes the
+        retained state."""
+        return self.submit(prompt, **options).result()
 
+    def submit(self, prompt: Any, *, on_token: Any = None, cancel: threading.Event | None = None,
+               **options: Any) -> Handle:  # fmt: skip
+        """Queue a request on this session and return its `Handle` at once. `prompt`: what `Model.generate`
+        takes, or a `Prepared` request (then no other options). Raises `InvalidRequest` (bad options, or the
+        session is closed) before anything is queued."""
+        from onnxgen.engine.input import Prepared
+        from onnxgen.errors import InvalidRequest
+
+        if self.closed:
             raise InvalidRequest(f"{self.name} is closed", field="session")
-        with self._request_lock:
-            if not kwargs.get("reuse", True):
-                result, _ = self.engine.run_request(prompt, owner=None, held=None, salt=self.salt, **kwargs)
-                return result
-            state = self._take()  # NOTE: from here on the session holds nothing (invariant 2)
-            result, kept = self.engine.run_request(
-                prompt, owner=self, held=state, history=self._history, salt=self.salt, **kwargs
-            )
+        if isinstance(prompt, Prepared):
+            if options:
+                raise InvalidRequest("a prepared request takes no options", field=next(iter(options)))
+            prepared = prompt
+        else:
+            prepared = self.engine.prepare(prompt, **options)
+        handle = Handle(cancel)
+        with self._idle:
+            self._queue.append((prepared, handle, on_token))
+            if self._busy:
+                return handle
+            self._busy = True
+        self._next()
+        return handle
+
+    def _next(self) -> None:
+        """Start the first queued request (the session is busy; it goes idle when nothing is queued)."""
+        from onnxgen.errors import InvalidRequest
+
+        while True:
+            with self._idle:
+                if not self._queue:
+                    self._busy = False
+                    self._idle.notify_all()
+                    return
+                prepared, handle, on_token = self._queue.popleft()
+            if self.closed:
+                handle.set_error(InvalidRequest(f"{self.name} is closed", field="session"))
+                continue
+            reuse = prepared.reuse
+            state = (
+                self._take() if reuse else None
+            )  # NOTE: from here on the session holds nothing (invariant 2)
+            try:
+                self.engine.submit(
+                    prepared,
+                    owner=self if reuse else None,
+                    held=state,
+                    history=self._history if reuse else (),
+                    salt=self.salt,
+                    on_token=on_token,
+                    cancel=handle.cancel_event,
+                    on_done=lambda req, h=handle: self._done(req, h),
+                )
+            except BaseException as exc:  # the engine dropped the taken state
+                handle.set_error(exc)
+                continue
+            return
+
+    def _done(self, req: Request, handle: Handle) -> None:
+        """The engine's `on_done`: commit what the request keeps (on success only), answer its handle, start the
+        next queued request."""
+        try:
+            if req.error is not None:
+                handle.set_error(req.error)
+                return
+            kept, req.kept = req.kept, None
             if kept is not None:
-                self._history = tuple(kept.identity.tokens)
-                self._commit(kept)
-                self.engine.registry.touch(self)
-            return result
+                if self.closed:
+                    self.engine.drop_state(kept)
+                else:
+                    self._history = tuple(kept.identity.tokens)
+                    self._commit(kept)
+                    self.engine.registry.touch(self)
+            handle.set_result(self.engine.result_of(req))
+        finally:
+            self._next()
 
 
 class SessionRegistry:
-    """LRU bound on retained KV across an engine's sessions: at most `max_sessions` sessions hold
-    a cache, and their caches total at most `max_kv_bytes` (None: unbounded). Eviction frees the
-    least recently used session's KV; the session object stays valid."""
+    """LRU bound on retained KV across an engine's sessions: at most `max_sessions` sessions hold a cache, and
+    their caches total at most `max_kv_bytes` (None: unbounded). Eviction frees the least recently used
+    session's KV; the session object stays valid."""
 
     def __init__(self, max_sessions: int = 8, max_kv_bytes: int | None = None) -> None:
         self.max_sessions = max_sessions

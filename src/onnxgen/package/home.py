@@ -11,7 +11,7 @@ DEFAULT_ALIASES = (None, "", "default")
 
 def onnxgen_home() -> Path:
     """The root folder for built models and downloaded sources."""
-    from onnxgen import envs
+    import onnxgen.envs as envs
 
     return envs.read("HOME")
 

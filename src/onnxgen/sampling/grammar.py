@@ -75,11 +75,16 @@ class GrammarCompiler:
     @classmethod
     def for_model(cls, model: Any) -> GrammarCompiler:
         """The compiler of a loaded `onnxgen.Model` (cached per tokenizer object)."""
-        tok = model.tokenizer
+        return cls.for_tokenizer(model.tokenizer, model.spec.vocab_size, model.eos_token_ids)
+
+    @classmethod
+    def for_tokenizer(cls, tok: Any, vocab_size: int, eos_ids: Sequence[int]) -> GrammarCompiler:
+        """The compiler of an `onnxgen.text.Tokenizer` whose logits are `vocab_size` wide (cached per
+        tokenizer object)."""
         with cls._cache_lock:
             hit = cls._cache.get(tok)
             if hit is None:
-                hit = cls(tok.backend.to_str(), model.spec.vocab_size, model.eos_token_ids)
+                hit = cls(tok.backend.to_str(), vocab_size, eos_ids)
                 cls._cache[tok] = hit
         return hit
 

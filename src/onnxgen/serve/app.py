@@ -6,15 +6,15 @@
     routes.py      the routes, thin: authenticate → read the body (bodies.py) → map → submit → respond
     openai.py      the OpenAI mapping: request → `Session.generate` arguments; result → response bodies
     streaming.py   SSE, one path for chat completions and completions
-    server.py      `ServerConfig`; `Server`, the state behind one app (model, workers, sessions, metrics,
-                   auth, requests running)
+    server.py      `ServerConfig`; `Server`, the state behind one app (model, sessions, metrics, auth,
+                   requests in flight)
     app.py         `create_app`; `RunningServer`
 
-A request is validated before it is queued (JSON, schema types, model name, sampling ranges by the engine's
-`SamplingParams`, prompt length by `Model.encode_prompt`), turned into a prompt + keyword arguments for
-`Session.generate`, and run on the model's `EngineWorker` threads (as many as the engine runs requests at
-once: concurrent requests are batched into the same engine steps). Generation, reuse and sampling live in
-the engine; this package uses only the public `Model` / `Session` API.
+A request is validated and prepared once before it is queued (JSON, schema types, model name; then
+`Model.prepare`: the prompt encoded, sampling ranges checked, grammars compiled), submitted to its session
+(`Session.submit`) and awaited on the event loop: the model's one loop thread runs every request, batched into
+the same engine steps; no thread waits per request. Generation, reuse and sampling live in the engine; this
+package uses only the public `Model` / `Session` API.
 
 Sessions: `POST /v1/sessions` returns an id; a request names it in `X-Session-Id`; requests without
 one use their API key's default session. Sessions and their KV are scoped to the API key (its salt).

@@ -7,19 +7,23 @@
 The two endpoints share this one path and differ only in shape (`Kind`): the prompt field, the objects'
 names, how a choice carries its output (`message` / `delta` vs `text`) and its logprobs (`content` entries
 vs parallel lists with text offsets). Plain data only (no FastAPI); the model is used only through its public
-API (`encode_prompt`, `tool_processor`, `tool_format`, `spec`, `tokenizer`, `eos_token_ids`).
+API (`prepare`, `spec`, `tokenizer`, `eos_token_ids`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from onnxgen.errors import APIError, GrammarError, InvalidRequest
 from onnxgen.serve.errors import from_engine_error
+
+if TYPE_CHECKING:
+    from onnxgen import Model, Prepared
 
 MAX_STOP = 16  # OpenAI's limit is 4; more is harmless, but a bound keeps stop matching cheap
 
@@ -40,17 +44,20 @@ COMPLETION = Kind(False, "prompt", "cmpl-", "text_completion", "text_completion"
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """A request validated and mapped, ready to queue. `prompt` is what `Session.generate` gets (chat
-    messages, re-encoded by the engine against the session's cache; a completion's token ids).
-    `tool_marker`: how a tool call starts, for a stream to hold such text back ("" without tools)."""
+class Call:
+    """A request validated and prepared, ready to queue: `prepared` is what `Session.submit` takes (the
+    prompt encoded once, grammars compiled), with what the response needs (the logprobs recorder, streaming,
+    usage in the stream)."""
 
-    prompt: Any
-    kwargs: dict[str, Any]
+    prepared: Prepared
     recorder: Any  # LogprobsRecorder | None
     stream: bool
     include_usage: bool
-    tool_marker: str
+
+    @property
+    def tool_marker(self) -> str:
+        """How a tool call starts ("" without tools), for a stream to hold such text back."""
+        return self.prepared.tool_marker
 
 
 # --- request → prompt ---------------------------------------------------------------------------------
@@ -108,18 +115,15 @@ def _flatten_content(content: Any, i: int) -> str:
 
 
 def prepare(
-    model: Any, req: Any, prompt: Any, kind: Kind, *, model_id: str, model_names: Collection[str], cap: int
-) -> Prepared:
+    model: Model, req: Any, prompt: Any, kind: Kind, *, model_id: str, model_names: Collection[str], cap: int
+) -> Call:
     """Validate everything that can be validated before the request is queued (so every problem is a 400,
-    for streams too) and map it onto `Session.generate` arguments. Encodes the prompt (milliseconds for a
-    long one: call it off the event loop). Raises APIError naming the field."""
+    for streams too) and prepare it once (`Model.prepare`: the prompt encoded, the tool and format grammars
+    compiled), for `Session.submit`. Encodes the prompt (milliseconds for a long one: call it off the event
+    loop). Raises APIError naming the field."""
     from onnxgen.sampling.processors import LogprobsRecorder
 
     field = kind.prompt_field
-    try:
-        ids = model.encode_prompt(prompt, tools=req.tools if kind.chat else None)
-    except Exception as exc:
-        raise from_engine_error(exc, prompt_field=field) from None
     if req.model not in model_names:
         raise APIError(
             400,
@@ -129,7 +133,6 @@ def prepare(
         )
     if req.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
-    max_new_tokens = _max_new_tokens(req, kind, len(ids), model.spec.context_length, cap)
     stop = req.stop
     if isinstance(stop, list) and (len(stop) > MAX_STOP or not all(stop)):
         raise APIError(
@@ -148,9 +151,10 @@ def prepare(
     tools: dict[str, Any] = {}
     recorder = None
     try:
-        _check_sampling(model, sampling)
         if kind.chat:
-            tools = _tool_kwargs(model, req)
+            if req.tools or req.tool_choice is not None:
+                parallel = req.parallel_tool_calls is not False
+                tools = {"tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": parallel}
             if req.top_logprobs is not None and not req.logprobs:
                 raise APIError(
                     400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value"
@@ -170,30 +174,31 @@ def prepare(
                 recorder = LogprobsRecorder(req.logprobs)
     except InvalidRequest as exc:
         raise from_engine_error(exc, prompt_field=field) from None
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise APIError(400, "stream_options needs stream=true", param="stream_options", code="invalid_value")
     processors = [
         p
         for p in (recorder, _logit_bias(model, req.logit_bias), _response_format(model, req.response_format))
         if p is not None
     ]
-    stream = bool(req.stream)
-    if req.stream_options is not None and not stream:
-        raise APIError(400, "stream_options needs stream=true", param="stream_options", code="invalid_value")
-    kwargs = {
-        "max_new_tokens": max_new_tokens,
-        "stop": stop or None,
-        "processors": processors,
-        "speculative": req.speculative,
-        **sampling,
-        **tools,
-    }
-    marker = model.tool_format.marker if tools.get("tools") and tools.get("tool_choice") != "none" else ""
-    return Prepared(
-        prompt if kind.chat else ids,
-        kwargs,
+    try:
+        prepared = model.prepare(
+            prompt,
+            stop=stop or None,
+            processors=processors,
+            speculative=req.speculative,
+            **sampling,
+            **tools,
+        )
+    except Exception as exc:
+        raise from_engine_error(exc, prompt_field=field) from None
+    max_new_tokens = _max_new_tokens(req, kind, len(prepared.ids), model.spec.context_length, cap)
+    return Call(
+        dataclasses.replace(prepared, max_new_tokens=max_new_tokens),
         recorder,
         stream,
         bool(req.stream_options and req.stream_options.include_usage),
-        marker,
     )
 
 
@@ -224,23 +229,6 @@ def _max_new_tokens(req: Any, kind: Kind, prompt_tokens: int, context_length: in
             code="context_length_exceeded",
         )
     return n
-
-
-def _check_sampling(model: Any, sampling: dict[str, Any]) -> None:
-    """The ranges of the sampling fields, by the engine's own rules (raises InvalidRequest)."""
-    from onnxgen.sampling import SamplingParams
-
-    SamplingParams.resolve(model.spec.search, **sampling)
-
-
-def _tool_kwargs(model: Any, req: Any) -> dict[str, Any]:
-    """`tools` / `tool_choice` / `parallel_tool_calls` for `generate`, validated by building the request's
-    constraint once here (the engine builds it again when the request runs)."""
-    if not (req.tools or req.tool_choice is not None):
-        return {}
-    parallel = req.parallel_tool_calls is not False
-    model.tool_processor(req.tools, req.tool_choice, parallel)
-    return {"tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": parallel}
 
 
 def _check_completion_only(req: Any) -> None:

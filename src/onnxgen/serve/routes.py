@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from onnxgen.errors import APIError, Cancelled, SessionLimit
 from onnxgen.serve import openai, streaming
@@ -41,7 +40,7 @@ def add_routes(app: Any, server: Server) -> None:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_id, "queue_depth": server.worker.depth}
+        return {"status": "ok", "model": server.model_id, "queue_depth": server.depth}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
@@ -94,7 +93,7 @@ def add_routes(app: Any, server: Server) -> None:
         server.cancel_running(
             session
         )  # a running request stops at its next step; close() then returns at once
-        await run_in_threadpool(session.close)
+        await server.run_off_loop(session.close)
         return {"id": sid, "object": "session.deleted", "deleted": True}
 
     @app.post("/v1/chat/completions")
@@ -112,7 +111,7 @@ def add_routes(app: Any, server: Server) -> None:
         req = await read_json(request, schema, server.config.max_body_bytes)
         session = server.resolve_session(request, owner)
         prompt = prompt_of(req)
-        prep = await run_in_threadpool(
+        call = await server.run_off_loop(
             openai.prepare,
             server.model,
             req,
@@ -122,41 +121,42 @@ def add_routes(app: Any, server: Server) -> None:
             model_names=server.model_names,
             cap=server.config.max_tokens_cap,
         )
-        reply = openai.Reply(kind, server.model_id, server.logprobs, prep.include_usage)
+        reply = openai.Reply(kind, server.model_id, server.logprobs, call.include_usage)
         headers = {}
         if request.headers.get(SESSION_HEADER):
             headers[SESSION_HEADER] = request.headers[SESSION_HEADER].strip()
-        if prep.stream:
-            return streaming.respond(server, session, prep, reply, headers)
-        job = server.submit(session, prep)
+        if call.stream:
+            return streaming.respond(server, session, call, reply, headers)
+        handle = server.submit(session, call)
         try:
-            result = await _await_job(request, job, server)
-        except Cancelled:
-            raise APIError(499, "the request was cancelled", code="cancelled") from None
+            result = await _await_handle(request, handle, server)
         except Exception as exc:
+            exc = server.outcome(handle, exc)
+            if isinstance(exc, Cancelled):
+                raise APIError(499, "the request was cancelled", code="cancelled") from None
             raise from_engine_error(exc) from None
         server.record(result)
         entries = (
-            server.logprobs.visible(prep.recorder.finish(result.tokens), result) if prep.recorder else None
+            server.logprobs.visible(call.recorder.finish(result.tokens), result) if call.recorder else None
         )
         return JSONResponse(reply.body(result, entries), headers=headers)
 
 
-async def _await_job(request: Request, job: Any, server: Server) -> Any:
-    """The job's result; cancels it if the client disconnects (or the handler is cancelled)."""
-    fut = asyncio.wrap_future(job.future)
+async def _await_handle(request: Request, handle: Any, server: Server) -> Any:
+    """The request's result; cancels it if the client disconnects (or the handler is cancelled)."""
+    fut = asyncio.wrap_future(handle.future)
     try:
         while True:
             done, _ = await asyncio.wait({fut}, timeout=0.25)
             if done:
                 return fut.result()
             if await request.is_disconnected():
-                job.cancel.set()
+                handle.cancel()
                 server.metrics.cancel()
                 fut.add_done_callback(_consume)
                 raise APIError(499, "the client disconnected", code="cancelled")
     except asyncio.CancelledError:
-        job.cancel.set()
+        handle.cancel()
         fut.add_done_callback(_consume)
         raise
 

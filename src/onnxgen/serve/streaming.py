@@ -1,6 +1,6 @@
 """Server-sent events: one streaming path for chat completions and completions.
 
-    worker thread: Session.generate(on_token=Feed.on_token) ──► loop.call_soon_threadsafe ──► asyncio.Queue
+    engine thread: Session.submit(on_token=Feed.on_token) ──► loop.call_soon_threadsafe ──► asyncio.Queue
     event loop:    events(...) ◄──────────────────────────────────────────────────────────────────┘
                      Reply.opening()                 chat: the assistant's role; completions: nothing
                      Reply.chunk(piece, entries)     per piece of text, with the logprobs of its tokens
@@ -9,9 +9,9 @@
                      data: [DONE]
 
 With tools (chat), text that may begin a call is held back; once it is a call, the rest of the output is held
-and the calls go out in one `tool_calls` delta at the end (with any text around them as content). The job is
-queued before the response starts, so a full queue is still a plain 429; an error after that is an error
-event. A client that goes away cancels the job.
+and the calls go out in one `tool_calls` delta at the end (with any text around them as content). The request
+is queued before the response starts, so a full server is still a plain 429; an error after that is an error
+event. A client that goes away cancels the request.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from onnxgen.serve.errors import error_body, from_engine_error
 
 if TYPE_CHECKING:
-    from onnxgen.serve.openai import Prepared, Reply
+    from onnxgen.serve.openai import Call, Reply
     from onnxgen.serve.server import Server
 
 
@@ -33,8 +33,8 @@ def sse(obj: Any) -> str:
 
 
 class Feed:
-    """Carries a job's text pieces (and the logprob entries recorded since the last piece) from the worker
-    thread to the event loop, then its finished future. Make it on the event loop."""
+    """Carries a request's text pieces (and the logprob entries recorded since the last piece) from the
+    engine's thread to the event loop, then its finished future. Make it on the event loop."""
 
     def __init__(self, recorder: Any) -> None:
         self.loop = asyncio.get_running_loop()
@@ -42,37 +42,37 @@ class Feed:
         self.recorder = recorder
         self.sent = 0  # recorder entries handed on so far
 
-    def on_token(self, piece: str) -> None:  # on the worker thread
+    def on_token(self, piece: str) -> None:  # on the engine's thread
         new = None
         if self.recorder is not None:
             new = self.recorder.entries[self.sent :]
             self.sent += len(new)
         self.loop.call_soon_threadsafe(self.items.put_nowait, ("token", piece, new))
 
-    def watch(self, job: Any) -> None:
-        job.future.add_done_callback(
+    def watch(self, handle: Any) -> None:
+        handle.future.add_done_callback(
             lambda f: self.loop.call_soon_threadsafe(self.items.put_nowait, ("done", f, None))
         )
 
 
-def respond(server: Server, session: Any, prep: Prepared, reply: Reply, headers: dict[str, str]) -> Any:
-    """Queue `prep` on `session` and answer with its event stream (raises APIError 429 before the response
-    starts when the queue is full)."""
+def respond(server: Server, session: Any, call: Call, reply: Reply, headers: dict[str, str]) -> Any:
+    """Queue `call` on `session` and answer with its event stream (raises APIError 429 before the response
+    starts when the server is full)."""
     from fastapi.responses import StreamingResponse
 
-    feed = Feed(prep.recorder)
-    job = server.submit(session, prep, feed.on_token)
-    feed.watch(job)
+    feed = Feed(call.recorder)
+    handle = server.submit(session, call, feed.on_token)
+    feed.watch(handle)
     return StreamingResponse(
-        events(server, prep, reply, job, feed),
+        events(server, call, reply, handle, feed),
         media_type="text/event-stream",
         headers={**headers, "Cache-Control": "no-cache"},
     )
 
 
-async def events(server: Server, prep: Prepared, reply: Reply, job: Any, feed: Feed) -> AsyncIterator[str]:
-    rec, visible = prep.recorder, reply.logprobs.visible
-    marker = prep.tool_marker
+async def events(server: Server, call: Call, reply: Reply, handle: Any, feed: Feed) -> AsyncIterator[str]:
+    rec, visible = call.recorder, reply.logprobs.visible
+    marker = call.tool_marker
     holding = bool(marker)
     held_text, held_entries = "", []
     try:
@@ -94,7 +94,7 @@ async def events(server: Server, prep: Prepared, reply: Reply, job: Any, feed: F
                 continue
             exc = payload.exception()
             if exc is not None:
-                yield sse(error_body(from_engine_error(exc)))
+                yield sse(error_body(from_engine_error(server.outcome(handle, exc))))
                 break
             result = payload.result()
             server.record(result)
@@ -106,11 +106,11 @@ async def events(server: Server, prep: Prepared, reply: Reply, job: Any, feed: F
                 else:
                     yield sse(reply.chunk(held_text, None, lp))
             yield sse(reply.chunk(None, result.finish_reason, rest))
-            if prep.include_usage:
+            if call.include_usage:
                 yield sse(reply.usage_chunk(result))
             break
         yield "data: [DONE]\n\n"
     finally:
-        if not job.future.done():
-            job.cancel.set()
+        if not handle.future.done():
+            handle.cancel()
             server.metrics.cancel()
