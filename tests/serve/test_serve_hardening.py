@@ -247,7 +247,9 @@ def test_default_max_tokens_is_the_server_cap(keyed, model_id, tiny_model):
 @pytest.fixture
 def slow_decode(tiny_model, monkeypatch):
     """Every forward of the tiny model takes >= 5 ms (it would finish 1000 tokens in half a second)."""
-    cls = type(tiny_model._prototype)
+    from onnxgen.backends.ort.decoder import OrtDecoder as cls
+
+    assert tiny_model.backend == "ort"
     original = cls.forward
 
     def forward(self, tokens, start_pos, inputs=None, rows=1):

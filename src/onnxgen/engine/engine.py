@@ -10,16 +10,15 @@ owner's `on_done` takes what it keeps), a failed one drops it. KV comes from one
 pool shared by every request with a prefix index (`engine/paged.py`; the native backend on packages it can
 batch) or one decoder per request (`engine/slots.py`; ort, and native packages it cannot batch).
 
-`EngineLoop` is the one thread that calls `step`: callers (the Python API, the server) submit and wait on
-their request's future, and every callback (`on_token`, `on_done`) runs on the loop thread — never on
-another request's caller. Tests may drive `step` themselves on an engine without a loop.
+`EngineLoop` (engine/loop.py) is the one thread that calls `step`: callers (the Python API, the server)
+submit and wait on their request's future, and every callback (`on_token`, `on_done`) runs on the loop
+thread, never on another request's caller. Tests may step an engine that has no loop themselves.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,13 +29,12 @@ from onnxgen.engine.drafts import DraftControl, draft_control
 from onnxgen.engine.input import InputProcessor, Prepared
 from onnxgen.engine.output import Result, result_of
 from onnxgen.engine.pipeline import DecodePipeline, RunPolicy
-from onnxgen.engine.request import Request, Status
+from onnxgen.engine.request import Request, Status, sample_chunks
 from onnxgen.engine.scheduler import Chunk, Scheduler
 from onnxgen.engine.session import SessionRegistry
 from onnxgen.engine.slots import DecoderPool, SlotKV
 from onnxgen.errors import BackendUnavailable, Cancelled, DeviceOutOfMemory
 from onnxgen.package.spec import ModelSpec
-from onnxgen.sampling import sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +107,17 @@ class Engine:
         )
         self.speculative = dec.speculative
         self.speculate_alone = dec.alone_for(cuda)
+        sch = config.scheduler
+        running = sch.running_for(cuda, self.paged)
+        budget = max(sch.budget_for(cuda, self.paged), running)
         self.scheduler = Scheduler(
-            self.executor,
-            max_running=config.scheduler.running_for(cuda, self.paged),
-            token_budget=max(
-                config.scheduler.budget_for(cuda, self.paged), config.scheduler.running_for(cuda, self.paged)
-            ),
-            preempt=self.paged,
+            self.executor, max_running=running, token_budget=budget, preempt=self.paged
         )
         self.pipeline = DecodePipeline(
             self.executor, self.scheduler, self.policy, paged=self.paged, finish=self._finish, fail=self._fail
         )
-        self.registry = SessionRegistry(
-            max_sessions=config.cache.max_sessions, max_kv_bytes=config.cache.max_kv_bytes
-        )
+        cache = config.cache
+        self.registry = SessionRegistry(max_sessions=cache.max_sessions, max_kv_bytes=cache.max_kv_bytes)
         self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
         self._stuck = 0
         self.notify: Callable[[], None] = lambda: None  # the loop's wake-up (set by `EngineLoop`)
@@ -253,7 +248,7 @@ class Engine:
                 for i, (c, out) in enumerate(zip(chunks, outs, strict=True))
                 if c.sample and not c.draft and out is not None and not isinstance(out, BaseException)
             ]
-            picked = self._sample(chunks, outs, rows)
+            picked = sample_chunks(chunks, outs, rows)
         for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
             req = c.req
             if isinstance(out, BaseException):
@@ -297,27 +292,6 @@ class Engine:
                 return
         if finished:
             self._finish(req)
-
-    @staticmethod
-    def _sample(chunks: Sequence[Chunk], outs: Sequence[Any], rows: Sequence[int]) -> dict[int, Any]:
-        """The chosen token of each row in `rows` (indices into `chunks`), or the exception its processors
-        raised (that request alone fails)."""
-        ok: list[int] = []
-        picked: dict[int, Any] = {}
-        for i in rows:
-            sampler = chunks[i].req.sampler
-            if sampler.needs_processing:
-                try:
-                    outs_i = sampler.process(outs[i])
-                except Exception as exc:
-                    picked[i] = exc
-                    continue
-                picked[i] = outs_i  # processed logits, chosen below
-            ok.append(i)
-        logits = [picked.get(i, outs[i]) for i in ok]
-        tokens = sample_rows([chunks[i].req.sampler for i in ok], logits, processed=True)
-        picked.update(zip(ok, tokens, strict=True))
-        return picked
 
     # --- requests out -----------------------------------------------------------------------------------
 
@@ -423,81 +397,3 @@ class Engine:
         with self._kv_lock:
             self.pipeline.settle()
             self.executor.close()
-
-
-class _Signal:
-    """What an `EngineLoop` and its thread share: whether there is work, whether to stop."""
-
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.work = False
-        self.stopping = False
-
-    def stop(self) -> None:
-        with self.cv:
-            self.stopping = True
-            self.cv.notify()
-
-
-def _drive(signal: _Signal, engine_ref: weakref.ref[Engine]) -> None:
-    """The loop thread's body. It holds its engine only while stepping, so an engine nobody uses any more is
-    collected (its loop's finalizer then stops the thread)."""
-    while True:
-        with signal.cv:
-            while not signal.work and not signal.stopping:
-                signal.cv.wait()
-            if signal.stopping:
-                return
-            signal.work = False
-        engine = engine_ref()
-        if engine is None:
-            return
-        while engine.has_work() and not signal.stopping:
-            try:
-                engine.step()
-            except BaseException as exc:  # a bug in a step: its requests fail, the loop goes on
-                log.exception("an engine step failed")
-                engine.fail_all(exc)
-        del engine
-
-
-class EngineLoop:
-    """The one thread that drives an engine: it steps while there is work and sleeps otherwise. Started by the
-    first `wake` (a model nobody asks anything starts no thread); `stop` ends it after the current step, and so
-    does the loop's collection."""
-
-    def __init__(self, engine: Engine, name: str = "onnxgen-engine") -> None:
-        self.engine = engine
-        self.name = name
-        self._signal = _Signal()
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        weakref.finalize(self, self._signal.stop)
-        engine.notify = self.wake
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
-
-    def wake(self) -> None:
-        """There may be work: step until there is none (starts the thread the first time). Any thread."""
-        sig = self._signal
-        with sig.cv:
-            if sig.stopping:
-                return
-            sig.work = True
-            sig.cv.notify()
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=_drive, args=(sig, weakref.ref(self.engine)), name=self.name, daemon=True
-                    )
-                    self._thread.start()
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        """End the thread after the step it is in (requests still queued stay queued)."""
-        self._signal.stop()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)

@@ -17,8 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
 from onnxgen.config import Config
-from onnxgen.engine.engine import Engine, EngineLoop
+from onnxgen.engine.engine import Engine
 from onnxgen.engine.input import Prepared, Prompt
+from onnxgen.engine.loop import EngineLoop
 from onnxgen.engine.output import Handle, Result
 from onnxgen.engine.request import Request
 from onnxgen.engine.session import Session

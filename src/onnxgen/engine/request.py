@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxgen.sampling import Sampler
+from onnxgen.sampling import Sampler, sample_rows
 
 TokenCallback = Callable[[str], Any]
 
@@ -236,3 +236,24 @@ class Request:
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
+
+
+def sample_chunks(chunks: Sequence[Any], outs: Sequence[Any], rows: Sequence[int]) -> dict[int, Any]:
+    """The chosen token of each row in `rows` (indices into `chunks`, a step's `scheduler.Chunk`s; `outs`: their
+    logits), or the exception its processors raised (that request alone fails)."""
+    ok: list[int] = []
+    picked: dict[int, Any] = {}
+    for i in rows:
+        sampler = chunks[i].req.sampler
+        if sampler.needs_processing:
+            try:
+                outs_i = sampler.process(outs[i])
+            except Exception as exc:
+                picked[i] = exc
+                continue
+            picked[i] = outs_i  # processed logits, chosen below
+        ok.append(i)
+    logits = [picked.get(i, outs[i]) for i in ok]
+    tokens = sample_rows([chunks[i].req.sampler for i in ok], logits, processed=True)
+    picked.update(zip(ok, tokens, strict=True))
+    return picked

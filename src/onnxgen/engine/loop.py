@@ -1,0 +1,96 @@
+"""`EngineLoop`: the one thread that drives an engine's steps.
+
+Callers never step: they submit (`Engine.submit`) and wait on their request's future; the loop steps while
+any request is queued, waiting or running, and sleeps otherwise. It holds its engine only while stepping, so
+an engine nobody uses any more is collected, and its loop's finalizer ends the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from onnxgen.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class _Signal:
+    """What an `EngineLoop` and its thread share: whether there is work, whether to stop."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.work = False
+        self.stopping = False
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+
+
+def _drive(signal: _Signal, engine_ref: weakref.ref[Engine]) -> None:
+    """The loop thread's body. It holds its engine only while stepping, so an engine nobody uses any more is
+    collected (its loop's finalizer then stops the thread)."""
+    while True:
+        with signal.cv:
+            while not signal.work and not signal.stopping:
+                signal.cv.wait()
+            if signal.stopping:
+                return
+            signal.work = False
+        engine = engine_ref()
+        if engine is None:
+            return
+        while engine.has_work() and not signal.stopping:
+            try:
+                engine.step()
+            except BaseException as exc:  # a bug in a step: its requests fail, the loop goes on
+                log.exception("an engine step failed")
+                engine.fail_all(exc)
+        del engine
+
+
+class EngineLoop:
+    """The one thread that drives an engine: it steps while there is work and sleeps otherwise. Started by the
+    first `wake` (a model nobody asks anything starts no thread); `stop` ends it after the current step, and so
+    does the loop's collection."""
+
+    def __init__(self, engine: Engine, name: str = "onnxgen-engine") -> None:
+        self.engine = engine
+        self.name = name
+        self._signal = _Signal()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        weakref.finalize(self, self._signal.stop)
+        engine.notify = self.wake
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def wake(self) -> None:
+        """There may be work: step until there is none (starts the thread the first time). Any thread."""
+        sig = self._signal
+        with sig.cv:
+            if sig.stopping:
+                return
+            sig.work = True
+            sig.cv.notify()
+        if self._thread is None:
+            with self._start_lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=_drive, args=(sig, weakref.ref(self.engine)), name=self.name, daemon=True
+                    )
+                    self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """End the thread after the step it is in (requests still queued stay queued)."""
+        self._signal.stop()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
