@@ -71,7 +71,7 @@ def test_ngram_index_bulk_prompt_matches_a_full_scan_and_takes_large_ids() -> No
     big = [1 << 22, 5, 6, 1 << 22, 5] * 60
     index = NgramIndex()
     index.extend(big)
-    assert not index._bulk and index.lookup(3) == prompt_lookup(big, 3) != []
+    assert not index.bulk_indexed and index.lookup(3) == prompt_lookup(big, 3) != []
 
 
 def test_draft_control_grows_on_acceptance_and_backs_off_on_rejection() -> None:

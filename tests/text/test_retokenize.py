@@ -85,7 +85,7 @@ def test_a_reply_with_invalid_utf8_keeps_every_id(smollm2_ort) -> None:
     0.9: "\\xef\\xbc" then " **"). Its text decodes that sequence to U+FFFD; a client echoing the text back
     still keeps every id, and the rest is encoded as usual."""
     tok = smollm2_ort.tokenizer
-    table = tok._bytes_table()
+    table = tok.bytes_table()
     lead = next(i for i, b in enumerate(table) if len(b) == 2 and b[0] >= 0xE0 and b[1] & 0xC0 == 0x80)
     held = (
         tok.encode("The answer is", add_special_tokens=False)

@@ -65,6 +65,11 @@ class NgramIndex:
         self._next: dict[tuple[int, ...], int] = {}
         self._bulk: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> (sorted keys, position after)
 
+    @property
+    def bulk_indexed(self) -> bool:
+        """Whether the first piece went into the bulk (numpy) index."""
+        return bool(self._bulk)
+
     def extend(self, new: Sequence[int]) -> None:
         """Append `new`: the n-grams ending just before each appended token now have a follower."""
         if not self.tokens and len(new) >= max(1, self.bulk_min) and self._index_bulk(new):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -40,8 +40,11 @@ from onnxgen.serve.sessions import SESSION_HEADER
 
 __all__ = ["SESSION_HEADER", "RunningServer", "Server", "ServerConfig", "create_app"]
 
+if TYPE_CHECKING:
+    from onnxgen import Model
 
-def create_app(model: Any, config: ServerConfig | None = None) -> Any:
+
+def create_app(model: Model, config: ServerConfig | None = None) -> Any:
     """A FastAPI app serving `model` (an `onnxgen.Model`). See the module docstring."""
     server = Server(model, config or ServerConfig())
     app = FastAPI(title="onnxgen", docs_url=None, redoc_url=None, openapi_url=None)

@@ -23,7 +23,7 @@ from onnxgen.errors import APIError, GrammarError, InvalidRequest
 from onnxgen.serve.errors import from_engine_error
 
 if TYPE_CHECKING:
-    from onnxgen import Model, Prepared
+    from onnxgen import Model, Prepared, Result
 
 MAX_STOP = 16  # OpenAI's limit is 4; more is harmless, but a bound keeps stop matching cheap
 
@@ -240,7 +240,7 @@ def _check_completion_only(req: Any) -> None:
         raise APIError(400, "only best_of=1 is supported", param="best_of", code="invalid_value")
 
 
-def _logit_bias(model: Any, bias: dict[str, float] | None) -> Any:
+def _logit_bias(model: Model, bias: dict[str, float] | None) -> Any:
     if not bias:
         return None
     from onnxgen.sampling.processors import LogitBias
@@ -251,7 +251,7 @@ def _logit_bias(model: Any, bias: dict[str, float] | None) -> Any:
         raise APIError(400, f"logit_bias: {exc}", param="logit_bias", code="invalid_value") from None
 
 
-def _response_format(model: Any, rf: Any) -> Any:
+def _response_format(model: Model, rf: Any) -> Any:
     """The llguidance processor of `response_format` (None for text)."""
     if rf is None or rf.type == "text":
         return None
@@ -279,7 +279,7 @@ def _response_format(model: Any, rf: Any) -> Any:
 # --- result → response bodies -------------------------------------------------------------------------
 
 
-def message(result: Any) -> dict[str, Any]:
+def message(result: Result) -> dict[str, Any]:
     """The assistant message of a chat result: its content and, if it called tools, the calls."""
     msg: dict[str, Any] = {"role": "assistant", "content": result.content}
     if result.tool_calls:
@@ -287,7 +287,7 @@ def message(result: Any) -> dict[str, Any]:
     return msg
 
 
-def usage(result: Any) -> dict[str, Any]:
+def usage(result: Result) -> dict[str, Any]:
     s = result.stats
     n = len(result.tokens)
     return {
@@ -301,7 +301,7 @@ def usage(result: Any) -> dict[str, Any]:
 class Logprobs:
     """Logprob entries (`TokenLogprob`) in the two OpenAI shapes, with the model's tokenizer."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Model) -> None:
         self._tokenizer = model.tokenizer
         self._eos = frozenset(model.eos_token_ids)
 
@@ -366,7 +366,7 @@ class Reply:
             return None
         return self.logprobs.chat(entries) if self.kind.chat else self.logprobs.completion(entries, offset)
 
-    def body(self, result: Any, entries: Sequence[Any] | None) -> dict[str, Any]:
+    def body(self, result: Result, entries: Sequence[Any] | None) -> dict[str, Any]:
         """The whole response of a finished request (`entries`: its visible logprob entries, or None)."""
         output = {"message": message(result)} if self.kind.chat else {"text": result.text}
         choice = {
@@ -418,5 +418,5 @@ class Reply:
             self._offset += len(piece or "")
         return {**self._head(self.kind.chunk_object), "choices": [choice], **self._usage_null}
 
-    def usage_chunk(self, result: Any) -> dict[str, Any]:
+    def usage_chunk(self, result: Result) -> dict[str, Any]:
         return {**self._head(self.kind.chunk_object), "choices": [], "usage": usage(result)}

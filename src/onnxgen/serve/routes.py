@@ -23,6 +23,7 @@ from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
 from onnxgen.serve.sessions import SESSION_HEADER
 
 if TYPE_CHECKING:
+    from onnxgen import Handle, Result
     from onnxgen.serve.server import Server
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/sessions")
@@ -142,7 +143,7 @@ def add_routes(app: Any, server: Server) -> None:
         return JSONResponse(reply.body(result, entries), headers=headers)
 
 
-async def _await_handle(request: Request, handle: Any, server: Server) -> Any:
+async def _await_handle(request: Request, handle: Handle, server: Server) -> Result:
     """The request's result; cancels it if the client disconnects (or the handler is cancelled)."""
     fut = asyncio.wrap_future(handle.future)
     try:

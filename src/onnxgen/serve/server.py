@@ -24,7 +24,7 @@ from onnxgen.serve.openai import Call, Logprobs
 from onnxgen.serve.sessions import SESSION_HEADER, SessionStore
 
 if TYPE_CHECKING:
-    from onnxgen import Handle, Model, Session
+    from onnxgen import Handle, Model, Result, Session
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class Server:
             h.cancel()
         return bool(handles)
 
-    def record(self, result: Any) -> None:
+    def record(self, result: Result) -> None:
         """Count a finished generation in the metrics."""
         s = result.stats
         self.metrics.generation(s.prompt_tokens, s.generated_tokens, s.reused_tokens, s.ttft_s)

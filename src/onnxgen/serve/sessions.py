@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import secrets
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from onnxgen.errors import SessionLimit
 
 SESSION_HEADER = "X-Session-Id"
 
+if TYPE_CHECKING:
+    from onnxgen import Model, Session
+
 
 class SessionStore:
-    def __init__(self, model: Any, max_per_key: int = 1024, keyed: bool = True) -> None:
+    def __init__(self, model: Model, max_per_key: int = 1024, keyed: bool = True) -> None:
         """`keyed`: callers are told apart by API keys (sessions are salted with their key), else every
         session is salted with its own id."""
         self.model = model
         self.keyed = keyed
         self.max_per_key = max_per_key
         self._lock = threading.Lock()
-        self._sessions: dict[str, tuple[str, Any]] = {}  # id -> (owner key id, Session)
-        self._defaults: dict[str, Any] = {}  # owner key id -> Session
+        self._sessions: dict[str, tuple[str, Session]] = {}  # id -> (owner key id, Session)
+        self._defaults: dict[str, Session] = {}  # owner key id -> Session
         self._per_key: dict[str, int] = {}
 
     def create(self, owner: str) -> str:
@@ -42,26 +45,26 @@ class SessionStore:
             self._per_key[owner] = self._per_key.get(owner, 0) + 1
             return sid
 
-    def _owned(self, owner: str, sid: str) -> Any | None:
+    def _owned(self, owner: str, sid: str) -> Session | None:
         """The session `sid` if it exists and belongs to `owner`; call with `_lock` held."""
         hit = self._sessions.get(sid)
         if hit is None or not secrets.compare_digest(hit[0], owner):
             return None
         return hit[1]
 
-    def get(self, owner: str, sid: str) -> Any | None:
+    def get(self, owner: str, sid: str) -> Session | None:
         """The session `sid` if it exists and belongs to `owner` (else None: indistinguishable)."""
         with self._lock:
             return self._owned(owner, sid)
 
-    def default(self, owner: str) -> Any:
+    def default(self, owner: str) -> Session:
         with self._lock:
             s = self._defaults.get(owner)
             if s is None:
                 s = self._defaults[owner] = self.model.session(name=f"default-{owner[:8]}", salt=owner)
             return s
 
-    def remove(self, owner: str, sid: str) -> Any | None:
+    def remove(self, owner: str, sid: str) -> Session | None:
         """Forget `sid` (if `owner` holds it) and return its Session for closing, else None."""
         with self._lock:
             session = self._owned(owner, sid)

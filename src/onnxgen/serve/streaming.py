@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from onnxgen.serve.errors import error_body, from_engine_error
 
 if TYPE_CHECKING:
+    from onnxgen import Session
     from onnxgen.serve.openai import Call, Reply
     from onnxgen.serve.server import Server
 
@@ -55,7 +56,9 @@ class Feed:
         )
 
 
-def respond(server: Server, session: Any, call: Call, reply: Reply, headers: dict[str, str]) -> Any:
+def respond(
+    server: Server, session: Session | None, call: Call, reply: Reply, headers: dict[str, str]
+) -> Any:
     """Queue `call` on `session` and answer with its event stream (raises APIError 429 before the response
     starts when the server is full)."""
     from fastapi.responses import StreamingResponse

@@ -251,7 +251,7 @@ class Tokenizer:
 
         if not held:
             return self.encode(text, add_special_tokens=False)
-        table = self._bytes_table()
+        table = self.bytes_table()
         pieces = [table[i] if 0 <= i < len(table) else b"" for i in held]
         raw = text.encode("utf-8")
         whole = b"".join(pieces)
@@ -284,7 +284,7 @@ class Tokenizer:
             self._special = tuple(t.content.encode("utf-8") for t in added if t.special and t.content)
         return self._special
 
-    def _bytes_table(self) -> list[bytes]:
+    def bytes_table(self) -> list[bytes]:
         """`token_bytes` of every id, built once (about 50 ms for a 50k vocabulary)."""
         if self._table is None:
             self._table = [self.token_bytes(i) for i in range(self.vocab_size)]
