@@ -59,6 +59,18 @@ def test_bad_model_path_is_one_clear_line(tmp_path, capsys):
     assert "no such model folder" in err and "Traceback" not in err
 
 
+def test_show_lists_every_load_option_and_environment_variable(capsys):
+    """`onnxgen show --options --env`: each config field (a flat `load()` option) and each registered
+    `ONNXGEN_*` variable, by name."""
+    import onnxgen.envs as envs
+    from onnxgen.config import Config
+
+    assert main(["show", "--options", "--env"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in Config.options())
+    assert all(name in out for name, _, _ in envs.describe())
+
+
 def test_show_describes_the_package(tiny_dir, capsys):
     assert main(["show", str(tiny_dir)]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""`onnxgen show`: describe a package (shapes, I/O, dtype, tokens, defaults) without running it."""
+"""`onnxgen show`: describe a package (shapes, I/O, dtype, tokens, defaults) without running it; `--options`
+lists every load option (the config's fields and defaults) and `--env` every `ONNXGEN_*` variable."""
 
 from __future__ import annotations
 
@@ -13,10 +14,48 @@ def register(sub: Any) -> None:
     p.add_argument(
         "model", nargs="?", default=None, metavar="MODEL", help="package folder (default: the embedded model)"
     )
+    p.add_argument(
+        "--options", action="store_true", help="list every load option with its section and default"
+    )
+    p.add_argument("--env", action="store_true", help="list every ONNXGEN_* environment variable")
     p.set_defaults(func=run)
 
 
+def show_options() -> None:
+    """Every flat load option (`onnxgen.load(..., name=value)`, `Config.replace`), its section and default."""
+    import dataclasses
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from onnxgen.config import Config
+
+    t = Table("option", "section", "default", title="load options (None: decided by device and backend)")
+    for sec in dataclasses.fields(Config):
+        for f in dataclasses.fields(getattr(Config(), sec.name)):
+            t.add_row(f.name, sec.name, repr(f.default))
+    Console().print(t)
+
+
+def show_env() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    import onnxgen.envs as envs
+
+    t = Table("variable", "default", "what it does", title="environment variables")
+    for name, default, doc in envs.describe():
+        t.add_row(name, default, doc)
+    Console().print(t)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.options or args.env:
+        if args.options:
+            show_options()
+        if args.env:
+            show_env()
+        return 0
     from rich.console import Console
     from rich.table import Table
 
