@@ -319,6 +319,16 @@ def load(pkg: Package | Path | str, device: str, opts: dict[str, Any], threads: 
         raise
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     """`n` token ids drawn uniformly from the vocabulary, past the first ids (often special tokens)."""
     import numpy as np

@@ -47,15 +47,6 @@ def _spin() -> None:  # an unrelated process that keeps a core busy
         pass
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def genai_single(model: Any, ids: list[int], new: int) -> dict[str, float]:
     """Greedy generation with onnxruntime-genai: TTFT (append + first token) and decode tok/s."""
     import onnxruntime_genai as og
@@ -93,7 +84,7 @@ def genai_turn2(model: Any, ids1: list[int], ids2: list[int], reply: int) -> flo
             break
     seq = seq[:-1]  # the last sampled token is not in its KV yet
     t0 = time.perf_counter()
-    keep = min(common_prefix(seq, ids2), len(ids2) - 1)
+    keep = min(u.common_prefix(seq, ids2), len(ids2) - 1)
     if keep < len(seq):
         gen.rewind_to(keep)
     gen.append_tokens(ids2[keep:])
