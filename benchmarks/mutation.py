@@ -43,8 +43,9 @@ REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 
 # Per module: the fast, relevant pytest arguments (test files by name, found anywhere under tests/, and -k).
-# Hypothesis property tests, SmolLM2 and server tests are left out; the ort backend (per-request decoders) and the native backend (the paged pool)
-# exercise different engine modules, so each module names the backend whose path runs it.
+# Hypothesis property tests, SmolLM2 and server tests are left out; the ort backend (per-request decoders) and
+# the native backend (the paged pool) exercise different engine modules, so each module names the backend whose
+# path runs it.
 _NO_SLOW = "not random_request and not batched_requests_equal and not smollm2 and not server and not cuda"
 _REUSE = ["test_reuse.py", "test_reuse_edges.py"]
 _ORT = f"not native and {_NO_SLOW}"
