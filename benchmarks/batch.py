@@ -20,7 +20,7 @@ Sections (contenders interleaved, the order reversed every other round, median o
           prompt for all against a distinct one each (a fresh salt every round: only sharing within the
           round counts): aggregate tok/s, TTFT p50 / max, prompt tokens prefilled in the round
   agents  --agents sessions under one salt sharing a --system-token system prompt, --turns turns each
-          (64-token user turns, up to 128 tokens answered), all arriving at once: tok/s, TTFT and
+          (64-token user turns, up to 128 tokens answered), all arriving at once, one run per engine: tok/s, TTFT and
           inter-token latency p50 / p99, KV pages held against one system prompt plus every session's own
           turns, prefix hit rate (`Model.kv_stats`; paged engines)
 Greedy; `speculative` as --speculative ("off": plain decoding; "default": the engine's choice).
@@ -371,6 +371,8 @@ def main() -> int:
     ap.add_argument("--agents", type=int, default=32)
     ap.add_argument("--turns", type=int, default=10)
     args = ap.parse_args()
+    if set(args.sections.split(",")) <= {"agents"}:
+        args.dry_run = True  # one run: --runs does not apply
     u.check_args(ap, args)
     u.require_cuda(args.device, "batch.py")
     u.set_threads(args.threads)
