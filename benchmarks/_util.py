@@ -11,6 +11,8 @@ Models (`--model`, comma-separated where a tool takes several):
                                  SHAPES: tiny, 2048x4, 0.5b, 1b, 8b, 8b16k) converted by onnxruntime-genai's
                                  builder (bf16 by default; fp32, fp16, int4); needs --tokenizer
     convert:SRC[:PRECISION]      a Hugging Face folder or a .gguf file converted by the builder (bf16)
+                                 (PRECISION@EP picks the builder's execution provider: int4@cpu; default
+                                 cpu for fp32, cuda otherwise)
 Packages that are built go under --work (default /tmp/onnxgen_bench) and are reused when present.
 
 Engines (`--engine`, repeatable): comma-separated `onnxgen.load` options, e.g. `backend=ort,threads=2` or
@@ -218,13 +220,13 @@ def default_tokenizer() -> Path | None:
     return home if (home / "tokenizer.json").is_file() else None
 
 
-def _split_precision(rest: str, default: str = "bf16") -> tuple[str, str]:
+def _split_precision(rest: str, default: str = "bf16") -> tuple[str, str, str]:
+    """`SRC[:PRECISION[@EP]]` -> (SRC, precision, the builder's execution provider: cpu for fp32, else cuda)."""
     head, _, tail = rest.rpartition(":")
-    return (head, tail) if head and tail in PRECISIONS else (rest, default)
-
-
-def _ep(precision: str) -> str:
-    return "cpu" if precision == "fp32" else "cuda"
+    precision, _, ep = tail.partition("@")
+    if not head or precision not in PRECISIONS:
+        head, precision, ep = rest, default, ""
+    return head, precision, ep or ("cpu" if precision == "fp32" else "cuda")
 
 
 def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, device: str = "cpu") -> Package:
@@ -250,7 +252,7 @@ def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, devi
         from onnxgen.convert.checkpoint import convert_checkpoint
         from onnxgen.convert.reference import SHAPES, random_llama_checkpoint
 
-        shape, precision = _split_precision(rest)
+        shape, precision, ep = _split_precision(rest)
         if shape not in SHAPES:
             raise SystemExit(f"builder shapes: {', '.join(SHAPES)}; got {shape!r}")
         tok = tokenizer or default_tokenizer()
@@ -258,23 +260,19 @@ def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, devi
             raise SystemExit(
                 "builder:* needs SmolLM2's tokenizer files: --tokenizer DIR (or build the default model)"
             )
-        hf, out = work / f"{shape}_hf", work / f"{shape}_{precision}"
+        hf, out = work / f"{shape}_hf", work / f"{shape}_{precision}_{ep}"
         if not (hf / "config.json").is_file():
             random_llama_checkpoint(hf, SHAPES[shape], tok, device="cuda" if device == "cuda" else "cpu")
         if not (out / "genai_config.json").is_file():
-            convert_checkpoint(
-                hf, out, precision=precision, execution_provider=_ep(precision), progress=False
-            )
+            convert_checkpoint(hf, out, precision=precision, execution_provider=ep, progress=False)
         return Package(f"builder {shape} {precision}", out, hf)
     if kind == "convert" and rest:
         from onnxgen.convert.checkpoint import convert_checkpoint
 
-        src, precision = _split_precision(rest)
-        out = work / f"converted_{Path(src).stem}_{precision}"
+        src, precision, ep = _split_precision(rest)
+        out = work / f"converted_{Path(src).stem}_{precision}_{ep}"
         if not (out / "genai_config.json").is_file():
-            convert_checkpoint(
-                src, out, precision=precision, execution_provider=_ep(precision), progress=False
-            )
+            convert_checkpoint(src, out, precision=precision, execution_provider=ep, progress=False)
         hf = Path(src) if Path(src).is_dir() else None
         return Package(f"{Path(src).name} {precision}", out, hf)
     path = Path(spec).expanduser()

@@ -4,8 +4,8 @@ fresh run, each lowered op against float64, and engines against each other (back
     python benchmarks/parity.py --model builder:2048x4,builder:1b --device cuda --sections logits
     python benchmarks/parity.py --model builder:8b --device cuda --sections logits,sessions
     python benchmarks/parity.py --model builder:1b --sections ops --device cuda --op-tokens 256,1024
-    python benchmarks/parity.py --model convert:HF_DIR:int4 --sections engines --engine backend=ort \\
-        --engine backend=native,int4=packed --engine backend=native,int4=dense
+    python benchmarks/parity.py --model convert:HF_DIR:int4@cpu --sections engines --steps 24 \\
+        --engine backend=ort --engine backend=native,int4=packed --engine backend=native,int4=dense
 
 Sections:
   logits    per model (needs its checkpoint: builder:* or convert:HF_DIR) and --lengths: a random prompt and
@@ -210,8 +210,9 @@ def ops(args: Any, pkg: u.Package) -> tuple[str, str, Any]:
 def engines(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]]) -> tuple[str, str, Any]:
     import numpy as np
 
-    doc = "Meeting notes: the team reviewed the launch plan, the login screen, the payment flow and the budget. "
-    msgs = [{"role": "user", "content": "Summarise these notes. " + doc * args.repeat}]
+    from speculative import DOC
+
+    msgs = [{"role": "user", "content": ("Summarise these notes. " + DOC + " ") * args.repeat}]
     kw = {
         "max_new_tokens": args.steps,
         "temperature": 0,
