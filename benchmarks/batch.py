@@ -14,8 +14,9 @@ Sections (contenders interleaved, the order reversed every other round, median o
           serial`: one after another). Per contender (engine x mode x --api path): aggregate tok/s
           (all generated tokens over the wall time, prefill included), decode tok/s (the requests' own
           decode rates summed: the batch's throughput while all decode; serial: one request's), ms per
-          token of one request (its wall time over its tokens, median), TTFT p50 / p99 (http: not seen;
-          http-stream: the first streamed token)
+          decode step (one request's), ms per token of one request (its wall time over its tokens, prefill
+          included), TTFT p50 / p99 (http: not seen; http-stream: the first streamed token). A warm-up
+          round per size comes first (--no-warmup: none; with --runs 1, a fresh engine's first batch)
   shared  --clients requests at once, each a --system-token system prompt and its own question: one system
           prompt for all against a distinct one each (a fresh salt every round: only sharing within the
           round counts): aggregate tok/s, TTFT p50 / max, prompt tokens prefilled in the round
@@ -133,6 +134,7 @@ def at_once(fn: Callable[[Any], dict[str, Any]], prompts: list[Any], serial: boo
         "agg_tok_s": gen / wall,
         "decode_tok_s": sum(rates) if rates and not serial else (u.median(rates) if rates else None),
         "ms_token": u.median(o["wall"] * 1e3 / o["n"] for o in outs if o["n"]) if gen else None,
+        "ms_step": u.median(1e3 / r for r in rates) if rates else None,
         "ttft_p50": u.median(ttft) if ttft else None,
         "ttft_p99": u.p99(ttft) if ttft else None,
         "tokens": gen,
@@ -179,14 +181,15 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                         x for x in (k, a if len(apis) > 1 else "", mode if len(modes) > 1 else "") if x
                     )
                     contenders[label] = go
-            for fn in contenders.values():
-                fn()  # warm-up: this batch size's captures
+            if not args.no_warmup:
+                for fn in contenders.values():
+                    fn()  # warm-up: this batch size's captures
             runs = u.interleave(args.runs, contenders)
             base = None
             for label, v in runs.items():
                 med = {
                     m: _med(x[m] for x in v)
-                    for m in ("agg_tok_s", "decode_tok_s", "ms_token", "ttft_p50", "ttft_p99")
+                    for m in ("agg_tok_s", "decode_tok_s", "ms_step", "ms_token", "ttft_p50", "ttft_p99")
                 }
                 base = base or med["agg_tok_s"]
                 data.append({"concurrency": b, "contender": label, **med})
@@ -196,6 +199,7 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                         label,
                         u.fmt(med["agg_tok_s"]),
                         u.fmt(med["decode_tok_s"]),
+                        u.fmt(med["ms_step"], 2),
                         u.fmt(med["ms_token"], 2),
                         u.fmt(med["ttft_p50"]),
                         u.fmt(med["ttft_p99"]),
@@ -210,6 +214,7 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
         "contender",
         "aggregate tok/s",
         "decode tok/s",
+        "decode ms/step",
         "ms/token",
         "TTFT p50 ms",
         "TTFT p99 ms",
@@ -365,6 +370,7 @@ def main() -> int:
     ap.add_argument("--chat", action="store_true", help="chat questions instead of random-id prompts")
     ap.add_argument("--modes", default="concurrent", help="concurrent, serial or both")
     ap.add_argument("--api", default="python", help="python, http, http-stream (comma-separated)")
+    ap.add_argument("--no-warmup", action="store_true", help="sweep: time an engine's first batches too")
     ap.add_argument("--speculative", default="off", choices=("off", "prompt_lookup", "default"))
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--system", type=int, default=600, help="system prompt tokens (shared: about)")
