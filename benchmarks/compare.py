@@ -15,7 +15,7 @@ A run repeats its scenario --reps times after a warm-up and reports the median.
 
 Scenarios (greedy, `speculative="off"`, random-id prompts, `reuse=False` unless said):
   decode   batch-1 decode tok/s (`Stats.decode_tok_s`): a --prompt-token prompt, --new tokens
-  batch    --concurrency requests at once from as many threads (distinct --prompt-token prompts, --new
+  batch    --concurrency requests at once from as many threads (distinct --prompt-token prompts, --batch-new
            tokens each): all generated tokens over the wall time, prefill included
   ttft     a --long-token prompt, one token: TTFT ms
   turn     a 64-token turn on a retained --long-token session: TTFT ms
@@ -86,7 +86,7 @@ def worker() -> None:
         def go(i: int) -> None:
             barrier.wait()
             made[i] = model.generate(
-                prompts[i], max_new_tokens=p["new"], reuse=False, **greedy
+                prompts[i], max_new_tokens=p["batch_new"], reuse=False, **greedy
             ).stats.generated_tokens
 
         model.settle()
@@ -228,6 +228,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=None, help="new tokens (default: 32 on the CPU, 128 on CUDA)")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument(
+        "--batch-new", type=int, default=None, help="new tokens of each batch request (default: --new)"
+    )
+    ap.add_argument(
         "--long", type=int, default=None, help="ttft / turn context (default: 512 CPU, 8000 CUDA)"
     )
     ap.add_argument("--threads", type=int, default=2)
@@ -255,6 +258,7 @@ def main() -> int:
         "prompt": args.prompt or (512 if cuda else 64),
         "new": args.new or (128 if cuda else 32),
         "concurrency": args.concurrency,
+        "batch_new": args.batch_new or args.new or (128 if cuda else 32),
         "long": args.long or (8000 if cuda else 512),
         "reps": args.reps,
     }
@@ -322,7 +326,7 @@ def main() -> int:
     caption = (
         f"base {names['base']}, head {names['head']}; model {pkg.name}; {u.describe(args.device, args.threads)}; "
         f"{args.rounds} runs a side, interleaved, each the median of {args.reps}; prompt {params['prompt']}, "
-        f"new {params['new']}, concurrency {params['concurrency']}, long {params['long']}; options {shared}"
+        f"new {params['new']} (batch {params['batch_new']}), concurrency {params['concurrency']}, long {params['long']}; options {shared}"
     )
     print(f"\n{caption}\n")
     print(u.table(rows, ["scenario", "base", "head", "head / base", "noise", "flag"]))
