@@ -49,7 +49,9 @@ def profiled_step(
             r = m.generate(prompt, max_new_tokens=n, **GREEDY)
             m.settle()
         kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        out.append((sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels), r.stats.generated_tokens))
+        out.append(
+            (sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels), r.stats.generated_tokens)
+        )
     (ms1, k1, n1), (ms2, k2, n2) = out
     steps = max(n2 - n1, 1)
     return (ms2 - ms1) / steps, (k2 - k1) / steps
