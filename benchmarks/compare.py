@@ -1,26 +1,28 @@
-"""Commit-vs-commit CPU micro-benchmarks: `python benchmarks/compare.py BASE HEAD`.
+"""Base against head in one run: the same scenarios on two source trees, interleaved, medians, ratios.
 
-Each commit's `src/` is exported (`git archive`) into a temporary tree; every scenario then runs in fresh
-subprocesses whose PYTHONPATH points at one tree, alternately BASE, HEAD, BASE, HEAD, ... (the order
-flips each round), `--rounds` times each (>= 5). A run times its scenario `reps` times after a warm-up and
-reports the median; the table shows, per scenario, the median of the runs of each commit, the change, and
-the noise: the larger of the two commits' run-to-run spreads (interquartile range / median of its runs; on
-a shared machine a single disturbed run would make the full range meaningless). A change is flagged
-(faster / slower) only when it exceeds that noise; otherwise it reads "~". `--json` keeps every run.
+    python benchmarks/compare.py BASE HEAD [--device cpu] [--model default] [--scenarios decode,batch]
+        [--rounds 5] [--concurrency 64] [--option backend=native] [--base-env K=V] [--head-option k=v]
+    python benchmarks/compare.py main . --device cuda --model builder:1b          (this checkout's work tree)
+    python benchmarks/compare.py HEAD HEAD --head-env ONNXGEN_FOLD_NORMS=1        (one tree, two settings)
 
-Scenarios (the scripts below run against either tree, through names both expose):
-  sample_greedy    Sampler.sample on 49152 float32 logits, greedy (per token)
-  sample_top_p     the same at temperature 0.8, top-p 0.9 (per token)
-  grammar_mask     one llguidance JSON-schema mask step on SmolLM2's tokenizer + applying it (per token)
-  tokenize         Tokenizer.encode of a ~2k-token text (per text)
-  detokenize       IncrementalDetokenizer over the same ~2k tokens, pushed one at a time (per text)
-  kv_rewind        the reuse policy on a SmolLM2 ort decoder holding 1024 positions, new prompt diverging
-                   at 512: LCP + plan + rewind_to (per request)
-  ort_decode_step  one greedy decode step of SmolLM2 on the ort backend, 1 thread, through Model.generate
-                   (1 / Stats.decode_tok_s over 23 steps after a 64-token prompt, EOS masked; per token)
+BASE and HEAD are each a commit of this repository (its `src/` exported with `git archive`), or a folder
+holding a source tree (`src/onnxgen` or `onnxgen`; `.` is this checkout, uncommitted changes included: what
+the offline GPU host has, beside a base carried in `.carry/base`). Each side runs in its own long-lived
+process (PYTHONPATH = its tree, its --*-env variables set, the same thread count), which loads the model once
+with the same load options (--option, then the side's --*-option) and runs one scenario per request; the
+orchestrator alternates BASE, HEAD, HEAD, BASE, ... (the order flips each round), --rounds >= 5 times.
+A run repeats its scenario --reps times after a warm-up and reports the median.
 
-SmolLM2 is the default model, built by `onnxgen.convert.default.ensure_default_model()` on first use.
-Usage: python benchmarks/compare.py 91f8a19 HEAD [--rounds 7] [--only sample_greedy,tokenize]
+Scenarios (greedy, `speculative="off"`, random-id prompts, `reuse=False` unless said):
+  decode   batch-1 decode tok/s (`Stats.decode_tok_s`): a --prompt-token prompt, --new tokens
+  batch    --concurrency requests at once from as many threads (distinct --prompt-token prompts, --batch-new
+           tokens each): all generated tokens over the wall time, prefill included
+  ttft     a --long-token prompt, one token: TTFT ms
+  turn     a 64-token turn on a retained --long-token session: TTFT ms
+The engine is loaded with `max_running` = --concurrency (and on CUDA `kv_bytes` = 8 GiB, so that both sides'
+processes fit on one card) unless --option says otherwise. The table gives each side's median of its runs,
+head / base, and the noise: the larger of the two sides' run-to-run spreads (interquartile range / median);
+a change is flagged only beyond it.
 """
 
 from __future__ import annotations
@@ -33,190 +35,116 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _util as u
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 49152
-SCENARIOS = (
-    "sample_greedy",
-    "sample_top_p",
-    "grammar_mask",
-    "tokenize",
-    "detokenize",
-    "kv_rewind",
-    "ort_decode_step",
-)
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-    "required": ["name", "age", "tags", "address"],
-}
+SCENARIOS = {"decode": "tok/s", "batch": "tok/s", "ttft": "ms", "turn": "ms"}
+TAG = "@@compare "
+
+# --- worker side: the scenarios against the onnxgen on PYTHONPATH ------------------------------------
 
 
-# --- worker side: one scenario against the onnxgen on PYTHONPATH --------------------------------------
-
-
-def _text() -> str:
-    """A deterministic English-like text of about 2k SmolLM2 tokens (varied words, numbers, punctuation)."""
-    import random
-
-    rng = random.Random(1234)
-    words = (
-        "the a of to and in is it that for on with as was at by this be from or have an they which one you "
-        "were her all she there would their we him been has when who will more no if out so said what up its "
-        "about into than them can only other new some could time these two may then do first any my now "
-        "such like our over man me even most made after also did many before must through back years where "
-        "much your way well down should because each just those people how too little state good very make "
-        "world still own see men work long get here between both life being under never day same another "
-        "know while last might us great old year off come since against go came right used take three "
-        "cache tensor decoder session rewind prefix token logits sampler grammar schema kernel"
-    ).split()
-    out: list[str] = []
-    for i in range(1500):
-        w = rng.choice(words)
-        if rng.random() < 0.05:
-            w = str(rng.randint(0, 99999))
-        out.append(w.capitalize() if i == 0 or out[-1].endswith(".") else w)
-        if rng.random() < 0.08:
-            out[-1] += rng.choice([".", ",", ";", "!", "?"])
-    return " ".join(out)
-
-
-def _time(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def worker(scenario: str, model_dir: str) -> dict[str, float]:
-    import numpy as np
-
+def worker() -> None:
+    """Read one JSON request a line from stdin, answer one line on stdout prefixed with TAG."""
     import onnxgen
 
-    rng = np.random.default_rng(0)
-    logits = (rng.standard_normal(VOCAB) * 4).astype(np.float32)
-    extra: dict[str, float] = {}
-    if scenario in ("sample_greedy", "sample_top_p"):
-        from onnxgen.sampling import Sampler, SamplingParams
+    init = json.loads(sys.stdin.readline())
+    if init["threads"]:
+        import torch
 
-        params = (
-            SamplingParams()
-            if scenario == "sample_greedy"
-            else SamplingParams(temperature=0.8, top_p=0.9, seed=0)
+        torch.set_num_threads(init["threads"])
+    opts = dict(init["options"])
+    if init["threads"]:
+        opts.setdefault("threads", init["threads"])
+    model = onnxgen.load(init["model"], device=init["device"], **opts)
+    vocab = model.spec.vocab_size
+    p = init["params"]
+    greedy = {"temperature": 0, "speculative": "off"}
+    state: dict[str, Any] = {"round": 0}
+
+    def decode() -> float:
+        model.settle()
+        r = model.generate(
+            u.random_ids(p["prompt"], vocab, 1), max_new_tokens=p["new"], reuse=False, **greedy
         )
-        sampler = Sampler(params)
-        seconds = _time(
-            lambda: sampler.sample(logits), 400 if scenario == "sample_greedy" else 100, warmup=10
-        )
-    elif scenario == "grammar_mask":
-        from onnxgen.package.spec import load_spec
-        from onnxgen.sampling.grammar import GrammarCompiler, GrammarProcessor
+        return r.stats.decode_tok_s
 
-        tok_json = (Path(model_dir) / "tokenizer.json").read_text()
-        eos = list(load_spec(model_dir).eos_token_ids)
-        compiler = GrammarCompiler(tok_json, VOCAB, eos)
-        grammar = compiler.compile("json_schema", SCHEMA)
+    def batch() -> float:
+        state["round"] += 1
+        prompts = [
+            u.random_ids(p["prompt"], vocab, 1000 * state["round"] + i) for i in range(p["concurrency"])
+        ]
+        barrier = threading.Barrier(len(prompts))
+        made = [0] * len(prompts)
 
-        # a path through the grammar: argmax of seeded random logits under the mask, 64 steps
-        proc = GrammarProcessor(compiler, grammar)
-        path: list[int] = []
-        for _ in range(64):
-            x = proc(logits.copy(), path)
-            path.append(int(np.argmax(x)))
-        buf = np.empty_like(logits)
+        def go(i: int) -> None:
+            barrier.wait()
+            made[i] = model.generate(
+                prompts[i], max_new_tokens=p["batch_new"], reuse=False, **greedy
+            ).stats.generated_tokens
 
-        def steps() -> None:
-            p = GrammarProcessor(compiler, grammar)
-            for i in range(len(path)):
-                np.copyto(buf, logits)
-                p(buf, path[:i])
+        model.settle()
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(made) / (time.perf_counter() - t0)
 
-        seconds = _time(steps, 5, warmup=1) / len(path)
-    elif scenario in ("tokenize", "detokenize"):
-        from onnxgen.package.spec import load_spec
-        from onnxgen.text import IncrementalDetokenizer, Tokenizer
+    long = u.random_ids(p["long"], vocab, 2)
 
-        tok = Tokenizer.from_spec(load_spec(model_dir))
-        text = _text()
-        ids = tok.encode(text, add_special_tokens=False)
-        extra["tokens"] = len(ids)
-        if scenario == "tokenize":
-            seconds = _time(lambda: tok.encode(text, add_special_tokens=False), 20)
-        else:
+    def ttft() -> float:
+        model.settle()
+        return model.generate(long, max_new_tokens=1, reuse=False, **greedy).stats.ttft_s * 1e3
 
-            def detok() -> None:
-                d = IncrementalDetokenizer(tok)
-                for t in ids:
-                    d.push(t)
-                d.flush()
+    session = model.session()
 
-            seconds = _time(detok, 5, warmup=1)
-    elif scenario == "kv_rewind":
-        from onnxgen.engine import reuse
-        from onnxgen.engine.identity import make_identity
+    def turn() -> float:
+        state["round"] += 1
+        session.generate(long, max_new_tokens=1, **greedy)  # back to the context: the same turn each time
+        extra = u.random_ids(64, vocab, 50 + state["round"])
+        return session.generate(long + extra, max_new_tokens=1, **greedy).stats.ttft_s * 1e3
 
-        m = onnxgen.load(model_dir, backend="ort", threads=1)
-        d = m.pool.acquire()
-        ids = [int(t) for t in rng.integers(100, 40000, size=1024)]
-        for s in range(0, 1024, 256):
-            d.forward(ids[s : s + 256], s, None)
-        held = make_identity(ids, None, m.package_key)
-        new = make_identity(ids[:512] + [7] + ids[513:], None, m.package_key)
-        assert d.kv_len() == 1024
-
-        def rewind() -> None:
-            assert reuse.prepare(d, held, new) == 512
-            d._len = 1024  # NOTE: shared-buffer KV: positions past the length stay valid, so this restores it
-
-        seconds = _time(rewind, 300, warmup=5)
-    elif scenario == "ort_decode_step":
-        m = onnxgen.load(model_dir, backend="ort", threads=1)
-        eos = list(m.eos_token_ids)
-
-        def no_eos(x, _generated):
-            x[eos] = -np.inf
-            return x
-
-        prompt = [int(t) for t in rng.integers(100, 40000, size=64)]
-
-        def per_token(n: int = 24) -> float:
-            r = m.generate(prompt, max_new_tokens=n, reuse=False, processors=[no_eos])
-            assert r.stats.generated_tokens == n
-            return 1.0 / r.stats.decode_tok_s
-
-        per_token(4)
-        seconds = statistics.median(per_token() for _ in range(3))
-    else:
-        raise SystemExit(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
-    return {"seconds": seconds, "onnxgen": str(Path(onnxgen.__file__).parent), **extra}
+    fns = {"decode": decode, "batch": batch, "ttft": ttft, "turn": turn}
+    warm: set[str] = set()
+    print(TAG + json.dumps({"ready": True, "onnxgen": str(Path(onnxgen.__file__).parent)}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        fn = fns[req["scenario"]]
+        if req["scenario"] not in warm:
+            fn()
+            warm.add(req["scenario"])
+        values = [fn() for _ in range(p["reps"])]
+        print(TAG + json.dumps({"value": statistics.median(values)}), flush=True)
 
 
-# --- orchestrator -------------------------------------------------------------------------------------
+# --- orchestrator ------------------------------------------------------------------------------------
 
 
-def export(commit: str, into: Path) -> tuple[Path, str]:
-    """`src/` of `commit` under `into` (git archive; the repository's worktrees are left alone)."""
-    sha = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{commit}^{{commit}}"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+def tree(ref: str, into: Path) -> tuple[Path, str]:
+    """(the folder to put on PYTHONPATH, a name for it): a source folder as is, or a commit's `src/` exported."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        for cand in (path / "src", path):
+            if (cand / "onnxgen" / "__init__.py").is_file():
+                return cand.resolve(), f"{ref} (folder)"
+        raise SystemExit(f"{ref}: a folder without src/onnxgen or onnxgen")
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        raise SystemExit(f"{ref}: neither a source folder nor a commit of {REPO}") from None
     into.mkdir(parents=True)
     archive = into / "src.tar"
     subprocess.run(
@@ -225,97 +153,185 @@ def export(commit: str, into: Path) -> tuple[Path, str]:
     with tarfile.open(archive) as tar:
         tar.extractall(into, filter="data")
     archive.unlink()
-    return into / "src", sha
+    return into / "src", f"{ref} = {sha[:10]}"
 
 
-def run_once(scenario: str, src: Path, model_dir: str) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", scenario, "--model", model_dir],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{scenario} on {src} failed:\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(out["onnxgen"]).resolve() == (src / "onnxgen").resolve(), (
-        f"imported {out['onnxgen']}, not {src}"
-    )
+class Side:
+    """One source tree's worker process."""
+
+    def __init__(self, src: Path, env: dict[str, str], init: dict[str, Any], log: Path) -> None:
+        self.log = log
+        full = {**os.environ, "PYTHONPATH": str(src), "PYTHONHASHSEED": "0", **env}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker"],
+            env=full,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+        )
+        self.send(init)
+        ready = self.read()
+        if Path(ready["onnxgen"]).resolve() != (src / "onnxgen").resolve():
+            raise SystemExit(f"the worker imported {ready['onnxgen']}, not {src / 'onnxgen'}")
+
+    def send(self, msg: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG) :])
+        tail = self.log.read_text()[-3000:]
+        raise SystemExit(f"a worker stopped (its log: {self.log}):\n{tail}")
+
+    def run(self, scenario: str) -> float:
+        self.send({"scenario": scenario})
+        return self.read()["value"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def env_pairs(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected NAME=VALUE, got {item!r}")
+        out[key] = val
     return out
 
 
-def _iqr(xs: list[float]) -> float:
-    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
-    return q3 - q1
-
-
-def fmt_time(s: float) -> str:
-    for unit, k in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if s >= k:
-            return f"{s / k:.3g} {unit}"
-    return f"{s / 1e-9:.3g} ns"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("base", nargs="?")
-    ap.add_argument("head", nargs="?")
-    ap.add_argument("--rounds", type=int, default=7, help="runs of each scenario per commit (>= 5)")
-    ap.add_argument("--only", default="", help="comma-separated scenarios (default: all)")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help="SmolLM2 package (default: the default model, built if missing)")
-    ap.add_argument("--json", type=Path, help="write every run's seconds here")
+def main() -> int:
+    if "--worker" in sys.argv:
+        worker()
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("base")
+    ap.add_argument("head")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--model", default="default", help="a model as the other tools name it (_util.py)")
+    ap.add_argument("--scenarios", default="decode,batch", help=", ".join(SCENARIOS))
+    ap.add_argument(
+        "--rounds", type=int, default=5, help=f"runs of each scenario per side (>= {u.ROUNDS_MIN})"
+    )
+    ap.add_argument("--reps", type=int, default=3, help="repetitions inside a run (median)")
+    ap.add_argument(
+        "--prompt", type=int, default=None, help="prompt tokens (default: 64 on the CPU, 512 on CUDA)"
+    )
+    ap.add_argument("--new", type=int, default=None, help="new tokens (default: 32 on the CPU, 128 on CUDA)")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument(
+        "--batch-new", type=int, default=None, help="new tokens of each batch request (default: --new)"
+    )
+    ap.add_argument(
+        "--long", type=int, default=None, help="ttft / turn context (default: 512 CPU, 8000 CUDA)"
+    )
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--option", default="", help="load options for both sides, k=v comma-separated")
+    ap.add_argument("--base-option", default="")
+    ap.add_argument("--head-option", default="")
+    ap.add_argument("--base-env", action="append", default=[], help="NAME=VALUE for the base process")
+    ap.add_argument("--head-env", action="append", default=[], help="NAME=VALUE for the head process")
+    ap.add_argument("--tokenizer", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=u.WORK)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--dry-run", action="store_true", help=f"allow --rounds below {u.ROUNDS_MIN} (checks only)"
+    )
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.model)))
-        return
-    if not (args.base and args.head):
-        ap.error("BASE and HEAD are required")
-    if args.rounds < 5:
-        ap.error("--rounds must be >= 5")
-    scenarios = [s for s in args.only.split(",") if s] or list(SCENARIOS)
-    if args.model is None:
-        from onnxgen.convert.default import ensure_default_model
-
-        args.model = str(ensure_default_model())
+    if args.rounds < u.ROUNDS_MIN and not args.dry_run:
+        ap.error(f"--rounds must be >= {u.ROUNDS_MIN}")
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    for s in scenarios:
+        if s not in SCENARIOS:
+            ap.error(f"unknown scenario {s!r}; one of {', '.join(SCENARIOS)}")
+    u.require_cuda(args.device, "compare.py")
+    cuda = args.device == "cuda"
+    params = {
+        "prompt": args.prompt or (512 if cuda else 64),
+        "new": args.new or (128 if cuda else 32),
+        "concurrency": args.concurrency,
+        "batch_new": args.batch_new or args.new or (128 if cuda else 32),
+        "long": args.long or (8000 if cuda else 512),
+        "reps": args.reps,
+    }
+    pkg = u.resolve(args.model, work=args.work, tokenizer=args.tokenizer, device=args.device)
+    shared = {
+        "max_running": args.concurrency,
+        **({"kv_bytes": 8 << 30} if cuda else {}),
+        **u.options(args.option),
+    }
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     with tempfile.TemporaryDirectory(prefix="onnxgen-compare-") as tmp:
-        base_src, base_sha = export(args.base, Path(tmp) / "base")
-        head_src, head_sha = export(args.head, Path(tmp) / "head")
-        trees = {"base": base_src, "head": head_src}
-        runs: dict[str, dict[str, list[float]]] = {s: {"base": [], "head": []} for s in scenarios}
-        notes: dict[str, str] = {}
-        t0 = time.perf_counter()
-        for r in range(args.rounds):
-            order = ("base", "head") if r % 2 == 0 else ("head", "base")
-            for s in scenarios:
-                for which in order:
-                    out = run_once(s, trees[which], args.model)
-                    runs[s][which].append(out["seconds"])
-                    if "tokens" in out:
-                        notes[s] = f"{int(out['tokens'])} tokens"
-            print(f"round {r + 1}/{args.rounds} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    if args.json:
-        args.json.write_text(json.dumps({"base": base_sha, "head": head_sha, "runs": runs}, indent=1))
+        sides: dict[str, Side] = {}
+        names: dict[str, str] = {}
+        try:
+            for which, ref, over, extra in (
+                ("base", args.base, args.base_option, args.base_env),
+                ("head", args.head, args.head_option, args.head_env),
+            ):
+                src, names[which] = tree(ref, Path(tmp) / which)
+                init = {
+                    "model": str(pkg.path),
+                    "device": args.device,
+                    "options": {**shared, **u.options(over)},
+                    "threads": args.threads,
+                    "params": params,
+                }
+                sides[which] = Side(src, {**env, **env_pairs(extra)}, init, Path(tmp) / f"{which}.log")
+            runs: dict[str, dict[str, list[float]]] = {s: {"base": [], "head": []} for s in scenarios}
+            t0 = time.perf_counter()
+            for r in range(args.rounds):
+                order = ("base", "head") if r % 2 == 0 else ("head", "base")
+                for s in scenarios:
+                    for which in order:
+                        runs[s][which].append(sides[which].run(s))
+                print(
+                    f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        finally:
+            for side in sides.values():
+                side.close()
     rows = []
     for s in scenarios:
         b, h = runs[s]["base"], runs[s]["head"]
         mb, mh = statistics.median(b), statistics.median(h)
-        change = (mh - mb) / mb * 100
-        noise = max(_iqr(x) / statistics.median(x) for x in (b, h)) * 100
-        verdict = "~" if abs(change) <= noise else ("slower" if change > 0 else "faster")
-        rows.append([s, fmt_time(mb), fmt_time(mh), f"{change:+.1f} %", f"±{noise:.1f} %", verdict])
-    from _util import machine, table  # benchmarks/_util.py, beside this script
-
-    print(
-        f"base {args.base} = {base_sha[:10]}, head {args.head} = {head_sha[:10]}; {args.rounds} runs each, "
-        f"interleaved; {machine()}"
+        change = (mh - mb) / mb
+        noise = max(u.spread(b), u.spread(h))
+        better = change > 0 if SCENARIOS[s] == "tok/s" else change < 0
+        flag = "~" if abs(change) <= noise else ("better" if better else "worse")
+        rows.append(
+            [
+                s,
+                f"{mb:,.2f} {SCENARIOS[s]}",
+                f"{mh:,.2f} {SCENARIOS[s]}",
+                f"{mh / mb:.3f}",
+                f"±{noise:.1%}",
+                flag,
+            ]
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"base": names["base"], "head": names["head"], "params": params, "runs": runs})
+        )
+    caption = (
+        f"base {names['base']}, head {names['head']}; model {pkg.name}; {u.describe(args.device, args.threads)}; "
+        f"{args.rounds} runs a side, interleaved, each the median of {args.reps}; prompt {params['prompt']}, "
+        f"new {params['new']} (batch {params['batch_new']}), concurrency {params['concurrency']}, long {params['long']}; options {shared}"
     )
-    print(table(rows, ["scenario", "base median", "head median", "change", "noise", "flag"]))
-    for s, note in notes.items():
-        print(f"- {s}: {note}")
+    print(f"\n{caption}\n")
+    print(u.table(rows, ["scenario", "base", "head", "head / base", "noise", "flag"]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,282 +1,242 @@
-"""Batch-1 decode against the bandwidth floor on one GPU (issue 13): where a token's time goes.
+"""Batch-1 decode on one GPU against the card's bandwidth floor and transformers, with TTFT and the kernels
+a decode step launches. Everything through the public API (`onnxgen.load`, `Model.generate`).
 
-    PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 benchmarks/gpu_decode.py --tokenizer DIR \
-        [--shapes 0.5b,1b,8b16k] [--no-hf] [--decode-steps 1,8]
+    python benchmarks/gpu_decode.py --model builder:0.5b,builder:1b,builder:8b16k [--engine decode_steps=8]
+    python benchmarks/gpu_decode.py --model builder:8b16k,builder:8b16k:int4 --engine int4=dense \\
+        --engine int4=packed                        (int4: dequantized at load vs packed; the bf16 package)
 
-For each shape (Qwen2.5-0.5B's, Llama-3.2-1B's and Llama-3-8B's, `onnxgen.convert.reference.SHAPES`): a
-random Llama checkpoint saved by transformers and converted by onnxruntime-genai's builder (`-p bf16 -e
-cuda`, `benchmarks/gpu_parity.py`'s `package`; without `--tokenizer`, a synthetic package of the same
-shape written by onnxgen), through the public API (`onnxgen.load(pkg, backend="native", device="cuda")`,
-the paged engine, greedy, a 512-token prompt, 128 tokens):
-- decode tok/s (median of 5, `Stats.decode_tok_s`) and the host CPU time per token (process CPU time
-  over the generation / tokens; it includes the host's spin while it waits for the GPU), for each
-  `decode_steps` value (`Model.decode_steps`: decode steps per host round trip);
-- the GPU time of one decode step alone: the captured batch-1 graph replayed 200 times back to back
-  (CUDA events), so `ms per token - replay ms` is the time the GPU waits on the host per token;
-- kernels per step and the top kernels (torch.profiler over 20 replays);
-- transformers eager on the same checkpoint (sdpa, logits_to_keep=1, bf16) in the same run;
-- the floor: the bytes a step reads (weights, lm_head, KV) over the copy bandwidth measured at the start.
-A JSON of every number goes to $OUT; the table prints last.
+For each model and engine (engines interleaved, median of --runs; greedy, `speculative="off"`,
+`reuse=False`):
+- decode tok/s (`Stats.decode_tok_s`) of a --prompt-token random prompt and --new tokens, and the host's
+  CPU time per token (process CPU time over the generation; it includes the host's wait for the GPU);
+- TTFT at each --ttft length (the engine settled first: no earlier request's tail);
+- GPU time and kernels per decode step: two generations of different lengths under torch.profiler, the
+  difference of their kernels' summed time and count over the difference of their steps;
+- the floor: the bytes a step reads (the decoder's initializers but gathered-only embeddings, as stored,
+  plus the KV of prompt + new tokens) over the copy bandwidth measured at the start;
+- transformers eager (sdpa, cuDNN SDPA off, `logits_to_keep=1`, DynamicCache, bf16) on the same checkpoint
+  when the model is `builder:*` or `convert:HF_DIR`: decode tok/s, its forward over the first --ttft
+  prompt, and how many greedy tokens it shares with onnxgen's first engine (random weights: small margins).
+`--device cpu` runs the same code on the CPU as a check (no floor, no kernels).
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _util as u
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _util import copy_bandwidth  # noqa: E402
-
-OUT = Path(os.environ.get("OUT") or "/tmp/gpu_decode_out")
-OUT.mkdir(parents=True, exist_ok=True)
+GREEDY = {"temperature": 0, "speculative": "off", "reuse": False, "stop": []}
 
 
-def log(*a: Any) -> None:
-    print(" ".join(str(x) for x in a), flush=True)
-
-
-def synthetic(name: str) -> Path:
-    """A synthetic bf16 package of the shape (no tokenizer needed), written once."""
-    from onnxgen.convert.reference import SHAPES
-    from onnxgen.convert.synthetic import SyntheticConfig, write_package
-
-    sh = SHAPES[name]
-    out = Path("/tmp/onnxgen_bench") / f"synthetic_{name}"
-    if not (out / "genai_config.json").is_file():
-        cfg = SyntheticConfig(
-            num_layers=sh.num_layers,
-            hidden_size=sh.hidden_size,
-            num_heads=sh.num_heads,
-            num_kv_heads=sh.num_kv_heads,
-            intermediate_size=sh.intermediate_size,
-            vocab_size=sh.vocab_size,
-            context_length=sh.context_length,
-            dtype="bfloat16",
-            rope_theta=sh.rope_theta,
-            tie_embeddings=sh.tie_word_embeddings,
-        )
-        write_package(out, cfg, seed=0)
-    return out
-
-
-def floor_ms(name: str, ctx: int, bw: float) -> float:
-    """Bytes one bf16 decode step must read (every layer's weights, the lm_head, the KV of `ctx`
-    positions; one embedding row is negligible) over the copy bandwidth."""
-    from onnxgen.convert.reference import SHAPES
-
-    sh = SHAPES[name]
-    h, kv_dim = sh.hidden_size, sh.hidden_size // sh.num_heads * sh.num_kv_heads
-    layer = h * (h + 2 * kv_dim) + h * h + 3 * h * sh.intermediate_size + 2 * h
-    params = sh.num_layers * layer + sh.vocab_size * h + h
-    kv = 2 * sh.num_layers * kv_dim * ctx * 2
-    return (params * 2 + kv) / bw * 1e3
-
-
-def decode_graph(runner: Any, kv_len: int) -> Any:
-    """The batch-1 decode graph the engine replayed for the last decode step to reach `kv_len` keys (the
-    short-context graph while within its keys): its device inputs hold that step's state, so its replays
-    time a real step. (The other decode graph still holds its capture's state, a one-key attention.)"""
-    from onnxgen.backends.batch import BatchStep, SeqChunk
-
-    return runner._decode_graph(BatchStep((SeqChunk([0], kv_len - 1, [0]),)), 1)
-
-
-def replay_ms(runner: Any, kv_len: int, reps: int = 200, multi: bool = True) -> float:
-    """GPU ms per decode step of back-to-back replays of `decode_graph`'s graph — with `multi`, its several-step
-    version (`_Graph.multi`, what greedy runs replay) where it has one, per step."""
-    from onnxgen.backends.native import runner as rn
-
-    g = decode_graph(runner, kv_len)
-    graph, steps = (g.multi, rn.RUN_GRAPH_STEPS) if multi and g.multi is not None else (g.graph, 1)
-    for _ in range(20 // steps):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    a.record()
-    for _ in range(reps // steps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / (reps // steps * steps)
-
-
-def kernels(runner: Any, kv_len: int, reps: int = 20) -> dict[str, Any]:
+def profiled_step(
+    m: Any, prompt: list[int], device: str, short: int = 24, long: int = 88
+) -> tuple[float, float]:
+    """(GPU ms, kernels) per decode step: `long` and `short` tokens generated under torch.profiler, the
+    difference of the kernels' summed device time and count over the difference of the steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    g = decode_graph(runner, kv_len)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.graph.replay()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t and ev.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append((ev.key[:90], t / reps / 1e3, ev.count / reps))
-    rows.sort(key=lambda r: -r[1])
-    return {
-        "kernels_per_step": sum(r[2] for r in rows),
-        "kernel_ms": sum(r[1] for r in rows),
-        "top": rows[:15],
-    }
-
-
-def hf_tps(hf: Path | None, name: str, prompt: list[int], n: int = 64) -> tuple[float, list[int]]:
-    """transformers eager decode tok/s (batch 1, greedy, one token read per step) and its greedy tokens: the
-    checkpoint `hf`, or random weights of the shape."""
-    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
-
-    torch.backends.cuda.enable_cudnn_sdp(False)
-    if hf is not None:
-        model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16, attn_implementation="sdpa")
-        model = model.to("cuda").eval()
-    else:
-        from onnxgen.convert.reference import SHAPES
-
-        sh = SHAPES[name]
-        conf = LlamaConfig(
-            hidden_size=sh.hidden_size,
-            intermediate_size=sh.intermediate_size,
-            num_hidden_layers=sh.num_layers,
-            num_attention_heads=sh.num_heads,
-            num_key_value_heads=sh.num_kv_heads,
-            vocab_size=sh.vocab_size,
-            tie_word_embeddings=sh.tie_word_embeddings,
-            attn_implementation="sdpa",
+    if device != "cuda":
+        return float("nan"), float("nan")
+    out = []
+    for n in (short, long):
+        m.settle()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            r = m.generate(prompt, max_new_tokens=n, **GREEDY)
+            m.settle()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        out.append(
+            (sum(e.time_range.elapsed_us() for e in kernels) / 1e3, len(kernels), r.stats.generated_tokens)
         )
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            with torch.device("cuda"):
-                model = LlamaForCausalLM(conf).eval()
-        finally:
-            torch.set_default_dtype(torch.float32)
-    ids = torch.tensor([prompt], device="cuda")
+    (ms1, k1, n1), (ms2, k2, n2) = out
+    steps = max(n2 - n1, 1)
+    return (ms2 - ms1) / steps, (k2 - k1) / steps
+
+
+def hf_run(pkg: u.Package, prompt: list[int], new: int, ttft_len: int, device: str) -> dict[str, Any]:
+    """transformers eager on the package's checkpoint: decode tok/s (one token read per step), greedy tokens,
+    and the forward over the first `ttft_len` prompt ids (median of 5)."""
+    import torch
+    from transformers import DynamicCache
+
+    model = u.hf_model(pkg.hf, "bfloat16", device)
     with torch.no_grad():
+        ids = torch.tensor([prompt], device=device)
         cache = DynamicCache()
         out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens = [int(tok)]
-        for i in range(n + 4):
+        tokens = [int(out.logits[0, -1].argmax())]
+        for i in range(new + 3):
             if i == 4:
-                torch.cuda.synchronize()
+                u.sync(device)
                 t0 = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            x = torch.tensor([[tokens[-1]]], device=device)
+            out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
             tokens.append(int(out.logits[0, -1].argmax()))
-            tok = torch.tensor([[tokens[-1]]], device="cuda")
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    del model, cache
-    return n / dt, tokens
+        u.sync(device)
+        tps = (new - 1) / (time.perf_counter() - t0)
+        del cache
+        long = torch.tensor([u.random_ids(ttft_len, model.config.vocab_size, 7)], device=device)
+        times = []
+        for _ in range(6):
+            u.sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=long, logits_to_keep=1).logits[0, -1].argmax().item()
+            times.append((time.perf_counter() - t0) * 1e3)
+    del model
+    u.release(device)
+    return {"tok_s": tps, "tokens": tokens, "ttft_ms": u.median(times[1:])}
 
 
-def run_shape(
-    name: str, tokenizer: Path | None, bw: float, steps: list[int], with_hf: bool
-) -> dict[str, Any]:
-    import onnxgen
+def run_model(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]], bw: float | None) -> list[dict]:
+    loaded = {}
+    for k, opts in specs.items():
+        u.release(args.device)
+        t0 = time.perf_counter()
+        m = u.load(pkg, args.device, opts, args.threads)
+        loaded[k] = (m, time.perf_counter() - t0)
+    m0 = next(iter(loaded.values()))[0]
+    vocab, kv_token = m0.spec.vocab_size, m0.spec.kv_bytes_per_token
+    prompt = u.random_ids(args.prompt, vocab, 1)
+    lengths = u.ints(args.ttft)
+    ttft_prompts = {n: u.random_ids(n, vocab, 100 + n) for n in lengths}
+    for m, _ in loaded.values():  # warm-up: compiles, captures, per-shape choices
+        m.generate(prompt[:64], max_new_tokens=16, **GREEDY)
+        m.generate(prompt, max_new_tokens=args.new, **GREEDY)
+        for p in ttft_prompts.values():
+            m.generate(p, max_new_tokens=1, **GREEDY)
 
-    if tokenizer is not None:
-        from gpu_parity import package
+    def decode(m: Any) -> dict[str, Any]:
+        m.settle()
+        c0 = time.process_time()
+        r = m.generate(prompt, max_new_tokens=args.new, **GREEDY)
+        cpu = (time.process_time() - c0) / max(r.stats.generated_tokens, 1) * 1e3
+        return {"tok_s": r.stats.decode_tok_s, "cpu_ms": cpu, "tokens": r.tokens}
 
-        hf, pkg = package(name, tokenizer)
-    else:
-        hf, pkg = None, synthetic(name)
-    r: dict[str, Any] = {"shape": name, "floor_ms": floor_ms(name, 512 + 128, bw), "builder": hf is not None}
-    prompt = np.random.default_rng(1).integers(100, 32000, 512).tolist()
-    t0 = time.perf_counter()
-    m = onnxgen.load(str(pkg), backend="native", device="cuda")
-    r["load_s"] = time.perf_counter() - t0
-    r["weights_GB"] = m.executor.runner.program.weight_bytes / 1e9
-    runner = m.executor.runner
-    m.generate(prompt[:64], max_new_tokens=16, speculative="off", reuse=False, temperature=0)  # warm-up
-    for k in steps:
-        m.decode_steps = k
-        tps, cpu = [], []
-        for _ in range(5):
-            c0 = time.process_time()
-            res = m.generate(
-                prompt, max_new_tokens=128, speculative="off", reuse=False, stop=[], temperature=0
-            )
-            r["tokens"] = list(res.tokens)
-            cpu.append((time.process_time() - c0) / res.stats.generated_tokens * 1e3)
-            tps.append(res.stats.decode_tok_s)
-        r[f"tps_{k}"] = statistics.median(tps)
-        r[f"cpu_ms_{k}"] = statistics.median(cpu)
-        log(name, f"decode_steps={k}: {r[f'tps_{k}']:.1f} tok/s, CPU {r[f'cpu_ms_{k}']:.3f} ms/token")
-    r["replay_ms"] = replay_ms(runner, 512 + 128)
-    r.update(kernels(runner, 512 + 128))
-    log(
-        name,
-        f"load {r['load_s']:.1f}s; replay {r['replay_ms']:.3f} ms; {r['kernels_per_step']:.0f} kernels/step, "
-        f"{r['kernel_ms']:.3f} ms",
-    )
-    for k_, ms, cnt in r["top"]:
-        log(f"   {ms:7.3f} ms {cnt:5.1f}x {k_}")
-    m.close()
-    del m, runner
-    gc.collect()
-    torch.cuda.empty_cache()
-    if with_hf:
-        r["hf_tps"], hf_tokens = hf_tps(hf, name, prompt)
-        log(name, f"transformers eager {r['hf_tps']:.1f} tok/s")
-        if hf is not None:  # the same checkpoint: a wrong kernel differs from the first token
-            n = min(len(r["tokens"]), len(hf_tokens))
-            r["same_as_hf"] = next((i for i in range(n) if r["tokens"][i] != hf_tokens[i]), n)
-            log(
-                name,
-                f"greedy tokens equal to transformers' for the first {r['same_as_hf']} of {n} (random "
-                "weights: small margins)",
-            )
-        gc.collect()
-        torch.cuda.empty_cache()
-    return r
+    def ttft(m: Any) -> dict[str, float]:
+        out = {}
+        for n, p in ttft_prompts.items():
+            m.settle()
+            out[n] = m.generate(p, max_new_tokens=1, **GREEDY).stats.ttft_s * 1e3
+        return out
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="0.5b,1b,8b16k")
-    ap.add_argument(
-        "--tokenizer", type=Path, default=None, help="builder packages (SmolLM2's tokenizer files)"
-    )
-    ap.add_argument("--decode-steps", default="1")
-    ap.add_argument("--no-hf", action="store_true")
-    a = ap.parse_args()
-    bw = copy_bandwidth()
-    log(f"copy bandwidth {bw / 1e12:.2f} TB/s; torch {torch.__version__}; {torch.cuda.get_device_name()}")
+    contenders = {}
+    for k, (m, _) in loaded.items():
+        contenders[f"{k}|decode"] = lambda m=m: decode(m)
+        contenders[f"{k}|ttft"] = lambda m=m: ttft(m)
+    runs = u.interleave(args.runs, contenders)
+    floor_ms = None
+    if bw:
+        floor_ms = (u.step_bytes(pkg.path) + kv_token * (args.prompt + args.new)) / bw * 1e3
     rows = []
-    steps = [int(x) for x in a.decode_steps.split(",")]
-    for name in a.shapes.split(","):
+    for k, (m, load_s) in loaded.items():
+        tps = u.median(x["tok_s"] for x in runs[f"{k}|decode"])
+        gpu_ms, kernels = (
+            (float("nan"), float("nan")) if args.no_profile else profiled_step(m, prompt, args.device)
+        )
+        rows.append(
+            {
+                "model": pkg.name,
+                "engine": k,
+                "load_s": load_s,
+                "tok_s": tps,
+                "ms_token": 1e3 / tps if tps else None,
+                "cpu_ms_token": u.median(x["cpu_ms"] for x in runs[f"{k}|decode"]),
+                "gpu_ms_step": gpu_ms,
+                "kernels_step": kernels,
+                "floor_ms": floor_ms,
+                "ttft_ms": {n: u.median(x[n] for x in runs[f"{k}|ttft"]) for n in lengths},
+                "tokens": runs[f"{k}|decode"][-1]["tokens"],
+            }
+        )
+    for m, _ in loaded.values():
+        m.close()
+    del loaded, m0, contenders, runs
+    u.release(args.device)
+    if pkg.hf is not None and not args.no_hf:
+        hf = hf_run(pkg, prompt, args.new, lengths[0], args.device)
+        same = next(
+            (i for i, (a, b) in enumerate(zip(rows[0]["tokens"], hf["tokens"], strict=False)) if a != b), None
+        )
+        for r in rows:
+            r["hf_tok_s"], r["hf_ttft_ms"] = hf["tok_s"], hf["ttft_ms"]
+        rows[0]["same_as_hf"] = min(len(rows[0]["tokens"]), len(hf["tokens"])) if same is None else same
+    return rows
+
+
+def main() -> int:
+    ap = u.parser(__doc__, model="builder:0.5b,builder:1b,builder:8b16k", device="cuda")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--ttft", default="512,4096", help="prompt lengths whose TTFT is measured")
+    ap.add_argument("--no-hf", action="store_true", help="no transformers peer")
+    ap.add_argument("--no-profile", action="store_true", help="no torch.profiler pass (kernels per step)")
+    args = ap.parse_args()
+    u.check_args(ap, args)
+    u.require_cuda(args.device, "gpu_decode.py")
+    u.set_threads(args.threads)
+    bw = u.copy_bandwidth() if args.device == "cuda" else None
+    if bw:
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    specs = u.engines(args.engine)
+    rows: list[dict[str, Any]] = []
+    for spec in args.model.split(","):
         try:
-            rows.append(run_shape(name, a.tokenizer, bw, steps, not a.no_hf))
-        except Exception as exc:  # keep the other shapes' numbers
-            log(f"!!! {name}: {type(exc).__name__}: {exc}")
-    (OUT / "gpu_decode.json").write_text(json.dumps({"bw": bw, "rows": rows}, indent=2, default=str))
-    log(
-        "\n| shape | decode_steps | tok/s | ms/token | replay ms (GPU) | GPU idle ms/token | CPU ms/token | "
-        "kernels/step | floor ms | % of floor | transformers tok/s |"
-    )
-    log("|---|---|---|---|---|---|---|---|---|---|---|")
+            pkg = u.resolve(spec, work=args.work, tokenizer=args.tokenizer, device=args.device)
+            rows += run_model(args, pkg, specs, bw)
+            print(f"{spec}: done", flush=True)
+        except Exception as exc:  # keep the other models' numbers
+            print(f"!!! {spec}: {type(exc).__name__}: {exc}", flush=True)
+    lengths = u.ints(args.ttft)
+    table = []
     for r in rows:
-        for k in steps:
-            ms = 1e3 / r[f"tps_{k}"]
-            log(
-                f"| {r['shape']} | {k} | {r[f'tps_{k}']:.0f} | {ms:.3f} | {r['replay_ms']:.3f} | "
-                f"{ms - r['replay_ms']:.3f} | {r[f'cpu_ms_{k}']:.3f} | {r['kernels_per_step']:.0f} | "
-                f"{r['floor_ms']:.3f} | {r['floor_ms'] / ms:.0%} | {r.get('hf_tps', float('nan')):.0f} |"
-            )
+        ms, floor = r["ms_token"], r["floor_ms"]
+        table.append(
+            [
+                r["model"],
+                r["engine"],
+                u.fmt(r["tok_s"], 0),
+                u.fmt(ms, 3),
+                u.fmt(r["gpu_ms_step"], 3),
+                u.fmt(r["cpu_ms_token"], 3),
+                u.fmt(r["kernels_step"], 0),
+                u.fmt(floor, 3),
+                f"{floor / ms:.0%}" if floor and ms else "-",
+                *(u.fmt(r["ttft_ms"][n], 2) for n in lengths),
+                u.fmt(r.get("hf_tok_s"), 0),
+                u.fmt(r.get("hf_ttft_ms"), 1),
+            ]
+        )
+    header = [
+        "model",
+        "engine",
+        "tok/s",
+        "ms/token",
+        "GPU ms/step",
+        "CPU ms/token",
+        "kernels/step",
+        "floor ms",
+        "% of floor",
+        *(f"TTFT {n} ms" for n in lengths),
+        "transformers tok/s",
+        f"transformers {lengths[0]} forward ms",
+    ]
+    caption = (
+        f"{u.describe(args.device, args.threads)}"
+        + (f"; copy bandwidth {bw / 1e12:.2f} TB/s" if bw else "")
+        + f"; batch 1, {args.prompt}-token prompt, {args.new} new tokens, greedy; median of {args.runs}"
+    )
+    same = [
+        f"{r['model']}: greedy tokens equal transformers' for {r['same_as_hf']}"
+        for r in rows
+        if "same_as_hf" in r
+    ]
+    u.report(caption, [("", u.table(table, header) + ("\n\n" + "\n".join(same) if same else ""))], args, rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

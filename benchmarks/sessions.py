@@ -1,0 +1,357 @@
+"""Conversations that keep their KV between requests, on the CPU or CUDA: multi-turn reuse, a turn on a
+long retained context, a conversation that grows, replies that re-tokenize differently, chunked prefill.
+
+    python benchmarks/sessions.py [--model default] [--device cpu] [--engine ...] --sections chat
+    python benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks
+
+Sections (contenders interleaved, the order reversed every other round, median of --runs):
+  chat        a --turns-turn chat under a long system prompt, greedy --reply-tokens replies fixed first: each
+              turn's TTFT with a `Session` (reuse), with a fresh prefill (`reuse=False`), and (CPU, --genai)
+              one onnxruntime-genai Generator kept across turns with each turn's new ids appended
+  retained    a --turn-token turn on a retained --context-token context (random ids): TTFT with the session,
+              against the same prompt prefilled fresh; decode tok/s at that context
+  growing     one session from --grow START,END,STEP: STEP-token turns, --new tokens answered each: TTFT
+              p50 / p99 and decode tok/s over the turns (--profile: one more turn under torch.profiler)
+  retokenize  six two-turn chats whose replies are resent as text: the tokens turn 1 retained, how many turn 2
+              reused, whether the reply's text re-tokenizes into the sampled ids (a chat model: default)
+  chunks      a --context-token prefill with each --chunks value as the load option chunk_size: TTFT against
+              no chunking, and (CUDA) the peak memory allocated beyond what the loaded engine holds
+Engines: each --engine (default: the device's default engine).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _util as u
+
+QUESTIONS = [
+    "Hi! I'm planning a trip to Paris next spring. What should I see first?",
+    "How many days would you recommend staying?",
+    "What is a good neighbourhood to stay in?",
+    "Which museums are worth it if I only have one afternoon?",
+    "What local food should I try?",
+    "Is the metro easy to use for tourists?",
+    "Can you suggest a day trip outside the city?",
+    "What should I pack for the weather in April?",
+    "Any tips for saving money while there?",
+    "Thanks! Can you summarise the plan in three bullet points?",
+]
+SYSTEM = "You are a friendly, concise travel assistant. Answer in short paragraphs. " * 40
+RETOKENIZE = [
+    "Name three rivers in France.",
+    "What is the capital of France?",
+    "Write a haiku about autumn.",
+    "List three French cheeses.",
+    "Give me two tips for learning to cook.",
+    "Explain what a CPU does in one sentence.",
+]
+GREEDY = {"temperature": 0, "speculative": "off"}
+
+
+def chat(args: Any, models: dict[str, Any], pkg: u.Package) -> tuple[str, str, Any]:
+    first = next(iter(models.values()))
+    msgs: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    prompts = []
+    for q in QUESTIONS[: args.turns]:
+        msgs = [*msgs, {"role": "user", "content": q}]
+        prompts.append(first.encode_prompt(msgs))
+        r = first.generate(msgs, max_new_tokens=args.reply_tokens, reuse=False, **GREEDY)
+        msgs = [*msgs, {"role": "assistant", "content": r.text}]
+
+    def reuse(m: Any) -> list[float]:
+        s = m.session()
+        out = [s.generate(ids, max_new_tokens=args.reply_tokens, **GREEDY).stats.ttft_s for ids in prompts]
+        s.close()
+        return out
+
+    def fresh(m: Any) -> list[float]:
+        return [m.generate(ids, max_new_tokens=1, reuse=False, **GREEDY).stats.ttft_s for ids in prompts]
+
+    contenders = {f"{k} reuse": (lambda m=m: reuse(m)) for k, m in models.items()}
+    contenders |= {f"{k} fresh": (lambda m=m: fresh(m)) for k, m in models.items()}
+    if args.genai:
+        peer = u.genai_model(pkg.path, args.threads)
+        contenders["onnxruntime-genai append"] = lambda: genai_chat(peer, prompts, args.reply_tokens)
+    for fn in contenders.values():
+        fn()  # warm-up
+    runs = u.interleave(args.runs, contenders)
+    med = {k: [u.median(r[t] for r in v) * 1e3 for t in range(len(prompts))] for k, v in runs.items()}
+    rows = [[t + 1, len(prompts[t]), *(f"{med[k][t]:,.1f}" for k in med)] for t in range(len(prompts))]
+    notes = []
+    for k in models:
+        if len(prompts) > 1:
+            t2 = med[f"{k} reuse"][1]
+            peer_t2 = med.get("onnxruntime-genai append", [None, None])[1]
+            vs = f", {t2 / peer_t2:.2f}x onnxruntime-genai's append" if peer_t2 else ""
+            notes.append(f"turn 2, {k}: {med[f'{k} fresh'][1] / t2:.1f}x faster than fresh{vs}")
+    text = u.table(rows, ["turn", "prompt tokens", *(f"{k} ms" for k in med)]) + "\n\n" + "\n".join(notes)
+    return f"chat: TTFT per turn ({args.reply_tokens}-token replies)", text, med
+
+
+def genai_chat(model: Any, prompts: list[list[int]], reply: int) -> list[float]:
+    """One Generator across turns; each turn appends what its sequence lacks (rewinding to the common prefix
+    first when re-tokenisation differs). Seconds to each turn's first token."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompts[-1]) + reply + 8)
+    gen = og.Generator(model, params)
+    seq: list[int] = []
+    out = []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        keep = min(u.common_prefix(seq, ids), len(ids) - 1)
+        if keep < len(seq):
+            gen.rewind_to(keep)
+        gen.append_tokens(ids[keep:])
+        seq = list(ids)
+        gen.generate_next_token()
+        tok = int(gen.get_next_tokens()[0])
+        out.append(time.perf_counter() - t0)
+        n = 1
+        while n < reply and not gen.is_done():
+            seq.append(tok)
+            gen.generate_next_token()
+            tok = int(gen.get_next_tokens()[0])
+            n += 1
+    return out
+
+
+def retained(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
+    vocab = next(iter(models.values())).spec.vocab_size
+    ctx = u.random_ids(args.context, vocab, 1)
+    turns = [u.random_ids(args.turn, vocab, 10 + i) for i in range(args.runs + 2)]
+    sessions = {k: m.session() for k, m in models.items()}
+    for k, m in models.items():  # warm-up: the context, and a turn of this size (captures, compiles)
+        sessions[k].generate(ctx, max_new_tokens=1, **GREEDY)
+        m.generate(ctx[:64], max_new_tokens=1, reuse=False, **GREEDY)
+    rounds = iter(range(1 << 30))
+
+    def turn(k: str) -> dict[str, float]:
+        tk = turns[next(rounds) % len(turns)]
+        sessions[k].generate(ctx, max_new_tokens=1, **GREEDY)  # back to the context: the same turn each time
+        r = sessions[k].generate(ctx + tk, max_new_tokens=1, **GREEDY)
+        return {"ttft_ms": r.stats.ttft_s * 1e3, "reused": r.stats.reused_tokens}
+
+    def fresh(k: str) -> dict[str, float]:
+        models[k].settle()
+        r = models[k].generate(ctx + turns[0], max_new_tokens=1, reuse=False, **GREEDY)
+        return {"ttft_ms": r.stats.ttft_s * 1e3}
+
+    def decode(k: str) -> dict[str, float]:
+        r = sessions[k].generate(ctx + turns[0], max_new_tokens=64, stop=[], **GREEDY)
+        return {"tok_s": r.stats.decode_tok_s}
+
+    contenders = {}
+    for k in models:
+        contenders |= {f"{k}|turn": lambda k=k: turn(k), f"{k}|fresh": lambda k=k: fresh(k)}
+        contenders[f"{k}|decode"] = lambda k=k: decode(k)
+    for fn in contenders.values():
+        fn()
+    runs = u.interleave(args.runs, contenders)
+    rows, data = [], {}
+    for k in models:
+        t = u.median(x["ttft_ms"] for x in runs[f"{k}|turn"])
+        f = u.median(x["ttft_ms"] for x in runs[f"{k}|fresh"])
+        d = u.median(x["tok_s"] for x in runs[f"{k}|decode"])
+        reused = runs[f"{k}|turn"][-1]["reused"]
+        data[k] = {"turn_ms": t, "fresh_ms": f, "decode_tok_s": d, "reused": reused}
+        rows.append([k, f"{t:,.2f}", reused, f"{f:,.1f}", f"{f / t:.1f}x", u.fmt(d)])
+        sessions[k].close()
+    header = [
+        "engine",
+        "turn TTFT ms",
+        "reused",
+        "fresh prefill TTFT ms",
+        "turn speedup",
+        "decode tok/s there",
+    ]
+    return (
+        f"retained: a {args.turn}-token turn on a {args.context}-token context",
+        u.table(rows, header),
+        data,
+    )
+
+
+def growing(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
+    start, end, step = u.ints(args.grow)
+    rows, data = [], {}
+    for k, m in models.items():
+        vocab = m.spec.vocab_size
+        s = m.session()
+        ctx = u.random_ids(start, vocab, 11)
+        s.generate(ctx, max_new_tokens=1, **GREEDY)
+        ttft, tps = [], []
+        while len(ctx) + step + args.new <= end:
+            ctx = ctx + u.random_ids(step, vocab, len(ctx))
+            r = s.generate(ctx, max_new_tokens=args.new, stop=[], **GREEDY)
+            ttft.append(r.stats.ttft_s * 1e3)
+            tps.append(r.stats.decode_tok_s)
+            ctx = ctx + r.tokens
+        if args.profile and len(ctx) + step + 2 <= m.spec.context_length:
+            profile_turn(s, ctx + u.random_ids(step, vocab, len(ctx)), args.device)
+        s.close()
+        t, d = ttft[1:] or ttft, tps[1:] or tps  # the first turn may warm caches
+        data[k] = {"ttft_ms": ttft, "decode_tok_s": tps}
+        spread = (max(d) - min(d)) / statistics.median(d) if d and statistics.median(d) else 0.0
+        rows.append(
+            [
+                k,
+                len(ttft),
+                f"{u.median(t):,.2f}",
+                f"{u.p99(t):,.2f}",
+                f"{min(d):,.1f}-{max(d):,.1f}",
+                f"{spread:.1%}",
+            ]
+        )
+    header = ["engine", "turns", "TTFT p50 ms", "TTFT p99 ms", "decode tok/s", "decode spread"]
+    title = f"growing: {start} -> {end} tokens in {step}-token turns, {args.new} tokens answered"
+    return title, u.table(rows, header), data
+
+
+def profile_turn(session: Any, ctx: list[int], device: str) -> None:
+    """One more turn under torch.profiler: the host's ops by self time (and the device's kernels on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        r = session.generate(ctx, max_new_tokens=1, **GREEDY)
+    print(f"\nprofiled turn: TTFT {r.stats.ttft_s * 1e3:.2f} ms (profiler on)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+    if device == "cuda":
+        print(
+            prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=12, max_name_column_width=60
+            )
+        )
+
+
+def retokenize(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
+    rows, data = [], {}
+    for k, m in models.items():
+        held_all = reused_all = 0
+        for q in RETOKENIZE:
+            s = m.session()
+            history = [{"role": "user", "content": q}]
+            r1 = s.generate(history, max_new_tokens=args.reply_tokens, **GREEDY)
+            held = s.retained_tokens
+            plain = m.encode_prompt([*history, {"role": "assistant", "content": r1.text}])
+            sampled = [t for t in r1.tokens if t not in m.eos_token_ids]
+            same = plain[len(r1.prompt_ids) : len(r1.prompt_ids) + len(sampled)] == sampled
+            history += [
+                {"role": "assistant", "content": r1.text},
+                {"role": "user", "content": "Tell me more."},
+            ]
+            r2 = s.generate(history, max_new_tokens=4, **GREEDY)
+            s.close()
+            reused = r2.stats.reused_tokens
+            held_all, reused_all = held_all + held, reused_all + reused
+            rows.append([k, q, held, f"{reused} ({reused / held:.0%})", "yes" if same else "no"])
+        data[k] = {"retained": held_all, "reused": reused_all}
+        rows.append([k, "all", held_all, f"{reused_all} ({reused_all / held_all:.1%})", ""])
+    header = ["engine", "chat", "retained after turn 1", "reused on turn 2", "reply re-tokenizes to its ids"]
+    return (
+        f"retokenize: turn 2 resends turn 1's reply as text ({args.reply_tokens} tokens)",
+        u.table(rows, header),
+        data,
+    )
+
+
+def chunks(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]]) -> tuple[str, str, Any]:
+    import torch
+
+    cuda = args.device == "cuda"
+    rows, data = [], {}
+    for k, opts in specs.items():
+        results = {}
+        for chunk in [*u.ints(args.chunks), None]:
+            u.release(args.device)
+            m = u.load(pkg, args.device, {**opts, "chunk_size": chunk}, args.threads)
+            ctx = u.random_ids(args.context, m.spec.vocab_size, 3)
+            m.generate(ctx[:64], max_new_tokens=1, reuse=False, **GREEDY)
+            times, peaks = [], []
+            for i in range(args.runs + 2):  # the first two runs of a prefill shape may compile or capture
+                u.sync(args.device)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated() if cuda else 0
+                r = m.generate(ctx, max_new_tokens=1, reuse=False, **GREEDY)
+                u.sync(args.device)
+                if i >= 2:
+                    times.append(r.stats.ttft_s * 1e3)
+                    peaks.append((torch.cuda.max_memory_allocated() - before) if cuda else None)
+            results[chunk] = (u.median(times), max(peaks) if cuda else None)
+            m.close()
+            del m
+        none_ms = results[None][0]
+        for chunk, (ms, peak) in results.items():
+            rows.append(
+                [
+                    k,
+                    chunk or "none",
+                    f"{ms:,.1f}",
+                    f"{ms / none_ms:.2f}x",
+                    u.fmt(peak / 1e9, 3) if peak else "-",
+                ]
+            )
+        data[k] = {str(c): v for c, v in results.items()}
+    header = ["engine", "chunk", "TTFT ms", "vs none", "peak beyond the loaded engine GB"]
+    return f"chunks: a {args.context}-token prefill", u.table(rows, header), data
+
+
+def main() -> int:
+    ap = u.parser(__doc__)
+    ap.add_argument("--sections", default="chat")
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--reply-tokens", type=int, default=32)
+    ap.add_argument("--genai", action="store_true", help="chat: onnxruntime-genai's append too (CPU)")
+    ap.add_argument("--context", type=int, default=8000)
+    ap.add_argument("--turn", type=int, default=64)
+    ap.add_argument("--grow", default="7900,9000,64", help="START,END,STEP")
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--chunks", default="256,512,1024")
+    args = ap.parse_args()
+    u.check_args(ap, args)
+    u.require_cuda(args.device, "sessions.py")
+    u.set_threads(args.threads)
+    pkg = u.models(args)[0]
+    specs = u.engines(args.engine)
+    sections = args.sections.split(",")
+    loaded = (
+        {k: u.load(pkg, args.device, o, args.threads) for k, o in specs.items()}
+        if sections != ["chunks"]
+        else {}
+    )
+    tables, data = [], {}
+    for name in sections:
+        if name == "chat":
+            out = chat(args, loaded, pkg)
+        elif name == "retained":
+            out = retained(args, loaded)
+        elif name == "growing":
+            out = growing(args, loaded)
+        elif name == "retokenize":
+            out = retokenize(args, loaded)
+        elif name == "chunks":
+            for m in loaded.values():
+                m.close()
+            loaded = {}
+            out = chunks(args, pkg, specs)
+        else:
+            ap.error(f"unknown section {name!r}")
+        tables.append(out[:2])
+        data[name] = out[2]
+    caption = f"model: {pkg.name} ({pkg.path}); {u.describe(args.device, args.threads)}; median of {args.runs}; greedy"
+    u.report(caption, tables, args, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
