@@ -170,7 +170,7 @@ def test_stop_chain_waits_for_a_match_to_prove_right_unless_copying() -> None:
 
 
 def test_follow_drafts_after_a_confirmed_stop_only_along_the_confirmed_match() -> None:
-    """`follow` (with `confirm`; `drafts.CUDA_FOLLOW`): the drafts proposed after `stop_chain` stopped for a
+    """`follow` (with `confirm`, both on CUDA): the drafts proposed after `stop_chain` stopped for a
     confirmed match are that match's continuation, or none when the lookup now answers from another source
     (the run behind the stop left the copy) with a match no longer than its n-grams (3 tokens); a longer
     match there is drafted (the copy resumed elsewhere). Only the first proposal after the stop is checked,

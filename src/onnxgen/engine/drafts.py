@@ -295,18 +295,6 @@ class DraftControl:
                 self._wait = min(self.cooldown_max, 2 * self._wait)
 
 
-# CUDA: a request that is not copying stops a chain of decode runs only for a confirmed match
-# (`DraftControl.stop_chain`); benchmarks/speculative.py and spec_schedule.py time the policy without it as
-# the `o` suffix of a run length (`--spec-runs 2,2o`)
-CUDA_CONFIRM = True
-# CUDA (with `CUDA_CONFIRM`): after a stop for a confirmed match, draft only that match's continuation or a
-# longer match (`DraftControl.follow`). Measured on an H100 (docs/benchmarks/speculative-gpu.md, 2026-12-06
-# twelfth session): free text 0.97x -> 0.99x (its one rejected verify gone), edit and numbers unchanged. In
-# benchmarks/speculative.py and spec_schedule.py a run length with the `f` suffix has it on, without it off
-# (`--spec-runs 2,2f`)
-CUDA_FOLLOW = True
-
-
 def draft_control(cuda: bool, sizes: tuple[int, ...] = (), solo: bool = False) -> DraftControl:
     """A new request's control; `sizes`: the runner's verify sizes (`BatchRunner.verify_sizes`: draft
     lengths are raised to fill them). On CUDA a verify step of up to 16 positions replays one graph (so up
@@ -315,17 +303,16 @@ def draft_control(cuda: bool, sizes: tuple[int, ...] = (), solo: bool = False) -
     rejected retries doubles up to 256 tokens, and a request that is not copying stops a chain of decode
     runs only for a confirmed match (`confirm`) and, after such a stop, drafts only along that match or a
     longer one (`follow`; on the CPU a stop costs little, and a copy found a run later costs decode
-    steps). On the CPU the plain settings measured best
-    (docs/benchmarks/speculative-cpu.md). `solo`: drafts only while the request runs alone
-    (`DraftControl.active`)."""
+    steps). On the CPU the plain settings measured best (docs/benchmarks/speculative.md). `solo`: drafts only
+    while the request runs alone (`DraftControl.active`)."""
     if cuda:
         return DraftControl(
             k_max=15,
             ngram_min=2,
             cooldown_max=256,
             sizes=sizes,
-            confirm=CUDA_CONFIRM,
-            follow=CUDA_FOLLOW,
+            confirm=True,
+            follow=True,
             solo=solo,
         )
     return DraftControl(sizes=sizes, solo=solo)
