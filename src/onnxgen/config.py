@@ -83,7 +83,7 @@ class ModelConfig:
         _choice("int4", self.int4, (None, "dense", "packed"))
         _positive("threads", self.threads)
         _choice("kv_mode", self.kv_mode, (None, "shared", "concat"))
-        _positive("graph_max_tokens", self.graph_max_tokens)
+        _positive("graph_max_tokens", self.graph_max_tokens, least=0)
         for name in ("spinning", "last_logits", "cuda_graphs", "static_steps"):
             _bool(name, getattr(self, name))
         if self.tool_parser is not None and not isinstance(self.tool_parser, str):
