@@ -128,10 +128,11 @@ def _verify_rows_are_decode_bits(device: str, dtype: str, tmp_path: Path, graphs
 
 def test_verify_steps_and_only_they_are_computed_rowwise(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step is rowwise when each chunk wants every fed position's logits and some chunk has several
-    (draft verification, alone or beside decodes), within `kernels.ROWWISE_ROWS` rows; never for decodes or
-    prefill chunks, nor with ONNXGEN_ROWWISE=0."""
-    from onnxgen.backends.native import kernels
+    (draft verification, alone or beside decodes), within `kernels.linear.ROWWISE_ROWS` rows; never for
+    decodes or prefill chunks, nor with ONNXGEN_ROWWISE=0 (read by the runner at load)."""
+    from onnxgen import envs
     from onnxgen.backends.native import runner as rmod
+    from onnxgen.backends.native.kernels.linear import ROWWISE_ROWS
 
     verify = SeqChunk([1, 2, 3], 10, [0], 3)
     decode = SeqChunk([4], 20, [1], 1)
@@ -141,11 +142,11 @@ def test_verify_steps_and_only_they_are_computed_rowwise(monkeypatch: pytest.Mon
     )
     assert not rmod._rowwise(BatchStep((SeqChunk([1, 2, 3], 0, [0], 1),)))  # a prefill chunk
     assert not rmod._rowwise(BatchStep((verify, SeqChunk([1, 2], 0, [3], 1))))  # beside a prefill chunk
-    n = kernels.ROWWISE_ROWS
+    n = ROWWISE_ROWS
     assert rmod._rowwise(BatchStep((SeqChunk(list(range(n)), 0, [0, 1, 2, 3], n),)))
     assert not rmod._rowwise(BatchStep((SeqChunk(list(range(n + 1)), 0, [0, 1, 2, 3, 4], n + 1),)))
-    monkeypatch.setattr(rmod, "ROWWISE", False)
-    assert not rmod._rowwise(BatchStep((verify,)))
+    monkeypatch.setenv("ONNXGEN_ROWWISE", "0")
+    assert not rmod._rowwise(BatchStep((verify,)), envs.ROWWISE)
 
 
 def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_keys(tmp_path: Path) -> None:
@@ -153,16 +154,17 @@ def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_k
     (unpipelined attention, `paged.short_keys`) only while every sequence's KV length stays within that
     graph's `keys` through the run's last step; otherwise, and for buckets without one, the graph for any
     length. (Which graph is chosen; the graphs themselves are GPU-tested.)"""
-    from types import SimpleNamespace
-
+    from onnxgen.backends.native.graphs import Captured, GraphKey
     from onnxgen.convert.synthetic import SyntheticConfig, write_package
 
     spec = load_spec(write_package(tmp_path / "pkg", SyntheticConfig(num_layers=1, context_length=512)))
     runner = NativeRunner(spec, "cpu", kv_bytes=8 << 20, cuda_graphs=False)
-    long1, long2, short1 = SimpleNamespace(keys=0), SimpleNamespace(keys=0), SimpleNamespace(keys=100)
+    keys = (GraphKey("decode", 1), GraphKey("decode", 2), GraphKey("decode", 1, kv=100))
+    long1, long2, short1 = (Captured(key, None, None, None) for key in keys)
     runner._graph_batches = [1, 2]
-    runner._graphs = {(1, 1): long1, (2, 1): long2}
-    runner._short = {1: short1}
+    for g in (long1, long2, short1):
+        runner._graphs.put(g)
+    runner._short = {1: 100}
 
     def step(*starts: int) -> BatchStep:
         return BatchStep(tuple(SeqChunk([1], s, [0]) for s in starts))
@@ -177,9 +179,9 @@ def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_k
 def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) -> None:
     """The same on the CPU through the Triton kernels (`ONNXGEN_FORCE_TRITON=1` under `TRITON_INTERPRET=1`;
     skipped elsewhere: the CPU's torch path makes no such promise in low precision)."""
-    from onnxgen.backends.native import kernels
+    from onnxgen import envs
 
-    if not kernels.FORCE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+    if not envs.FORCE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip(
             "runs the Triton kernels on the CPU only under TRITON_INTERPRET=1 and ONNXGEN_FORCE_TRITON=1"
         )
