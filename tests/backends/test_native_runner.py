@@ -176,6 +176,43 @@ def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_k
     assert runner._decode_graph(step(1, 2, 3), 1) is None  # no bucket that large
 
 
+def test_graphs_hold_captured_steps_by_key_and_forget_them_on_clear() -> None:
+    """`graphs.Graphs` bookkeeping (no capture: that is GPU-tested): a step is held under its `GraphKey`
+    (kind, batch, tokens, KV bound all part of the key), replaced by a step under the same key, listed in
+    insertion order, and dropped with every failure mark by `clear`."""
+    from onnxgen.backends.native.graphs import Captured, GraphKey, Graphs
+
+    graphs: Graphs[str] = Graphs(torch.device("cpu"))
+    decode, short = GraphKey("decode", 8), GraphKey("decode", 8, kv=1024)
+    assert decode != short and decode == GraphKey("decode", batch=8, tokens=1, kv=0)
+    graphs.put(Captured(decode, "inputs", None, "out"))
+    graphs.put(Captured(short, "short", None, None))
+    assert len(graphs) == 2 and list(graphs) == [decode, short]
+    assert graphs.get(decode).out == "out" and graphs.get(GraphKey("prefill", tokens=16)) is None
+    graphs.put(Captured(decode, "again", None, None))
+    assert len(graphs) == 2 and graphs.get(decode).inputs == "again"
+    assert not graphs.failed(decode)
+    graphs.clear()
+    assert len(graphs) == 0 and graphs.get(short) is None
+
+
+def test_runner_options_part_steps_and_first_multi(tiny_dir: Path) -> None:
+    """`part_steps` (declared in `RUNNER_OPTIONS`) sets the parts a run is read in on the CPU too (0: one
+    part); a negative or non-int value is refused naming the option."""
+    from onnxgen.backends.native import RUNNER_OPTIONS
+    from onnxgen.backends.native.runs import DecodeRun
+    from onnxgen.errors import InvalidRequest
+
+    assert {"part_steps", "first_multi"} <= set(RUNNER_OPTIONS)
+    spec = load_spec(tiny_dir)
+    for part_steps, want in ((4, (4, 8, 10)), (3, (3, 6, 9, 10)), (0, (10,))):
+        runner = NativeRunner(spec, kv_bytes=8 << 20, part_steps=part_steps, first_multi=False)
+        assert runner.decode_parts(DecodeRun(torch.empty(10, 1))) == want
+    for bad in (-1, 2.0, True):
+        with pytest.raises(InvalidRequest, match="part_steps"):
+            NativeRunner(spec, kv_bytes=8 << 20, part_steps=bad)
+
+
 def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) -> None:
     """The same on the CPU through the Triton kernels (`ONNXGEN_FORCE_TRITON=1` under `TRITON_INTERPRET=1`;
     skipped elsewhere: the CPU's torch path makes no such promise in low precision)."""

@@ -9,12 +9,13 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   Attention without a mask input) replay CUDA graphs (`graphs.Graphs`, the runner's mechanism too): one
   per (step size, KV capacity bucket), where the step size is 1 for decode and, for a prefill chunk of
   n <= `graph_max_tokens` (1024) tokens, the next power of two >= max(n, 16) (the chunk is padded with
-  copies of its last token; the padding's keys land past the valid length and are never read). The start position, the token ids and the index of the
-  last real token are copied into device buffers first (pinned staging, no stream sync). Decode
-  graphs are captured on first use, prefill graphs on the second use of their shape (the first runs
-  eagerly), so one-off prompt shapes never pay a capture. Every other forward runs the lowered
-  program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are dequantized once at load into
-  the model's float dtype; `int4="packed"` keeps MatMulNBits packed (`device.int4_mode`).
+  copies of its last token; the padding's keys land past the valid length and are never read). The start
+  position, the token ids and the index of the last real token are copied into device buffers first
+  (pinned staging, no stream sync). Decode graphs are captured on first use, prefill graphs on the
+  second use of their shape (the first runs eagerly), so one-off prompt shapes never pay a capture.
+  Every other forward runs the lowered program eagerly. int4 weights (MatMulNBits,
+  GatherBlockQuantized) are dequantized once at load into the model's float dtype; `int4="packed"`
+  keeps MatMulNBits packed (`device.int4_mode`).
 - Threads: decoders may be driven from different threads at once. On CUDA every forward holds the
   device's lock (`device_lock`), so the work of different decoders never interleaves inside a graph
   capture, and captures run in thread-local mode, so work of other threads outside onnxgen cannot

@@ -45,8 +45,9 @@ class GraphKey:
 
 @dataclass
 class Captured(Generic[T]):
-    """A captured step: its graph, the body's output, its static inputs and, when captured `depth` > 1 steps
-    deep, a second graph of the body that many times over (same inputs; its outputs those of its last step)."""
+    """A captured step: its graph, the body's output, its static inputs and, when captured `depth` > 1
+    steps deep, a second graph of the body that many times over (same inputs; the outputs of its last
+    step)."""
 
     key: GraphKey
     inputs: T

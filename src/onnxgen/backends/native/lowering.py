@@ -650,7 +650,8 @@ def _residual_into_product(nodes: list[O.Node], logits: str) -> None:
     836 -> 667 instructions, 1,324 -> 1,138 with the SiLU; `benchmarks/sass_tables.sh`), and a norm left
     on its own reads one row instead of two. In half precision the Triton products (decode and verify rows,
     few-row chunks) round the sum once instead of twice (the product, then the sum): closer to a float32
-    reference, not the same bits; cuBLAS rows keep the two roundings (`kernels.linear.linear_unfused`). In place."""
+    reference, not the same bits; cuBLAS rows keep the two roundings (`kernels.linear.linear_unfused`). In
+    place."""
     producer = {o: n for n in nodes for o in n.outputs if o}
     at = {id(n): i for i, n in enumerate(nodes)}
     readers = _readers(nodes)

@@ -117,7 +117,8 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
 
 class PoolRows:
     """The pool as per-layer `[1, kv_heads, rows, head_dim]` buffers whose rows are slots: what
-    `kernels.attention.rope_qkv_write` (given the step's slots) writes a step's rotated keys and values into."""
+    `kernels.attention.rope_qkv_write` (given the step's slots) writes a step's rotated keys and values
+    into."""
 
     def __init__(self, storage: Any) -> None:
         views = [storage.rows(layer) for layer in range(storage.num_layers)]
@@ -180,7 +181,8 @@ def tile_for(rows: int, fewest: int, group: int, d: int, fp32: bool = False) -> 
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessor count (132 off CUDA, the H100 / H200's: the interpreter plans as the GPU does)."""
+    """The device's multiprocessor count (132 off CUDA, the H100's and H200's: the interpreter plans as the
+    GPU does)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -196,11 +198,12 @@ def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> 
 
 
 def short_blocks() -> int:
-    """Decode-size work items (one token's query rows) whose key splits hold at most this many key blocks at the
-    longest KV length a launch may see (`PagedStep.seq_lens`: a captured step's bound) run the attention with
-    one software-pipeline stage instead of two: the same bits, less latency for splits of one or two blocks;
-    longer splits keep the pipeline (docs/benchmarks/decode-gpu.md, eleventh session). `ONNXGEN_SHORT_BLOCKS`
-    (default 2; 0: always pipelined), read at each launch and when a runner plans its short-context graphs."""
+    """Decode-size work items (one token's query rows) whose key splits hold at most this many key blocks at
+    the longest KV length a launch may see (`PagedStep.seq_lens`: a captured step's bound) run the attention
+    with one software-pipeline stage instead of two: the same bits, less latency for splits of one or two
+    blocks; longer splits keep the pipeline (docs/benchmarks/decode-gpu.md, eleventh session).
+    `ONNXGEN_SHORT_BLOCKS` (default 2; 0: always pipelined), read at each launch and when a runner plans its
+    short-context graphs."""
     return envs.read("SHORT_BLOCKS")
 
 
@@ -223,7 +226,8 @@ def _short_limit(nsplit: int, block_n: int) -> int:
 
 
 def is_short(longest: int, nsplit: int, block_n: int) -> bool:
-    """Whether every one of `nsplit` key splits of up to `longest` keys holds at most `short_blocks()` blocks."""
+    """Whether every one of `nsplit` key splits of up to `longest` keys holds at most `short_blocks()`
+    blocks."""
     return longest <= _short_limit(nsplit, block_n)
 
 

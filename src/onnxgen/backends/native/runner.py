@@ -15,9 +15,8 @@ the following positions), and a step that verifies one sequence's draft tokens (
 one of `VERIFY_GRAPH_TOKENS` positions, captured the first time one is needed. The graphs are
 `graphs.Graphs` under `GraphKey`s; their inputs live in device buffers (`step_buffers.StepBuffers`: one upload
 from pinned memory, no synchronisation; padding writes its keys into a scratch page outside the pool and its
-logits are dropped); runs of decode steps follow `runs.replay_plan`. Mixed steps run eagerly. A capture that
-fails turns graphs off for the runner (a verify graph's: that size only), logged, and leaves the process
-usable.
+logits are dropped); runs of decode steps follow `runs.replay_plan`. Mixed steps run eagerly. A failed
+capture turns graphs off for the runner (a verify graph's: that size only), logged; the process stays usable.
 
 A package can be batched when every KV-bound node is a fused attention op (GroupQueryAttention, or ai.onnx
 Attention without a mask) and the graph needs no attention mask or extra inputs: `batchable(program,
@@ -35,13 +34,7 @@ import torch
 import onnxgen.envs as envs
 from onnxgen.backends.batch import BatchStep, DeviceTokens, SeqChunk
 from onnxgen.backends.native import paged
-from onnxgen.backends.native.device import (
-    device_lock,
-    input_dtype,
-    kv_dtype,
-    shared_program,
-    torch_device,
-)
+from onnxgen.backends.native.device import device_lock, input_dtype, kv_dtype, shared_program, torch_device
 from onnxgen.backends.native.graphs import Captured, GraphKey, Graphs
 from onnxgen.backends.native.kernels.advance import copy_page_prefix, greedy_advance
 from onnxgen.backends.native.kernels.linear import ROWWISE_ROWS
@@ -412,7 +405,8 @@ class NativeRunner:
         logits as the graph's output rows in the model's dtype (a view, valid until the next replay; the
         device choice reads them exactly), not a float32 copy. `run`: the first of `run` decode steps whose
         later replays advance their inputs on the device (`_graph_decodes`; `StepBuffers.fill`). `multi`:
-        replay the run's first steps as the several-step graph (the rows returned are then the last step's)."""
+        replay the run's first steps as the several-step graph (the rows returned are then the last
+        step's)."""
         buf, b = g.inputs, len(step.seqs)
         buf.fill(step, self.page_size, self._scratch, run)
         if ids_t is not None:

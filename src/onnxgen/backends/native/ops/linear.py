@@ -57,8 +57,8 @@ def _qkv_rope(
     sin: Any,
     norm: tuple[Any, Any, float] | None,
 ) -> tuple[Any, Any] | None:
-    """A one-token step's QKV product with rotary and the KV write (`kernels.linear.linear_rope`; a rowwise step's
-    tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
+    """A one-token step's QKV product with rotary and the KV write (`kernels.linear.linear_rope`; a rowwise
+    step's tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
     nothing; None when not fused."""
     layer, n, hkv, d = qkv
     if ctx is None or ctx.kv is None or (ctx.n != 1 and not ctx.rowwise) or ctx.positions is None:
@@ -81,8 +81,8 @@ def _product(
     out_dtype: torch.dtype | None = None,
 ) -> Any:
     """`x @ W (+ bias) (+ residual)`: W `[N, K]` (`transposed`) or `[K, N]`; a residual (never with a bias)
-    is added to the product before it is rounded where the kernels can (`kernels.linear.linear`); `out_dtype`: the
-    result (rounded to x's dtype first) in that dtype."""
+    is added to the product before it is rounded where the kernels can (`kernels.linear.linear`);
+    `out_dtype`: the result (rounded to x's dtype first) in that dtype."""
     assert bias is None or residual is None
     if transposed and _upcast_cpu_matmul(x):
         y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
