@@ -106,3 +106,14 @@ def test_environment_variables_are_read_when_asked(monkeypatch):
     with pytest.raises(AttributeError):
         envs.NOT_A_VARIABLE  # noqa: B018
     assert [n for n, _, _ in envs.describe()] == [v.name for v in envs.VARS.values()]
+
+
+def test_the_config_passes_on_exactly_the_options_the_backends_declare():
+    """Every option a backend declares has a config field, and the config passes on nothing else."""
+    from onnxgen.backends import backend_options
+
+    declared = {o for opts in backend_options().values() for o in opts}
+    every = {name: 1 for name in declared}
+    every.update(int4="packed", kv_mode="shared", cuda_graphs=True, static_steps=True, spinning=True)
+    every.update(last_logits=True, first_multi=True)
+    assert set(Config().replace(**every).backend_options()) == declared

@@ -62,6 +62,8 @@ class ModelConfig:
     cuda_graphs: replay decode steps and short prefill chunks from CUDA graphs (native on CUDA).
     graph_max_tokens: the longest prefill chunk replayed from a graph by a per-request decoder (native).
     static_steps: run every step with static shapes, as a CUDA graph would, also on the CPU (testing).
+    part_steps: a run of decode steps reaches the host in parts of this many steps (native paged; None: 4).
+    first_multi: a greedy run's first replay is a several-step graph where it fits (native on CUDA; None: yes).
     tool_parser: the tool-call format (hermes | llama3_json | mistral; None: detected from the template).
     """
 
@@ -75,6 +77,8 @@ class ModelConfig:
     cuda_graphs: bool | None = None
     graph_max_tokens: int | None = None
     static_steps: bool | None = None
+    part_steps: int | None = None
+    first_multi: bool | None = None
     tool_parser: str | None = None
 
     def __post_init__(self) -> None:
@@ -84,7 +88,8 @@ class ModelConfig:
         _positive("threads", self.threads)
         _choice("kv_mode", self.kv_mode, (None, "shared", "concat"))
         _positive("graph_max_tokens", self.graph_max_tokens, least=0)
-        for name in ("spinning", "last_logits", "cuda_graphs", "static_steps"):
+        _positive("part_steps", self.part_steps, least=0)
+        for name in ("spinning", "last_logits", "cuda_graphs", "static_steps", "first_multi"):
             _bool(name, getattr(self, name))
         if self.tool_parser is not None and not isinstance(self.tool_parser, str):
             raise InvalidRequest(
@@ -260,6 +265,8 @@ class Config:
             "cuda_graphs": m.cuda_graphs,
             "graph_max_tokens": m.graph_max_tokens,
             "static_steps": m.static_steps,
+            "part_steps": m.part_steps,
+            "first_multi": m.first_multi,
             "int4": m.int4,
             "kv_floor": c.kv_floor,
             "kv_bytes": c.kv_bytes,

@@ -89,6 +89,24 @@ _VARS: tuple[Var, ...] = (
     Var("FOLD_NORMS", _flag(False), "0", "fold every RMSNorm into its product (not only where timed faster)"),
     Var("GEMV_X2D", _flag(True), "1", "the one-row product may load its input in the weight tile's shape"),
     Var(
+        "EMBEDDING_KERNEL",
+        _flag(True),
+        "1",
+        "the token embedding's gather runs its Triton kernel (part of programmatic dependent launch); 0: torch's",
+    ),
+    Var(
+        "SHORT_BLOCKS",
+        _int(2, 0),
+        "2",
+        "decode attention runs unpipelined while each key split holds at most this many key blocks (0: never)",
+    ),
+    Var(
+        "RESIDUAL_INTO_PRODUCT",
+        _flag(True),
+        "1",
+        "a skip-norm's sum is formed by the product that feeds it (read when a graph is lowered)",
+    ),
+    Var(
         "GREEDY_IN_ADVANCE",
         _flag(True),
         "1",

@@ -466,12 +466,12 @@ def test_fused_program_equals_one_op_per_node(dtype: str, tmp_path_factory: pyte
 
 
 def test_silu_mul_halves_writes_over_the_gate_half() -> None:
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels.norms import silu_mul_halves
 
     for dtype in (torch.float32, torch.bfloat16):
         y = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
         g, u = y[..., :8].float().clone(), y[..., 8:].float().clone()
-        got = kernels.silu_mul_halves(y)
+        got = silu_mul_halves(y)
         assert got.shape == (3, 5, 8) and got.data_ptr() == y.data_ptr()  # a view over y's first half
         want = (torch.nn.functional.silu(g) * u).to(dtype)
         assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
@@ -575,19 +575,20 @@ def test_slice_before_the_lm_head_passes_every_row_through_without_a_copy() -> N
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embedding_gathers_the_rows_of_its_ids(dtype: torch.dtype) -> None:
-    """`kernels.embedding` (the Gather of token ids from the embedding table: Triton on CUDA or under the
+    """`kernels.norms.embedding` (the Gather of token ids from the embedding table: Triton on CUDA or under the
     interpreter, torch elsewhere) returns the table's rows by indexing, in the ids' shape, for int64 and int32
     ids, a width that is not a whole number of column blocks, and no ids; on a Triton device an id outside
     the table reads zeros."""
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels.dispatch import use_triton
+    from onnxgen.backends.native.kernels.norms import embedding
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     w = torch.randn(50, 1100, generator=torch.Generator().manual_seed(0)).to(dtype).to(dev)
     ids = torch.tensor([[3, 0, 49, 3, 17]], device=dev)
     for idx in (ids, ids.to(torch.int32), ids[:, :0]):
-        got = kernels.embedding(idx, w)
+        got = embedding(idx, w)
         assert got.shape == (*idx.shape, 1100) and got.dtype == dtype
         assert torch.equal(got, w[idx.long()])
-    if kernels.use_triton(w):
-        bad = kernels.embedding(torch.tensor([1, 50, -1, 2], device=dev), w)
+    if use_triton(w):
+        bad = embedding(torch.tensor([1, 50, -1, 2], device=dev), w)
         assert torch.equal(bad[[0, 3]], w[[1, 2]]) and not bad[1:3].any()

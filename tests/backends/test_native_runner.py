@@ -128,10 +128,11 @@ def _verify_rows_are_decode_bits(device: str, dtype: str, tmp_path: Path, graphs
 
 def test_verify_steps_and_only_they_are_computed_rowwise(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step is rowwise when each chunk wants every fed position's logits and some chunk has several
-    (draft verification, alone or beside decodes), within `kernels.ROWWISE_ROWS` rows; never for decodes or
-    prefill chunks, nor with ONNXGEN_ROWWISE=0."""
-    from onnxgen.backends.native import kernels
+    (draft verification, alone or beside decodes), within `kernels.linear.ROWWISE_ROWS` rows; never for
+    decodes or prefill chunks, nor with ONNXGEN_ROWWISE=0 (read by the runner at load)."""
+    from onnxgen import envs
     from onnxgen.backends.native import runner as rmod
+    from onnxgen.backends.native.kernels.linear import ROWWISE_ROWS
 
     verify = SeqChunk([1, 2, 3], 10, [0], 3)
     decode = SeqChunk([4], 20, [1], 1)
@@ -141,11 +142,11 @@ def test_verify_steps_and_only_they_are_computed_rowwise(monkeypatch: pytest.Mon
     )
     assert not rmod._rowwise(BatchStep((SeqChunk([1, 2, 3], 0, [0], 1),)))  # a prefill chunk
     assert not rmod._rowwise(BatchStep((verify, SeqChunk([1, 2], 0, [3], 1))))  # beside a prefill chunk
-    n = kernels.ROWWISE_ROWS
+    n = ROWWISE_ROWS
     assert rmod._rowwise(BatchStep((SeqChunk(list(range(n)), 0, [0, 1, 2, 3], n),)))
     assert not rmod._rowwise(BatchStep((SeqChunk(list(range(n + 1)), 0, [0, 1, 2, 3, 4], n + 1),)))
-    monkeypatch.setattr(rmod, "ROWWISE", False)
-    assert not rmod._rowwise(BatchStep((verify,)))
+    monkeypatch.setenv("ONNXGEN_ROWWISE", "0")
+    assert not rmod._rowwise(BatchStep((verify,)), envs.ROWWISE)
 
 
 def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_keys(tmp_path: Path) -> None:
@@ -153,16 +154,17 @@ def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_k
     (unpipelined attention, `paged.short_keys`) only while every sequence's KV length stays within that
     graph's `keys` through the run's last step; otherwise, and for buckets without one, the graph for any
     length. (Which graph is chosen; the graphs themselves are GPU-tested.)"""
-    from types import SimpleNamespace
-
+    from onnxgen.backends.native.graphs import Captured, GraphKey
     from onnxgen.convert.synthetic import SyntheticConfig, write_package
 
     spec = load_spec(write_package(tmp_path / "pkg", SyntheticConfig(num_layers=1, context_length=512)))
     runner = NativeRunner(spec, "cpu", kv_bytes=8 << 20, cuda_graphs=False)
-    long1, long2, short1 = SimpleNamespace(keys=0), SimpleNamespace(keys=0), SimpleNamespace(keys=100)
+    keys = (GraphKey("decode", 1), GraphKey("decode", 2), GraphKey("decode", 1, kv=100))
+    long1, long2, short1 = (Captured(key, None, None, None) for key in keys)
     runner._graph_batches = [1, 2]
-    runner._graphs = {(1, 1): long1, (2, 1): long2}
-    runner._short = {1: short1}
+    for g in (long1, long2, short1):
+        runner._graphs.put(g)
+    runner._short = {1: 100}
 
     def step(*starts: int) -> BatchStep:
         return BatchStep(tuple(SeqChunk([1], s, [0]) for s in starts))
@@ -174,12 +176,49 @@ def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_k
     assert runner._decode_graph(step(1, 2, 3), 1) is None  # no bucket that large
 
 
+def test_graphs_hold_captured_steps_by_key_and_forget_them_on_clear() -> None:
+    """`graphs.Graphs` bookkeeping (no capture: that is GPU-tested): a step is held under its `GraphKey`
+    (kind, batch, tokens, KV bound all part of the key), replaced by a step under the same key, listed in
+    insertion order, and dropped with every failure mark by `clear`."""
+    from onnxgen.backends.native.graphs import Captured, GraphKey, Graphs
+
+    graphs: Graphs[str] = Graphs(torch.device("cpu"))
+    decode, short = GraphKey("decode", 8), GraphKey("decode", 8, kv=1024)
+    assert decode != short and decode == GraphKey("decode", batch=8, tokens=1, kv=0)
+    graphs.put(Captured(decode, "inputs", None, "out"))
+    graphs.put(Captured(short, "short", None, None))
+    assert len(graphs) == 2 and list(graphs) == [decode, short]
+    assert graphs.get(decode).out == "out" and graphs.get(GraphKey("prefill", tokens=16)) is None
+    graphs.put(Captured(decode, "again", None, None))
+    assert len(graphs) == 2 and graphs.get(decode).inputs == "again"
+    assert not graphs.failed(decode)
+    graphs.clear()
+    assert len(graphs) == 0 and graphs.get(short) is None
+
+
+def test_runner_options_part_steps_and_first_multi(tiny_dir: Path) -> None:
+    """`part_steps` (declared in `RUNNER_OPTIONS`) sets the parts a run is read in on the CPU too (0: one
+    part); a negative or non-int value is refused naming the option."""
+    from onnxgen.backends.native import RUNNER_OPTIONS
+    from onnxgen.backends.native.runs import DecodeRun
+    from onnxgen.errors import InvalidRequest
+
+    assert {"part_steps", "first_multi"} <= set(RUNNER_OPTIONS)
+    spec = load_spec(tiny_dir)
+    for part_steps, want in ((4, (4, 8, 10)), (3, (3, 6, 9, 10)), (0, (10,))):
+        runner = NativeRunner(spec, kv_bytes=8 << 20, part_steps=part_steps, first_multi=False)
+        assert runner.decode_parts(DecodeRun(torch.empty(10, 1))) == want
+    for bad in (-1, 2.0, True):
+        with pytest.raises(InvalidRequest, match="part_steps"):
+            NativeRunner(spec, kv_bytes=8 << 20, part_steps=bad)
+
+
 def test_interpreted_verify_rows_are_the_bits_of_decode_steps(tmp_path: Path) -> None:
     """The same on the CPU through the Triton kernels (`ONNXGEN_FORCE_TRITON=1` under `TRITON_INTERPRET=1`;
     skipped elsewhere: the CPU's torch path makes no such promise in low precision)."""
-    from onnxgen.backends.native import kernels
+    from onnxgen import envs
 
-    if not kernels.FORCE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+    if not envs.FORCE_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip(
             "runs the Triton kernels on the CPU only under TRITON_INTERPRET=1 and ONNXGEN_FORCE_TRITON=1"
         )

@@ -147,14 +147,12 @@ def test_overshoot_never_reaches_the_next_turn(model: Any, tiny_dir: Path, launc
 
 @pytest.mark.parametrize("max_new", [40, 17])
 def test_a_reply_ending_in_a_runs_first_part_does_not_wait_for_the_rest(model: Any, max_new: int) -> None:
-    """Runs of 8 are read in parts of 4 (`runner.PART_STEPS`): a lone request whose EOS falls in the first
+    """Runs of 8 are read in parts of 4 (the runner's `part_steps`): a lone request whose EOS falls in the first
     part of its third run (the first run one step: token 1; the second tokens 2-9; the third 10-17, or 10-16
     with 17 tokens allowed) takes that part only — the run's rest (and the run launched behind it, with 40
     tokens allowed; none with 17) is left to the next step (`_trailing`) — and its output equals single
     steps'; the next request's too."""
-    from onnxgen.backends.native import runner
-
-    assert runner.PART_STEPS == 4 and model.pipeline.policy.first_run_steps == 1
+    assert model.executor.runner.part_steps == 4 and model.pipeline.policy.first_run_steps == 1
     probe = model.generate(PROMPTS[3], max_new_tokens=max_new, temperature=0, reuse=False, speculative=False)
     p = next(i for i in range(10, 13) if probe.tokens[i] not in probe.tokens[:i])
     saved = model.inputs.eos_ids
@@ -405,20 +403,15 @@ def test_decode_steps_validated(tiny_dir: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("first_multi", [True, False])
-def test_runs_on_cuda_graphs_equal_single_steps(
-    tiny_dir: Path, first_multi: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_runs_on_cuda_graphs_equal_single_steps(tiny_dir: Path, first_multi: bool) -> None:
     """On CUDA each step of a run replays the captured decode graph with its ids copied on the device (greedy
-    runs: several steps a replay where they fit, `runner.RUN_GRAPH_STEPS`, the run's first replay included
-    with `runner.RUN_FIRST_MULTI`)."""
+    runs: several steps a replay where they fit, `ONNXGEN_RUN_GRAPH_STEPS`, the run's first replay included
+    with the runner option `first_multi`)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (runs on the GPU host)")
-    from onnxgen.backends.native import runner as runner_module
-
-    monkeypatch.setattr(runner_module, "RUN_FIRST_MULTI", first_multi)
-    m = stepper(tiny_dir, backend="native", device="cuda")
+    m = stepper(tiny_dir, backend="native", device="cuda", first_multi=first_multi)
     runner = m.executor.runner
     assert (
         m.pipeline.policy.decode_steps == 8 and runner.cuda_graphs and m.pipeline.policy.first_run_steps == 1
@@ -443,17 +436,17 @@ def test_runs_on_cuda_graphs_equal_single_steps(
 def test_greedy_advance_chooses_each_rows_first_maximum(
     in_advance: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`kernels.greedy_advance` (a captured decode step's greedy choice and advance; with `GREEDY_IN_ADVANCE`
+    """`kernels.advance.greedy_advance` (a captured decode step's greedy choice and advance; with `GREEDY_IN_ADVANCE`
     on a Triton device, partial maxima per column block and the choice inside the advance) records each live
     row's `torch.argmax` token: ties within a column block and across blocks go to the first column, a row of
     -inf takes 0, bf16 logits, a width that is not a whole number of blocks; padding rows untouched."""
     import torch
 
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels import advance
 
-    monkeypatch.setattr(kernels, "GREEDY_IN_ADVANCE", in_advance)
+    monkeypatch.setenv("ONNXGEN_GREEDY_IN_ADVANCE", "1" if in_advance else "0")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    b, mp, page, live, v = 5, 3, 4, 4, 3 * kernels._ARGMAX_BLOCK + 123
+    b, mp, page, live, v = 5, 3, 4, 4, 3 * advance.ARGMAX_BLOCK + 123
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(b, v, generator=g).to(torch.bfloat16)
     logits[0, [7, 9000, 11000]] = 40.0  # ties: within the first block's reach and across blocks
@@ -472,7 +465,7 @@ def test_greedy_advance_chooses_each_rows_first_maximum(
     )
     toks = torch.full((2, b), -1, dtype=torch.int64)
     args = [t.to(dev) for t in (logits, wide, narrow, toks)]
-    kernels.greedy_advance(*args, b, mp, page)
+    advance.greedy_advance(*args, b, mp, page)
     want = [int(i) for i in logits.float().argmax(-1)[:live]]
     assert want == [7, 5000, 0, v - 1]
     assert args[3][0, :live].tolist() == want and args[3][0, live:].tolist() == [-1] * (b - live)
@@ -480,12 +473,12 @@ def test_greedy_advance_chooses_each_rows_first_maximum(
 
 
 def test_decode_advance_moves_each_live_row_to_its_next_step() -> None:
-    """`kernels.decode_advance` (the tail of a captured decode step; Triton on CUDA, the torch reference
+    """`kernels.advance.decode_advance` (the tail of a captured decode step; Triton on CUDA, the torch reference
     elsewhere) against a row-by-row reading of its contract: padding rows untouched, slots through each
     row's page table, the token recorded at the step counter modulo the record's length."""
     import torch
 
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels import advance
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     b, mp, page, live, kmax = 6, 5, 4, 4, 3
@@ -505,7 +498,7 @@ def test_decode_advance_moves_each_live_row_to_its_next_step() -> None:
         want_n[r] = p + 1
     want_w[4 * b] = 5
     args = [t.to(dev) for t in (top, wide, narrow, toks)]
-    kernels.decode_advance(*args, b, mp, page)
+    advance.decode_advance(*args, b, mp, page)
     for got, want in zip(args[1:], (want_w, want_n, want_t), strict=True):
         assert torch.equal(got.cpu(), want)
 
@@ -513,30 +506,36 @@ def test_decode_advance_moves_each_live_row_to_its_next_step() -> None:
 @pytest.mark.parametrize("first_multi", [True, False])
 @pytest.mark.parametrize("part_steps", [4, 0, 3])
 def test_replay_plan_covers_each_row_once_and_stages_only_written_rows(
-    monkeypatch: pytest.MonkeyPatch, first_multi: bool, part_steps: int
+    first_multi: bool, part_steps: int
 ) -> None:
-    """The CUDA run's schedule (`runner.replay_plan`, on the CPU): replays cover the steps in order, deep
+    """The CUDA run's schedule (`runs.replay_plan`, on the CPU): replays cover the steps in order, deep
     ones only for greedy runs of graphs that have them and never across a token record window; greedy runs
     flush each record window once, at its end or the run's; the parts staged to the host cover the rows in
     order, each read from the run's tokens only once they are all there, else from the record within its
     current window, rows already recorded and not yet overwritten. A greedy run of deep replays has the parts
     the CPU's `decode_parts` gives, so the engine reads runs alike on both."""
+    from types import SimpleNamespace
+
     import torch
 
-    from onnxgen.backends.native import runner
+    from onnxgen import envs
+    from onnxgen.backends.native import runs
+    from onnxgen.backends.native.runner import NativeRunner
 
-    monkeypatch.setattr(runner, "PART_STEPS", part_steps)
-    monkeypatch.setattr(runner, "RUN_FIRST_MULTI", first_multi)
-    W, D = runner.RUN_TOKENS, runner.RUN_GRAPH_STEPS
+    W, D = runs.RUN_TOKENS, envs.RUN_GRAPH_STEPS
     for k in range(1, 2 * W + 7):
         for greedy in (True, False):
             for multi in (True, False):
-                plan = runner.replay_plan(k, greedy, multi)
-                assert [j for j, *_ in plan] == [sum(n for _, n, *_ in plan[:i]) for i in range(len(plan))]
-                assert sum(n for _, n, *_ in plan) == k
+                plan = runs.replay_plan(
+                    k, greedy, multi, depth=D, first_multi=first_multi, part_steps=part_steps
+                )
+                assert [r.first for r in plan] == [sum(r.steps for r in plan[:i]) for i in range(len(plan))]
+                assert sum(r.steps for r in plan) == k
                 written = flushed_to = staged = 0
-                for j, n, flush, part in plan:
+                for r in plan:
+                    j, n, flush, part = r.first, r.steps, r.flush, r.part
                     last = j + n - 1
+                    assert last == r.last
                     assert n in (1, D) and (n == 1 or (greedy and multi and j // W == last // W))
                     assert n == 1 or j > 0 or first_multi
                     written = last + 1  # rows chosen so far (greedy: in the record; else in the run's tokens)
@@ -551,16 +550,15 @@ def test_replay_plan_covers_each_row_once_and_stages_only_written_rows(
                         )
                         flushed_to = written
                     if part is not None:
-                        a, e, from_toks = part
+                        a, e, from_toks = part.start, part.end, part.from_run
                         assert a == staged and a < e == written
                         assert e <= flushed_to if from_toks else (a // W == (e - 1) // W and e - 1 <= last)
                         staged = e
                 assert staged == k and (not greedy or flushed_to == k)
-                ends = tuple(p[1] for *_, p in plan if p is not None)
+                ends = tuple(r.part.end for r in plan if r.part is not None)
                 if greedy and multi and first_multi and part_steps == 4 and k % D == 0:
-                    assert ends == tuple(
-                        runner.NativeRunner.decode_parts(None, runner.DecodeRun(torch.empty(k, 1)))
-                    )
+                    cpu = SimpleNamespace(part_steps=part_steps)  # a runner's `part_steps`, as on the CPU
+                    assert ends == tuple(NativeRunner.decode_parts(cpu, runs.DecodeRun(torch.empty(k, 1))))
 
 
 def test_a_request_ending_at_a_parts_last_row_gives_back_the_rest_of_its_run(model: Any) -> None:

@@ -1,4 +1,4 @@
-"""The Triton GEMV behind `kernels.linear` (one-row products, and the fused gate/up + SiLU) equals the float64
+"""The Triton GEMV behind `kernels.linear.linear` (one-row products, and the fused gate/up + SiLU) equals the float64
 product: on the GPU (every configuration, and the one `linear` picks), and on the CPU under
 `TRITON_INTERPRET=1` where Triton is installed (skipped elsewhere)."""
 
@@ -15,7 +15,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1", allow_module_level=True)
 
-from onnxgen.backends.native import kernels  # noqa: E402
+from onnxgen.backends.native.kernels import dispatch, gemv, linear  # noqa: E402
+from onnxgen.backends.native.kernels.reference import rms_norm_ref  # noqa: E402
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
@@ -27,7 +28,7 @@ def _ref(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
     return g * torch.sigmoid(g) * u
 
 
-CONFIGS = kernels.GEMV_CONFIGS if DEVICE == "cuda" else kernels.GEMV_CONFIGS[:2]
+CONFIGS = gemv.GEMV_CONFIGS if DEVICE == "cuda" else gemv.GEMV_CONFIGS[:2]
 # NOTE: the interpreter rounds float32 -> bf16 toward zero (the GPU rounds to nearest even): intermediates
 # the kernel rounds on purpose (the normalised row, g and u) may then sit one bf16 step lower there
 ROUNDED_TOL = 1e-2 if DEVICE == "cuda" else 4e-2
@@ -39,12 +40,12 @@ ROUNDED_TOL = 1e-2 if DEVICE == "cuda" else 4e-2
     ("n", "k", "dtype"), [(40, 200, torch.float32), (96, 256, torch.bfloat16), (130, 520, torch.bfloat16)]
 )
 def test_gemv_equals_float64_product(n: int, k: int, dtype: torch.dtype, silu: bool, cfg: tuple) -> None:
-    kernels._build()
+    dispatch.build()
     g = torch.Generator().manual_seed(n + k)
     rows = 2 * n if silu else n
     w = (torch.randn(rows, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
     x = torch.randn(1, 1, k, generator=g).to(dtype).to(DEVICE)
-    got = kernels._gemv(x, w, silu, cfg)
+    got = gemv.launch_gemv(x, w, silu, cfg)
     assert got.shape == (1, 1, n) and got.dtype == dtype
     want = _ref(x, w, silu)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output (and of g, u)
@@ -55,13 +56,13 @@ def test_gemv_equals_float64_product(n: int, k: int, dtype: torch.dtype, silu: b
 def test_linear_dispatch_equals_float64_product(silu: bool) -> None:
     """`linear` (one row: a GEMV where it was measured faster, else cuBLAS; several rows: cuBLAS and the
     in-place `silu_mul_halves`) equals the float64 product, and so does `linear_unfused`."""
-    kernels._build()
+    dispatch.build()
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(256 if silu else 128, 192, generator=g) / 14).to(torch.bfloat16).to(DEVICE)
     for rows in (1, 3):
         x = torch.randn(1, rows, 192, generator=g).to(torch.bfloat16).to(DEVICE)
         want = _ref(x.cpu(), w.cpu(), silu)
-        for got in (kernels.linear(x, w, silu_halves=silu), kernels.linear_unfused(x, w, silu)):
+        for got in (linear.linear(x, w, silu_halves=silu), linear.linear_unfused(x, w, silu)):
             assert got.shape == (1, rows, w.shape[0] // (2 if silu else 1))
             err = (got.cpu().double() - want).abs().max().item()
             assert err <= ROUNDED_TOL * max(1.0, want.abs().max().item()), (rows, err)
@@ -82,8 +83,8 @@ def test_gemv_with_rms_norm_equals_norm_then_product(
     """`rms_linear`: the GEMV normalising its input (and writing the residual sum) equals `rms_norm_ref`
     followed by the float64 product of its rounded output; with `NORM_LATE` (the scale after the product)
     the float64 product of the unrounded normalised row, within one rounding of the output."""
-    monkeypatch.setattr(kernels, "NORM_LATE", late)
-    kernels._build()
+    monkeypatch.setenv("ONNXGEN_NORM_LATE", "1" if late else "0")
+    dispatch.build()
     g = torch.Generator().manual_seed(3)
     n, k, dtype = 72, 328, torch.bfloat16
     w = (torch.randn(2 * n if silu else n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
@@ -93,8 +94,8 @@ def test_gemv_with_rms_norm_equals_norm_then_product(
     s_ref = None
     for cfg in CONFIGS:
         got_s = torch.empty_like(x) if skip else None
-        got = kernels._gemv(x, w, silu, cfg, (res, nw, 1e-5, got_s))
-        h, s_ref = kernels.rms_norm_ref(x.cpu(), None if res is None else res.cpu(), nw.cpu(), 1e-5)
+        got = gemv.launch_gemv(x, w, silu, cfg, (res, nw, 1e-5, got_s))
+        h, s_ref = rms_norm_ref(x.cpu(), None if res is None else res.cpu(), nw.cpu(), 1e-5)
         if late:
             want = _ref(
                 _late_ref(x.cpu(), None if res is None else res.cpu(), nw.cpu(), 1e-5),
@@ -113,7 +114,7 @@ def test_gemv_with_rms_norm_equals_norm_then_product(
             assert torch.equal(got_s.cpu(), s_ref)
         elif skip:
             assert torch.allclose(got_s.cpu().float(), s_ref.float(), rtol=2**-7, atol=0)
-    y, s = kernels.rms_linear(x, res, nw, 1e-5, w, silu)  # the dispatching entry point
+    y, s = linear.rms_linear(x, res, nw, 1e-5, w, silu)  # the dispatching entry point
     assert y.shape == (1, 1, n) and (s is None) == (not skip)
 
 
@@ -131,12 +132,12 @@ class _KV:
 def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(
     dtype: torch.dtype, half: int, norm: bool | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`kernels.linear_rope` (QKV rows with adjacent rotation pairs): the product (normalised first with
+    """`kernels.linear.linear_rope` (QKV rows with adjacent rotation pairs): the product (normalised first with
     `norm`), q and k rotated by interleaved pairs at the token's position, k and v written at its slot —
     against torch: the float64 product rounded, `rotary.rope(interleaved=True)`, plain slot writes."""
     from onnxgen.backends.native.rotary import rope
 
-    monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
+    monkeypatch.setenv("ONNXGEN_NORM_LATE", "1" if norm == "late" else "0")
     n, hkv, d, k = 4, 2, 16, 64
     g = torch.Generator().manual_seed(half + 2 * bool(norm))
     x = torch.randn(1, 1, k, generator=g).to(DEVICE, dtype)
@@ -147,13 +148,13 @@ def test_qkv_product_with_rotary_and_kv_write_equals_the_separate_ops(
     skip = torch.randn(1, 1, k, generator=g).to(DEVICE, dtype)
     nw = (1 + torch.randn(k, generator=g) / 4).to(DEVICE, dtype)
     kv = _KV(hkv, 8, d, dtype)
-    out = kernels.linear_rope(
-        x, w, kernels.Rope(cos, sin, pos, slot, kv, 0, n, hkv, d), (skip, nw, 1e-6) if norm else None
+    out = linear.linear_rope(
+        x, w, linear.Rope(cos, sin, pos, slot, kv, 0, n, hkv, d), (skip, nw, 1e-6) if norm else None
     )
     assert out is not None
     y, s = out
     h = (
-        (_late_ref(x, skip, nw, 1e-6) if norm == "late" else kernels.rms_norm_ref(x, skip, nw, 1e-6)[0])
+        (_late_ref(x, skip, nw, 1e-6) if norm == "late" else rms_norm_ref(x, skip, nw, 1e-6)[0])
         if norm
         else x
     )
@@ -193,32 +194,34 @@ def test_rowwise_rows_are_the_bits_of_one_row_launches(
     same bits as a launch of that row alone, for every configuration, with the norm folded in (and its
     residual sum; `late`: scaled after the product) or not; the dispatching entry points agree with one-row
     calls too."""
-    monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
-    kernels._build()
+    monkeypatch.setenv("ONNXGEN_NORM_LATE", "1" if norm == "late" else "0")
+    dispatch.build()
     n, k, rows = 72, 328, 5
     w, x, res, nw = _rows_case(11, n, k, rows, dtype, silu)
     res = res if norm in ("skip", "late") else None
     for cfg in CONFIGS:
         sums = torch.empty_like(x) if res is not None else None
-        got = kernels._gemv(x, w, silu, cfg, None if norm is None else (res, nw, 1e-5, sums))
+        got = gemv.launch_gemv(x, w, silu, cfg, None if norm is None else (res, nw, 1e-5, sums))
         for i in range(rows):
             s1 = torch.empty_like(x[:, i : i + 1]) if res is not None else None
             r1 = None if res is None else res[:, i : i + 1]
-            one = kernels._gemv(x[:, i : i + 1], w, silu, cfg, None if norm is None else (r1, nw, 1e-5, s1))
+            one = gemv.launch_gemv(
+                x[:, i : i + 1], w, silu, cfg, None if norm is None else (r1, nw, 1e-5, s1)
+            )
             assert torch.equal(got[:, i], one[:, 0]), (cfg, i)
             if res is not None:
                 assert torch.equal(sums[:, i], s1[:, 0])
     if norm is None:
         both = (
-            kernels.linear(x, w, silu, rowwise=True),
-            [kernels.linear(x[:, i : i + 1], w, silu) for i in range(rows)],
+            linear.linear(x, w, silu, rowwise=True),
+            [linear.linear(x[:, i : i + 1], w, silu) for i in range(rows)],
         )
     else:
-        y, _ = kernels.rms_linear(x, res, nw, 1e-5, w, silu, rowwise=True)
+        y, _ = linear.rms_linear(x, res, nw, 1e-5, w, silu, rowwise=True)
         both = (
             y,
             [
-                kernels.rms_linear(
+                linear.rms_linear(
                     x[:, i : i + 1], None if res is None else res[:, i : i + 1], nw, 1e-5, w, silu
                 )[0]
                 for i in range(rows)
@@ -242,16 +245,16 @@ def test_rowwise_qkv_rotary_rows_are_the_bits_of_one_row_launches(dtype: torch.d
     skip = torch.randn(1, rows, k, generator=g).to(DEVICE, dtype)
     nw = (1 + torch.randn(k, generator=g) / 4).to(DEVICE, dtype)
     kv_all, kv_one = _KV(hkv, 8, d, dtype), _KV(hkv, 8, d, dtype)
-    out = kernels.linear_rope(
-        x, w, kernels.Rope(cos, sin, pos, slot, kv_all, 0, n, hkv, d), (skip, nw, 1e-6), rowwise=True
+    out = linear.linear_rope(
+        x, w, linear.Rope(cos, sin, pos, slot, kv_all, 0, n, hkv, d), (skip, nw, 1e-6), rowwise=True
     )
     assert out is not None
     y, s = out
     for i in range(rows):
-        one = kernels.linear_rope(
+        one = linear.linear_rope(
             x[:, i : i + 1],
             w,
-            kernels.Rope(cos, sin, pos[i : i + 1], slot[i : i + 1], kv_one, 0, n, hkv, d),
+            linear.Rope(cos, sin, pos[i : i + 1], slot[i : i + 1], kv_one, 0, n, hkv, d),
             (skip[:, i : i + 1], nw, 1e-6),
         )
         assert one is not None
@@ -265,23 +268,23 @@ def test_rowwise_qkv_rotary_rows_are_the_bits_of_one_row_launches(dtype: torch.d
 def test_x_loaded_in_the_weight_tile_gives_the_same_bits(
     dtype: torch.dtype, norm: str | None, silu: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`X2D` (`kernels.x_in_tile`: x loaded in the weight tile's shape, no conversion through shared memory)
+    """`X2D` (`kernels.gemv.x_in_tile`: x loaded in the weight tile's shape, no conversion through shared memory)
     changes where x sits, not what is summed: every configuration gives the bits of the `[BLOCK_K]` load,
     over several K steps and a partial last one, with the residual sum. With a late norm the sum of squares
     is reduced in the layout x is loaded in, so on the GPU its float32 rstd (and so a float32 product) may
     differ in the last bits (seen on the H100, 2026-12-05): those products agree to 1e-6, the residual sums
     and the bf16 products to the bit. (What speculative decoding needs is that a verify row and a decode row
     take the same `X2D` decision, which is per configuration: `test_rowwise_*`.)"""
-    monkeypatch.setattr(kernels, "NORM_LATE", norm == "late")
-    kernels._build()
+    monkeypatch.setenv("ONNXGEN_NORM_LATE", "1" if norm == "late" else "0")
+    dispatch.build()
     n, k, rows = 40, 700, 3
     w, x, res, nw = _rows_case(17, n, k, rows, dtype, silu)
     for cfg in CONFIGS:
         outs = []
         for x2d in (False, True):
-            monkeypatch.setattr(kernels, "x_in_tile", lambda *a, x2d=x2d: x2d)
+            monkeypatch.setattr(gemv, "x_in_tile", lambda *a, x2d=x2d: x2d)
             sums = torch.empty_like(x)
-            y = kernels._gemv(x, w, silu, cfg, None if norm is None else (res, nw, 1e-5, sums))
+            y = gemv.launch_gemv(x, w, silu, cfg, None if norm is None else (res, nw, 1e-5, sums))
             outs.append((y, sums if norm else None))
         if norm == "late" and dtype == torch.float32:
             a, b = outs[0][0].double(), outs[1][0].double()
@@ -319,20 +322,20 @@ def test_residual_is_added_before_the_products_one_rounding(rows: int) -> None:
     """`linear(x, w, residual=r)` (a decode row, and a verify step's `rowwise` rows) writes round(x @ w.T +
     r), rounded once: the sums here differ from round(round(x @ w.T) + r) in every row; each row the same
     bits as a one-row launch."""
-    kernels._build()
+    dispatch.build()
     x, w, res, exact = _residual_case(rows)
     xb, wb, rb = (t.to(torch.bfloat16).to(DEVICE) for t in (x, w, res))
     want = _round_bf16(exact)
     twice = _round_bf16(_round_bf16(exact - res).float() + res)
     assert not torch.equal(want, twice)  # the case tells one rounding from two
-    got = kernels.linear(xb, wb, rowwise=rows > 1, residual=rb)
+    got = linear.linear(xb, wb, rowwise=rows > 1, residual=rb)
     assert torch.equal(got.cpu(), want)
     for cfg in CONFIGS:
-        assert torch.equal(kernels._gemv(xb, wb, False, cfg, residual=rb).cpu(), want), cfg
+        assert torch.equal(gemv.launch_gemv(xb, wb, False, cfg, residual=rb).cpu(), want), cfg
     for i in range(rows):
-        one = kernels.linear(xb[:, i : i + 1], wb, residual=rb[:, i : i + 1])
+        one = linear.linear(xb[:, i : i + 1], wb, residual=rb[:, i : i + 1])
         assert torch.equal(one[:, 0], got[:, i]), i
-    f32 = kernels.linear(x.to(DEVICE), w.to(DEVICE), rowwise=rows > 1, residual=res.to(DEVICE))
+    f32 = linear.linear(x.to(DEVICE), w.to(DEVICE), rowwise=rows > 1, residual=res.to(DEVICE))
     assert torch.equal(f32.cpu(), exact)
 
 
@@ -342,17 +345,17 @@ def test_residual_is_added_before_the_products_one_rounding(rows: int) -> None:
 def test_float_output_is_the_products_values_cast(rows: int, norm: bool, cfg: tuple) -> None:
     """`out_dtype=float32` (the lm_head writing float32 logits: the lowering's `_cast_into_product`): the bits
     of the product in x's dtype cast to float32 — one-row and rowwise launches, with a folded norm or not."""
-    kernels._build()
+    dispatch.build()
     g = torch.Generator().manual_seed(3 + rows)
     w = (torch.randn(200, 256, generator=g) / 16).to(torch.bfloat16).to(DEVICE)
     x = torch.randn(rows, 256, generator=g).to(torch.bfloat16).to(DEVICE)
     nw = (1 + torch.randn(256, generator=g) / 4).to(torch.bfloat16).to(DEVICE)
     fold = (None, nw, 1e-5, None) if norm else None
-    want = kernels._gemv(x, w, False, cfg, fold).float()
-    got = kernels._gemv(x, w, False, cfg, fold, out_dtype=torch.float32)
+    want = gemv.launch_gemv(x, w, False, cfg, fold).float()
+    got = gemv.launch_gemv(x, w, False, cfg, fold, out_dtype=torch.float32)
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert not torch.equal(got, (x.double() @ w.double().T).float())  # (the rounding to bf16 is there)
     assert torch.equal(
-        kernels.linear(x, w, rowwise=True, out_dtype=torch.float32),
-        kernels.linear(x, w, rowwise=True).float(),
+        linear.linear(x, w, rowwise=True, out_dtype=torch.float32),
+        linear.linear(x, w, rowwise=True).float(),
     )

@@ -16,7 +16,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the CPU runs Triton only under TRITON_INTERPRET=1", allow_module_level=True)
 
-from onnxgen.backends.native.triton_int4 import int4_linear  # noqa: E402
+from onnxgen.backends.native.kernels.triton.int4 import int4_linear  # noqa: E402
 
 
 def _weights(n: int, k: int, block: int, zp: str, seed: int = 0):
@@ -110,10 +110,10 @@ def test_packed_gate_up_gemv_equals_the_two_products_then_silu_mul(
 def test_packed_gemv_with_the_rms_norm_folded_in(
     m: int, n: int, k: int, tile: tuple, zp: str, skip: bool, silu: bool
 ) -> None:
-    """`norm=(skip, weight, eps)` (the lowering's RmsInt4Linear) equals `kernels.rms_norm_ref` followed by
+    """`norm=(skip, weight, eps)` (the lowering's RmsInt4Linear) equals `kernels.reference.rms_norm_ref` followed by
     the packed product (and the gate/up SiLU): the residual sum bit for bit, the product within float32's
     error of the norm's output computed unrounded (float32 x here, so nothing is rounded either way)."""
-    from onnxgen.backends.native.kernels import rms_norm_ref
+    from onnxgen.backends.native.kernels.reference import rms_norm_ref
 
     cols = 2 * n if silu else n
     packed, scales, z = _weights(cols, k, 32, zp, seed=7)
@@ -159,8 +159,8 @@ def test_dequant_kernel_writes_the_dense_weight_k_major(
 ) -> None:
     """`int4_dequant` (prefill rows' weight, one pass) gives `dequant_kmajor`'s values bit for bit, as
     `[K, N]`: partial last blocks, N and K not multiples of the tile, every zero-point form."""
+    from onnxgen.backends.native.kernels.triton.int4 import int4_dequant
     from onnxgen.backends.native.ops.quant import dequant_kmajor
-    from onnxgen.backends.native.triton_int4 import int4_dequant
 
     packed, scales, z = _weights(n, k, block, zp, seed=n + k)
     words, st, zt = kmajor(

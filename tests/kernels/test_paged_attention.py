@@ -191,7 +191,7 @@ def test_rotary_write_gives_q_in_the_token_major_layout_paged_attention_reads(de
     whose per-token rows are contiguous (what `attention` reads without a copy), and writes the same k/v."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA (runs on the GPU host)")
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels import attention
 
     st, step, _ = _batch(device, torch.float32, [(37, 1), (16, 20), (0, 3)])
     twin = PageStorage(2, st.data.shape[2], P, HKV, D, torch.float32, device)
@@ -202,8 +202,8 @@ def test_rotary_write_gives_q_in_the_token_major_layout_paged_attention_reads(de
     ang = torch.arange(100.0)[:, None] * (0.5 ** torch.arange(D // 2))[None, :]
     cos, sin = ang.cos().to(device), ang.sin().to(device)
     args = (cos, sin, ps.positions)
-    head = kernels.rope_qkv_write(qkv, *args, paged.PoolRows(twin), 1, N, HKV, D, False, slots=ps.slots)
-    tok = kernels.rope_qkv_write(
+    head = attention.rope_qkv_write(qkv, *args, paged.PoolRows(twin), 1, N, HKV, D, False, slots=ps.slots)
+    tok = attention.rope_qkv_write(
         qkv, *args, paged.PoolRows(st), 1, N, HKV, D, False, slots=ps.slots, token_major=True
     )
     assert head.is_contiguous() and tok[0].transpose(0, 1).is_contiguous()
@@ -214,16 +214,16 @@ def test_rotary_write_gives_q_in_the_token_major_layout_paged_attention_reads(de
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_copy_page_prefix_copies_the_prefix_in_every_layer_and_nothing_else(device: str) -> None:
-    """`kernels.copy_page_prefix` (copy on write of a shared partial page; one launch on a Triton device)
+    """`kernels.advance.copy_page_prefix` (copy on write of a shared partial page; one launch on a Triton device)
     against slice assignment on a copy of the pool."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA (runs on the GPU host)")
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels import advance
 
     st, _, _ = _batch(device, torch.float32, [(0, 1)])
     want = st.data.clone()
     want[:, :, 9, :11] = want[:, :, 4, :11]
-    kernels.copy_page_prefix(st.data, 4, 9, 11)
+    advance.copy_page_prefix(st.data, 4, 9, 11)
     assert torch.equal(st.data, want)
 
 
@@ -265,7 +265,7 @@ def test_short_keys_is_the_longest_kv_length_whose_key_splits_stay_short(
     items: int, group: int, d: int, plan: int
 ) -> None:
     """`short_keys` (which decode graph the runner replays) agrees with the launch's own choice (`is_short`
-    over the planned splits): up to it every split a sequence cuts holds at most `SHORT_BLOCKS` key blocks,
+    over the planned splits): up to it every split a sequence cuts holds at most `short_blocks()` key blocks,
     one key more and the longest sequence's splits hold more."""
     cpu = torch.device("cpu")
     bm, bn, _, stages = paged.tile_for(group, group, group, d)
@@ -277,21 +277,21 @@ def test_short_keys_is_the_longest_kv_length_whose_key_splits_stay_short(
     def blocks(n: int) -> int:  # key blocks a split of a sequence of n keys holds, as the kernel cuts it
         return math.ceil(math.ceil(n / nsplit) / bn)
 
-    assert blocks(keys) <= paged.SHORT_BLOCKS
+    assert blocks(keys) <= paged.short_blocks()
     if keys < plan:
         assert not paged.is_short(keys + 1, nsplit, bn)
-        assert blocks(keys + 1) > paged.SHORT_BLOCKS
+        assert blocks(keys + 1) > paged.short_blocks()
 
 
 def test_decode_steps_with_short_splits_launch_the_attention_unpipelined(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`attention_triton`'s pipeline depth (`SHORT_BLOCKS`): one stage for decode-size items in half
+    """`attention_triton`'s pipeline depth (`paged.short_blocks`): one stage for decode-size items in half
     precision while every split of the longest sequence the launch may see (`seq_lens`: a captured graph's
-    bound) holds at most `SHORT_BLOCKS` key blocks; the tile's own otherwise (longer sequences, prefill chunks,
+    bound) holds at most `short_blocks()` key blocks; the tile's own otherwise (longer sequences, prefill chunks,
     float32). Only the launch's arguments are recorded (no kernel runs: needs Triton importable, not a GPU)."""
     pytest.importorskip("triton")
-    from onnxgen.backends.native import triton_paged as tp
+    from onnxgen.backends.native.kernels.triton import paged as tp
 
     seen: list[int] = []
 
@@ -316,7 +316,7 @@ def test_decode_steps_with_short_splits_launch_the_attention_unpipelined(
     _, bn, _, two = paged.tile_for(N // HKV, N // HKV, N // HKV, D)
     nsplit = paged.plan_splits(HKV, 2048, 16, bn, cpu)
     keys = paged.short_keys(HKV, N // HKV, D, 2048, cpu)
-    assert two == 2 and keys == paged.SHORT_BLOCKS * bn * nsplit < 2048
+    assert two == 2 and keys == paged.short_blocks() * bn * nsplit < 2048
     assert stages(torch.bfloat16, [(600, 1)]) == 1  # a decode of 601 keys (up to `keys`: 1,024)
     assert stages(torch.bfloat16, [(600, 1)], bound=keys) == 1  # a graph for up to `keys`
     assert stages(torch.bfloat16, [(600, 1)], bound=keys + 1) == 2  # a graph for longer sequences

@@ -6,15 +6,16 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
 - KV lives in `onnxgen.kv.buffers.KVBuffers` (model dtype, on the device, written in place, capacity in
   power-of-two buckets from `kv_floor`); `rewind_to` is O(1).
 - On CUDA, forwards of a graph whose attention ops are all fused (GroupQueryAttention or ai.onnx
-  Attention without a mask input) replay CUDA graphs: one per (step size, KV capacity bucket), where the
-  step size is 1 for decode and, for a prefill chunk of n <= `graph_max_tokens` (1024) tokens, the
-  next power of two >= max(n, 16) (the chunk is padded with copies of its last token; the padding's keys land
-  past the valid length and are never read). The start position, the token ids and the index of the
-  last real token are copied into device buffers first (pinned staging, no stream sync). Decode
-  graphs are captured on first use, prefill graphs on the second use of their shape (the first runs
-  eagerly), so one-off prompt shapes never pay a capture. Every other forward runs the lowered
-  program eagerly. int4 weights (MatMulNBits, GatherBlockQuantized) are dequantized once at load into
-  the model's float dtype; `int4="packed"` keeps MatMulNBits packed (`device.int4_mode`).
+  Attention without a mask input) replay CUDA graphs (`graphs.Graphs`, the runner's mechanism too): one
+  per (step size, KV capacity bucket), where the step size is 1 for decode and, for a prefill chunk of
+  n <= `graph_max_tokens` (1024) tokens, the next power of two >= max(n, 16) (the chunk is padded with
+  copies of its last token; the padding's keys land past the valid length and are never read). The start
+  position, the token ids and the index of the last real token are copied into device buffers first
+  (pinned staging, no stream sync). Decode graphs are captured on first use, prefill graphs on the
+  second use of their shape (the first runs eagerly), so one-off prompt shapes never pay a capture.
+  Every other forward runs the lowered program eagerly. int4 weights (MatMulNBits,
+  GatherBlockQuantized) are dequantized once at load into the model's float dtype; `int4="packed"`
+  keeps MatMulNBits packed (`device.int4_mode`).
 - Threads: decoders may be driven from different threads at once. On CUDA every forward holds the
   device's lock (`device_lock`), so the work of different decoders never interleaves inside a graph
   capture, and captures run in thread-local mode, so work of other threads outside onnxgen cannot
@@ -43,7 +44,7 @@ from onnxgen.backends.native.device import (
     shared_program,
     torch_device,
 )
-from onnxgen.backends.native.kernels import repair_after_failed_capture
+from onnxgen.backends.native.graphs import GraphKey, Graphs
 from onnxgen.backends.native.lowering import Program, describe
 from onnxgen.backends.native.ops import RunCtx
 from onnxgen.errors import (
@@ -126,10 +127,9 @@ class NativeDecoder:
         self._use_graphs = bool(cuda_graphs) and device == "cuda" and self.program.static_ok
         self._static_steps = bool(static_steps) and self.program.static_ok
         self._graph_max = static_step_size(graph_max_tokens, 1 << 30) if graph_max_tokens > 1 else 1
-        self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
-        self._seen: set[tuple[int, int]] = set()
+        self._graphs: Graphs[None] = Graphs(self._dev)  # GraphKey("step", tokens=m, kv=capacity)
+        self._seen: set[GraphKey] = set()
         self._graph_gen = -1
-        self._pool: Any = None
         self._staging = Staging(self._dev)
         self.device_lock = device_lock(self._dev)
         # device step buffer: [start, index of the last real token, token ids (padded)...]
@@ -188,7 +188,7 @@ class NativeDecoder:
             "warmed_steps": self._warmed,
             "cuda_graphs": self._use_graphs,
             "static": self._use_graphs or self._static_steps,
-            "graphs": sorted(self._graphs),
+            "graphs": sorted((k.tokens, k.kv) for k in self._graphs),
             "static_forwards": dict(self._static_forwards),
             "eager_forwards": self._eager_forwards,
         }
@@ -197,7 +197,6 @@ class NativeDecoder:
         """Empty the cache, free its buffers and drop the CUDA graphs; the decoder stays usable."""
         self._graphs.clear()
         self._seen.clear()
-        self._pool = None
         self.kv.reset(free=True)
 
     def fork(self) -> NativeDecoder:
@@ -304,22 +303,20 @@ class NativeDecoder:
             return logits
         # pragma: cuda-begin (CUDA graphs)
         if self._graph_gen != self.kv.generation:
-            # NOTE: the KV buffers were reallocated, so every captured graph is stale. Dropping the
-            # graphs frees their private memory pool: forget its handle too, or the next capture
-            # would reuse a dead pool (PyTorch asserts `use_count > 0` in the caching allocator).
+            # NOTE: the KV buffers were reallocated, so every captured graph is stale (`Graphs.clear`
+            # also drops their memory pool's handle, which the next capture must not reuse).
             self._graphs.clear()
             self._seen.clear()
-            self._pool = None
             self._graph_gen = self.kv.generation
-        key = (m, self.kv.capacity)
-        entry = self._graphs.get(key)
-        if entry is None and m > 1 and key not in self._seen:
+        key = GraphKey("step", tokens=m, kv=self.kv.capacity)
+        g = self._graphs.get(key)
+        if g is None and m > 1 and key not in self._seen:
             self._seen.add(key)  # a prefill shape is captured on its second use
             return None
         self._set_step(tokens, start, m)
-        if entry is None:
+        if g is None:
             try:
-                entry = self._capture(m)
+                g = self._graphs.capture(key, lambda: self.program.execute(*self._static_env(m)), None)
             except NotCapturable as exc:
                 if m == 1:
                     log.warning("decode is not capturable (%s); running eagerly", exc)
@@ -331,11 +328,9 @@ class NativeDecoder:
             except Exception as exc:  # the capture broke (e.g. a foreign synchronising call): go eager
                 self._capture_failed(exc)
                 return None
-            self._graphs[key] = entry
-        graph, out = entry
-        graph.replay()
+        g.replay()
         self._count_static(m)
-        return _last_logits(out)
+        return _last_logits(g.out)
         # pragma: cuda-end
 
     def _count_static(self, m: int) -> None:
@@ -366,25 +361,9 @@ class NativeDecoder:
         ctx = RunCtx(self.kv, -1, m, positions, past=past, last=self._step_dev[1:2] if m > 1 else None)
         return env, ctx
 
-    def _capture(self, m: int) -> tuple[Any, torch.Tensor]:  # pragma: cuda
-        # Warm up on a side stream (compiles Triton kernels, settles allocator), then capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            env, ctx = self._static_env(m)
-            self.program.execute(env, ctx)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            env, ctx = self._static_env(m)
-            out = self.program.execute(env, ctx)
-        return graph, out
-
     def _capture_failed(self, exc: BaseException) -> None:  # pragma: cuda
-        """After a capture that raised: disable graphs for this decoder (logged once), drop its graphs
-        and pool, and repair what a broken capture leaves behind process-wide."""
+        """After a capture that raised (`Graphs.capture` repaired what a broken capture leaves behind
+        process-wide): disable graphs for this decoder (logged once), drop its graphs and their pool."""
         if self._use_graphs:
             log.warning(
                 "CUDA graph capture failed (%s: %s); this decoder runs eagerly from now on",
@@ -394,8 +373,6 @@ class NativeDecoder:
         self._use_graphs = False
         self._graphs.clear()
         self._seen.clear()
-        self._pool = None
-        repair_after_failed_capture(self._dev)
 
 
 def _last_logits(out: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """What the native backend's decoders and batched runner share about the device: the torch device of a
 name, the KV dtypes, the per-device lock around forwards and graph captures, uploads of small host vectors
-that never synchronise the stream, repair after a failed graph capture, and the lowered program shared by
-every decoder and runner of a package on a device (one copy of the weights)."""
+that never synchronise the stream, and the lowered program shared by every decoder and runner of a package on
+a device (one copy of the weights)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from onnxgen.backends.native.kernels.dispatch import load_switches
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.errors import BackendUnavailable
 
@@ -105,10 +106,9 @@ _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakV
 def int4_mode(int4: str | None) -> str:
     """How MatMulNBits weights run: "dense" (dequantized at load into the model dtype) or "packed" (kept
     packed, `ops.quant`'s Int4Linear). None: "dense" — packed decodes faster where a step has at most
-    `ops.quant.GEMV_ROWS` rows (the 8B shape at batch 1 on an H100: 2.1x, and 4.45 GB of weights instead of
-    14.8; docs/benchmarks/decode-gpu.md), but a step of more rows (batched decoding, prefill chunks)
-    dequantizes every weight it multiplies, each step: there is no few-row int4 GEMM yet, so batched serving
-    would pay for it. Raises InvalidRequest for other values."""
+    `ops.quant.GEMV_ROWS` rows, its weights in less memory (docs/benchmarks/decode-gpu.md), but a step of
+    more rows (batched decoding, prefill chunks) dequantizes every weight it multiplies, each step: there is
+    no few-row int4 GEMM yet, so batched serving would pay for it. Raises InvalidRequest for other values."""
     if int4 is None:
         return "dense"
     if int4 not in ("dense", "packed"):
@@ -120,7 +120,9 @@ def int4_mode(int4: str | None) -> str:
 
 def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Program:
     """Decoders of one package on one device share the lowered program (and so the weights); `int4` as
-    `int4_mode` reads it."""
+    `int4_mode` reads it. Reads the kernels' dispatch switches anew (`kernels.dispatch.load_switches`): a
+    decoder or runner runs with the environment of its load."""
+    load_switches()
     int4 = int4_mode(int4)
     path = spec.decoder_path
     st = path.stat()

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+import onnxgen.envs as envs
 from onnxgen.backends.native import ops as O
 from onnxgen.backends.native.weights import ExternalData, tensor_from_proto
 from onnxgen.errors import NotCapturable, UnsupportedModel, UnsupportedOp
@@ -159,7 +160,8 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
     if fuse:
         nodes = _merge_gate_up(nodes, consts, device, on_device)
-        _residual_into_product(nodes, spec.logits_name)
+        if envs.read("RESIDUAL_INTO_PRODUCT"):
+            _residual_into_product(nodes, spec.logits_name)
         nodes = _cut_before_final_norm(nodes)
         nodes = _fuse_norm_linear(nodes, consts)
         _rope_into_qkv(nodes, consts, device)
@@ -648,7 +650,8 @@ def _residual_into_product(nodes: list[O.Node], logits: str) -> None:
     836 -> 667 instructions, 1,324 -> 1,138 with the SiLU; `benchmarks/sass_tables.sh`), and a norm left
     on its own reads one row instead of two. In half precision the Triton products (decode and verify rows,
     few-row chunks) round the sum once instead of twice (the product, then the sum): closer to a float32
-    reference, not the same bits; cuBLAS rows keep the two roundings (`kernels.linear_unfused`). In place."""
+    reference, not the same bits; cuBLAS rows keep the two roundings (`kernels.linear.linear_unfused`). In
+    place."""
     producer = {o: n for n in nodes for o in n.outputs if o}
     at = {id(n): i for i, n in enumerate(nodes)}
     readers = _readers(nodes)

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
+import onnxgen.envs as envs
 from onnxgen.backends.batch import BatchStep
+from onnxgen.backends.native.kernels.dispatch import launch_options, use_triton
 
 
 @dataclass
@@ -115,7 +117,8 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
 
 class PoolRows:
     """The pool as per-layer `[1, kv_heads, rows, head_dim]` buffers whose rows are slots: what
-    `kernels.rope_qkv_write` (given the step's slots) writes a step's rotated keys and values into."""
+    `kernels.attention.rope_qkv_write` (given the step's slots) writes a step's rotated keys and values
+    into."""
 
     def __init__(self, storage: Any) -> None:
         views = [storage.rows(layer) for layer in range(storage.num_layers)]
@@ -139,9 +142,7 @@ def attention(
     """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
     this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
     torch reference elsewhere."""
-    from onnxgen.backends.native import kernels
-
-    if kernels.use_triton(q):
+    if use_triton(q):
         return attention_triton(ps, layer, q, scale, softcap, window)
     return attention_ref(ps, layer, q, scale, softcap, window)
 
@@ -160,12 +161,12 @@ def tile_for(rows: int, fewest: int, group: int, d: int, fp32: bool = False) -> 
     """The attention kernel's tile for a step whose sequences feed `fewest`..`rows` query rows (`group` query
     heads per KV head x tokens) of head size `d`: decode-size items take 16..64 rows of 64 keys (4 warps);
     a step of prefill chunks only (more than `LARGE_ROWS` rows each) takes 128 x 128 with 8 warps, 3 stages
-    deep (on the H200, 80 tokens after 8,000 cached, 8B shape: 53 us per layer against 64 for 64 x 64 and
-    64 for PyTorch's flash attention, `benchmarks/gpu_paged_attention.py`). A step that mixes decodes with
-    chunks keeps the decode tile: a 128-row tile would compute 4-row decodes 32 times over. float32 (`fp32`,
-    IEEE products) always takes 64 x 64, 2 stages: on the H200 (Triton 3.6) a 32-row fp32 tile with a
-    sliding window computed wrong scores (`tests/test_paged_attention.py`, 37/100/300 keys, window 8), and
-    128 x 128 x 3 stages of fp32 overflows shared memory at d = 128."""
+    deep (faster than 64 x 64 and than PyTorch's flash attention on the 8B shape: docs/benchmarks/, from
+    `benchmarks/gpu_paged_attention.py`). A step that mixes decodes with chunks keeps the decode tile: a
+    128-row tile would compute 4-row decodes 32 times over. float32 (`fp32`, IEEE products) always takes
+    64 x 64, 2 stages: a 32-row fp32 tile with a sliding window computed wrong scores on the GPU
+    (`tests/kernels/test_paged_attention.py`, window 8), and 128 x 128 x 3 stages of fp32 overflows shared
+    memory at d = 128."""
     if fp32:
         return 64, 64 if d <= 128 else 32, 4, 2
     if fewest > LARGE_ROWS and d <= 128:
@@ -180,7 +181,8 @@ def tile_for(rows: int, fewest: int, group: int, d: int, fp32: bool = False) -> 
 
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessor count (an H200's 132 off CUDA, so the interpreter plans as the GPU does)."""
+    """The device's multiprocessor count (132 off CUDA, the H100's and H200's: the interpreter plans as the
+    GPU does)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
@@ -195,13 +197,14 @@ def splits_for(items: int, longest: int, block_m: int, device: torch.device) -> 
     return max(1, min(n, longest // 256, _MAX_SPLITS))
 
 
-SHORT_BLOCKS = 2
-"""Decode-size work items (one token's query rows) whose key splits hold at most this many key blocks at the
-longest KV length a launch may see (`PagedStep.seq_lens`: a captured step's bound) run the attention with one
-software-pipeline stage instead of two: the same bits, less latency for splits of one or two blocks; longer
-splits keep the pipeline (H100, 2026-12-06, docs/benchmarks/decode-gpu.md: the 1B decode graph 1.7-1.9 %
-faster at 528 keys, the 0.5B's 0.3-0.6 %; the attention alone 0.2-1.5 us a layer faster up to 4,096 keys,
-1.5 us slower with 8 blocks a split, the 8B shape at 16,000 keys)."""
+def short_blocks() -> int:
+    """Decode-size work items (one token's query rows) whose key splits hold at most this many key blocks at
+    the longest KV length a launch may see (`PagedStep.seq_lens`: a captured step's bound) run the attention
+    with one software-pipeline stage instead of two: the same bits, less latency for splits of one or two
+    blocks; longer splits keep the pipeline (docs/benchmarks/decode-gpu.md, eleventh session).
+    `ONNXGEN_SHORT_BLOCKS` (default 2; 0: always pipelined), read at each launch and when a runner plans its
+    short-context graphs."""
+    return envs.read("SHORT_BLOCKS")
 
 
 def plan_splits(
@@ -218,12 +221,13 @@ def plan_splits(
 
 def _short_limit(nsplit: int, block_n: int) -> int:
     """The most keys whose `nsplit` splits (a sequence cuts `ceil(keys / nsplit)` keys a split) each hold at
-    most `SHORT_BLOCKS` blocks of `block_n` keys."""
-    return SHORT_BLOCKS * block_n * nsplit
+    most `short_blocks()` blocks of `block_n` keys."""
+    return short_blocks() * block_n * nsplit
 
 
 def is_short(longest: int, nsplit: int, block_n: int) -> bool:
-    """Whether every one of `nsplit` key splits of up to `longest` keys holds at most `SHORT_BLOCKS` blocks."""
+    """Whether every one of `nsplit` key splits of up to `longest` keys holds at most `short_blocks()`
+    blocks."""
     return longest <= _short_limit(nsplit, block_n)
 
 
@@ -249,9 +253,8 @@ def attention_triton(
     splits its own keys (the longest of its rows) into `nsplit` parts of whole key blocks, on the device:
     a sequence's split depends on its own length only. `tile` (benchmarks): the kernel's tile instead of
     `tile_for`'s. Several splits: their partial results go to scratch buffers and a second launch
-    (`triton_paged.paged_combine_kernel`) merges them into the output."""
-    from onnxgen.backends.native import kernels
-    from onnxgen.backends.native import triton_paged as tp
+    (`kernels/triton/paged.py`'s `paged_combine_kernel`) merges them into the output."""
+    from onnxgen.backends.native.kernels.triton import paged as tp
 
     kpool, vpool = ps.storage.keys(layer), ps.storage.values(layer)
     _, n, d = q.shape
@@ -267,7 +270,7 @@ def attention_triton(
     nsplit = plan_splits((1 if ps.per_token else w) * hkv, plan, block_m, block_n, q.device, nsplit)
     decode_size = max(rows) <= g and q.dtype != torch.float32
     if tile is None and decode_size and is_short(max(ps.seq_lens), nsplit, block_n):
-        stages = 1  # decode-size items, short splits: no software pipeline (`SHORT_BLOCKS`)
+        stages = 1  # decode-size items, short splits: no software pipeline (`short_blocks`)
     qc = q.contiguous()
     out = torch.empty_like(qc)
     direct = nsplit == 1
@@ -307,7 +310,7 @@ def attention_triton(
         ONE=one,
         num_warps=warps,
         num_stages=stages,
-        **kernels.launch_options(q),
+        **launch_options(q),
     )
     if not direct:
         nsp = max(2, 1 << (nsplit - 1).bit_length())  # the splits a combine program loads at once
@@ -327,7 +330,7 @@ def attention_triton(
             NSP=nsp,
             ONE=one,
             num_warps=1,
-            **kernels.launch_options(out),
+            **launch_options(out),
         )
     return out
 

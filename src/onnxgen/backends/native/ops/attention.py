@@ -11,7 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onnxgen.backends.native import kernels, paged
+from onnxgen.backends.native import paged
+from onnxgen.backends.native.kernels.attention import cache_attention, rope_qkv_write
 from onnxgen.backends.native.ops.base import (
     AI,
     INTERNAL,
@@ -71,7 +72,7 @@ def attend(
             raise NotCapturable("an attention bias or mask in a static step")
         if k is not None:  # None: the caller already wrote this step's k/v at `ctx.positions`
             kv.write_at(layer, ctx.positions, k, v)
-        return kernels.cache_attention(q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window)
+        return cache_attention(q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window)
     pos0 = ctx.pos0
     if k is not None:  # None: the caller already wrote this step's k/v at [pos0, pos0 + s)
         kv.write(layer, pos0, k, v)
@@ -213,7 +214,7 @@ def _gqa(node: Node) -> Fn:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
             assert ctx.static or ctx.paged is not None or ctx.pos0 + s <= ctx.kv.capacity
             slots = ctx.paged.slots if ctx.paged is not None else None
-            q = kernels.rope_qkv_write(
+            q = rope_qkv_write(
                 query,
                 cos_c,
                 sin_c,

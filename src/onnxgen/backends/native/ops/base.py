@@ -70,8 +70,8 @@ class RunCtx:
         self.last = last
         self.paged = paged  # a ragged batch over the paged pool (`native.paged.PagedStep`), or None
         self.static = past is not None if static is None else static  # static shapes: a graph can capture it
-        # every token computed exactly as a one-token step computes it (a verify step: `kernels.linear`'s
-        # rowwise products and `paged.attention`'s per-token work), so its rows equal plain decoding's bits
+        # every token computed exactly as a one-token step computes it (a verify step: the rowwise products of
+        # `kernels.linear` and `paged.attention`'s per-token work), so its rows equal plain decoding's bits
         self.rowwise = rowwise
         self.prepared: set[int] = set()  # layers whose QKV product rotated q, k and wrote k, v (`_qkv_rope`)
 

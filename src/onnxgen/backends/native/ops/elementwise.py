@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onnxgen.backends.native import kernels
+from onnxgen.backends.native.kernels.norms import silu_mul
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, same_device
 
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
@@ -146,8 +146,8 @@ def _silu(node: Node) -> Fn:  # fused by the lowering: x * sigmoid(x)
 
 def _silu_mul(node: Node) -> Fn:  # fused by the lowering: (g * sigmoid(g)) * u
     if node.attr("gate_dead", 0):  # the lowering proved g has no other reader: write the result into it
-        return lambda ctx, g, u: (kernels.silu_mul(g, u, out=g),)
-    return lambda ctx, g, u: (kernels.silu_mul(g, u),)
+        return lambda ctx, g, u: (silu_mul(g, u, out=g),)
+    return lambda ctx, g, u: (silu_mul(g, u),)
 
 
 def _gelu(node: Node) -> Fn:

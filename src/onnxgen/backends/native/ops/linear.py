@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onnxgen.backends.native import kernels
+from onnxgen.backends.native.kernels.linear import Rope, linear, linear_rope, rms_linear
+from onnxgen.backends.native.kernels.norms import rms_norm, silu_mul_halves
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
 
 
@@ -29,7 +30,7 @@ def _linear(node: Node) -> Fn:
     `_rope` (the lowering's `_rope_into_qkv`: a layer's packed QKV, rotation pairs in adjacent rows; inputs
     3 and 4 the rotary tables) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`).
     Input 5, a residual (the lowering's `_residual_into_product`; never with a bias or `_rope`): `residual
-    + x @ W`, the sum formed before the product is rounded (`kernels.linear`). `_out_float` (the
+    + x @ W`, the sum formed before the product is rounded (`kernels.linear.linear`). `_out_float` (the
     lowering's `_cast_into_product`): the product's values, rounded to x's dtype, returned as float32."""
     transposed = bool(node.attr("_transposed", 0))
     qkv = node.attr("_rope", None)
@@ -56,15 +57,15 @@ def _qkv_rope(
     sin: Any,
     norm: tuple[Any, Any, float] | None,
 ) -> tuple[Any, Any] | None:
-    """A one-token step's QKV product with rotary and the KV write (`kernels.linear_rope`; a rowwise step's
-    tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
+    """A one-token step's QKV product with rotary and the KV write (`kernels.linear.linear_rope`; a rowwise
+    step's tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
     nothing; None when not fused."""
     layer, n, hkv, d = qkv
     if ctx is None or ctx.kv is None or (ctx.n != 1 and not ctx.rowwise) or ctx.positions is None:
         return None
     slot = ctx.paged.slots if ctx.paged is not None else ctx.positions
-    rope = kernels.Rope(cos, sin, ctx.positions, slot, ctx.kv, layer, n, hkv, d)
-    out = kernels.linear_rope(x, w, rope, norm, rowwise=ctx.rowwise)
+    rope = Rope(cos, sin, ctx.positions, slot, ctx.kv, layer, n, hkv, d)
+    out = linear_rope(x, w, rope, norm, rowwise=ctx.rowwise)
     if out is not None:
         ctx.prepared.add(layer)
     return out
@@ -80,14 +81,14 @@ def _product(
     out_dtype: torch.dtype | None = None,
 ) -> Any:
     """`x @ W (+ bias) (+ residual)`: W `[N, K]` (`transposed`) or `[K, N]`; a residual (never with a bias)
-    is added to the product before it is rounded where the kernels can (`kernels.linear`); `out_dtype`: the
-    result (rounded to x's dtype first) in that dtype."""
+    is added to the product before it is rounded where the kernels can (`kernels.linear.linear`);
+    `out_dtype`: the result (rounded to x's dtype first) in that dtype."""
     assert bias is None or residual is None
     if transposed and _upcast_cpu_matmul(x):
         y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         y = (y if residual is None else y + residual.float()).to(x.dtype)
     elif transposed and bias is None:
-        return kernels.linear(x, w, rowwise=rowwise, residual=residual, out_dtype=out_dtype)
+        return linear(x, w, rowwise=rowwise, residual=residual, out_dtype=out_dtype)
     else:
         y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
         if bias is not None and not transposed:
@@ -105,8 +106,8 @@ def _linear_silu_mul(node: Node) -> Fn:
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         if transposed and not _upcast_cpu_matmul(x):
-            return (kernels.linear(x, w, silu_halves=True, rowwise=is_rowwise(ctx)),)
-        return (kernels.silu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx))),)
+            return (linear(x, w, silu_halves=True, rowwise=is_rowwise(ctx)),)
+        return (silu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx))),)
 
     return f
 
@@ -127,10 +128,10 @@ def _rms_linear(node: Node) -> Fn:
             if done is not None:
                 return done
         if transposed and not _upcast_cpu_matmul(x):
-            return kernels.rms_linear(x, skip, nw, eps, w, silu, is_rowwise(ctx), out_dtype=out)
-        h, s = kernels.rms_norm(x, skip, nw, eps)
+            return rms_linear(x, skip, nw, eps, w, silu, is_rowwise(ctx), out_dtype=out)
+        h, s = rms_norm(x, skip, nw, eps)
         y = _product(h, w, None, transposed, is_rowwise(ctx), out_dtype=out)
-        return (kernels.silu_mul_halves(y) if silu else y), s
+        return (silu_mul_halves(y) if silu else y), s
 
     return f
 

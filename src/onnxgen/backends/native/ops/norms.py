@@ -1,5 +1,5 @@
 """Normalisations: the RMSNorm family (com.microsoft (Skip)SimplifiedLayerNormalization, ai.onnx
-RMSNormalization) on the fused `kernels.rms_norm`, and LayerNormalization / SkipLayerNormalization.
+RMSNormalization) on the fused `kernels.norms.rms_norm`, and LayerNormalization / SkipLayerNormalization.
 Each computes in float32 and rounds its outputs once."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onnxgen.backends.native import kernels
+from onnxgen.backends.native.kernels.norms import rms_norm
 from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, nonneg_axis
 
 
@@ -34,7 +34,7 @@ def _rms_norm_fn(node: Node, extra_outputs: int) -> Fn:
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         dims = x.dim() - nonneg_axis(axis, x.dim())
         if dims == 1:
-            return (kernels.rms_norm(x, None, w, eps)[0], *pad)
+            return (rms_norm(x, None, w, eps)[0], *pad)
         return (rms(x, w, eps, dims), *pad)
 
     return f
@@ -58,7 +58,7 @@ def _skip_simplified_ln(node: Node) -> Fn:
         if x.shape != skip.shape:  # a broadcast skip (rare): materialise it, same kernel
             x, skip = torch.broadcast_tensors(x, skip)
             x, skip = x.contiguous(), skip.contiguous()
-        y, s = kernels.rms_norm(x, skip, w, eps)
+        y, s = rms_norm(x, skip, w, eps)
         return (y, None, None, s if want_sum else None)
 
     return f

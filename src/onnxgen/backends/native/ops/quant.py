@@ -2,7 +2,7 @@
 GatherBlockQuantized's table to dense tensors, which the lowering then runs as a `Linear` and a `Gather` (see
 `linear` and `tensor`). With `int4="packed"` (`device.int4_mode`) MatMulNBits stays packed on the device as
 the lowering's `Int4Linear`, its bytes held K-major (`kmajor`, once at load: the same bytes, reordered for the
-GEMV's loads): decode rows (at most `GEMV_ROWS`) run the Triton GEMV on the packed words (`triton_int4`),
+GEMV's loads): decode rows (at most `GEMV_ROWS`) run the Triton GEMV on the packed words (`kernels/triton/int4.py`),
 longer chunks and the CPU dequantize the weight for that call (`dequant_kmajor`; the weight's memory stays the
 packed size)."""
 
@@ -50,7 +50,7 @@ def kmajor(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """MatMulNBits' 4-bit B (uint8 `[N, n_blocks, block / 2]`), scales (`[N * n_blocks]`) and zero points
     (packed uint8 `[N, ceil(n_blocks / 2)]`, floats `[N * n_blocks]`, or None) -> the K-major tensors of
-    `triton_int4.int4_linear`: int32 words `[n_blocks * block / 8, N]` (word (r, c): elements 8r .. 8r + 7
+    `kernels/triton/int4.py`'s `int4_linear`: int32 words `[n_blocks * block / 8, N]` (word (r, c): elements 8r .. 8r + 7
     of row c, nibble j = element 8r + j: B's own bytes, transposed in 4-byte units), scales `[n_blocks, N]`,
     zero points `[n_blocks, N]` (uint8, one per block; floats stay floats) or None. `block` must be a
     multiple of 8 (the builder's are powers of two from 16)."""
@@ -136,7 +136,7 @@ INT4_CONFIGS = (
     (8, 256, 8),
     (16, 256, 16),
 )
-"""(output columns, word rows per step, warps) tried for each packed int4 GEMV shape (`triton_int4`); each
+"""(output columns, word rows per step, warps) tried for each packed int4 GEMV shape (`kernels/triton/int4.py`); each
 compiles to a loop with no barrier or shuffle on sm_90 (checked offline with `benchmarks/sass_stats.py`:
 other shapes made Triton move x through shared memory every step). 16 x 128 x 8 warps gives a 4,096-row
 product two programs of 8 warps per multiprocessor, for more loads in flight. On the H100 (2026-12-05) the
@@ -151,19 +151,19 @@ move through shared memory)."""
 def _int4_choice(
     x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool = False
 ) -> tuple[int, int, int]:  # pragma: cuda
-    """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.fastest`, weights from HBM; timed
+    """The fastest `INT4_CONFIGS` entry for this shape on CUDA (`kernels.autotune.fastest`, weights from HBM; timed
     on the plain product, and reused when a norm is folded in); the first elsewhere."""
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels import autotune
 
     key = ("int4", tuple(words.shape), k, n, block, silu, x.dtype, x.device)
-    if key in kernels.CHOICES:
-        return kernels.CHOICES[key]
+    if key in autotune.CHOICES:
+        return autotune.CHOICES[key]
     if not x.is_cuda:
         return INT4_CONFIGS[0]
-    from onnxgen.backends.native.triton_int4 import int4_linear
+    from onnxgen.backends.native.kernels.triton.int4 import int4_linear
 
     x1 = x.reshape(-1, k)[:1]
-    copies = kernels.cold_copies(words, scales)
+    copies = autotune.cold_copies(words, scales)
     cands = [
         (
             cfg,
@@ -171,7 +171,7 @@ def _int4_choice(
         )
         for cfg in INT4_CONFIGS
     ]
-    return kernels.fastest(key, cands, len(copies))
+    return autotune.fastest(key, cands, len(copies))
 
 
 def _int4_fold_choice(
@@ -186,27 +186,28 @@ def _int4_fold_choice(
     norm: tuple[Any, Any, float],
     cfg: tuple[int, int, int],
 ) -> bool:  # pragma: cuda
-    """Whether the RMSNorm folded into the packed GEMV (`triton_int4`'s NORM) beats the norm kernel followed
+    """Whether the RMSNorm folded into the packed GEMV (`kernels/triton/int4.py`'s NORM) beats the norm kernel followed
     by the plain GEMV for this shape on CUDA (timed once, both with `cfg`, the norm's cost in both): the fold
     saves a launch but adds loads and squares (with a skip, also the residual store) for every word row a
     program walks (sm_90: 536 -> 667 loop instructions, 1,006 -> 1,138 with the SiLU; with a skip 836 and
     1,324; `benchmarks/sass_tables.sh`)."""
-    from onnxgen.backends.native import kernels
-    from onnxgen.backends.native.triton_int4 import int4_linear
+    from onnxgen.backends.native.kernels import autotune
+    from onnxgen.backends.native.kernels.norms import rms_norm
+    from onnxgen.backends.native.kernels.triton.int4 import int4_linear
 
     key = ("int4fold", tuple(words.shape), k, n, block, silu, norm[0] is not None, x.dtype, x.device)
-    if key in kernels.CHOICES:
-        return bool(kernels.CHOICES[key])
-    copies = kernels.cold_copies(words, scales)
+    if key in autotune.CHOICES:
+        return bool(autotune.CHOICES[key])
+    copies = autotune.cold_copies(words, scales)
 
     def apart(i: int) -> Any:
-        h, _ = kernels.rms_norm(x, *norm)
+        h, _ = rms_norm(x, *norm)
         return int4_linear(h, copies[i][0], copies[i][1], zp, k, n, block, *cfg, silu=silu)
 
     def fold(i: int) -> Any:
         return int4_linear(x, copies[i][0], copies[i][1], zp, k, n, block, *cfg, silu=silu, norm=norm)
 
-    return bool(kernels.fastest(key, [(False, apart), (True, fold)], len(copies)))
+    return bool(autotune.fastest(key, [(False, apart), (True, fold)], len(copies)))
 
 
 def _packed_product(
@@ -224,16 +225,17 @@ def _packed_product(
 ) -> Any:
     """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`; any number when
     `rowwise`, a verify step's rows: each row then has a decode step's bits, one program per row), else the weight
-    dequantized for this call (`triton_int4.int4_dequant` where Triton runs; float32 on the CPU) and one
+    dequantized for this call (`kernels/triton/int4.py`'s `int4_dequant` where Triton runs; float32 on the CPU) and one
     product, rounded to x's dtype (`silu`: then
     `silu(g) * u` of the halves, as the unfused ops). `norm` = (skip, weight, eps): x is RMS-normalised
-    first and the result is (product, residual sum or None) — in the GEMV (`triton_int4`; on CUDA where
-    `_int4_fold_choice` timed it faster) or by `kernels.rms_norm` first. `residual` (`[..., N]`, not with
+    first and the result is (product, residual sum or None) — in the GEMV (`kernels/triton/int4.py`; on CUDA where
+    `_int4_fold_choice` timed it faster) or by `kernels.norms.rms_norm` first. `residual` (`[..., N]`, not with
     `silu` or `norm`) is added to the product before it is rounded to x's dtype."""
-    from onnxgen.backends.native import kernels
+    from onnxgen.backends.native.kernels.dispatch import use_triton
+    from onnxgen.backends.native.kernels.norms import rms_norm, silu_mul_halves
 
-    if kernels.use_triton(x) and (rowwise or x.numel() // k <= GEMV_ROWS):
-        from onnxgen.backends.native.triton_int4 import int4_linear
+    if use_triton(x) and (rowwise or x.numel() // k <= GEMV_ROWS):
+        from onnxgen.backends.native.kernels.triton.int4 import int4_linear
 
         cfg = _int4_choice(x, words, scales, zp, k, n, block, silu)
         if (
@@ -245,11 +247,11 @@ def _packed_product(
                 x, words, scales, zp, k, n, block, *cfg, silu=silu, norm=norm, residual=residual
             )
     if norm is not None:
-        h, total = kernels.rms_norm(x, *norm)
+        h, total = rms_norm(x, *norm)
         return _packed_product(h, words, scales, zp, k, n, block, silu, rowwise=rowwise), total
     cols = 2 * n if silu else n
-    if kernels.use_triton(x):  # one pass into a K-major dense weight, then one product
-        from onnxgen.backends.native.triton_int4 import int4_dequant
+    if use_triton(x):  # one pass into a K-major dense weight, then one product
+        from onnxgen.backends.native.kernels.triton.int4 import int4_dequant
 
         y = torch.matmul(x, int4_dequant(words, scales, zp, k, cols, block, x.dtype))
     else:
@@ -260,7 +262,7 @@ def _packed_product(
     if residual is not None:
         y = y.float() + residual.float()
     y = y.to(x.dtype)
-    return kernels.silu_mul_halves(y) if silu else y
+    return silu_mul_halves(y) if silu else y
 
 
 def _int4_linear(node: Node) -> Fn:
@@ -286,7 +288,7 @@ def _int4_linear_silu_mul(node: Node) -> Fn:
     """The lowering's Int4LinearSiluMul: `silu(x @ Wg.T) * (x @ Wu.T)` for two bias-free Int4Linears of one
     input (N output columns each, the same K and block) whose `kmajor` tensors sit side by side (`2 * N`
     columns): inputs x, words, scales, zero points ("" if none). Decode rows: one GEMV launch with the SiLU
-    in its epilogue (`triton_int4`, `silu=True`) instead of two products and the SiluMul."""
+    in its epilogue (`kernels/triton/int4.py`, `silu=True`) instead of two products and the SiluMul."""
     k, n = int(node.attr("K")), int(node.attr("N"))
     block = int(node.attr("block_size"))
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native import kernels
+from onnxgen.backends.native.kernels.norms import embedding
 from onnxgen.backends.native.ops.base import (
     AI,
     INTERNAL,
@@ -229,7 +229,7 @@ def _gather(node: Node) -> Fn:
             forbid_static(ctx, "host indices into a device tensor")
             idx = _wrap(idx, data.shape[a]).to(data.device)
         if a == 0 and data.dim() == 2 and idx.dtype in (torch.int64, torch.int32):
-            return (kernels.embedding(idx, data),)
+            return (embedding(idx, data),)
         flat = data.index_select(a, idx.reshape(-1).long())
         shape = list(data.shape[:a]) + list(idx.shape) + list(data.shape[a + 1 :])
         return (flat.reshape(shape),)

@@ -23,8 +23,8 @@ and the sums of the x elements read at each position. Its error against float64 
 `1 + q / 16`: eight shifts per word, float32's own error). Its contract is
 `ops.quant.dequant_matmul_nbits`'s followed by a MatMul (tested against it under `TRITON_INTERPRET=1` on
 the CPU). Used by the lowering's `Int4Linear` with `int4="packed"` (`ops.quant`; not the default: steps of
-more than `GEMV_ROWS` rows dequantize per product, `device.int4_mode`). On an H100 (2026-12-05) the 8B's chain
-of products read 1.76 TB/s of packed bytes, 1.6x the N-major design (docs/benchmarks/decode-gpu.md).
+more than `GEMV_ROWS` rows dequantize per product, `device.int4_mode`). Its bandwidth against the N-major
+design: docs/benchmarks/decode-gpu.md.
 
 `int4_dequant` writes the dense weight K-major (`[K, N]`, one pass: each word's eight values to eight rows,
 stores contiguous along N) for products of more rows (prefill chunks), which then run as one dense matmul.
@@ -38,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.kernels import launch_options, residual_rows
-from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait
+from onnxgen.backends.native.kernels.dispatch import launch_options
+from onnxgen.backends.native.kernels.gemv import residual_rows
+from onnxgen.backends.native.kernels.triton.core import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -78,7 +79,7 @@ def _x(
         x = tl.load(X + xo + j, mask=km, other=0.0).to(tl.float32)
     sq = x * 0.0
     if NORM:
-        if HAS_SKIP:  # the sum in float32, normalised unrounded (as `kernels.rms_norm`)
+        if HAS_SKIP:  # the sum in float32, normalised unrounded (as `norms.rms_norm`)
             x += tl.load(SKIP + xo + j, mask=km, other=0.0).to(tl.float32)
             tl.store(SUM + xo + j, x.to(SUM.dtype.element_ty), mask=km & store)
         sq = x * x
@@ -168,7 +169,7 @@ def int4_gemv_kernel(
     dtype first as the unfused product would be). ZP: 0 none (8), 1 uint8, 2 floats (both `[NB, LD]`).
     EVEN: K a multiple of `BK8 * 8` and of BLOCK, N of BLOCK_N (no masks). The next step's words are
     requested before this step's arithmetic. With PDL (programmatic dependent launch,
-    `kernels.launch_options`) the first step's words, which no kernel writes, are requested before waiting
+    `dispatch.launch_options`) the first step's words, which no kernel writes, are requested before waiting
     for the previous kernel, as in the bf16 GEMV."""
     if PDL:
         gdc_launch_dependents()
@@ -260,7 +261,7 @@ def int4_linear(
     columns, `ops.quant.Int4LinearSiluMul`) and the result is `silu(x @ Wg.T) * (x @ Wu.T)`. `block_n`
     output columns and `bk8` word rows (8 elements of K each) per program step, `warps` per program.
     `scheme` (benchmarks): the kernel's SCHEME; by default 0 for float32 x and 1 for half precision.
-    `norm` = (skip or None, weight, eps): x is RMS-normalised first (`kernels.rms_norm`'s values, the
+    `norm` = (skip or None, weight, eps): x is RMS-normalised first (`norms.rms_norm`'s values, the
     normalised row unrounded) and the result is (product, the residual sum `x + skip` or None).
     `residual` (`[..., N]`): added to the product in float32 before the one rounding."""
     ld = words.shape[1]

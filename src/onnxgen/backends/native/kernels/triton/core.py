@@ -1,14 +1,16 @@
-"""The Triton kernels behind `onnxgen.backends.native.kernels` (imported only when Triton is used).
+"""The Triton device code behind `onnxgen.backends.native.kernels`' norms, attention over a KV buffer, rotary
+write and decode advance, and the programmatic-dependent-launch helpers every kernel uses (imported only when
+Triton is used).
 
 Contracts (shapes, masks, what each writes) are documented on the dispatching functions in
-`kernels.py`; this module holds only the device code. Scores inside the attention kernels are kept in
+`kernels/` modules; this module holds only the device code. Scores inside the attention kernels are kept in
 base 2 (`qk_scale` includes log2(e)) so the softmax uses `exp2`.
 """
 
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Triton >= 3.3); without it `kernels.launch_options` keeps PDL off
+try:  # programmatic dependent launch (Triton >= 3.3); without it `dispatch.launch_options` keeps PDL off
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     HAS_PDL = True
@@ -19,7 +21,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 @triton.jit
 def pdl_begin(PDL: tl.constexpr):
-    """Programmatic dependent launch (`kernels.launch_options`): let the next kernel on the stream start
+    """Programmatic dependent launch (`dispatch.launch_options`): let the next kernel on the stream start
     launching, then wait until the previous kernel has finished and its writes are visible. Every kernel
     launched with `launch_pdl` calls this (or, as the GEMV, `gdc_wait` after prefetching constant weights)
     before it reads or writes anything another kernel touches."""
@@ -100,7 +102,7 @@ def softmax_block(
     IEEE: tl.constexpr,
 ):
     """The keys and values of positions `offs` (pointer tiles `kptr`, `vptr`: `[BLOCK_N, DP]`) into the online
-    softmax (scores in base 2): the one block step of every attention kernel here and in `triton_paged`.
+    softmax (scores in base 2): the one block step of every attention kernel here and in `triton/paged.py`.
     Unmasked blocks lie wholly below every row's limit and `hi`."""
     nm = offs < hi
     k = load_rows(kptr, nm, dmask, D, DP, MASKED)
@@ -396,7 +398,7 @@ def rope_qkv_kernel(
 
 @triton.jit
 def argmax_part_kernel(X, PV, PI, V, stride, C, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """`kernels.greedy_advance`'s first half: program (r, c) writes the maximum of row r's columns
+    """`advance.greedy_advance`'s first half: program (r, c) writes the maximum of row r's columns
     `c * BLOCK ..` and the first column holding it (`PV`, `PI`: `[rows, C]`)."""
     pdl_begin(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -425,7 +427,7 @@ def decode_advance_kernel(
     CP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """`kernels.decode_advance`: one program over the rows of a captured decode step. `PART`: the tokens are
+    """`advance.decode_advance`: one program over the rows of a captured decode step. `PART`: the tokens are
     the first maxima of the `C` partial maxima per row (`TOP`: their columns, `PV`: their values,
     `argmax_part_kernel`), the first column on ties as `torch.argmax`."""
     pdl_begin(PDL)
@@ -457,7 +459,7 @@ def decode_advance_kernel(
 
 @triton.jit(do_not_specialize=["src", "dst"])
 def copy_prefix_kernel(DATA, src, dst, kv_stride, page_stride, ELEMS, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """`kernels.copy_page_prefix`: program (layer x {K, V}, block) copies BLOCK elements of the page prefix."""
+    """`advance.copy_page_prefix`: program (layer x {K, V}, block) copies BLOCK elements of the page prefix."""
     pdl_begin(PDL)
     base = DATA + tl.program_id(0).to(tl.int64) * kv_stride
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

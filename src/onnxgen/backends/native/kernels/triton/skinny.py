@@ -1,6 +1,6 @@
 """Triton GEMM for products of a few rows over a constant `[N, K]` weight (imported only when Triton is used).
 
-The contract is `onnxgen.backends.native.kernels.linear`'s for 2 to `kernels.SKINNY_ROWS` rows of half
+The contract is `onnxgen.backends.native.kernels.linear.linear`'s for 2 to `gemv.SKINNY_ROWS` rows of half
 precision: `Y = X @ W.T`, float32 accumulation (tensor cores), rounded once to X's dtype; with `SILU`, W
 holds `[gate; up]` (`2 * N` rows) and the kernel writes `silu(g) * u` for the `N` output columns, each of g
 and u first rounded to the output dtype (the values of the product followed by `silu_mul_halves`);
@@ -8,15 +8,15 @@ with `HAS_RES` (not with SILU) the rows of `RES` are added to the float32 sums b
 products (batched decode steps, short prefill chunks, a batch's lm_head) read every weight once and do
 little arithmetic per byte: one program owns `BLOCK_N` output columns of `BLOCK_M` rows and streams its
 weight rows through the K loop (software-pipelined over `num_stages`), so the tile choice is about keeping
-HBM busy, made per shape against cuBLAS (`kernels._skinny_choice`). With PDL the first weight tile is
-requested before waiting for the previous kernel (see `triton_gemv`). `IEEE` multiplies in float32
+HBM busy, made per shape against cuBLAS (`linear._skinny_choice`). With PDL the first weight tile is
+requested before waiting for the previous kernel (see `triton/gemv.py`). `IEEE` multiplies in float32
 (the interpreter's `tl.dot` mishandles bf16 operands: the CPU tests use it).
 """
 
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait
+from onnxgen.backends.native.kernels.triton.core import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit

@@ -1,10 +1,10 @@
 """Triton GEMV for one-row products over a constant `[N, K]` weight (imported only when Triton is used).
 
-The contract is `onnxgen.backends.native.kernels.linear`'s: `y = x @ W.T` for x `[1, K]`, float32
+The contract is `onnxgen.backends.native.kernels.linear.linear`'s: `y = x @ W.T` for x `[1, K]`, float32
 accumulation, rounded once to x's dtype. With `SILU`, W holds `[gate; up]` (`2 * N` rows) and the kernel
 writes `silu(g) * u` for the `N` output columns, each of g and u first rounded to the output dtype (the
 same values as the unfused product followed by `silu_mul`). With `NORM`, x is first RMS-normalised
-(`x (+ skip)`, weight `NW`, float32, rounded to the output dtype as `kernels.rms_norm` would write it; with
+(`x (+ skip)`, weight `NW`, float32, rounded to the output dtype as `norms.rms_norm` would write it; with
 `HAS_SKIP` program 0 also writes the sum `x + skip` to `SUM`), so the norm costs no launch of its own (with
 `LATE` its scale is applied after the dot product instead: `_gemv_row`). With
 `ROPE` the product is a layer's packed QKV with each rotation pair in adjacent rows: the epilogue rotates q
@@ -16,7 +16,7 @@ end; small `BLOCK_N` gives the hundreds of programs a decode-size weight needs t
 
 Rows (`R`, not specialised; the constexprs `ONE` and `RB` give a decode step's one-row launch and a verify
 step's launches compiled kernels of their own, whose per-row code is the same). x may hold `R` rows (a
-verify step's tokens, `kernels.linear(..., rowwise=True)`): a program computes up to `RB` rows of its
+verify step's tokens, `linear.linear(..., rowwise=True)`): a program computes up to `RB` rows of its
 output tile one after another (the first weight tile stays in registers, the rest comes from L1/L2), and
 the programs that share a tile run side by side (one HBM read). Each row is computed by exactly the code, tile and reduction
 order of a one-row launch (`_gemv_row`): a row's result is the same bits whatever else is in the launch
@@ -27,7 +27,7 @@ tokens).
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.triton_kernels import gdc_launch_dependents, gdc_wait, pdl_begin
+from onnxgen.backends.native.kernels.triton.core import gdc_launch_dependents, gdc_wait, pdl_begin
 
 
 @triton.jit
@@ -97,7 +97,7 @@ def _rope_store(
 ):
     """The QKV product's epilogue (`ROPE`): y (its BLOCK_N rows, pairs adjacent: interleaved rotary) rounded
     as the product's output, q and k rows rotated at the token's position, all rows written to Y, k and v
-    rows also into the KV buffers at the token's slot (`kernels.rope_qkv_write`'s values)."""
+    rows also into the KV buffers at the token's slot (`attention.rope_qkv_write`'s values)."""
     y = y.to(Y.dtype.element_ty).to(tl.float32)
     e, o = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
     pair = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -285,7 +285,7 @@ def _gemv_row(
     is reduced before the first multiply-add: the sum of squares accumulates beside the dot product (from the
     same loads) and `rstd` scales the dot product at the end, `rstd * sum(w * (x (+ skip)) * nw)` — the
     normalised row is not rounded to the output dtype first (closer to a float32 reference than the
-    separate norm, not the same bits). `X2D` (tiles whose warps are not all along K, `kernels.x_in_tile`): x
+    separate norm, not the same bits). `X2D` (tiles whose warps are not all along K, `gemv.x_in_tile`): x
     is loaded as `[BLOCK_N, BLOCK_K]` with its columns broadcast over the rows, i.e. in the weight tile's own
     layout, instead of as `[BLOCK_K]` converted through shared memory (with barriers) at every K step — the
     same values and sums, so the same bits. `HAS_RES`: `RES` (rows of N) added before the rounding."""

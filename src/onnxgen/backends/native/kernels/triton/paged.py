@@ -11,7 +11,7 @@ sequence's keys, reading them page by page through the page table. Scores are ke
 import triton
 import triton.language as tl
 
-from onnxgen.backends.native.triton_kernels import pdl_begin, softmax_block
+from onnxgen.backends.native.kernels.triton.core import pdl_begin, softmax_block
 
 
 @triton.jit
