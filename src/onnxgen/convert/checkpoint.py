@@ -1,10 +1,12 @@
 """Convert a checkpoint (a Hugging Face folder or a GGUF file) into an ONNX Runtime GenAI package.
 
-The work is done by ONNX Runtime GenAI's model builder (`onnxruntime_genai.models.builder`), run as
-a subprocess whose (very chatty) output goes to a log file while a progress reporter
-(`onnxgen.convert.progress`) shows the phases. A GGUF file is first turned into a temporary Hugging Face folder by
-transformers (dequantized to float32), also in a subprocess, so the calling process never imports
-torch or transformers.
+The work is done by ONNX Runtime GenAI's model builder (`onnxruntime_genai.models.builder`, with the patches of
+`convert/builder_run.py`), run as a subprocess whose (very chatty) output goes to a log file while a progress
+reporter (`onnxgen.convert.progress`) shows the phases. A GGUF file is first turned into a temporary Hugging
+Face folder by transformers (dequantized to float32), also in a subprocess, so the calling process never
+imports torch or transformers. Before the builder runs, `convert/builder_config.py` checks the architecture
+(a clear error where the builder cannot help) and normalizes the transformers-5 config settings the builder
+misreads (the log lists each change).
 
 Atomicity: everything is written into a temporary folder beside OUT and renamed into place only
 once the package is complete and `load_spec` accepts it. A failed conversion leaves OUT untouched
@@ -108,6 +110,9 @@ def convert_checkpoint(
     try:
         hf_dir = src_path
         if kind == "gguf":
+            from onnxgen.convert.builder_config import check_gguf
+
+            check_gguf(src_path)  # seconds, where reading the GGUF takes minutes
             hf_dir = work / "hf"
             _run_logged(
                 [
@@ -124,13 +129,20 @@ def convert_checkpoint(
                 rep,
                 what=f"reading {src_path}",
             )
+        from onnxgen.convert.builder_config import builder_source
+
+        src_dir, notes = builder_source(hf_dir, work)
+        if notes:
+            with open(log_path, "a", encoding="utf-8") as logf:
+                logf.write("".join(f"onnxgen: for the model builder, {n}\n" for n in notes))
+            rep.info(f"Adjusted the config for the model builder: {'; '.join(notes)}")
         pkg = work / "package"
         cmd = [
             sys.executable,
             "-m",
-            "onnxruntime_genai.models.builder",
+            "onnxgen.convert.builder_run",
             "-i",
-            str(hf_dir),
+            str(src_dir),
             "-o",
             str(pkg),
             "-p",
