@@ -153,14 +153,14 @@ GGUF_ARCHITECTURES = {
 }
 
 
-# GGUF metadata value types -> struct format of a scalar (8: string, 9: array; see `_gguf_skip`).
+# GGUF metadata value types -> struct format of a scalar (8: string, 9: array; see `gguf_metadata`).
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def gguf_architecture(path: Path) -> str:
-    """`general.architecture` of the GGUF file `path`, read from its header's key-value section (the
-    first few KB; no tensor is read, nothing is imported). Raises ConversionError for a file that is not
-    GGUF or has no architecture."""
+def gguf_metadata(path: Path, keys: set[str]) -> dict[str, Any]:
+    """The scalar and string values of `keys` in the GGUF file `path`'s header (arrays are skipped; absent
+    keys are left out). Reads the header's key-value section only (the first few KB; no tensor is read,
+    nothing is imported). Raises ConversionError for a file that is not GGUF."""
     import struct
 
     def read(f: Any, fmt: str) -> Any:
@@ -173,29 +173,40 @@ def gguf_architecture(path: Path) -> str:
     def string(f: Any) -> bytes:
         return f.read(read(f, "Q"))
 
-    def skip(f: Any, vtype: int) -> None:
+    def value(f: Any, vtype: int) -> Any:
         if vtype == 8:
-            string(f)
-        elif vtype == 9:
+            return string(f).decode("utf-8", errors="replace")
+        if vtype == 9:
             item, count = read(f, "I"), read(f, "Q")
             for _ in range(count):
-                skip(f, item)
-        elif vtype in _GGUF_SCALARS:
-            read(f, _GGUF_SCALARS[vtype])
-        else:
-            raise ConversionError(f"{path}: unknown GGUF value type {vtype}")
+                value(f, item)
+            return None
+        if vtype in _GGUF_SCALARS:
+            return read(f, _GGUF_SCALARS[vtype])
+        raise ConversionError(f"{path}: unknown GGUF value type {vtype}")
 
+    found: dict[str, Any] = {}
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ConversionError(f"{path}: not a GGUF file (no GGUF magic)")
         read(f, "I")  # version
         read(f, "Q")  # tensor count
         for _ in range(read(f, "Q")):
-            key, vtype = string(f), read(f, "I")
-            if key == b"general.architecture" and vtype == 8:
-                return string(f).decode("utf-8")
-            skip(f, vtype)
-    raise ConversionError(f"{path}: the GGUF header names no general.architecture")
+            key, vtype = string(f).decode("utf-8", errors="replace"), read(f, "I")
+            v = value(f, vtype)
+            if key in keys and v is not None:
+                found[key] = v
+                if len(found) == len(keys):
+                    break
+    return found
+
+
+def gguf_architecture(path: Path) -> str:
+    """`general.architecture` of the GGUF file `path` (ConversionError when it names none)."""
+    arch = gguf_metadata(path, {"general.architecture"}).get("general.architecture")
+    if not isinstance(arch, str):
+        raise ConversionError(f"{path}: the GGUF header names no general.architecture")
+    return arch
 
 
 def check_gguf(path: Path) -> None:

@@ -68,6 +68,7 @@ def convert_checkpoint(
     progress: bool | Reporter = True,
     extra_options: Mapping[str, object] | None = None,
     overwrite: bool = False,
+    keep_hf: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Convert `src` (a Hugging Face folder with config.json + weights, or a `.gguf` file) into the
     package folder `out` and return `out`.
@@ -80,7 +81,9 @@ def convert_checkpoint(
     draws bars on stderr).
 
     The package always holds `chat_template.jinja` when the source has a chat template. The result
-    is validated with `onnxgen.package.load_spec` before it is moved into place.
+    is validated with `onnxgen.package.load_spec` before it is moved into place. `keep_hf` (GGUF sources
+    only): also keep the dequantized Hugging Face folder there (moved into place after the package; it must
+    not exist), e.g. as the transformers reference of parity tests.
 
     Raises ConversionError (bad arguments, missing source, missing `convert` extra, OUT not empty,
     builder failure with the log's tail and path, or an unreadable result). On any failure `out`
@@ -172,6 +175,10 @@ def convert_checkpoint(
                 f"the model builder produced a package onnxgen cannot read: {exc}\nfull log: {log_path}"
             ) from exc
         _install(pkg, out_path, overwrite)
+        if keep_hf is not None and kind == "gguf":
+            keep = Path(keep_hf).expanduser().absolute()
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(hf_dir), str(keep))
         ok = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -435,12 +442,25 @@ def _gguf_to_hf(gguf: Path, dest: Path) -> None:
     `PHASE: ...` lines that the parent turns into progress.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from onnxgen.convert.builder_config import gguf_architecture, gguf_metadata
 
     print("PHASE: loading the tokenizer", flush=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # NOTE: transformers maps no head_dim for qwen2/qwen3 GGUFs (it reads `attention.key_length` only for
+    # MoE variants), so the config falls back to its class default (Qwen3: 128) and any other head size
+    # fails to load; take it from the file.
+    arch = gguf_architecture(gguf)
+    key_length = gguf_metadata(gguf, {f"{arch}.attention.key_length"}).get(f"{arch}.attention.key_length")
+    if isinstance(key_length, int) and getattr(config, "head_dim", None) not in (None, key_length):
+        print(f"PHASE: head_dim {key_length} from {arch}.attention.key_length", flush=True)
+        config.head_dim = key_length
     print("PHASE: dequantizing weights", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, config=config, dtype=torch.float32
+    )
     # The weights are plain float32 tensors now; without this save_pretrained refuses
     # ("quantized with gguf and is not serializable").
     model.hf_quantizer = None

@@ -376,12 +376,28 @@ class OrtDecoder:
         last `rows` positions' as `[rows, vocab]` when rows > 1).
 
         LongRoPE packages: when `start_pos + len(tokens)` is on the other side of the switch from the
-        cached keys, the whole context is recomputed in this call (see the module docstring)."""
+        cached keys, the whole context is recomputed in this call (see the module docstring); rows asked
+        for on both sides of it are computed each in its own regime."""
         assert start_pos == self.kv_len(), f"forward at {start_pos} but the cache holds {self.kv_len()}"
         switch = self.facts.rope_switch
         if switch is None:
             return self._forward(tokens, start_pos, inputs, rows)
-        long = start_pos + len(tokens) > switch
+        end = start_pos + len(tokens)
+        if not self._rope_long and start_pos < switch < end and rows > end - switch:
+            # NOTE: rows wanted on both sides of the switch (a verify step of drafts): those up to it must
+            # see the short factors, as one-token steps would; feed up to the switch first, then the rest.
+            head = switch - start_pos
+            first = self._forward_rope(tokens[:head], start_pos, inputs, rows - (end - switch))
+            rest = self._forward_rope(tokens[head:], switch, inputs, end - switch)
+            return np.concatenate([first.reshape(-1, first.shape[-1]), rest.reshape(-1, rest.shape[-1])])
+        return self._forward_rope(tokens, start_pos, inputs, rows)
+
+    def _forward_rope(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None, rows: int
+    ) -> np.ndarray:
+        """`_forward` for a LongRoPE graph: recompute everything when the regime changes (see `forward`)."""
+        assert self.facts.rope_switch is not None
+        long = start_pos + len(tokens) > self.facts.rope_switch
         if start_pos and long != self._rope_long:
             # NOTE: cached keys carry the other regime's rotary factors; recompute them all in this one
             # forward (a chunked recompute would run its first chunks in the short regime again).
