@@ -58,8 +58,8 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ZooBuild]:
     return build_zoo(list(RECIPES), tmp_path_factory.mktemp("zoo"))
 
 
-# gpt-oss's int4 build quantizes the checkpoint's MXFP4 experts; a random fp32 checkpoint has none.
-INT4 = [n for n in BUILT if n != "gptoss"]
+# int4: MatMulNBits linears; gpt-oss's experts go from the checkpoint's MXFP4 tensors to QMoE (int4).
+INT4 = BUILT
 
 
 @pytest.fixture(scope="session")

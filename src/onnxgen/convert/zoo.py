@@ -70,7 +70,8 @@ class Recipe:
     """One architecture's tiny checkpoint. `config` overrides the shared tiny shape (`_BASE`).
 
     windows: the sliding windows of its layers (empty: none). rope_switch: LongRoPE's threshold (None: no
-    switch). builds: whether builder 0.18 converts it; if not, `builder_error` is a substring of the error
+    switch). mxfp4: the experts are rounded to MXFP4 and saved in gpt-oss's MXFP4 tensors too (what the
+    builder's int4 path reads), the fp32 weights being those rounded values. builds: whether builder 0.18 converts it; if not, `builder_error` is a substring of the error
     it raises. note: what the recipe exercises.
     """
 
@@ -80,6 +81,7 @@ class Recipe:
     config: dict[str, Any] = field(default_factory=dict)
     windows: tuple[int, ...] = ()
     rope_switch: int | None = None
+    mxfp4: bool = False
     builds: bool = True
     builder_error: str = ""
     note: str = ""
@@ -87,7 +89,10 @@ class Recipe:
     def hf_config(self) -> Any:
         import transformers
 
-        return getattr(transformers, self.config_class)(**{**_BASE, **self.config})
+        cls = getattr(transformers, self.config_class)
+        if "text_config" in self.config:  # a multimodal config: the tiny shape goes into its text part
+            return cls(**{**self.config, "text_config": {**_BASE, **self.config["text_config"]}})
+        return cls(**{**_BASE, **self.config})
 
 
 RECIPES: dict[str, Recipe] = {
@@ -204,7 +209,8 @@ RECIPES: dict[str, Recipe] = {
             "GptOssForCausalLM",
             {"head_dim": 16, "sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2},
             windows=(WINDOW,),
-            note="MoE (4 experts, top 2), attention sinks, alternating sliding layers, YaRN",
+            mxfp4=True,
+            note="MoE (4 experts, top 2), attention sinks, alternating sliding layers, YaRN, MXFP4 experts",
         ),
         Recipe("ernie4_5", "Ernie4_5Config", "Ernie4_5ForCausalLM", note="interleaved RoPE, head_dim 128"),
         Recipe("olmo", "OlmoConfig", "OlmoForCausalLM", note="non-parametric LayerNorm (epsilon normalized)"),
@@ -254,11 +260,30 @@ RECIPES: dict[str, Recipe] = {
             "Lfm2ForCausalLM",
             note="the builder makes it; onnxgen cannot run it (convolution state beside the KV cache)",
         ),
+        Recipe(
+            "qwen3_5",
+            "Qwen3_5Config",
+            "Qwen3_5ForConditionalGeneration",
+            {
+                "text_config": {
+                    "num_hidden_layers": 4,
+                    "head_dim": 16,
+                    "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4,
+                    "linear_key_head_dim": 16,
+                    "linear_value_head_dim": 16,
+                    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                },
+                "vision_config": {"hidden_size": 32, "depth": 1, "num_heads": 2, "out_hidden_size": 64},
+                "tie_word_embeddings": False,
+            },
+            note="the builder makes its text decoder; onnxgen cannot run it (linear-attention recurrent state)",
+        ),
     )
 }
 
 # Built but not runnable by onnxgen: the package exists, `onnxgen convert` refuses with a clear error.
-NOT_RUNNABLE = frozenset({"lfm2"})
+NOT_RUNNABLE = frozenset({"lfm2", "qwen3_5"})
 
 
 @dataclass(frozen=True)
@@ -287,11 +312,67 @@ def make_checkpoint(recipe: Recipe, dest: Path, *, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name and p.dim() == 1:
                 p.uniform_(0.5, 1.5) if float(p.detach().abs().mean()) > 0.5 else p.uniform_(-0.5, 0.5)
+    if recipe.mxfp4:
+        mx = _round_experts_to_mxfp4(model)
     model.save_pretrained(dest)
-    byte_level_tokenizer(SyntheticConfig(vocab_size=VOCAB, context_length=cfg.max_position_embeddings)).write(
-        dest
-    )
+    if recipe.mxfp4:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(dest / "model.safetensors"))
+        save_file({**state, **mx}, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    byte_level_tokenizer(
+        SyntheticConfig(vocab_size=VOCAB, context_length=_BASE["max_position_embeddings"])
+    ).write(dest)
     return dest
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mxfp4_encode(w: Any) -> tuple[Any, Any]:
+    """Round `w` (`[E, N, K]` float, output-major, K a multiple of 32) to MXFP4 as gpt-oss checkpoints store
+    it: blocks `[E, N, K/32, 16]` uint8 (e2m1 codes, even k in the low nibble) and scales `[E, N, K/32]`
+    uint8 (e8m0: 2^(s - 127), the smallest power of two that keeps the block within +-6)."""
+    import torch
+
+    e, n, k = w.shape
+    x = w.detach().float().reshape(e, n, k // 32, 32)
+    amax = x.abs().amax(-1).clamp_min(2.0**-126)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    y = x / torch.pow(2.0, exp).unsqueeze(-1)
+    mags = torch.tensor(_E2M1)
+    code = (y.abs().unsqueeze(-1) - mags).abs().argmin(-1).to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous()
+    return blocks, (exp + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_decode(blocks: Any, scales: Any) -> Any:
+    """The inverse of `mxfp4_encode`: `[E, N, K]` float32."""
+    import torch
+
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), -1).reshape(*blocks.shape[:-1], 32)
+    vals = torch.tensor(_E2M1)[(codes & 7).long()]
+    vals = torch.where((codes & 8) != 0, -vals, vals)
+    return (vals * torch.pow(2.0, scales.float() - 127).unsqueeze(-1)).reshape(
+        blocks.shape[0], blocks.shape[1], -1
+    )
+
+
+def _round_experts_to_mxfp4(model: Any) -> dict[str, Any]:
+    """Replace each gpt-oss expert weight by its MXFP4 rounding; return the MXFP4 tensors to save beside."""
+    import torch
+
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            for proj in ("gate_up_proj", "down_proj"):
+                w = getattr(experts, proj)  # [E, in, out]: input-major
+                blocks, scales = mxfp4_encode(w.transpose(1, 2))
+                w.copy_(mxfp4_decode(blocks, scales).transpose(1, 2))
+                out[f"model.layers.{i}.mlp.experts.{proj}_blocks"] = blocks
+                out[f"model.layers.{i}.mlp.experts.{proj}_scales"] = scales
+    return out
 
 
 def _build_here(root: Path, names: list[str], precision: str) -> dict[str, dict[str, Any]]:
