@@ -300,3 +300,8 @@ def test_ort_longrope_rows_and_rewinds_across_the_switch(zoo: dict[str, ZooBuild
     fresh = OrtDecoder(spec, threads=1).forward(ids[:55], 0)
     np.testing.assert_allclose(again, fresh, atol=1e-5, rtol=0)
     assert dec.info["rope_recomputes"] == 2
+
+    # a long cache rewound below the switch, then rows across it: each row still in its own regime
+    assert dec.rewind_to(0) and dec.forward(ids[:70], 0) is not None and dec.rewind_to(56)
+    rows = dec.forward(ids[56:72], 56, rows=16)
+    np.testing.assert_allclose(rows, steps, atol=1e-5, rtol=0)

@@ -416,14 +416,11 @@ def build_zoo(
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         raise KeyError(f"no recipes {unknown}; known: {', '.join(RECIPES)}")
-    from onnxgen import envs
-
     res = subprocess.run(
         [sys.executable, "-m", "onnxgen.convert.zoo", str(root), *names, "--precision", precision],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=envs.subprocess_env(),
     )
     summary = root / "zoo.json"
     if res.returncode != 0 or not summary.is_file():

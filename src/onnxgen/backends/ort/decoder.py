@@ -383,7 +383,7 @@ class OrtDecoder:
         if switch is None:
             return self._forward(tokens, start_pos, inputs, rows)
         end = start_pos + len(tokens)
-        if not self._rope_long and start_pos < switch < end and rows > end - switch:
+        if start_pos < switch < end and rows > end - switch:
             # NOTE: rows wanted on both sides of the switch (a verify step of drafts): those up to it must
             # see the short factors, as one-token steps would; feed up to the switch first, then the rest.
             head = switch - start_pos
