@@ -55,7 +55,8 @@ ARCHITECTURE_ALIASES = {"PhimoeForCausalLM": "PhiMoEForCausalLM"}
 BUILDER_018_FAILURES = {
     "PhiMoEForCausalLM": (
         "its PhiMoE class reads no LongRoPE settings (`NotImplementedError: The longrope RoPE style is not "
-        "currently supported`) and builds for CUDA only (int4 QMoE)"
+        "currently supported`), expects transformers 4's `block_sparse_moe` module (transformers 5: `mlp`), and "
+        "builds for CUDA only (int4 QMoE)"
     ),
 }
 
