@@ -311,7 +311,9 @@ def make_checkpoint(recipe: Recipe, dest: Path, *, seed: int = 0) -> Path:
     with torch.no_grad():  # non-trivial norm weights, so a dropped or misplaced norm shows
         for name, p in model.named_parameters():
             if "norm" in name and p.dim() == 1:
-                p.uniform_(0.5, 1.5) if float(p.detach().abs().mean()) > 0.5 else p.uniform_(-0.5, 0.5)
+                # around 1 (x * w), or around 0 where the model adds the 1 itself (Gemma, Nemotron: x * (1 + w))
+                centre = 1.0 if float(p.abs().mean()) > 0.5 else 0.0
+                p.uniform_(centre - 0.5, centre + 0.5)
     if recipe.mxfp4:
         mx = _round_experts_to_mxfp4(model)
     model.save_pretrained(dest)
