@@ -142,7 +142,9 @@ def test_overwrite_replaces_after_completion(tiny_pkg: Path, tmp_path: Path, mon
     monkeypatch.setattr(ckpt, "_run_logged", fake_run_logged)
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text("{}")
+    (hf / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
     ckpt.convert_checkpoint(hf, out, progress=False, overwrite=True)
     assert seen_out_during_build == [["stale.txt"]]  # the old folder stays until the new one is done
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in tiny_pkg.iterdir())
@@ -153,9 +155,9 @@ def test_overwrite_replaces_after_completion(tiny_pkg: Path, tmp_path: Path, mon
 def test_builder_failure_raises_and_leaves_no_out(tmp_path: Path) -> None:
     src = tmp_path / "broken"
     src.mkdir()
-    # Valid JSON, but an architecture the builder does not know: the subprocess itself fails.
+    # An architecture the builder knows, but no weights and no tokenizer: the subprocess itself fails.
     (src / "config.json").write_text(
-        json.dumps({"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"})
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     )
     out = tmp_path / "out"
     with pytest.raises(ConversionError) as info:
@@ -163,10 +165,31 @@ def test_builder_failure_raises_and_leaves_no_out(tmp_path: Path) -> None:
     msg = str(info.value)
     assert "model builder failed" in msg and "exit code" in msg
     log = Path(msg.rsplit("full log: ", 1)[1].strip())
-    assert log.is_file() and "nosuch" in log.read_text().lower()  # the log tail and path are real
+    assert (
+        log.is_file() and "onnxgen.convert.builder_run" in log.read_text()
+    )  # the log tail and path are real
     log.unlink()
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+
+
+def test_unknown_architecture_fails_at_once_naming_it(tmp_path: Path) -> None:
+    """An architecture the builder does not dispatch on fails before any subprocess, naming it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(
+        json.dumps({"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"})
+    )
+    t0 = time.perf_counter()
+    with pytest.raises(
+        ConversionError, match=r"does not support the architecture NoSuchModelForCausalLM.*LlamaForCausalLM"
+    ):
+        ckpt.convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert time.perf_counter() - t0 < 5
+    (src / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConversionError, match="names no architecture"):
+        ckpt.convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,11 @@ a single .gguf file (dequantized to float32 with transformers first). The conver
 done by onnxruntime-genai's model builder; its output goes to a log file and a progress display
 is shown instead. OUT is written atomically: it appears only once the package is complete.
 
+Settings of transformers-5 checkpoints that the builder misreads (Gemma 3's RoPE per layer type,
+Mistral/Phi-3 windows, LongRoPE, OLMo and Nemotron norms, SmolLM3's layers without RoPE) are normalized
+on the way; an architecture the builder cannot convert, or whose package onnxgen cannot run, fails at
+once with its name.
+
 Valid --precision/--execution-provider pairs: fp32/cpu, int4/cpu, fp32/cuda, fp16/cuda, bf16/cuda,
 int4/cuda. Needs the `convert` extra: pip install 'onnxgen[convert]'.
 """

@@ -1,10 +1,12 @@
 """Convert a checkpoint (a Hugging Face folder or a GGUF file) into an ONNX Runtime GenAI package.
 
-The work is done by ONNX Runtime GenAI's model builder (`onnxruntime_genai.models.builder`), run as
-a subprocess whose (very chatty) output goes to a log file while a progress reporter
-(`onnxgen.convert.progress`) shows the phases. A GGUF file is first turned into a temporary Hugging Face folder by
-transformers (dequantized to float32), also in a subprocess, so the calling process never imports
-torch or transformers.
+The work is done by ONNX Runtime GenAI's model builder (`onnxruntime_genai.models.builder`, with the patches of
+`convert/builder_run.py`), run as a subprocess whose (very chatty) output goes to a log file while a progress
+reporter (`onnxgen.convert.progress`) shows the phases. A GGUF file is first turned into a temporary Hugging
+Face folder by transformers (dequantized to float32), also in a subprocess, so the calling process never
+imports torch or transformers. Before the builder runs, `convert/builder_config.py` checks the architecture
+(a clear error where the builder cannot help) and normalizes the transformers-5 config settings the builder
+misreads (the log lists each change).
 
 Atomicity: everything is written into a temporary folder beside OUT and renamed into place only
 once the package is complete and `load_spec` accepts it. A failed conversion leaves OUT untouched
@@ -66,6 +68,7 @@ def convert_checkpoint(
     progress: bool | Reporter = True,
     extra_options: Mapping[str, object] | None = None,
     overwrite: bool = False,
+    keep_hf: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Convert `src` (a Hugging Face folder with config.json + weights, or a `.gguf` file) into the
     package folder `out` and return `out`.
@@ -78,7 +81,9 @@ def convert_checkpoint(
     draws bars on stderr).
 
     The package always holds `chat_template.jinja` when the source has a chat template. The result
-    is validated with `onnxgen.package.load_spec` before it is moved into place.
+    is validated with `onnxgen.package.load_spec` before it is moved into place. `keep_hf` (GGUF sources
+    only): also keep the dequantized Hugging Face folder there (moved into place after the package; it must
+    not exist), e.g. as the transformers reference of parity tests.
 
     Raises ConversionError (bad arguments, missing source, missing `convert` extra, OUT not empty,
     builder failure with the log's tail and path, or an unreadable result). On any failure `out`
@@ -108,6 +113,9 @@ def convert_checkpoint(
     try:
         hf_dir = src_path
         if kind == "gguf":
+            from onnxgen.convert.builder_config import check_gguf
+
+            check_gguf(src_path)  # seconds, where reading the GGUF takes minutes
             hf_dir = work / "hf"
             _run_logged(
                 [
@@ -124,13 +132,20 @@ def convert_checkpoint(
                 rep,
                 what=f"reading {src_path}",
             )
+        from onnxgen.convert.builder_config import builder_source
+
+        src_dir, notes = builder_source(hf_dir, work)
+        if notes:
+            with open(log_path, "a", encoding="utf-8") as logf:
+                logf.write("".join(f"onnxgen: for the model builder, {n}\n" for n in notes))
+            rep.info(f"Adjusted the config for the model builder: {'; '.join(notes)}")
         pkg = work / "package"
         cmd = [
             sys.executable,
             "-m",
-            "onnxruntime_genai.models.builder",
+            "onnxgen.convert.builder_run",
             "-i",
-            str(hf_dir),
+            str(src_dir),
             "-o",
             str(pkg),
             "-p",
@@ -160,6 +175,10 @@ def convert_checkpoint(
                 f"the model builder produced a package onnxgen cannot read: {exc}\nfull log: {log_path}"
             ) from exc
         _install(pkg, out_path, overwrite)
+        if keep_hf is not None and kind == "gguf":
+            keep = Path(keep_hf).expanduser().absolute()
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(hf_dir), str(keep))
         ok = True
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -423,12 +442,25 @@ def _gguf_to_hf(gguf: Path, dest: Path) -> None:
     `PHASE: ...` lines that the parent turns into progress.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from onnxgen.convert.builder_config import gguf_architecture, gguf_metadata
 
     print("PHASE: loading the tokenizer", flush=True)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # NOTE: transformers maps no head_dim for qwen2/qwen3 GGUFs (it reads `attention.key_length` only for
+    # MoE variants), so the config falls back to its class default (Qwen3: 128) and any other head size
+    # fails to load; take it from the file.
+    arch = gguf_architecture(gguf)
+    key_length = gguf_metadata(gguf, {f"{arch}.attention.key_length"}).get(f"{arch}.attention.key_length")
+    if isinstance(key_length, int) and getattr(config, "head_dim", None) not in (None, key_length):
+        print(f"PHASE: head_dim {key_length} from {arch}.attention.key_length", flush=True)
+        config.head_dim = key_length
     print("PHASE: dequantizing weights", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, config=config, dtype=torch.float32
+    )
     # The weights are plain float32 tensors now; without this save_pretrained refuses
     # ("quantized with gguf and is not serializable").
     model.hf_quantizer = None

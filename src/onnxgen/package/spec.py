@@ -40,6 +40,7 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "smollm3",
         "chatglm",
         "ernie4_5",
+        "gptoss",
         "decoder",
     }
 )

@@ -15,11 +15,25 @@ Two KV modes, chosen from the graph at load:
 
 KV never leaves the session's device between steps: on CPU the buffers are host arrays that the
 OrtValues wrap without copying.
+
+Two facts read from the graph at load (`GraphFacts`):
+
+- **Sliding windows**: GroupQueryAttention with `sliding_window_cache` (builder 0.18's windowed layers)
+  needs every KV buffer to hold at least `local_window_size` positions, so the smallest capacity bucket
+  is raised to the largest window (the user's `kv_floor` stays the floor below it). Buffers still grow
+  with the context and never wrap, so rewinding stays O(1).
+- **LongRoPE** (Phi-3.5, Phi-4-mini): the builder's graph picks short or long rotary caches by the total
+  length (`If(attention_mask.shape[1] > original_max_position_embeddings)`), and keys already cached keep
+  the factors they were computed with. As transformers does (`Phi3ForCausalLM.prepare_inputs_for_generation`),
+  the decoder recomputes the whole cache when a step changes the regime (growing past the threshold, or a
+  rewind back below it), so a session that grows past it equals a fresh run. It keeps the cached token ids
+  for that (LongRoPE packages only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -85,22 +99,79 @@ def _last_position_graph(model: Any, logits_name: str) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the decoder needs to know about its graph beyond the spec.
+
+    gqa: attention is GroupQueryAttention. window: the largest `local_window_size` of a GroupQueryAttention
+    node (0: none); every KV buffer must hold at least that many positions. rope_switch: LongRoPE's
+    threshold (the graph uses the long rotary caches when the total length exceeds it; None: no switch).
+    """
+
+    gqa: bool = False
+    window: int = 0
+    rope_switch: int | None = None
+
+
+def graph_facts(graph: Any) -> GraphFacts:
+    """Read `GraphFacts` from an onnx GraphProto (weights not needed)."""
+    from onnx import helper, numpy_helper
+
+    producer = {o: n for n in graph.node for o in n.output}
+    consts = {i.name: i for i in graph.initializer}
+    gqa, window = False, 0
+    for node in graph.node:
+        if node.op_type == "GroupQueryAttention":
+            gqa = True
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            window = max(window, int(attrs.get("local_window_size", -1)))
+
+    def constant(name: str) -> int | None:
+        if name in consts:
+            v = numpy_helper.to_array(consts[name])
+        else:
+            n = producer.get(name)
+            if n is None or n.op_type != "Constant" or not n.attribute:
+                return None
+            v = numpy_helper.to_array(n.attribute[0].t)
+        return int(v.reshape(-1)[0]) if v.size == 1 else None
+
+    def from_mask_length(name: str) -> bool:
+        """`name` is Gather(Shape(attention_mask), 1) (possibly through a Cast)."""
+        n = producer.get(name)
+        if n is not None and n.op_type == "Cast":
+            n = producer.get(n.input[0])
+        if n is None or n.op_type != "Gather" or constant(n.input[1]) != 1:
+            return False
+        shape = producer.get(n.input[0])
+        return shape is not None and shape.op_type == "Shape" and shape.input[0] == "attention_mask"
+
+    switch = None
+    for node in graph.node:
+        if node.op_type != "If" or not any("cos_cache" in o for o in node.output):
+            continue
+        cond = producer.get(node.input[0])
+        if cond is not None and cond.op_type == "Greater" and from_mask_length(cond.input[0]):
+            switch = constant(cond.input[1])
+    return GraphFacts(gqa=gqa, window=max(window, 0), rope_switch=switch)
+
+
 def _open_session(
     spec: ModelSpec, opts: Any, providers: list[str], last_logits: bool
-) -> tuple[Any, bool, bool]:
-    """Create the InferenceSession; returns (session, uses GroupQueryAttention, last-position logits)."""
+) -> tuple[Any, GraphFacts, bool]:
+    """Create the InferenceSession; returns (session, facts about its graph, last-position logits)."""
     import onnx
     import onnxruntime as ort
 
     model = onnx.load(str(spec.decoder_path), load_external_data=False)
-    gqa = any(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    facts = graph_facts(model.graph)
     if last_logits and _last_position_graph(model, spec.logits_name):
         # the graph comes from memory; its external weights stay in the package folder
         opts.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(spec.decoder_path.parent)
         )
-        return ort.InferenceSession(model.SerializeToString(), opts, providers=providers), gqa, True
-    return ort.InferenceSession(str(spec.decoder_path), opts, providers=providers), gqa, False
+        return ort.InferenceSession(model.SerializeToString(), opts, providers=providers), facts, True
+    return ort.InferenceSession(str(spec.decoder_path), opts, providers=providers), facts, False
 
 
 class OrtDecoder:
@@ -108,14 +179,17 @@ class OrtDecoder:
     Batch 1, one sequence.
 
     Options (declared in `onnxgen.backends.ort.OPTIONS`): `threads` sets intra-op threads (None:
-    onnxruntime's default). `kv_floor`: smallest KV capacity bucket (shared mode). `kv_mode` forces
+    onnxruntime's default). `kv_floor`: smallest KV capacity bucket (shared mode; raised to the graph's
+    largest sliding window, which GroupQueryAttention needs the buffers to hold). `kv_mode` forces
     "shared" or "concat" (None: shared for GroupQueryAttention graphs on CPU). `last_logits` (default
     True) rewrites the graph in memory so the lm_head runs on the last position only. `spinning` (default
     False) lets intra-op threads spin-wait between ops: slightly faster on a machine with idle cores,
     much slower when another process competes for them.
 
     `info` keys beyond the contract's: `kv_mode` ("shared" | "concat"), `last_logits` (bool: the graph
-    was rewritten to compute the last position's logits only).
+    was rewritten to compute the last position's logits only), `window` (the largest sliding window, 0:
+    none), `rope_switch` (LongRoPE's threshold, None: no switch) and `rope_recomputes` (how many times
+    the cache was recomputed at that threshold).
     """
 
     backend = "ort"
@@ -130,7 +204,7 @@ class OrtDecoder:
         kv_mode: str | None = None,
         last_logits: bool = True,
         spinning: bool = False,
-        _shared: tuple[Any, str, bool] | None = None,
+        _shared: tuple[Any, str, bool, GraphFacts] | None = None,
     ) -> None:
         import onnxruntime as ort
 
@@ -147,7 +221,7 @@ class OrtDecoder:
             providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
         self._ort = ort
         if _shared is not None:  # a fork: same InferenceSession (weights), own KV
-            self._session, kv_mode, self.last_logits = _shared
+            self._session, kv_mode, self.last_logits, self.facts = _shared
         else:
             opts = ort.SessionOptions()
             if threads:
@@ -159,9 +233,9 @@ class OrtDecoder:
             # (dynamic_block_base) let a descheduled thread's share be taken by the others.
             opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
             opts.add_session_config_entry("session.dynamic_block_base", "4")
-            self._session, gqa, self.last_logits = _open_session(spec, opts, providers, last_logits)
+            self._session, self.facts, self.last_logits = _open_session(spec, opts, providers, last_logits)
             if kv_mode is None:
-                kv_mode = "shared" if device == "cpu" and gqa else "concat"
+                kv_mode = "shared" if device == "cpu" and self.facts.gqa else "concat"
         self._dtype = _np_dtype(spec.kv_dtype)
         self._kv_floor = kv_floor
         if kv_mode not in ("shared", "concat"):
@@ -185,7 +259,7 @@ class OrtDecoder:
                 spec.head_size,
                 self._dtype,
                 "cpu",
-                floor=kv_floor,
+                floor=max(kv_floor, self.facts.window),
                 max_capacity=spec.context_length,
                 alloc=self._alloc,
             )
@@ -198,6 +272,10 @@ class OrtDecoder:
         self._hold: list[np.ndarray] = []
         if kv_mode == "concat":
             self._set_concat_kv(None, 0)
+        # LongRoPE: the ids whose KV the cache holds, and whether it was computed with the long factors
+        self._held: list[int] = []
+        self._rope_long = False
+        self.rope_recomputes = 0
 
     # --- the KV seam -----------------------------------------------------------------------
 
@@ -211,6 +289,7 @@ class OrtDecoder:
             return True
         if not self.can_rewind:
             return False
+        del self._held[n:]
         if self._kv is not None:
             self._kv.rewind_to(n)
         elif n == 0:
@@ -221,6 +300,7 @@ class OrtDecoder:
 
     def reset(self) -> None:
         """Empty the cache; shared mode keeps its buffers (and the IO binding over them)."""
+        self._held.clear()
         if self._kv is not None:
             self._kv.reset()
         else:
@@ -243,11 +323,15 @@ class OrtDecoder:
             "weights": id(self._session),
             "kv_mode": self.kv_mode,
             "last_logits": self.last_logits,
+            "window": self.facts.window,
+            "rope_switch": self.facts.rope_switch,
+            "rope_recomputes": self.rope_recomputes,
         }
 
     def close(self) -> None:
         """Empty the cache and free its buffers; the decoder stays usable (the InferenceSession is kept:
         forks share it)."""
+        self._held.clear()
         if self._kv is not None:
             self._io, self._io_ov = None, []  # NOTE: the binding points into the buffers freed next
             self._kv.reset(free=True)
@@ -256,7 +340,7 @@ class OrtDecoder:
 
     def fork(self) -> OrtDecoder:
         """A new decoder with an empty cache that shares this one's InferenceSession (weights)."""
-        shared = (self._session, self.kv_mode, self.last_logits)
+        shared = (self._session, self.kv_mode, self.last_logits, self.facts)
         return OrtDecoder(self.spec, self.device, kv_floor=self._kv_floor, _shared=shared)
 
     # --- running ---------------------------------------------------------------------------
@@ -289,8 +373,53 @@ class OrtDecoder:
         self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None, rows: int = 1
     ) -> np.ndarray:
         """Feed `tokens` at `start_pos` (== kv_len()) and return the last position's float32 logits (the
-        last `rows` positions' as `[rows, vocab]` when rows > 1)."""
+        last `rows` positions' as `[rows, vocab]` when rows > 1).
+
+        LongRoPE packages: when `start_pos + len(tokens)` is on the other side of the switch from the
+        cached keys, the whole context is recomputed in this call (see the module docstring); rows asked
+        for on both sides of it are computed each in its own regime."""
         assert start_pos == self.kv_len(), f"forward at {start_pos} but the cache holds {self.kv_len()}"
+        switch = self.facts.rope_switch
+        if switch is None:
+            return self._forward(tokens, start_pos, inputs, rows)
+        end = start_pos + len(tokens)
+        if start_pos < switch < end and rows > end - switch:
+            # NOTE: rows wanted on both sides of the switch (a verify step of drafts): those up to it must
+            # see the short factors, as one-token steps would; feed up to the switch first, then the rest.
+            head = switch - start_pos
+            first = self._forward_rope(tokens[:head], start_pos, inputs, rows - (end - switch))
+            rest = self._forward_rope(tokens[head:], switch, inputs, end - switch)
+            return np.concatenate([first.reshape(-1, first.shape[-1]), rest.reshape(-1, rest.shape[-1])])
+        return self._forward_rope(tokens, start_pos, inputs, rows)
+
+    def _forward_rope(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None, rows: int
+    ) -> np.ndarray:
+        """`_forward` for a LongRoPE graph: recompute everything when the regime changes (see `forward`)."""
+        assert self.facts.rope_switch is not None
+        long = start_pos + len(tokens) > self.facts.rope_switch
+        if start_pos and long != self._rope_long:
+            # NOTE: cached keys carry the other regime's rotary factors; recompute them all in this one
+            # forward (a chunked recompute would run its first chunks in the short regime again).
+            tokens = [*self._held, *tokens]
+            self._empty()
+            start_pos = 0
+            self.rope_recomputes += 1
+        out = self._forward(tokens, start_pos, inputs, rows)
+        self._rope_long = long
+        self._held[start_pos:] = list(tokens)
+        return out
+
+    def _empty(self) -> None:
+        self._held = []
+        if self._kv is not None:
+            self._kv.rewind_to(0)
+        else:
+            self._set_concat_kv(None, 0)
+
+    def _forward(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None, rows: int
+    ) -> np.ndarray:
         n = len(tokens)
         assert n > 0, "forward needs at least one token"
         assert 1 <= rows <= n, f"rows={rows} outside [1, {n}]"
