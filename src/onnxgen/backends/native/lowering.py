@@ -646,8 +646,8 @@ def _residual_into_product(nodes: list[O.Node], logits: str) -> None:
     packed `Int4Linear` that nothing else reads -> that product adds a itself (its residual input: the sum
     formed in float32 before the one rounding) and the norm becomes a plain `SimplifiedLayerNormalization`
     of the sum, whose readers of the norm's sum output read the product's output instead. A norm folded
-    into the next product then has no skip to load and no sum to store (the packed fold's loop on sm_90:
-    836 -> 667 instructions, 1,324 -> 1,138 with the SiLU; `benchmarks/sass_tables.sh`), and a norm left
+    into the next product then has no skip to load and no sum to store (a shorter loop in the packed fold),
+    and a norm left
     on its own reads one row instead of two. In half precision the Triton products (decode and verify rows,
     few-row chunks) round the sum once instead of twice (the product, then the sum): closer to a float32
     reference, not the same bits; cuBLAS rows keep the two roundings (`kernels.linear.linear_unfused`). In

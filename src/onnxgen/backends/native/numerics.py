@@ -12,7 +12,8 @@ An op that accumulates in fp32 and rounds once lands at its floor (ratio ~1); an
 intermediates to bf16 or reduces in bf16 shows a ratio above 1 that grows with the reduction length. The
 table lists, per op type, the worst ratio and where it occurred, then the worst single nodes.
 
-Used by `benchmarks/op_error.py` (a table per op type) and by the parity tests (every op at its floor).
+Used by `benchmarks/parity.py --sections ops` (a table per op type) and by the parity tests (every op at its
+floor).
 """
 
 from __future__ import annotations

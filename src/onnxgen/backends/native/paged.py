@@ -161,8 +161,7 @@ def tile_for(rows: int, fewest: int, group: int, d: int, fp32: bool = False) -> 
     """The attention kernel's tile for a step whose sequences feed `fewest`..`rows` query rows (`group` query
     heads per KV head x tokens) of head size `d`: decode-size items take 16..64 rows of 64 keys (4 warps);
     a step of prefill chunks only (more than `LARGE_ROWS` rows each) takes 128 x 128 with 8 warps, 3 stages
-    deep (faster than 64 x 64 and than PyTorch's flash attention on the 8B shape: docs/benchmarks/, from
-    `benchmarks/gpu_paged_attention.py`). A step that mixes decodes with chunks keeps the decode tile: a
+    deep (faster than 64 x 64 and than PyTorch's flash attention on the 8B shape). A step that mixes decodes with chunks keeps the decode tile: a
     128-row tile would compute 4-row decodes 32 times over. float32 (`fp32`, IEEE products) always takes
     64 x 64, 2 stages: a 32-row fp32 tile with a sliding window computed wrong scores on the GPU
     (`tests/kernels/test_paged_attention.py`, window 8), and 128 x 128 x 3 stages of fp32 overflows shared

@@ -228,8 +228,8 @@ class OrtDecoder:
                 opts.intra_op_num_threads = threads
                 opts.inter_op_num_threads = 1
             opts.log_severity_level = 3
-            # Threads that spin between ops win a few ms on an idle machine and lose 2-3x when another
-            # process wants a core (docs/benchmarks/cpu-load.md); blocks handed out in shrinking sizes
+            # Threads that spin between ops win a little on an idle machine and lose much more when another
+            # process wants a core (docs/benchmarks/cpu.md); blocks handed out in shrinking sizes
             # (dynamic_block_base) let a descheduled thread's share be taken by the others.
             opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
             opts.add_session_config_entry("session.dynamic_block_base", "4")

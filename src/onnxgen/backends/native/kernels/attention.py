@@ -51,8 +51,8 @@ def cache_attention(
     g = n // hkv
     rows = g * m  # per KV head: its G query heads x M tokens, contiguous in q
     dp = max(16, 1 << (d - 1).bit_length())
-    # 64 x 64 tiles, 4 warps, 3 stages for prefill chunks (docs/benchmarks/sessions-gpu.md: against flash
-    # attention over an 8k cache); decode rows are the query heads of one KV head. Few distinct
+    # 64 x 64 tiles, 4 warps, 3 stages for prefill chunks (chosen against flash attention over an 8k cache);
+    # decode rows are the query heads of one KV head. Few distinct
     # configurations = few Triton compiles.
     block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
     block_n, warps, stages = (64 if dp <= 128 else 32), 4, (2 if m == 1 else 3)

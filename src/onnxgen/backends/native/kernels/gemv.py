@@ -52,8 +52,8 @@ def residual_rows(residual: torch.Tensor | None, rows: int, n: int, y: torch.Ten
 def x_in_tile(block_k: int, warps: int, itemsize: int) -> bool:
     """Whether the GEMV loads x in its weight tile's shape (`triton/gemv.py`'s `X2D`): when the K tile, at 16
     bytes a thread, needs fewer threads than the program has, so some warps lie along the tile's rows. Then
-    x in the tile's own layout saves a conversion through shared memory (two barriers) per K step (sm_90
-    SASS, `benchmarks/sass_stats.py`); with every warp along K it would only repeat x per row a thread
+    x in the tile's own layout saves a conversion through shared memory (two barriers) per K step (sm_90);
+    with every warp along K it would only repeat x per row a thread
     holds. Not with a norm normalised first (`launch_gemv` asks for `NORM_LATE` or no norm): its per-element
     work would be repeated per row. `ONNXGEN_GEMV_X2D=0` turns it off (the bits are the same either way)."""
     return block_k * itemsize // 16 < 32 * warps

@@ -137,15 +137,11 @@ INT4_CONFIGS = (
     (16, 256, 16),
 )
 """(output columns, word rows per step, warps) tried for each packed int4 GEMV shape (`kernels/triton/int4.py`); each
-compiles to a loop with no barrier or shuffle on sm_90 (checked offline with `benchmarks/sass_stats.py`:
-other shapes made Triton move x through shared memory every step). 16 x 128 x 8 warps gives a 4,096-row
-product two programs of 8 warps per multiprocessor, for more loads in flight. On the H100 (2026-12-05) the
-timing chose 16 x 128 x 8 for the 8B's 4,096-column products and 16 x 64 x 4 for its gate/up, the
-narrowest tiles offered, at 52 % of DRAM peak with the warps waiting on their loads (Nsight Compute): so
-narrower and deeper ones are offered too (8 x 128 x 4: twice the programs; 8 x 256 x 8 and 16 x 256 x 16:
-a 4,096-long K in two steps), each with the same 8 words a thread per step and a barrier-free loop of
-272–276 instructions (sm_90, `sass_stats.py`; 16 x 256 x 8 and 16 x 128 x 4 are not: 16 words a thread
-move through shared memory)."""
+compiles to a loop with no barrier or shuffle on sm_90 (other shapes make Triton move x through shared memory
+every step). 16 x 128 x 8 warps gives a 4,096-row product two programs of 8 warps per multiprocessor, for more
+loads in flight; narrower and deeper tiles (8 x 128 x 4: twice the programs; 8 x 256 x 8 and 16 x 256 x 16: a
+4,096-long K in two steps) keep more loads in flight where the widest tiles leave the warps waiting on their
+loads, each with the same 8 words a thread per step (docs/benchmarks/decode-gpu.md has the timings)."""
 
 
 def _int4_choice(
@@ -189,8 +185,7 @@ def _int4_fold_choice(
     """Whether the RMSNorm folded into the packed GEMV (`kernels/triton/int4.py`'s NORM) beats the norm kernel followed
     by the plain GEMV for this shape on CUDA (timed once, both with `cfg`, the norm's cost in both): the fold
     saves a launch but adds loads and squares (with a skip, also the residual store) for every word row a
-    program walks (sm_90: 536 -> 667 loop instructions, 1,006 -> 1,138 with the SiLU; with a skip 836 and
-    1,324; `benchmarks/sass_tables.sh`)."""
+    program walks, which is why it is timed per shape."""
     from onnxgen.backends.native.kernels import autotune
     from onnxgen.backends.native.kernels.norms import rms_norm
     from onnxgen.backends.native.kernels.triton.int4 import int4_linear

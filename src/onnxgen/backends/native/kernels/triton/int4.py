@@ -11,8 +11,7 @@ Why K-major: a program owns `BLOCK_N` output columns and walks K in steps of `BK
 words are contiguous along N (16-byte loads), the x elements of its word rows are the same for all its
 columns (a few scalar loads per step, broadcast), and the sum over K stays in registers until one reduction
 at the end — no shared memory, barrier or shuffle in the loop (checked in its sm_90 SASS, compiled offline:
-about 4 instructions per weight, against 10 and six barriers per step for the N-major design it replaced;
-`benchmarks/sass_stats.py`).
+fewer instructions per weight and no barriers, where the N-major design it replaced had several per step).
 A nibble becomes a float without the conversion unit: read where it sits after one of four shifts per word,
 at mantissa bits 12..15 (`1 + q / 2048`) or 16..19 (`1 + q / 128`), masked and or-ed with 1.0's bits in
 one `lop3` (`ONE_BITS` is passed at run time so that the constant sits in a register); per word,
