@@ -285,7 +285,7 @@ class Tokenizer:
         return self._special
 
     def bytes_table(self) -> list[bytes]:
-        """`token_bytes` of every id, built once (about 50 ms for a 50k vocabulary)."""
+        """`token_bytes` of every id, built once and kept."""
         if self._table is None:
             self._table = [self.token_bytes(i) for i in range(self.vocab_size)]
         return self._table

@@ -200,7 +200,7 @@ def short_blocks() -> int:
     """Decode-size work items (one token's query rows) whose key splits hold at most this many key blocks at
     the longest KV length a launch may see (`PagedStep.seq_lens`: a captured step's bound) run the attention
     with one software-pipeline stage instead of two: the same bits, less latency for splits of one or two
-    blocks; longer splits keep the pipeline (docs/benchmarks/decode-gpu.md, eleventh session).
+    blocks; longer splits keep the pipeline (docs/benchmarks/decode-gpu.md).
     `ONNXGEN_SHORT_BLOCKS` (default 2; 0: always pipelined), read at each launch and when a runner plans its
     short-context graphs."""
     return envs.read("SHORT_BLOCKS")

@@ -35,8 +35,7 @@ def write_package(
     into model.onnx.data (never the whole model in memory). Up to 2**27 parameters they equal
     `random_weights(cfg, seed)` exactly; larger models use torch's generator (CUDA when available,
     else CPU; same distributions, other values; `reference_weights(cfg, None, seed)` on the same
-    host reproduces them). Measured: LLAMA_1B in 6 s and LLAMA_8B in 17 s (2.2 GB peak RSS) on an
-    H200 host with 16 cores; LLAMA_1B in ~45 s on 2 CPU cores. `tokenizer_dir`: copy
+    host reproduces them); peak memory stays a few tensors, not the model. `tokenizer_dir`: copy
     tokenizer.json / tokenizer_config.json / chat_template.jinja / special_tokens_map.json from there
     (cfg.vocab_size must be >= its size) instead of building the tiny byte-level BPE. `progress`: a
     status line on stdout while the weights are written. Returns the package path.

@@ -70,7 +70,7 @@ def greedy_advance(
     (`torch.argmax`'s choice, ties to the first column). On a Triton device with `ONNXGEN_GREEDY_IN_ADVANCE`
     (the default; read per call) the choice takes two launches that both take part in programmatic dependent
     launch, unlike `torch.argmax`'s one-block reduction: partial maxima per block of `ARGMAX_BLOCK` columns,
-    then each row's pick inside `decode_advance`'s launch (docs/benchmarks/decode-gpu.md, sixth session)."""
+    then each row's pick inside `decode_advance`'s launch (docs/benchmarks/decode-gpu.md)."""
     if not (use_triton(logits) and envs.read("GREEDY_IN_ADVANCE")):
         decode_advance(logits.argmax(-1), wide, narrow, toks, batch, max_pages, page)
         return

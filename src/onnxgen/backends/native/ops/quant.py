@@ -119,8 +119,8 @@ def dequant_gather_block(
 
 
 GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps); more: dequantize
-# first, then one dense product (a few-row GEMM on the packed weight lost to that at every row count above 8
-# on the H200, up to 17x the dense product at 64 rows: docs/benchmarks/decode-gpu.md, sixth session; removed)
+# first, then one dense product (a few-row GEMM on the packed weight lost to that above 8 rows:
+# docs/benchmarks/decode-gpu.md)
 
 
 INT4_CONFIGS = (
