@@ -24,6 +24,8 @@
 #   parity    parity.py: logits against transformers to 8k tokens (2048x4, 1B; 8B with sessions)
 #   spec      speculative.py on SmolLM2-135M bf16 (the GGUF's real weights), the four workloads and --mix
 #   compare   compare.py .carry/base . on the 1B shape: batch-1 decode and 64 concurrent requests
+#   cpucompare compare.py .carry/base . on the host's CPU (quiet, 2 threads a side): SmolLM2-135M's shape in
+#             fp32 on the native backend, batch-1 decode and 64 concurrent requests
 # Environment knobs: ONNXGEN_* kernel switches pass through (onnxgen.envs); BENCH_ARGS adds arguments to
 # every tool's command line (e.g. BENCH_ARGS="--engine decode_steps=4").
 # Results go to docs/benchmarks/ (replace the page's table; the card is named in the tool's caption).
@@ -106,6 +108,12 @@ for section in "${@}"; do
                  else
                      echo "compare: no .carry/base (bash benchmarks/gpu_session.sh prepare BASE, then carry .carry)"
                  fi ;;
+        cpucompare) if [ -d .carry/base/src ]; then
+                        run 550 benchmarks/compare.py .carry/base . --device cpu --model builder:135m:fp32 \
+                            --threads 2 --option backend=native --prompt 64 --new 48 --batch-new 16
+                    else
+                        echo "cpucompare: no .carry/base (bash benchmarks/gpu_session.sh prepare BASE, then carry .carry)"
+                    fi ;;
         *) echo "unknown section $section" ;;
     esac
 done

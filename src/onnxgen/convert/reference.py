@@ -55,6 +55,14 @@ SHAPES = {
         hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=512, context_length=1024
     ),  # dry runs
     "2048x4": LlamaShape(num_layers=4),  # reproduces the 1B shape's numerics in seconds on a CPU
+    "135m": LlamaShape(
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+    ),  # SmolLM2-135M's shape (the default model's): CPU comparisons where its GGUF is not at hand
     "0.5b": LlamaShape(
         hidden_size=896,
         num_layers=24,
