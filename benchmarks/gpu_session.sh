@@ -110,7 +110,7 @@ for section in "${@}"; do
                  fi ;;
         cpucompare) if [ -d .carry/base/src ]; then
                         run 550 benchmarks/compare.py .carry/base . --device cpu --model builder:135m:fp32 \
-                            --threads 2 --option backend=native --prompt 64 --new 48 --batch-new 16
+                            --threads 2 --option backend=native --prompt 64 --new 48 --batch-new 16 --reps 1
                     else
                         echo "cpucompare: no .carry/base (bash benchmarks/gpu_session.sh prepare BASE, then carry .carry)"
                     fi ;;
