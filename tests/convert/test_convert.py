@@ -235,11 +235,11 @@ def test_chat_template_fallback_from_tokenizer_config(tmp_path: Path) -> None:
     hf.mkdir()
     pkg.mkdir()
     (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
-    ckpt._ensure_chat_template(hf, pkg)
+    ckpt.ensure_chat_template(hf, pkg)
     assert (pkg / "chat_template.jinja").read_text() == "{{ messages[0]['content'] }}"
     # An existing template is never replaced.
     (pkg / "chat_template.jinja").write_text("X")
-    ckpt._ensure_chat_template(hf, pkg)
+    ckpt.ensure_chat_template(hf, pkg)
     assert (pkg / "chat_template.jinja").read_text() == "X"
 
 
@@ -310,7 +310,7 @@ RACER = textwrap.dedent("""
             time.sleep(0.05)
         while not go.exists():                   # hold the lock until the test says go
             time.sleep(0.02)
-    print(default._ensure(slow_copy, progress=True))
+    print(default.build_default_model(slow_copy, progress=True))
 """)
 
 

@@ -165,7 +165,7 @@ def convert_checkpoint(
             rep,
             what="onnxruntime-genai's model builder",
         )
-        _ensure_chat_template(hf_dir, pkg)
+        ensure_chat_template(hf_dir, pkg)
         from onnxgen.package import load_spec
 
         try:
@@ -383,7 +383,7 @@ def _source_chat_template(hf_dir: Path) -> str | None:
     return tmpl if isinstance(tmpl, str) else None
 
 
-def _ensure_chat_template(hf_dir: Path, pkg: Path) -> None:
+def ensure_chat_template(hf_dir: Path, pkg: Path) -> None:
     """Make sure `pkg/chat_template.jinja` exists when the source has a chat template.
 
     The builder normally writes it (transformers' tokenizer.save_pretrained); this is the fallback

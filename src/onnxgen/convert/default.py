@@ -69,7 +69,7 @@ def ensure_default_model(progress: bool | Reporter = True) -> Path:
     target = default_model_dir()
     if looks_built(target):
         return target
-    return _ensure(_build_default, progress=as_reporter(progress))
+    return build_default_model(_build_default, progress=as_reporter(progress))
 
 
 def resolve_model_path(
@@ -91,11 +91,9 @@ def resolve_model_path(
 # --- building under the lock --------------------------------------------------------------------
 
 
-def _ensure(builder: Builder, *, progress: bool | Reporter) -> Path:
-    """Build the default model with `builder` unless it exists; the lock-and-rename protocol.
-
-    Split from `ensure_default_model` so tests can race processes with a fast fake builder.
-    """
+def build_default_model(builder: Builder, *, progress: bool | Reporter) -> Path:
+    """Build the default model with `builder(dest, progress)` unless it exists, under the lock-and-rename
+    protocol (`ensure_default_model` with the real builder; tests race processes with a fast fake one)."""
     from onnxgen.convert.checkpoint import INSTALL_HINT, missing_convert_deps
 
     target = default_model_dir()
