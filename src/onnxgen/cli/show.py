@@ -30,7 +30,10 @@ def show_options() -> None:
 
     from onnxgen.config import Config
 
-    t = Table("option", "section", "default", title="load options (None: decided by device and backend)")
+    t = Table(title="load options (None: decided by device and backend)")
+    t.add_column("option", no_wrap=True, min_width=max(len(n) for n in Config.options()))
+    t.add_column("section", no_wrap=True)
+    t.add_column("default")
     for sec in dataclasses.fields(Config):
         for f in dataclasses.fields(getattr(Config(), sec.name)):
             t.add_row(f.name, sec.name, repr(f.default))
@@ -43,8 +46,12 @@ def show_env() -> None:
 
     import onnxgen.envs as envs
 
-    t = Table("variable", "default", "what it does", title="environment variables")
-    for name, default, doc in envs.describe():
+    rows = envs.describe()
+    t = Table(title="environment variables")
+    t.add_column("variable", no_wrap=True, min_width=max(len(n) for n, _, _ in rows))
+    t.add_column("default", no_wrap=True)
+    t.add_column("what it does")
+    for name, default, doc in rows:
         t.add_row(name, default, doc)
     Console().print(t)
 

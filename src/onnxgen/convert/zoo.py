@@ -26,13 +26,14 @@ as `onnxgen convert` does, without its subprocess per model), or the builder's e
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import onnxgen.envs as envs
 
 VOCAB = 520
 WINDOW = 32
@@ -423,6 +424,7 @@ def build_zoo(
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=envs.subprocess_env(TOKENIZERS_PARALLELISM="false"),
     )
     summary = root / "zoo.json"
     if res.returncode != 0 or not summary.is_file():
@@ -450,7 +452,6 @@ def _main(argv: list[str]) -> int:
     ap.add_argument("names", nargs="*", help=f"recipes (default: all): {', '.join(RECIPES)}")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "int4"))
     args = ap.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     data = _build_here(args.root, args.names or list(RECIPES), args.precision)
     (args.root / "zoo.json").write_text(json.dumps(data, indent=2), encoding="utf-8")
     for name, d in data.items():
