@@ -23,6 +23,7 @@ from onnxgen.engine.loop import EngineLoop
 from onnxgen.engine.output import Handle, Result
 from onnxgen.engine.request import Request
 from onnxgen.engine.session import Session
+from onnxgen.errors import InvalidRequest
 from onnxgen.package.spec import ModelSpec
 from onnxgen.sampling import LogitsProcessor, SamplingParams
 
@@ -171,7 +172,12 @@ class Model:
         engine = self._engine
         if not engine.paged:
             return self._default.submit(prompt, on_token=on_token, cancel=cancel, **options)
-        prepared = prompt if isinstance(prompt, Prepared) else engine.prepare(prompt, **options)
+        if isinstance(prompt, Prepared):
+            if options:
+                raise InvalidRequest("a prepared request takes no options", field=next(iter(options)))
+            prepared = prompt
+        else:
+            prepared = engine.prepare(prompt, **options)
         handle = Handle(cancel)
 
         def done(req: Request) -> None:
