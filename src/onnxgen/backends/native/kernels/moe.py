@@ -180,9 +180,9 @@ def moe(
     Triton path where it runs (`triton_ok`), else `experts_torch`. Returns x's shape and dtype."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
-    lg = logits.reshape(x2.shape[0], -1)
     if x2.shape[0] == 0:
         return torch.empty_like(x)
+    lg = logits.reshape(x2.shape[0], -1)
     if triton_ok(x2, w1, cfg):
         return experts_triton(x2, lg, w1, b1, w2, b2, cfg, rowwise=rowwise).reshape(x.shape)
     ids, wts = route(lg, cfg)

@@ -37,10 +37,16 @@ from onnxgen.package.int4 import unpack_nibbles
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _unsupported(node: Node, feature: str) -> UnsupportedOp:
-    from onnxgen.backends.native.ops import supported_ops
+SUPPORTED = (
+    f"MoE / QMoE with activation_type {' / '.join(ACTIVATIONS)}",
+    "QMoE quant_type int (4 or 8 bits, the raw [E, N, K * bits / 8] layout, weights_prepacked=0)",
+    "QMoE quant_type fp4 (MXFP4)",
+)
+"""What the family runs, named in its `UnsupportedOp` errors (a form of MoE / QMoE it does not run)."""
 
-    return UnsupportedOp(f"{node.op}({feature})", node.domain, node.name, supported_ops())
+
+def _unsupported(node: Node, feature: str) -> UnsupportedOp:
+    return UnsupportedOp(f"{node.op}({feature})", node.domain, node.name, list(SUPPORTED))
 
 
 def _text(v: Any) -> str:
