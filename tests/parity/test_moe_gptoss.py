@@ -39,12 +39,14 @@ build(src, root / "fp32", precision="fp32", cache_dir=root / ".cache")
 build(src, root / "int4", precision="int4", cache_dir=root / ".cache")
 build(src, root / "mxfp4", precision="int4", execution_provider="cuda", cache_dir=root / ".cache",
       extra_options={"moe_quant_type": "mxfp4"})
+build(src, root / "bf16", precision="bf16", execution_provider="cuda", cache_dir=root / ".cache")
 """
 
 
 @pytest.fixture(scope="module")
 def gptoss(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The zoo's gpt-oss checkpoint and its fp32, int4 and MXFP4 packages (one subprocess, ~20 s on 2 cores)."""
+    """The zoo's gpt-oss checkpoint (`hf`) and its fp32, int4, MXFP4 and bf16 packages (one subprocess, ~25 s
+    on 2 cores)."""
     root = tmp_path_factory.mktemp("gptoss")
     res = subprocess.run(
         [sys.executable, "-c", _BUILD, str(root)], capture_output=True, text=True, timeout=600
@@ -81,8 +83,9 @@ def _ort_moe_io(pkg: Path, ids: list[int]) -> list[tuple[Any, Any, Any]]:
     return [tuple(out[i : i + 3]) for i in range(0, len(out), 3)]
 
 
-def _native_layers(pkg: Path) -> list[tuple[O.Node, dict[str, Any]]]:
-    """Each MoE / QMoE node of `pkg` after `prepare_moe` (the lowering's rewrite) with its constants."""
+def _native_layers(pkg: Path, device: str = "cpu") -> list[tuple[O.Node, dict[str, Any]]]:
+    """Each MoE / QMoE node of `pkg` after `prepare_moe` (the lowering's rewrite, weights on `device`) with its
+    constants."""
     from onnxgen.backends.native.lowering import _attr_value
     from onnxgen.backends.native.weights import ExternalData, tensor_from_proto
     from onnxgen.package import load_spec
@@ -98,7 +101,7 @@ def _native_layers(pkg: Path) -> list[tuple[O.Node, dict[str, Any]]]:
         node = O.Node(n.op_type, n.domain, n.name, list(n.input), list(n.output))
         node.attrs = {a.name: _attr_value(a, ext) for a in n.attribute}
         consts = {x: tensor_from_proto(inits[x], ext) for x in n.input if x in inits}
-        (low,) = O.prepare_moe([node], consts, torch.device("cpu"), spec)
+        (low,) = O.prepare_moe([node], consts, torch.device(device), spec)
         assert (low.domain, low.op) == ("onnxgen", "MoE")
         out.append((low, consts))
     return out
@@ -106,7 +109,10 @@ def _native_layers(pkg: Path) -> list[tuple[O.Node, dict[str, Any]]]:
 
 def _run(node: O.Node, consts: dict[str, Any], x: Any, router: Any) -> Any:
     ins = [consts[n] if n else None for n in node.inputs[2:]]
-    return O.builder(node)(node)(None, torch.as_tensor(x), torch.as_tensor(router), *ins)[0]
+    dev = ins[0].device
+    return O.builder(node)(node)(None, torch.as_tensor(x).to(dev), torch.as_tensor(router).to(dev), *ins)[
+        0
+    ].cpu()
 
 
 @pytest.mark.slow
@@ -153,6 +159,50 @@ def test_mxfp4_experts_are_the_checkpoints_values(gptoss: Path) -> None:
             assert torch.equal(w16, cd[nd.inputs[i]].to(torch.float16)), nm.inputs[i]
         got = _run(nm, cm, torch.as_tensor(x).half(), torch.as_tensor(router).half()).float().numpy()
         assert float(np.abs(got - want).max()) <= 4e-3 * max(1.0, float(np.abs(want).max()))
+
+
+def moe_layers_against_transformers(hf: Path, pkg: Path, device: str, tokens: tuple[int, ...]) -> list[tuple]:
+    """Each native MoE layer of the bf16 package `pkg` (on `device`) and transformers' `GptOssMLP` of the
+    checkpoint in bf16 (the yardstick) against transformers' fp32 layer (the reference), on random bf16 hidden
+    states of each length in `tokens`: (tokens, layer, native error, transformers-bf16 error), errors as
+    ||y - reference|| / ||reference||. The router logits are transformers' bf16 router's (the package's
+    router computes them the same way); the transformers layers route from their own."""
+    from transformers import AutoModelForCausalLM
+
+    layers = _native_layers(pkg, device)
+    refs = [
+        AutoModelForCausalLM.from_pretrained(hf, dtype=dt).to(device).eval()
+        for dt in (torch.float32, torch.bfloat16)
+    ]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for t in tokens:
+        for i, (node, consts) in enumerate(layers):
+            h = torch.randn(1, t, refs[0].config.hidden_size, generator=g).to(torch.bfloat16).to(device)
+            with torch.no_grad():
+                r32 = refs[0].model.layers[i].mlp(h.float())[0].double().cpu()
+                mlp = refs[1].model.layers[i].mlp
+                r16 = mlp(h)[0].double().cpu()
+                logits = torch.nn.functional.linear(h, mlp.router.weight, mlp.router.bias).reshape(t, -1)
+                nat = _run(node, consts, h, logits)
+            assert nat.dtype == torch.bfloat16 and nat.shape == h.shape
+            rows.append(
+                (
+                    t,
+                    i,
+                    float((nat.double() - r32).norm() / r32.norm()),
+                    float((r16 - r32).norm() / r32.norm()),
+                )
+            )
+    return rows
+
+
+@pytest.mark.slow
+def test_bf16_moe_layers_within_1p5x_of_transformers_bf16(gptoss: Path) -> None:
+    torch.set_num_threads(2)
+    rows = moe_layers_against_transformers(gptoss / "hf", gptoss / "bf16", "cpu", (1, 16, 256))
+    for t, i, e_nat, e_16 in rows:
+        assert e_nat <= 1.5 * e_16, (t, i, rows)
 
 
 @pytest.mark.slow
@@ -240,3 +290,51 @@ def test_moe_package_with_plain_attention_native_equals_ort(
         for got in (a, t):
             diff = float(np.abs(np.asarray(got.logits) - np.asarray(w.logits)).max())
             assert diff <= 1e-5, diff
+
+
+# --- the gpt-oss-20B layer shape on the GPU ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gptoss_20b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(transformers folder, builder-made bf16 package) of gpt-oss-20B's shape in 2 layers (`gptoss-20bx2`:
+    hidden 2880, 32 experts, top 4, 64 / 8 heads of 64, window 128, vocabulary 201088), random weights made on
+    the GPU. The tokenizer: the default model's, or $ONNXGEN_TEST_TOKENIZER (SmolLM2's tokenizer files)."""
+    import os
+
+    from onnxgen.convert.checkpoint import convert_checkpoint
+    from onnxgen.convert.default import ensure_default_model
+    from onnxgen.convert.reference import SHAPES, random_checkpoint
+
+    tok = (
+        Path(os.environ["ONNXGEN_TEST_TOKENIZER"])
+        if "ONNXGEN_TEST_TOKENIZER" in os.environ
+        else ensure_default_model()
+    )
+    root = tmp_path_factory.mktemp("gptoss_20b")
+    hf = random_checkpoint(root / "hf", SHAPES["gptoss-20bx2"], tok, device="cuda")
+    pkg = convert_checkpoint(hf, root / "pkg", precision="bf16", execution_provider="cuda", progress=False)
+    return hf, pkg
+
+
+@pytest.mark.gpu
+def test_cuda_gptoss_20b_moe_layers_within_1p5x_of_transformers_bf16(gptoss_20b: tuple[Path, Path]) -> None:
+    """The 20B MoE layer in bf16 on CUDA (the Triton path: decode, batched decode, prefill chunks) against
+    transformers fp32, within 1.5x of transformers-bf16's error."""
+    rows = moe_layers_against_transformers(*gptoss_20b, "cuda", (1, 4, 64, 1024))
+    for t, i, e_nat, e_16 in rows:
+        assert e_nat <= 1.5 * e_16, (t, i, rows)
+
+
+@pytest.mark.gpu
+def test_cuda_gptoss_20b_logits_within_1p5x_of_transformers_bf16(gptoss_20b: tuple[Path, Path]) -> None:
+    """The whole 2-layer package on CUDA against transformers fp32 (last-position logits, prompts of 16 to
+    2048 tokens), within 1.5x of transformers-bf16's error (`test_parity_bf16`'s check). An xfail naming the
+    attention feature while the native backend lacks gpt-oss's sinks or sliding windows."""
+    from tests.parity.test_parity_bf16 import _check_parity
+
+    try:
+        _check_parity(*gptoss_20b, "cuda", (16, 256, 1024, 2048))
+    except UnsupportedOp as exc:
+        assert exc.op.split("(")[0] not in ("MoE", "QMoE"), exc
+        pytest.xfail(f"native gpt-oss needs {exc.domain}::{exc.op} (attention, not MoE)")

@@ -201,7 +201,11 @@ MAX_EXPERTS = 1024
 MAX_K = 16
 DECODE_CONFIG = (16, 64, 128, 4, 3)
 """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the grouped products when an expert has few rows (decode
-steps, batched decode, verify steps: each a weight-streaming product, many programs in flight)."""
+steps, batched decode, verify steps: each a weight-streaming product, many programs in flight). On CUDA
+BLOCK_N, warps and stages are chosen per product shape among `DECODE_TILES` (`decode_tiles`); BLOCK_M and
+BLOCK_K stay (a row's sums keep their order, so a verify step's rows keep a decode step's bits)."""
+DECODE_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (32, 4, 5), (64, 4, 5), (64, 8, 3), (128, 8, 4))
+"""(BLOCK_N, warps, stages) timed for each decode product shape on CUDA (`autotune.fastest`)."""
 PREFILL_CONFIG = (64, 64, 64, 4, 3)
 """The same when an expert has many rows on average (prefill chunks): 64-row tiles on the tensor cores."""
 
@@ -213,6 +217,36 @@ def moe_config(pairs: int, experts: int, rowwise: bool) -> tuple[int, int, int, 
     if rowwise or pairs < 32 * experts:
         return DECODE_CONFIG
     return PREFILL_CONFIG
+
+
+def decode_tiles(
+    a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: MoEConfig | None, k: int
+) -> tuple[int, int, int, int, int]:  # pragma: cuda
+    """`DECODE_CONFIG` with the BLOCK_N, warps and stages of `DECODE_TILES` that run this product shape fastest
+    on CUDA (timed once per shape on a one-token step's `k` experts, weights from HBM; cached in
+    `autotune.CHOICES`); `DECODE_CONFIG` itself elsewhere and while a graph is being captured."""
+    from onnxgen.backends.native.kernels import autotune
+
+    bm, _, bk, _, _ = DECODE_CONFIG
+    key = ("moe", tuple(w.shape), cfg is not None and cfg.gated, w.dtype, a.dtype, k)
+    if key in autotune.CHOICES:
+        bn, warps, stages = autotune.CHOICES[key]
+        return bm, bn, bk, warps, stages
+    if not a.is_cuda or torch.cuda.is_current_stream_capturing():
+        return DECODE_CONFIG
+    e = w.shape[0]
+    ids = torch.randperm(e, device=a.device)[:k].to(torch.int32).reshape(1, k)
+    plan = align(ids, e, bm)
+    x = torch.randn((1 if cfg is not None else k, w.shape[2]), device=a.device).to(a.dtype)
+    n = w.shape[1] // 2 if cfg is not None and cfg.gated else w.shape[1]
+    out = torch.empty((k, n), dtype=a.dtype, device=a.device)
+    div = k if cfg is not None else 1
+    cands = [
+        (t, lambda i, t=t: grouped_linear(x, div, w, b, out, plan, cfg, (bm, t[0], bk, t[1], t[2])))
+        for t in DECODE_TILES
+    ]
+    bn, warps, stages = autotune.fastest(key, cands, 1)
+    return bm, bn, bk, warps, stages
 
 
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -325,7 +359,7 @@ def grouped_linear(
         GATED=gated,
         ACT=act,
         HAS_BIAS=b is not None,
-        IEEE=not a.is_cuda,
+        IEEE=not a.is_cuda or a.dtype == torch.float32,  # float32 models: no TF32 on CUDA
         num_warps=warps,
         num_stages=stages,
     )
@@ -351,13 +385,16 @@ def experts_triton(
     e = w1.shape[0]
     ids, wts = route_triton(logits, cfg)
     p = ids.numel()
-    tiles = tiles or moe_config(p, e, rowwise)
-    plan = align(ids, e, tiles[0])
+    tiles1 = tiles2 = tiles or moe_config(p, e, rowwise)
+    if tiles is None and tiles1 == DECODE_CONFIG and x.is_cuda:
+        tiles1 = decode_tiles(x, w1, b1, cfg, cfg.k)
+        tiles2 = decode_tiles(x, w2, b2, None, cfg.k)
+    plan = align(ids, e, tiles1[0])
     inter = w1.shape[1] // 2 if cfg.gated else w1.shape[1]
     act = torch.empty((p, inter), dtype=x.dtype, device=x.device)
-    grouped_linear(x, cfg.k, w1, b1, act, plan, cfg, tiles)
+    grouped_linear(x, cfg.k, w1, b1, act, plan, cfg, tiles1)
     y = torch.empty((p, h), dtype=x.dtype, device=x.device)
-    grouped_linear(act, 1, w2, b2, y, plan, None, tiles)
+    grouped_linear(act, 1, w2, b2, y, plan, None, tiles2)
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     block_h = min(1024, max(16, 1 << (h - 1).bit_length()))
     _kernels()["moe_combine"][(t, triton_cdiv(h, block_h))](
