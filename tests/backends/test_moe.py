@@ -76,8 +76,9 @@ def _native(
     x: Any,
     r: Any,
     dtype: Any = None,
-) -> tuple[Any, Any]:
-    """(the com.microsoft op on the graph's inputs, the lowering's MoE on `prepare_moe`'s weights)."""
+) -> list[Any]:
+    """The com.microsoft op on the graph's inputs, and the lowering's MoE on `prepare_moe`'s weights (dense;
+    for QMoE also kept packed, where they can be)."""
     tx, tr = torch.from_numpy(x), torch.from_numpy(r)
     if dtype is not None:
         tx, tr = tx.to(dtype), tr.to(dtype)
@@ -85,13 +86,16 @@ def _native(
     if dtype is not None:
         ins = [t.to(dtype) if t is not None and t.is_floating_point() else t for t in ins]
     node = _node(op, attrs, names)
-    direct = O.builder(node)(node)(None, tx, tr, *ins)[0]
-    consts = {n: t for n, t in zip(names, ins, strict=True) if n}
+    out = [O.builder(node)(node)(None, tx, tr, *ins)[0]]
     spec = _Spec({None: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype])
-    (low,) = M.prepare_moe([node], consts, torch.device("cpu"), spec)
-    assert (low.domain, low.op) == ("onnxgen", "MoE")
-    lowered = O.builder(low)(low)(None, tx, tr, *(consts[n] if n else None for n in low.inputs[2:]))[0]
-    return direct, lowered
+    for packed in (False, True) if op == "QMoE" else (False,):
+        consts = {n: t for n, t in zip(names, ins, strict=True) if n}
+        (low,) = M.prepare_moe([_node(op, attrs, names)], consts, torch.device("cpu"), spec, packed=packed)
+        assert (low.domain, low.op) == ("onnxgen", "MoE")
+        if packed and int(attrs.get("expert_weight_bits", 4)) == 4:
+            assert low.attrs["packed"] in ("int4", "fp4")
+        out.append(O.builder(low)(low)(None, tx, tr, *(consts[n] if n else None for n in low.inputs[2:]))[0])
+    return out
 
 
 def _weights(rng: Any, e: int, h: int, inter: int, gated: bool, bias: bool) -> dict[str, np.ndarray]:

@@ -164,3 +164,40 @@ def test_cuda_gpt_oss_shapes_equal_float64(t: int) -> None:
     want = K.experts_torch(d[0], ids, w.double(), *d[1:], cfg)
     err = float((got.double() - want).norm() / want.norm())
     assert err < 1e-2, err
+
+
+def _packed(e: int, n: int, k: int, fp4: bool, zeros: bool, block: int, seed: int) -> K.Packed:
+    from onnxgen.package.int4 import pack_nibbles
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (e, n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(e, n, k // block, generator=g) + 0.5) / (4 * k**0.5)
+    z = torch.randint(0, 16, (e, n, k // block), generator=g).float() if zeros else None
+    return K.Packed(
+        pack_nibbles(q).to(DEVICE), scales.to(DEVICE), None if z is None else z.to(DEVICE), fp4, block
+    )
+
+
+@pytest.mark.parametrize(
+    ("fp4", "zeros", "block", "t"),
+    [(True, False, 32, 3), (False, False, 64, 9), (False, True, 32, 1), (False, False, 128, 70)],
+)
+def test_packed_experts_equal_their_dequantized_values(fp4: bool, zeros: bool, block: int, t: int) -> None:
+    """4-bit experts kept packed (`int4="packed"`): the grouped products dequantize each tile as
+    `Packed.expert` does, so the layer equals the dense layer on the dequantized weights (float32: to the
+    accumulation order)."""
+    cfg = K.MoEConfig(k=2, normalize=True, **GPT_OSS)
+    e, h, inter = 4, 256, 128
+    p1 = _packed(e, 2 * inter, h, fp4, zeros, block, 1)
+    p2 = _packed(e, h, inter, fp4, zeros, block, 2)
+    _, b1, _, b2 = _layer(e, h, inter, True, True, torch.float32, seed=t)
+    x, logits = _inputs(t, h, e, torch.float32, seed=t)
+    d1 = torch.stack([p1.expert(i, torch.float32) for i in range(e)])
+    d2 = torch.stack([p2.expert(i, torch.float32) for i in range(e)])
+    got = K.experts_triton(x, logits, p1, b1, p2, b2, cfg)
+    dense = K.experts_triton(x, logits, d1, b1, d2, b2, cfg)
+    torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
+    ids, w = K.route(logits, cfg)
+    torch.testing.assert_close(
+        got.cpu(), K.experts_torch(x, ids, w, p1, b1, p2, b2, cfg).cpu(), rtol=1e-4, atol=1e-4
+    )

@@ -83,9 +83,11 @@ def _ort_moe_io(pkg: Path, ids: list[int]) -> list[tuple[Any, Any, Any]]:
     return [tuple(out[i : i + 3]) for i in range(0, len(out), 3)]
 
 
-def _native_layers(pkg: Path, device: str = "cpu") -> list[tuple[O.Node, dict[str, Any]]]:
-    """Each MoE / QMoE node of `pkg` after `prepare_moe` (the lowering's rewrite, weights on `device`) with its
-    constants."""
+def _native_layers(
+    pkg: Path, device: str = "cpu", packed: bool = False
+) -> list[tuple[O.Node, dict[str, Any]]]:
+    """Each MoE / QMoE node of `pkg` after `prepare_moe` (the lowering's rewrite, weights on `device`; QMoE's
+    4-bit experts kept packed with `packed`) with its constants."""
     from onnxgen.backends.native.lowering import _attr_value
     from onnxgen.backends.native.weights import ExternalData, tensor_from_proto
     from onnxgen.package import load_spec
@@ -101,7 +103,7 @@ def _native_layers(pkg: Path, device: str = "cpu") -> list[tuple[O.Node, dict[st
         node = O.Node(n.op_type, n.domain, n.name, list(n.input), list(n.output))
         node.attrs = {a.name: _attr_value(a, ext) for a in n.attribute}
         consts = {x: tensor_from_proto(inits[x], ext) for x in n.input if x in inits}
-        (low,) = O.prepare_moe([node], consts, torch.device(device), spec)
+        (low,) = O.prepare_moe([node], consts, torch.device(device), spec, packed=packed)
         assert (low.domain, low.op) == ("onnxgen", "MoE")
         out.append((low, consts))
     return out
@@ -116,11 +118,12 @@ def _run(node: O.Node, consts: dict[str, Any], x: Any, router: Any) -> Any:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
-def test_moe_layers_equal_onnxruntime(gptoss: Path, precision: str) -> None:
+@pytest.mark.parametrize(("precision", "packed"), [("fp32", False), ("int4", False), ("int4", True)])
+def test_moe_layers_equal_onnxruntime(gptoss: Path, precision: str, packed: bool) -> None:
     pkg = gptoss / precision
-    layers = _native_layers(pkg)
+    layers = _native_layers(pkg, packed=packed)
     assert len(layers) == 2
+    assert layers[0][0].attrs.get("packed", "") == ("int4" if packed else "")
     ids = _prompt(40, 1)
     for (node, consts), (x, router, want) in zip(layers, _ort_moe_io(pkg, ids), strict=True):
         got = _run(node, consts, x, router)
@@ -150,15 +153,18 @@ def test_mxfp4_experts_are_the_checkpoints_values(gptoss: Path) -> None:
     fp32 inputs give the fp32 layers' outputs to float16's roundings."""
     dense = _native_layers(gptoss / "fp32")
     mx = _native_layers(gptoss / "mxfp4")
-    assert mx[0][0].attrs["quant_type"] in ("fp4", b"fp4")
+    kept = _native_layers(gptoss / "mxfp4", packed=True)
+    assert mx[0][0].attrs["quant_type"] in ("fp4", b"fp4") and kept[0][0].attrs["packed"] == "fp4"
     ref = _ort_moe_io(gptoss / "fp32", _prompt(30, 4))
-    for (nd, cd), (nm, cm), (x, router, want) in zip(dense, mx, ref, strict=True):
+    for (nd, cd), (nm, cm), (nk, ck), (x, router, want) in zip(dense, mx, kept, ref, strict=True):
         for i in (2, 4):  # w1, w2
             w16 = cm[nm.inputs[i]]
             assert w16.dtype == torch.float16
             assert torch.equal(w16, cd[nd.inputs[i]].to(torch.float16)), nm.inputs[i]
-        got = _run(nm, cm, torch.as_tensor(x).half(), torch.as_tensor(router).half()).float().numpy()
-        assert float(np.abs(got - want).max()) <= 4e-3 * max(1.0, float(np.abs(want).max()))
+        x16, r16 = torch.as_tensor(x).half(), torch.as_tensor(router).half()
+        got = _run(nm, cm, x16, r16)
+        assert float(np.abs(got.float().numpy() - want).max()) <= 4e-3 * max(1.0, float(np.abs(want).max()))
+        assert torch.equal(_run(nk, ck, x16, r16), got)  # packed: the same values
 
 
 def moe_layers_against_transformers(hf: Path, pkg: Path, device: str, tokens: tuple[int, ...]) -> list[tuple]:
@@ -263,9 +269,9 @@ def _without_sinks_and_windows(src: Path, dest: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "int4"])
+@pytest.mark.parametrize(("precision", "int4"), [("fp32", "dense"), ("int4", "dense"), ("int4", "packed")])
 def test_moe_package_with_plain_attention_native_equals_ort(
-    gptoss: Path, tmp_path: Path, precision: str
+    gptoss: Path, tmp_path: Path, precision: str, int4: str
 ) -> None:
     """The builder's gpt-oss graph with plain attention (`_without_sinks_and_windows`) end to end: the native
     backend (the MoE in the lowered program, static steps, the paged runner's ragged batches of several
@@ -279,7 +285,7 @@ def test_moe_package_with_plain_attention_native_equals_ort(
     ref = onnxgen.load(str(pkg), backend="ort")
     want = [ref.generate(p, **kw) for p in prompts]
     ref.close()
-    native = onnxgen.load(str(pkg), backend="native", device="cpu")
+    native = onnxgen.load(str(pkg), backend="native", device="cpu", int4=int4)
     try:
         alone = [native.generate(p, **kw) for p in prompts]
         together = [h.result() for h in [native.submit(p, **kw) for p in prompts]]

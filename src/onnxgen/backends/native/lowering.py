@@ -159,7 +159,8 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     nodes = _fold_constants(nodes, consts)
     on_device: set[str] = set()  # packed int4 weights, scales and zero points: never host tensors
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
-    nodes = O.prepare_moe(nodes, consts, device, spec)  # MoE / QMoE experts: dense weights, once (`ops.moe`)
+    # MoE / QMoE experts prepared once (`ops.moe`): dense, or QMoE's 4-bit experts kept packed
+    nodes = O.prepare_moe(nodes, consts, device, spec, packed=int4 == "packed", on_device=on_device)
     if fuse:
         nodes = _merge_gate_up(nodes, consts, device, on_device)
         if envs.read("RESIDUAL_INTO_PRODUCT"):

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from onnxgen.backends.native.kernels.dispatch import KERNELS, triton_cdiv, use_triton
+from onnxgen.package.int4 import unpack_nibbles
 
 ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu", "relu2", "identity")
 SPARSE_MIXER_EPS = 0.01  # PhiMoE's jitter epsilon (its routing threshold), as onnxruntime's sparse mixer
@@ -56,6 +57,66 @@ class MoEConfig:
     limit: float = math.inf
     normalize: bool = False
     sparse_mixer: bool = False
+
+
+class Packed(NamedTuple):
+    """4-bit experts kept packed on the device (`int4="packed"`): `codes` uint8 `[E, N, K / 2]` (element k of
+    a row in byte k // 2, the even one in the low nibble), float32 `scales` `[E, N, K / block]`, and for
+    integer codes float32 `zeros` `[E, N, K / block]` (None: 8): `(q - zero) * scale`; `fp4`: e2m1 codes
+    (MXFP4: sign, then a 1.2 float: 0, 0.5, 1, 1.5, 2, 3, 4, 6) times the scale. `block` divides K and 128."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    fp4: bool
+    block: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, kb = self.codes.shape
+        return e, n, 2 * kb
+
+    def is_contiguous(self) -> bool:
+        return self.codes.is_contiguous() and self.scales.is_contiguous()
+
+    def expert(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `e`'s dense `[N, K]` in `dtype` (computed in float32, rounded once)."""
+        return unpack4(
+            self.codes[e],
+            self.scales[e],
+            None if self.zeros is None else self.zeros[e],
+            self.fp4,
+            self.block,
+            dtype,
+        )
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpack4(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    fp4: bool,
+    block: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """`Packed` codes `[..., N, K / 2]` with their scales (and zero points) -> dense `[..., N, K]` in `dtype`."""
+    q = unpack_nibbles(codes)
+    if fp4:
+        v = torch.tensor(E2M1, dtype=torch.float32, device=codes.device)[q.long()]
+    else:
+        v = q.float() - (8.0 if zeros is None else zeros.repeat_interleave(block, dim=-1))
+    return (v * scales.repeat_interleave(block, dim=-1)).to(dtype)
+
+
+def _dims(w: torch.Tensor | Packed) -> tuple[int, int, int]:
+    return tuple(w.shape)  # type: ignore[return-value]
+
+
+def _expert(w: torch.Tensor | Packed, e: int, dtype: torch.dtype) -> torch.Tensor:
+    return w.expert(e, dtype) if isinstance(w, Packed) else w[e]
 
 
 # --- routing -------------------------------------------------------------------------------------------
@@ -135,20 +196,20 @@ def experts_torch(
     x: torch.Tensor,
     ids: torch.Tensor,
     wts: torch.Tensor,
-    w1: torch.Tensor,
+    w1: torch.Tensor | Packed,
     b1: torch.Tensor | None,
-    w2: torch.Tensor,
+    w2: torch.Tensor | Packed,
     b2: torch.Tensor | None,
     cfg: MoEConfig,
 ) -> torch.Tensor:
-    """The experts of routed tokens `x` `[T, H]`: one product per expert over its tokens, each pair's output
-    kept in its own row, then every token's weighted sum in float32 (experts in the token's order), rounded
-    once. Reads the expert counts on the host (not capturable)."""
+    """The experts of routed tokens `x` `[T, H]`: one product per expert over its tokens (a `Packed` expert
+    dequantized for it), each pair's output kept in its own row, then every token's weighted sum in float32
+    (experts in the token's order), rounded once. Reads the expert counts on the host (not capturable)."""
     t, h = x.shape
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=_dims(w1)[0]).tolist()
     y = x.new_empty(t * k, h)
     start = 0
     for e, c in enumerate(counts):
@@ -156,8 +217,8 @@ def experts_torch(
             continue
         sel = order[start : start + c]
         start += c
-        a = activate(_linear(x[sel // k], w1[e], None if b1 is None else b1[e]), cfg)
-        y[sel] = _linear(a, w2[e], None if b2 is None else b2[e])
+        a = activate(_linear(x[sel // k], _expert(w1, e, x.dtype), None if b1 is None else b1[e]), cfg)
+        y[sel] = _linear(a, _expert(w2, e, x.dtype), None if b2 is None else b2[e])
     out = (y.view(t, k, h).float() * wts.unsqueeze(-1)).sum(1)
     return out.to(x.dtype)
 
@@ -168,16 +229,17 @@ def experts_torch(
 def moe(
     x: torch.Tensor,
     logits: torch.Tensor,
-    w1: torch.Tensor,
+    w1: torch.Tensor | Packed,
     b1: torch.Tensor | None,
-    w2: torch.Tensor,
+    w2: torch.Tensor | Packed,
     b2: torch.Tensor | None,
     cfg: MoEConfig,
     *,
     rowwise: bool = False,
 ) -> torch.Tensor:
-    """The MoE layer over x's tokens (`[..., H]`, any leading shape; `logits` one row of E per token): the
-    Triton path where it runs (`triton_ok`), else `experts_torch`. Returns x's shape and dtype."""
+    """The MoE layer over x's tokens (`[..., H]`, any leading shape; `logits` one row of E per token), dense or
+    `Packed` experts: the Triton path where it runs (`triton_ok`), else `experts_torch`. Returns x's shape and
+    dtype."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     if x2.shape[0] == 0:
@@ -189,10 +251,10 @@ def moe(
     return experts_torch(x2, ids, wts, w1, b1, w2, b2, cfg).reshape(x.shape)
 
 
-def triton_ok(x: torch.Tensor, w1: torch.Tensor, cfg: MoEConfig) -> bool:
-    """Whether the Triton path runs this layer: a Triton device, the sparse mixer's routing aside (its
-    routing then runs in torch, still capturable), contiguous weights, at most `MAX_EXPERTS` experts."""
-    return use_triton(x) and w1.is_contiguous() and w1.shape[0] <= MAX_EXPERTS and cfg.k <= MAX_K
+def triton_ok(x: torch.Tensor, w1: torch.Tensor | Packed, cfg: MoEConfig) -> bool:
+    """Whether the Triton path runs this layer: a Triton device (the sparse mixer's routing then runs in torch,
+    still capturable), contiguous weights, at most `MAX_EXPERTS` experts and `MAX_K` per token."""
+    return use_triton(x) and w1.is_contiguous() and _dims(w1)[0] <= MAX_EXPERTS and cfg.k <= MAX_K
 
 
 # --- the Triton path -----------------------------------------------------------------------------------
@@ -220,7 +282,7 @@ def moe_config(pairs: int, experts: int, rowwise: bool) -> tuple[int, int, int, 
 
 
 def decode_tiles(
-    a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: MoEConfig | None, k: int
+    a: torch.Tensor, w: torch.Tensor | Packed, b: torch.Tensor | None, cfg: MoEConfig | None, k: int
 ) -> tuple[int, int, int, int, int]:  # pragma: cuda
     """`DECODE_CONFIG` with the BLOCK_N, warps and stages of `DECODE_TILES` that run this product shape fastest
     on CUDA (timed once per shape on a one-token step's `k` experts, weights from HBM; cached in
@@ -228,17 +290,18 @@ def decode_tiles(
     from onnxgen.backends.native.kernels import autotune
 
     bm, _, bk, _, _ = DECODE_CONFIG
-    key = ("moe", tuple(w.shape), cfg is not None and cfg.gated, w.dtype, a.dtype, k)
+    kind = ("fp4" if w.fp4 else "int4", w.block) if isinstance(w, Packed) else w.dtype
+    key = ("moe", _dims(w), cfg is not None and cfg.gated, kind, a.dtype, k)
     if key in autotune.CHOICES:
         bn, warps, stages = autotune.CHOICES[key]
         return bm, bn, bk, warps, stages
     if not a.is_cuda or torch.cuda.is_current_stream_capturing():
         return DECODE_CONFIG
-    e = w.shape[0]
+    e, n, kk = _dims(w)
     ids = torch.randperm(e, device=a.device)[:k].to(torch.int32).reshape(1, k)
     plan = align(ids, e, bm)
-    x = torch.randn((1 if cfg is not None else k, w.shape[2]), device=a.device).to(a.dtype)
-    n = w.shape[1] // 2 if cfg is not None and cfg.gated else w.shape[1]
+    x = torch.randn((1 if cfg is not None else k, kk), device=a.device).to(a.dtype)
+    n = n // 2 if cfg is not None and cfg.gated else n
     out = torch.empty((k, n), dtype=a.dtype, device=a.device)
     div = k if cfg is not None else 1
     cands = [
@@ -321,7 +384,7 @@ def align(
 def grouped_linear(
     a: torch.Tensor,
     div: int,
-    w: torch.Tensor,
+    w: torch.Tensor | Packed,
     b: torch.Tensor | None,
     out: torch.Tensor,
     plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -330,17 +393,27 @@ def grouped_linear(
 ) -> torch.Tensor:  # pragma: cuda
     """`out[p] = act(a[p // div] @ w[e(p)].T + b[e(p)])` for every pair p of `plan` (`align`'s), one launch
     for all experts; `cfg` None: no activation (fc2), else `cfg`'s (fc1: gated products read the gate and
-    the up rows of `w` and write the `N1 / 2` activated columns)."""
+    the up rows of `w` and write the `N1 / 2` activated columns). `Packed` experts are dequantized tile by
+    tile in the K loop (BLOCK_K at least their block)."""
     bm, bn, bk, warps, stages = tiles
     rows, block_expert, block_rows = plan
     gated = cfg is not None and cfg.gated
-    n = w.shape[1] // 2 if gated else w.shape[1]
-    k = w.shape[2]
+    _, n, k = _dims(w)
+    n = n // 2 if gated else n
     act = -1 if cfg is None else _ACT_CODE[cfg.activation]
+    packed = isinstance(w, Packed)
+    codes = w.codes if isinstance(w, Packed) else w
+    scales = w.scales if isinstance(w, Packed) else codes
+    zeros = w.zeros if isinstance(w, Packed) and w.zeros is not None else scales
+    qblock = w.block if isinstance(w, Packed) else 16
+    if packed:
+        bk = max(bk, qblock)
     _kernels()["moe_gemm"][(triton_cdiv(n, bn), block_expert.numel())](
         a,
-        w,
-        b if b is not None else w,
+        codes,
+        b if b is not None else codes,
+        scales,
+        zeros,
         out,
         rows,
         block_expert,
@@ -359,6 +432,10 @@ def grouped_linear(
         GATED=gated,
         ACT=act,
         HAS_BIAS=b is not None,
+        PACKED=packed,
+        FP4=isinstance(w, Packed) and w.fp4,
+        HAS_ZP=isinstance(w, Packed) and w.zeros is not None,
+        QBLOCK=qblock,
         IEEE=not a.is_cuda or a.dtype == torch.float32,  # float32 models: no TF32 on CUDA
         num_warps=warps,
         num_stages=stages,
@@ -369,9 +446,9 @@ def grouped_linear(
 def experts_triton(
     x: torch.Tensor,
     logits: torch.Tensor,
-    w1: torch.Tensor,
+    w1: torch.Tensor | Packed,
     b1: torch.Tensor | None,
-    w2: torch.Tensor,
+    w2: torch.Tensor | Packed,
     b2: torch.Tensor | None,
     cfg: MoEConfig,
     *,
@@ -382,7 +459,7 @@ def experts_triton(
     t, h = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    e = w1.shape[0]
+    e, n1, _ = _dims(w1)
     ids, wts = route_triton(logits, cfg)
     p = ids.numel()
     tiles1 = tiles2 = tiles or moe_config(p, e, rowwise)
@@ -390,7 +467,7 @@ def experts_triton(
         tiles1 = decode_tiles(x, w1, b1, cfg, cfg.k)
         tiles2 = decode_tiles(x, w2, b2, None, cfg.k)
     plan = align(ids, e, tiles1[0])
-    inter = w1.shape[1] // 2 if cfg.gated else w1.shape[1]
+    inter = n1 // 2 if cfg.gated else n1
     act = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     grouped_linear(x, cfg.k, w1, b1, act, plan, cfg, tiles1)
     y = torch.empty((p, h), dtype=x.dtype, device=x.device)

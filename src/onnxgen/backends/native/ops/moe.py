@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native.kernels.moe import ACTIVATIONS, MoEConfig, moe, triton_ok
+from onnxgen.backends.native.kernels.moe import ACTIVATIONS, MoEConfig, Packed, moe, triton_ok
 from onnxgen.backends.native.ops.base import INTERNAL, MS, Builder, Fn, Node, forbid_static, is_rowwise
 from onnxgen.errors import UnsupportedOp
-from onnxgen.package.int4 import unpack_nibbles
+from onnxgen.package.int4 import pack_nibbles, unpack_nibbles
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -191,10 +191,18 @@ def _qmoe_dense(node: Node, ins: list[Any], dtype: torch.dtype) -> tuple[Any, ..
 
 
 def prepared(
-    node: Node, w1: Any, b1: Any, w2: Any, b2: Any, w3: Any, b3: Any
+    node: Node,
+    w1: Any,
+    b1: Any,
+    w2: Any,
+    b2: Any,
+    w3: Any,
+    b3: Any,
+    shape: tuple[int, int, int] | None = None,
 ) -> tuple[MoEConfig, torch.Tensor, Any, torch.Tensor, Any]:
-    """A node's config and its dense weights as the lowering's `MoE` takes them (gate rows first; fc3
-    folded into fc1), checked against each other."""
+    """A node's config and its weights as the lowering's `MoE` takes them (gate rows first; fc3 folded into
+    fc1), checked against each other. Dense `[E, N, K]` weights, or `Packed` codes `[E, N, K / 2]` with
+    `shape` fc1's logical `[E, N1, K]` (fc2's K then twice its last dimension)."""
     cfg = moe_config(node, gated_by_fc3=w3 is not None)
     fusion = int(node.attr("swiglu_fusion", 0))
     if cfg.activation in ("swiglu", "geglu") and w3 is None and fusion not in (1, 2):
@@ -206,9 +214,10 @@ def prepared(
     if cfg.gated:
         w1 = gate_up_rows(w1, fusion, w3)
         b1 = None if b1 is None else gate_up_rows(b1, fusion, b3)
-    e, n1, hid = w1.shape
+    e, n1, hid = w1.shape if shape is None else (w1.shape[0], w1.shape[1], shape[2])
     inter = n1 // 2 if cfg.gated else n1
-    if w2.shape != (e, hid, inter) or (cfg.gated and n1 % 2):
+    w2_shape = tuple(w2.shape) if shape is None else (w2.shape[0], w2.shape[1], 2 * w2.shape[2])
+    if w2_shape != (e, hid, inter) or (cfg.gated and n1 % 2):
         raise _unsupported(node, f"expert weights {tuple(w1.shape)} and {tuple(w2.shape)}")
     return cfg, w1.contiguous(), b1, w2.contiguous(), b2
 
@@ -224,12 +233,29 @@ def _run(ctx: Any, cfg: MoEConfig, x: Any, router: Any, w1: Any, b1: Any, w2: An
 
 def _experts(node: Node) -> Fn:
     """The lowering's `MoE`: inputs x, router logits, w1 `[E, N1, H]` (gated: gate rows, then up rows), b1
-    ("" if none), w2 `[E, H, I]`, b2 ("" if none); the com.microsoft attributes plus `gated`."""
+    ("" if none), w2 `[E, H, I]`, b2 ("" if none); the com.microsoft attributes plus `gated`. With `packed`
+    ("int4" or "fp4", and `block`): w1 and w2 are `kernels.moe.Packed` codes `[E, N, K / 2]`, followed by
+    inputs s1, z1, s2, z2 (scales, zero points or "")."""
     cfg = moe_config(node, gated_by_fc3=False)
+    packed = _text(node.attr("packed", ""))
+    block = int(node.attr("block", 0))
 
     def f(
-        ctx: Any, x: Any, router: Any, w1: Any, b1: Any = None, w2: Any = None, b2: Any = None
+        ctx: Any,
+        x: Any,
+        router: Any,
+        w1: Any,
+        b1: Any = None,
+        w2: Any = None,
+        b2: Any = None,
+        s1: Any = None,
+        z1: Any = None,
+        s2: Any = None,
+        z2: Any = None,
     ) -> tuple[Any, ...]:
+        if packed:
+            w1 = Packed(w1, s1, z1, packed == "fp4", block)
+            w2 = Packed(w2, s2, z2, packed == "fp4", block)
         return (_run(ctx, cfg, x, router, w1, b1, w2, b2),)
 
     return f
@@ -270,20 +296,99 @@ def _qmoe(node: Node) -> Fn:
     return f
 
 
+def _pack_block(k: int, block: int) -> int:
+    """The `Packed` block of a projection quantized per `block` along K (0: per output row): the block itself
+    when it divides K and 128, per row the largest of 128, 64, 32, 16 dividing K; 0 when none fits."""
+    if block:
+        return block if k % block == 0 and 128 % block == 0 else 0
+    return next((b for b in (128, 64, 32, 16) if k % b == 0), 0)
+
+
+def pack_int4(
+    qw: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None, block: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """QMoE's raw 4-bit experts (`[E, N, K / 2]`, block-wise or per-row scales, optional packed zero points)
+    -> `Packed`'s (codes: the same bytes, float32 scales and zero points per block, block). Per-row scales
+    are repeated over `_pack_block`'s blocks."""
+    e, n = qw.shape[0], qw.shape[1]
+    pb = _pack_block(k, block)
+    nb = k // pb
+    if block:
+        sc = scales.reshape(e, n, nb).float()
+    else:
+        sc = scales.reshape(e, n, 1).float().expand(e, n, nb)
+    z = None
+    if zp is not None:
+        zu = unpack_nibbles(zp.to(torch.uint8).reshape(e, n if block else 1, -1))
+        z = (zu[..., :nb] if block else zu.reshape(e, -1)[:, :n, None].expand(e, n, nb)).float()
+    return qw.to(torch.uint8).contiguous(), sc.contiguous(), None if z is None else z.contiguous(), pb
+
+
+def pack_mxfp4(
+    qw: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QMoE's MXFP4 experts (codes `[E, K, N / 2]`, e8m0 scales `[E, N, K / 32]`, global scales) -> `Packed`'s
+    codes `[E, N, K / 2]` (K-packed: the same e2m1 codes, two along K per byte) and float32 scales
+    `2^(s - 127) * global`, one expert at a time."""
+    e, k = qw.shape[0], qw.shape[1]
+    n = scales.shape[1]
+    codes = torch.empty((e, n, k // 2), dtype=torch.uint8, device=qw.device)
+    for i in range(e):
+        codes[i] = pack_nibbles(unpack_nibbles(qw[i].to(torch.uint8))[:, :n].T.contiguous())
+    sc = torch.pow(2.0, scales.to(torch.uint8).float() - 127.0)
+    if global_scale is not None:
+        sc = sc * global_scale.reshape(-1, 1, 1).float()
+    return codes, sc.contiguous()
+
+
+def _qmoe_packed(node: Node, t: list[Any]) -> tuple[str, int, tuple[Any, ...]] | None:
+    """QMoE's inputs 2..16 kept packed: (kind "int4" / "fp4", block, (codes1, b1, codes2, b2, codes3, b3,
+    scales1, zeros1, scales2, zeros2, scales3, zeros3)), or None when they cannot be (8-bit, a block that
+    does not divide K or 128: then dequantized)."""
+    qt = _text(node.attr("quant_type", "int")).lower()
+    if qt == "fp4":
+        projections = [(t[2], t[3], t[15]), (t[5], t[6], t[16]), (t[8], t[9], None)]
+        if any(w is not None and w.shape[1] % 32 for w, _, _ in projections):
+            return None
+        out = [None if w is None else pack_mxfp4(w, s, g) for w, s, g in projections]
+        c = [None if o is None else o[0] for o in out]
+        sc = [None if o is None else o[1] for o in out]
+        return "fp4", 32, (c[0], t[4], c[1], t[7], c[2], t[10], sc[0], None, sc[1], None, sc[2], None)
+    if qt != "int" or int(node.attr("expert_weight_bits", 4)) != 4:
+        return None
+    block = int(node.attr("block_size", 0) or 0)
+    hidden, inter = t[5].shape[1], 2 * t[5].shape[2]
+    if not _pack_block(hidden, block) or _pack_block(hidden, block) != _pack_block(inter, block):
+        return None
+    p1 = pack_int4(t[2], t[3], t[11], block, hidden)
+    p2 = pack_int4(t[5], t[6], t[12], block, inter)
+    p3 = None if t[8] is None else pack_int4(t[8], t[9], t[13], block, hidden)
+    c3, s3, z3 = (None, None, None) if p3 is None else p3[:3]
+    return "int4", p1[3], (p1[0], t[4], p2[0], t[7], c3, t[10], p1[1], p1[2], p2[1], p2[2], s3, z3)
+
+
 # --- the lowering's rewrite ----------------------------------------------------------------------------
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def prepare_moe(
-    nodes: list[Node], consts: dict[str, torch.Tensor], device: torch.device, spec: Any
+    nodes: list[Node],
+    consts: dict[str, torch.Tensor],
+    device: torch.device,
+    spec: Any,
+    *,
+    packed: bool = False,
+    on_device: set[str] | None = None,
 ) -> list[Node]:
     """Every com.microsoft `MoE` / `QMoE` whose expert tensors are constants -> the lowering's `MoE` over
-    dense weights prepared once (`prepared`; QMoE dequantized to the model's dtype, `spec.kv_dtype`), made on
-    the device (CUDA: the stored tensors are copied there first, so no host copy of the experts is made)
-    and stored in `consts`; the originals are left to the placement, which drops what no node reads.
-    Raises `UnsupportedOp` for what `prepared` / `_qmoe_dense` cannot run, and for integer QMoE weights
-    in the CUDA-prepacked layout (a package made for the CUDA provider that does not say `weights_prepacked=0`)."""
+    weights prepared once, made on the device (CUDA: the stored tensors are copied there first, so no host
+    copy of the experts is made) and stored in `consts` (their names added to `on_device`); the originals
+    are left to the placement, which drops what no node reads. Dense by default (`prepared`; QMoE dequantized
+    to the model's dtype, `spec.kv_dtype`); `packed` (`int4="packed"`): QMoE's 4-bit and MXFP4 experts stay
+    4-bit (`kernels.moe.Packed`: the products dequantize them tile by tile; 8-bit experts are dequantized).
+    Raises `UnsupportedOp` for what `prepared` / `_qmoe_dense` cannot run, and for integer QMoE weights in the
+    CUDA-prepacked layout (a package made for the CUDA provider that does not say `weights_prepacked=0`)."""
     dev = device if device.type == "cuda" else torch.device("cpu")
     dtype = _DTYPES.get(getattr(spec, "kv_dtype", "float32"), torch.float32)
     cuda_package = _made_for_cuda(spec)
@@ -296,24 +401,40 @@ def prepare_moe(
         if not all(ins[i] in consts for i in weights if ins[i]):
             continue  # computed weights: the op prepares them at each call
         if q and _text(n.attr("quant_type", "int")).lower() == "int":
-            packed = n.attr("weights_prepacked")
-            if (packed is None and cuda_package) or (packed is not None and int(packed) != 0):
+            pre = n.attr("weights_prepacked")
+            if (pre is None and cuda_package) or (pre is not None and int(pre) != 0):
                 raise _unsupported(n, "CUDA-prepacked weights: build with qmoe_weights_prepacked=0 or -e cpu")
         t = [consts[x].to(dev) if x and i >= 2 else None for i, x in enumerate(ins[:17])]
-        if q:
-            dense = _qmoe_dense(n, t, dtype)
+        kept = _qmoe_packed(n, t) if q and packed else None
+        extra: dict[str, Any] = {}
+        if kept is not None:
+            kind, block, (c1, b1, c2, b2, c3, b3, s1, z1, s2, z2, s3, z3) = kept
+            b1, b2, b3 = (None if b is None else b.to(dtype) for b in (b1, b2, b3))
+            cfg, w1, b1, w2, b2 = prepared(
+                n, c1, b1, c2, b2, c3, b3, shape=(c1.shape[0], c1.shape[1], 2 * c1.shape[2])
+            )
+            fusion = int(n.attr("swiglu_fusion", 0))
+            s1 = gate_up_rows(s1, fusion, s3) if cfg.gated else s1
+            z1 = None if z1 is None else (gate_up_rows(z1, fusion, z3) if cfg.gated else z1)
+            tensors = {"w1": w1, "b1": b1, "w2": w2, "b2": b2, "s1": s1, "z1": z1, "s2": s2, "z2": z2}
+            extra = {"packed": kind, "block": block}
         else:
-            dense = (t[2], t[3], t[4], t[5], t[6], t[7])
-        cfg, w1, b1, w2, b2 = prepared(n, *dense)
+            dense = _qmoe_dense(n, t, dtype) if q else (t[2], t[3], t[4], t[5], t[6], t[7])
+            cfg, w1, b1, w2, b2 = prepared(n, *dense)
+            tensors = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
         names = []
-        for role, v in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
+        for role, v in tensors.items():
             if v is None:
                 names.append("")
                 continue
             name = f"{n.name}::{role}"
-            consts[name] = v
+            consts[name] = v.contiguous()
             names.append(name)
-        n.attrs = {**n.attrs, "gated": int(cfg.gated)}
+            if on_device is not None:
+                on_device.add(name)
+        while names and not names[-1]:
+            names.pop()
+        n.attrs = {**n.attrs, "gated": int(cfg.gated), **extra}
         n.op, n.domain, n.inputs = "MoE", INTERNAL, [ins[0], ins[1], *names]
     return nodes
 

@@ -8,7 +8,8 @@
 - `moe_gemm_kernel`: the grouped product: program (n tile, row block) computes `act(A[rows] @ W[e].T + b[e])`
   for its block's expert e, A's row of pair p being `p // DIV` (fc1 reads token rows, fc2 the pair rows of
   the activation); GATED reads the gate rows and the up rows of W (`N` apart) and writes the activated
-  columns. The product is rounded to the output dtype before the activation (the values of the unfused
+  columns; PACKED W holds 4-bit codes (integer with zero points, or FP4's e2m1) dequantized in the K loop
+  with their per-QBLOCK scales. The product is rounded to the output dtype before the activation (the values of the unfused
   product followed by the activation, float32 inside). Each row's sums depend on that row alone.
 - `moe_combine_kernel`: each token's weighted sum of its K pair rows, float32, rounded once.
 
@@ -133,10 +134,60 @@ def _activate(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _tile(
+    wp,
+    S,
+    Z,
+    srow,
+    nm,
+    k0,
+    K,
+    NBLK,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+    FP4: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    dtype: tl.constexpr,
+):
+    """The `[BLOCK_N, BLOCK_K]` weight tile at k0: dense rows at `wp`, or packed 4-bit codes (two per byte,
+    the even element in the low nibble) dequantized in float32 with their per-block scales (and zero points)
+    and rounded to `dtype`, the values `kernels.moe.unpack4` gives."""
+    if PACKED:
+        rb = tl.arange(0, BLOCK_K // 2)
+        b = tl.load(wp + k0 // 2, mask=nm[:, None] & ((k0 // 2 + rb) < K // 2)[None, :], other=0)
+        q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
+        NB: tl.constexpr = BLOCK_K // QBLOCK
+        cols = k0 // QBLOCK + tl.arange(0, NB)
+        smask = nm[:, None] & (cols < NBLK)[None, :]
+        sc = tl.load(S + srow[:, None] + cols[None, :], mask=smask, other=0.0)
+        if FP4:
+            m = q & 7
+            ex = m >> 1
+            mb = (m & 1).to(tl.float32)
+            mag = tl.where(ex == 0, 0.5 * mb, tl.exp2((ex - 1).to(tl.float32)) * (1.0 + 0.5 * mb))
+            v = tl.where((q & 8) != 0, -mag, mag)
+            v3 = tl.reshape(v, [BLOCK_N, NB, QBLOCK])
+        elif HAS_ZP:
+            z = tl.load(Z + srow[:, None] + cols[None, :], mask=smask, other=0.0)
+            v3 = tl.reshape(q.to(tl.float32), [BLOCK_N, NB, QBLOCK]) - z[:, :, None]
+        else:
+            v3 = tl.reshape(q.to(tl.float32), [BLOCK_N, NB, QBLOCK]) - 8.0
+        w = tl.reshape(v3 * sc[:, :, None], [BLOCK_N, BLOCK_K]).to(dtype)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        w = tl.load(wp + k0, mask=nm[:, None] & ((k0 + rk) < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
 def moe_gemm_kernel(
     A,
     W,
     BIAS,
+    S,
+    Z,
     OUT,
     ROWS,
     BLOCK_EXPERT,
@@ -155,6 +206,10 @@ def moe_gemm_kernel(
     GATED: tl.constexpr,
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PACKED: tl.constexpr,
+    FP4: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    QBLOCK: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -170,18 +225,59 @@ def moe_gemm_kernel(
         nm = rn < N
         rk = tl.arange(0, BLOCK_K)
         width = 2 * N if GATED else N  # W's rows per expert
-        wp = W + e * width * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+        row = e * width + rn.to(tl.int64)  # W's row of each output column (the gate's, when GATED)
+        if PACKED:
+            rb = tl.arange(0, BLOCK_K // 2)
+            wp = W + row[:, None] * (K // 2) + rb[None, :]
+            up = N.to(tl.int64) * (K // 2)  # GATED: the up rows start N rows below the gate rows
+        else:
+            wp = W + row[:, None] * K + rk[None, :]
+            up = N.to(tl.int64) * K
+        NBLK = K // QBLOCK  # scale blocks per row (PACKED)
+        srow = row * NBLK
+        sup = N.to(tl.int64) * NBLK
         ap = A + arow[:, None] * sa + rk[None, :]
-        up = N.to(tl.int64) * K  # GATED: the up rows start N rows below the gate rows
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             km = (k0 + rk) < K
             a = tl.load(ap + k0, mask=mm[:, None] & km[None, :], other=0.0)
-            w = tl.load(wp + k0, mask=nm[:, None] & km[None, :], other=0.0)
+            w = _tile(
+                wp,
+                S,
+                Z,
+                srow,
+                nm,
+                k0,
+                K,
+                NBLK,
+                BLOCK_N,
+                BLOCK_K,
+                PACKED,
+                FP4,
+                HAS_ZP,
+                QBLOCK,
+                A.dtype.element_ty,
+            )
             acc = _mma(a, w, acc, IEEE)
             if GATED:
-                u = tl.load(wp + up + k0, mask=nm[:, None] & km[None, :], other=0.0)
+                u = _tile(
+                    wp + up,
+                    S,
+                    Z,
+                    srow + sup,
+                    nm,
+                    k0,
+                    K,
+                    NBLK,
+                    BLOCK_N,
+                    BLOCK_K,
+                    PACKED,
+                    FP4,
+                    HAS_ZP,
+                    QBLOCK,
+                    A.dtype.element_ty,
+                )
                 acc_u = _mma(a, u, acc_u, IEEE)
         if HAS_BIAS:
             bp = BIAS + e * width + rn
