@@ -158,8 +158,7 @@ def _tile(
         rb = tl.arange(0, BLOCK_K // 2)
         b = tl.load(wp + k0 // 2, mask=nm[:, None] & ((k0 // 2 + rb) < K // 2)[None, :], other=0)
         q = tl.reshape(tl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K]).to(tl.int32)
-        NB: tl.constexpr = BLOCK_K // QBLOCK
-        cols = k0 // QBLOCK + tl.arange(0, NB)
+        cols = k0 // QBLOCK + tl.arange(0, BLOCK_K // QBLOCK)
         smask = nm[:, None] & (cols < NBLK)[None, :]
         sc = tl.load(S + srow[:, None] + cols[None, :], mask=smask, other=0.0)
         if FP4:
@@ -168,12 +167,12 @@ def _tile(
             mb = (m & 1).to(tl.float32)
             mag = tl.where(ex == 0, 0.5 * mb, tl.exp2((ex - 1).to(tl.float32)) * (1.0 + 0.5 * mb))
             v = tl.where((q & 8) != 0, -mag, mag)
-            v3 = tl.reshape(v, [BLOCK_N, NB, QBLOCK])
+            v3 = tl.reshape(v, [BLOCK_N, BLOCK_K // QBLOCK, QBLOCK])
         elif HAS_ZP:
             z = tl.load(Z + srow[:, None] + cols[None, :], mask=smask, other=0.0)
-            v3 = tl.reshape(q.to(tl.float32), [BLOCK_N, NB, QBLOCK]) - z[:, :, None]
+            v3 = tl.reshape(q.to(tl.float32), [BLOCK_N, BLOCK_K // QBLOCK, QBLOCK]) - z[:, :, None]
         else:
-            v3 = tl.reshape(q.to(tl.float32), [BLOCK_N, NB, QBLOCK]) - 8.0
+            v3 = tl.reshape(q.to(tl.float32), [BLOCK_N, BLOCK_K // QBLOCK, QBLOCK]) - 8.0
         w = tl.reshape(v3 * sc[:, :, None], [BLOCK_N, BLOCK_K]).to(dtype)
     else:
         rk = tl.arange(0, BLOCK_K)
