@@ -505,13 +505,14 @@ def test_unsupported_moe_forms_name_themselves(attrs: dict[str, Any], why: str) 
         ({"quant_type": "nvfp4"}, {}, "quant_type=nvfp4"),
         ({"fc2_expert_weight_bits": 8}, {}, "mixed-width"),
         ({}, {"rw": (3, 2)}, "router_weights"),
+        ({}, {"q1": (2, 16, 16)}, "not the raw layout"),  # [E, K, N / 2]: a CUDA-prepacked shape
     ],
 )
 def test_unsupported_qmoe_forms_name_themselves(
     attrs: dict[str, Any], extra: dict[str, Any], why: str
 ) -> None:
     shapes = {"q1": (2, 32, 8), "s1": (2, 32), "q2": (2, 16, 8), "s2": (2, 16), **extra}
-    names = ["q1", "s1", "", "q2", "s2", ""] + (["", "", "", "", "", "", "rw"] if extra else [])
+    names = ["q1", "s1", "", "q2", "s2", ""] + (["", "", "", "", "", "", "rw"] if "rw" in extra else [])
     base = {"k": 2, "activation_type": "swiglu", "swiglu_fusion": 1, "expert_weight_bits": 4}
     assert why in _lowered_error("QMoE", {**base, **attrs}, shapes, names)
 
@@ -525,3 +526,15 @@ def test_a_cuda_package_s_int_qmoe_is_taken_as_prepacked() -> None:
     base = {"k": 2, "activation_type": "swiglu", "swiglu_fusion": 1, "expert_weight_bits": 4}
     msg = _lowered_error("QMoE", base, shapes, ["q1", "s1", "", "q2", "s2", ""], cuda)
     assert "qmoe_weights_prepacked=0" in msg
+
+
+def test_the_grouped_products_take_the_decode_tiles_while_experts_have_few_rows() -> None:
+    """Decode steps, batched decode and verify steps (`rowwise`: a decode step's bits) take the decode
+    configuration; a prefill chunk whose experts average 32 rows or more, the prefill one."""
+    assert K.moe_config(4, 32, False) == K.DECODE_CONFIG  # one token, top 4 of 32
+    assert K.moe_config(64 * 4, 32, False) == K.DECODE_CONFIG  # 64 running requests
+    assert K.moe_config(2048 * 4, 32, False) == K.PREFILL_CONFIG
+    assert K.moe_config(2048 * 4, 32, True) == K.DECODE_CONFIG
+    p = K.Packed(torch.zeros(2, 8, 16, dtype=torch.uint8), torch.ones(2, 8, 1), None, False, 32)
+    assert p.shape == (2, 8, 32) and p.is_contiguous()
+    assert torch.equal(p.expert(1, torch.float32), torch.full((8, 32), -8.0))

@@ -298,6 +298,38 @@ def test_moe_package_with_plain_attention_native_equals_ort(
             assert diff <= 1e-5, diff
 
 
+def test_random_gptoss_checkpoint_has_its_shape(tmp_path: Path) -> None:
+    """`convert.reference`'s gpt-oss checkpoints: the shape's config (alternating sliding layers, experts,
+    top-k), made in bf16 directly, experts' biases not left at zero."""
+    import json
+
+    from onnxgen.convert.reference import SHAPES, GptOssShape, random_checkpoint
+
+    shape = GptOssShape(
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        intermediate_size=32,
+        num_experts=4,
+        experts_per_token=2,
+        sliding_window=16,
+        vocab_size=520,
+        context_length=256,
+    )
+    hf = random_checkpoint(tmp_path / "hf", shape, tmp_path)
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["num_local_experts"] == 4 and cfg["num_experts_per_tok"] == 2 and cfg["sliding_window"] == 16
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg.get("dtype") == "bfloat16"
+    from safetensors.torch import load_file
+
+    state = load_file(str(hf / "model.safetensors"))
+    bias = state["model.layers.0.mlp.experts.gate_up_proj_bias"]
+    assert bias.dtype == torch.bfloat16 and bias.shape == (4, 64) and bool(bias.abs().max() > 0)
+    assert isinstance(SHAPES["gptoss-20b"], GptOssShape) and SHAPES["gptoss-20b"].num_layers == 24
+
+
 # --- the gpt-oss-20B layer shape on the GPU ---------------------------------------------------------------
 
 

@@ -245,7 +245,7 @@ def moe(
     if x2.shape[0] == 0:
         return torch.empty_like(x)
     lg = logits.reshape(x2.shape[0], -1)
-    if triton_ok(x2, w1, cfg):
+    if triton_ok(x2, w1, cfg):  # pragma: cuda
         return experts_triton(x2, lg, w1, b1, w2, b2, cfg, rowwise=rowwise).reshape(x.shape)
     ids, wts = route(lg, cfg)
     return experts_torch(x2, ids, wts, w1, b1, w2, b2, cfg).reshape(x.shape)
