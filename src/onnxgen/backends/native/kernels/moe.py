@@ -126,7 +126,7 @@ def route(logits: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Ten
     """Each token's experts and weights: (ids int64 `[T, k]`, weights float32 `[T, k]`), best first.
     Softmax over all experts in float32, the top k, renormalised to sum 1 when `cfg.normalize` (onnxruntime's
     CPU order: softmax, then the partial sort); with `cfg.sparse_mixer`, PhiMoE's top-2 sparse mixer."""
-    p = logits.reshape(-1, logits.shape[-1]).float()
+    p = _wide(logits.reshape(-1, logits.shape[-1]))
     if cfg.sparse_mixer:
         return _sparse_mixer(p)
     w, ids = torch.topk(torch.softmax(p, dim=-1), cfg.k, dim=-1)
@@ -166,9 +166,14 @@ def _act(h: torch.Tensor, name: str) -> torch.Tensor:
     return h  # identity
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32, or as it is in float64 (the float64 reference runs of `numerics`)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def activate(h: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     """The activation of fc1's output `h` `[rows, N1]`: float32 inside, rounded once to h's dtype."""
-    f = h.float()
+    f = _wide(h)
     if not cfg.gated:
         return _act(f, cfg.activation).to(h.dtype)
     n = f.shape[-1] // 2
@@ -219,8 +224,8 @@ def experts_torch(
         start += c
         a = activate(_linear(x[sel // k], _expert(w1, e, x.dtype), None if b1 is None else b1[e]), cfg)
         y[sel] = _linear(a, _expert(w2, e, x.dtype), None if b2 is None else b2[e])
-    out = (y.view(t, k, h).float() * wts.unsqueeze(-1)).sum(1)
-    return out.to(x.dtype)
+    yw = _wide(y.view(t, k, h))
+    return (yw * wts.to(yw.dtype).unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 # --- the layer -----------------------------------------------------------------------------------------
