@@ -365,7 +365,8 @@ def align(
     index per sorted row, block_expert, block_rows: the block's expert and how many of its rows are real,
     0 for a block no expert needed). One launch; sizes depend on the pair count only (capturable)."""
     p = ids.numel()
-    blocks = triton_cdiv(p, block_m) + experts
+    # NOTE: every expert with pairs pads at most one block: sum(ceil(c_e / BM)) <= ceil(P / BM) + min(E, P)
+    blocks = triton_cdiv(p, block_m) + min(experts, p)
     dev = ids.device
     rows = torch.empty(blocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=dev)
