@@ -12,9 +12,8 @@ For each model and engine (engines interleaved, median of --runs; greedy, `specu
 - TTFT at each --ttft length (the engine settled first: no earlier request's tail);
 - GPU time and kernels per decode step: two generations of different lengths under torch.profiler, the
   difference of their kernels' summed time and count over the difference of their steps;
-- the floor: the bytes a step reads (the decoder's initializers but gathered-only embeddings, as stored;
-  a MoE layer's experts: the k of E one token reads, the active weights; plus the KV of prompt + new
-  tokens) over the copy bandwidth measured at the start (`builder:gptoss-20bx8` and the like);
+- the floor: the bytes a step reads (the decoder's initializers but gathered-only embeddings, as stored,
+  plus the KV of prompt + new tokens) over the copy bandwidth measured at the start;
 - transformers eager (sdpa, cuDNN SDPA off, `logits_to_keep=1`, DynamicCache, bf16) on the same checkpoint
   when the model is `builder:*` or `convert:HF_DIR`: decode tok/s, its forward over the first --ttft
   prompt, and how many greedy tokens it shares with onnxgen's first engine (random weights: small margins).
