@@ -2,7 +2,9 @@
 
 `moe(x, logits, w1, b1, w2, b2, cfg)` is the whole layer, onnxruntime's `MoE` on prepared weights
 (`ops.moe` prepares them at load): `w1` `[E, N1, H]` (gated activations: the gate rows, then the up rows,
-`N1 = 2 * I`), `w2` `[E, H, I]`, biases `[E, N1]` / `[E, H]` or None. Each token routes on its own:
+`N1 = 2 * I`), `w2` `[E, H, I]`, biases `[E, N1]` / `[E, H]` or None; or 4-bit experts kept packed
+(`Packed`, `int4="packed"`: integer or MXFP4 codes, dequantized tile by tile in the products, per expert in
+torch). Each token routes on its own:
 softmax over its router logits (float32), its top `k` experts, their weights renormalised to sum 1 when
 `cfg.normalize` (or PhiMoE's sparse mixer); the token's output is the weighted sum of its experts'
 `fc2(act(fc1(x)))`, formed in float32 and rounded once. A batch's tokens are independent rows: a ragged
@@ -271,8 +273,9 @@ DECODE_CONFIG = (16, 64, 128, 4, 3)
 steps, batched decode, verify steps: each a weight-streaming product, many programs in flight). On CUDA
 BLOCK_N, warps and stages are chosen per product shape among `DECODE_TILES` (`decode_tiles`); BLOCK_M and
 BLOCK_K stay (a row's sums keep their order, so a verify step's rows keep a decode step's bits)."""
-DECODE_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (32, 4, 5), (64, 4, 5), (64, 8, 3), (128, 8, 4))
-"""(BLOCK_N, warps, stages) timed for each decode product shape on CUDA (`autotune.fastest`)."""
+DECODE_TILES = ((64, 4, 3), (32, 4, 3), (128, 4, 3), (32, 4, 5), (128, 8, 4))
+"""(BLOCK_N, warps, stages) timed for each decode product shape on CUDA (`autotune.fastest`; few: each is
+compiled the first time a shape is timed, and a model's MoE layers share their two shapes)."""
 PREFILL_CONFIG = (64, 64, 64, 4, 3)
 """The same when an expert has many rows on average (prefill chunks): 64-row tiles on the tensor cores."""
 

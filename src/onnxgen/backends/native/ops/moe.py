@@ -13,9 +13,10 @@ interleaved rows and a separate fc3 are rearranged; the product's values are the
 experts dequantized: integer weights (4 or 8 bits, block-wise or per output channel, optional zero points,
 onnxruntime's raw `[E, N, K * bits / 8]` layout) and MXFP4 (`quant_type="fp4"`: e2m1 codes `[E, K, N / 2]`,
 e8m0 block scales `[E, N, K / 32]`, per-expert global scales), so gpt-oss's MXFP4 experts (`-p int4 -e cuda
---extra_options moe_quant_type=mxfp4`) load with the checkpoint's own values. The com.microsoft ops
-themselves also run on the graph's inputs (preparing their weights at every call) for graphs whose weights
-are not constants.
+--extra_options moe_quant_type=mxfp4`) load with the checkpoint's own values. With `int4="packed"` QMoE's
+4-bit and MXFP4 experts stay 4-bit on the device instead (`kernels.moe.Packed`, a quarter of the bytes a
+decode step reads). The com.microsoft ops themselves also run on the graph's inputs (preparing their
+weights at every call) for graphs whose weights are not constants.
 
 Not supported (`UnsupportedOp` at load): CUDA-prepacked integer QMoE weights (the builder's default for
 `-p int4 -e cuda`; build with `--extra_options qmoe_weights_prepacked=0` or `-e cpu`), 2/3-bit and
