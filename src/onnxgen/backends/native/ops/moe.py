@@ -30,13 +30,10 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native.kernels.moe import ACTIVATIONS, MoEConfig, Packed, moe, triton_ok
+from onnxgen.backends.native.kernels.moe import ACTIVATIONS, E2M1, MoEConfig, Packed, moe, triton_ok
 from onnxgen.backends.native.ops.base import INTERNAL, MS, Builder, Fn, Node, forbid_static, is_rowwise
 from onnxgen.errors import UnsupportedOp
 from onnxgen.package.int4 import pack_nibbles, unpack_nibbles
-
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
 
 SUPPORTED = (
     f"MoE / QMoE with activation_type {' / '.join(ACTIVATIONS)}",
@@ -140,7 +137,7 @@ def dequant_mxfp4(
     per-expert float32 global scales -> dense `[E, N, K]` in `dtype`. One expert at a time."""
     e, k = qw.shape[0], qw.shape[1]
     n = scales.shape[1]
-    lut = torch.tensor(_E2M1 + tuple(-v for v in _E2M1), dtype=torch.float32, device=qw.device)
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=qw.device)
     out = torch.empty((e, n, k), dtype=dtype, device=qw.device)
     for i in range(e):
         codes = unpack_nibbles(qw[i].to(torch.uint8))[:, :n]  # [K, N]
