@@ -8,7 +8,8 @@ Models (`--model`, comma-separated where a tool takes several):
     synthetic:PRESET[:k=v,...]   onnxgen's own writer (`onnxgen.convert.synthetic`): tiny, 1b, 8b, with
                                  SyntheticConfig fields overridden (`synthetic:8b:num_layers=4,quant=int4`)
     builder:SHAPE[:PRECISION]    a random Llama checkpoint saved by transformers (`onnxgen.convert.reference`
-                                 SHAPES: tiny, 2048x4, 135m, 0.5b, 1b, 8b, 8b16k) converted by onnxruntime-genai's
+                                 SHAPES: tiny, 2048x4, 135m, 0.5b, 1b, 8b, 8b16k; gpt-oss MoE: gptoss-tiny,
+                                 gptoss-20b, gptoss-20bx8, gptoss-20bx2) converted by onnxruntime-genai's
                                  builder (bf16 by default; fp32, fp16, int4); needs --tokenizer
     convert:SRC[:PRECISION]      a Hugging Face folder or a .gguf file converted by the builder (bf16)
                                  (PRECISION@EP picks the builder's execution provider: int4@cpu; default
@@ -250,7 +251,7 @@ def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, devi
         return Package(f"synthetic {rest}", out)
     if kind == "builder" and rest:
         from onnxgen.convert.checkpoint import convert_checkpoint
-        from onnxgen.convert.reference import SHAPES, random_llama_checkpoint
+        from onnxgen.convert.reference import SHAPES, random_checkpoint
 
         shape, precision, ep = _split_precision(rest)
         if shape not in SHAPES:
@@ -262,7 +263,7 @@ def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, devi
             )
         hf, out = work / f"{shape}_hf", work / f"{shape}_{precision}_{ep}"
         if not (hf / "config.json").is_file():
-            random_llama_checkpoint(hf, SHAPES[shape], tok, device="cuda" if device == "cuda" else "cpu")
+            random_checkpoint(hf, SHAPES[shape], tok, device="cuda" if device == "cuda" else "cpu")
         if not (out / "genai_config.json").is_file():
             convert_checkpoint(hf, out, precision=precision, execution_provider=ep, progress=False)
         return Package(f"builder {shape} {precision}", out, hf)
@@ -338,16 +339,25 @@ def random_ids(n: int, vocab: int, seed: int) -> list[int]:
 
 def step_bytes(path: Path) -> int:
     """Bytes of the package's weights that one decode step reads: every initializer of the decoder graph,
-    except tables only gathered from (an embedding reads one row a step). int4 weights count as stored."""
+    except tables only gathered from (an embedding reads one row a step); a MoE / QMoE layer's experts count
+    for the k of its E experts one token reads (the active weights: attention, router, top-k experts,
+    lm_head). int4 weights count as stored."""
     import onnx
 
     from onnxgen.package.spec import load_spec
 
     graph = onnx.load(str(load_spec(path).decoder_path), load_external_data=False).graph
     users: dict[str, set[str]] = {}
+    share: dict[str, float] = {}  # an expert tensor's share read per token: k / E
     for node in graph.node:
         for name in node.input:
             users.setdefault(name, set()).add(node.op_type)
+        if node.op_type in ("MoE", "QMoE"):
+            k = next((a.i for a in node.attribute if a.name == "k"), 1)
+            e = next((t.dims[0] for t in graph.initializer if t.name == node.input[2]), 0)
+            for name in node.input[2:]:
+                if name and e:
+                    share[name] = min(1.0, k / e)
     size = {1: 4, 2: 1, 3: 1, 5: 2, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2}  # onnx.TensorProto element sizes
     total = 0
     for t in graph.initializer:
@@ -356,14 +366,15 @@ def step_bytes(path: Path) -> int:
             continue
         ext = {e.key: e.value for e in t.external_data}
         if "length" in ext:
-            total += int(ext["length"])
+            nbytes = int(ext["length"])
         elif t.raw_data:
-            total += len(t.raw_data)
+            nbytes = len(t.raw_data)
         else:
             n = 1
             for d in t.dims:
                 n *= d
-            total += n * size.get(t.data_type, 4)
+            nbytes = n * size.get(t.data_type, 4)
+        total += int(nbytes * share.get(t.name, 1.0))
     return total
 
 
@@ -420,7 +431,14 @@ def hf_model(hf: Path, dtype: str, device: str) -> Any:
 
     if device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            hf, dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        )
+    except ValueError:  # no sdpa (gpt-oss: its attention sinks): transformers' eager attention
+        model = AutoModelForCausalLM.from_pretrained(
+            hf, dtype=getattr(torch, dtype), attn_implementation="eager"
+        )
     return model.to(device).eval()
 
 

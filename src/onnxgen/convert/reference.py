@@ -1,5 +1,5 @@
-"""Reference packages from an independent producer: random Llama checkpoints saved by transformers,
-converted by onnxruntime-genai's model builder.
+"""Reference packages from an independent producer: random Llama (and gpt-oss, mixture-of-experts)
+checkpoints saved by transformers, converted by onnxruntime-genai's model builder.
 
 The project's own synthetic writer (`onnxgen.convert.synthetic`) is not independent of the code under
 test; these packages are. Parity tests and GPU benchmarks compare the native backend on such a
@@ -8,6 +8,7 @@ yardstick for what bf16 arithmetic alone costs).
 
     hf = random_llama_checkpoint(tmp / "hf", LlamaShape(hidden_size=2048, num_layers=4), tokenizer_dir)
     pkg = convert_checkpoint(hf, tmp / "pkg", precision="bf16", execution_provider="cuda")
+    hf = random_checkpoint(tmp / "moe", SHAPES["gptoss-20bx2"], tokenizer_dir)   # any shape's kind
 
 Needs the `convert` extra (torch, transformers, onnxruntime-genai). Nothing is downloaded: the
 tokenizer files are copied from `tokenizer_dir` (e.g. the default model's package).
@@ -50,7 +51,34 @@ class LlamaShape:
             )
 
 
-SHAPES = {
+@dataclass(frozen=True)
+class GptOssShape:
+    """The shape of a random gpt-oss checkpoint (a mixture of experts: 1.702 / 1 / 7 SwiGLU experts with
+    biases, top-k routing, attention sinks, a sliding window on every other layer, YaRN). Defaults:
+    gpt-oss-20b's (24 layers, hidden 2880, 64 query / 8 KV heads of 64, 32 experts of 2880, top 4, window 128,
+    vocabulary 201088): ~21 B parameters (~42 GB in bf16), ~3.6 B of them read per token (4 of 32 experts)."""
+
+    hidden_size: int = 2880
+    num_layers: int = 24
+    num_heads: int = 64
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    intermediate_size: int = 2880
+    num_experts: int = 32
+    experts_per_token: int = 4
+    sliding_window: int = 128
+    vocab_size: int = 201088
+    context_length: int = 131072
+    rope_theta: float = 150000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads or self.experts_per_token > self.num_experts:
+            raise ValueError(f"bad gpt-oss shape: {self}")
+
+
+SHAPES: dict[str, LlamaShape | GptOssShape] = {
     "tiny": LlamaShape(
         hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=512, context_length=1024
     ),  # dry runs
@@ -82,7 +110,96 @@ SHAPES = {
         tie_word_embeddings=False,
         context_length=16384,
     ),
+    "gptoss-tiny": GptOssShape(
+        hidden_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        num_experts=8,
+        experts_per_token=2,
+        sliding_window=32,
+        vocab_size=49152,
+        context_length=4096,
+    ),  # dry runs
+    "gptoss-20b": GptOssShape(),  # ~42 GB checkpoint + ~42 GB package: hosts with the disk for both
+    "gptoss-20bx8": GptOssShape(num_layers=8),  # the 20B layer in 8 layers (~14 GB each): a 64 GiB disk
+    "gptoss-20bx2": GptOssShape(num_layers=2),  # the same in 2 layers: parity against transformers fp32
 }
+
+
+def random_checkpoint(
+    dest: Path,
+    shape: LlamaShape | GptOssShape,
+    tokenizer_dir: Path,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+) -> Path:
+    """`random_llama_checkpoint` or `random_gptoss_checkpoint`, by the kind of `shape`."""
+    make = random_gptoss_checkpoint if isinstance(shape, GptOssShape) else random_llama_checkpoint
+    return make(dest, shape, tokenizer_dir, seed=seed, device=device, dtype=dtype)  # type: ignore[arg-type]
+
+
+def random_gptoss_checkpoint(
+    dest: Path,
+    shape: GptOssShape,
+    tokenizer_dir: Path,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+) -> Path:
+    """Write a Hugging Face folder with transformers' random init of the gpt-oss `shape` into `dest`, made
+    in `dtype` directly (a 20B shape never exists in float32: ~42 GB in bf16), on `device` (`"cuda"`: fast
+    for the 20B shapes). transformers' init, but for the experts' biases (zero there: random here, so a
+    dropped or misplaced bias shows). Returns `dest`."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    dest = Path(dest)
+    cfg = GptOssConfig(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        num_local_experts=shape.num_experts,
+        num_experts_per_tok=shape.experts_per_token,
+        sliding_window=shape.sliding_window,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape.num_layers)
+        ],
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.context_length,
+        rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    if isinstance(getattr(cfg, "rope_parameters", None), dict):
+        cfg.rope_parameters["rope_theta"] = shape.rope_theta
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            model = GptOssForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(dest)
+    del model
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    return dest
 
 
 def random_llama_checkpoint(

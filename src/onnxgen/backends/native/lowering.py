@@ -15,7 +15,8 @@ Passes, in order:
    only by a Linear / LinearSiluMul -> RmsLinear, normalised inside one-row products (packed int4: the
    skip-norm's residual sum formed by the packed product that feeds it, and RmsInt4Linear, normalised
    inside the packed GEMV), the final norm too once the cut before the lm_head is moved before it; the
-   lm_head writes float32 logits itself instead of a Cast after it);
+   lm_head writes float32 logits itself instead of a Cast after it); MoE / QMoE with constant experts ->
+   the lowering's MoE over dense weights prepared once (`ops.moe.prepare_moe`: QMoE dequantized);
 6. constant folding, dead-code elimination, placement (weights on the device; small integer tensors
    stay on the host, so shape arithmetic runs as host ints), slots and last-use frees.
 """
@@ -158,6 +159,8 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     nodes = _fold_constants(nodes, consts)
     on_device: set[str] = set()  # packed int4 weights, scales and zero points: never host tensors
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
+    # MoE / QMoE experts prepared once (`ops.moe`): dense, or QMoE's 4-bit experts kept packed
+    nodes = O.prepare_moe(nodes, consts, device, spec, packed=int4 == "packed", on_device=on_device)
     if fuse:
         nodes = _merge_gate_up(nodes, consts, device, on_device)
         if envs.read("RESIDUAL_INTO_PRODUCT"):

@@ -46,6 +46,7 @@ _NP_STORAGE: dict[int, Any] = {
     16: np.uint16,
     21: np.uint8,
     22: np.uint8,  # UINT4 / INT4: packed two per byte
+    24: np.uint8,  # FLOAT8E8M0 (MXFP4 block scales, 2^(s - 127)): the raw bytes, read as uint8
 }
 INT4_TYPES = (21, 22)
 

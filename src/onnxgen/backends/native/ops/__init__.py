@@ -3,14 +3,16 @@
 A builder takes a `Node` (op type, domain, attributes, input/output names) and returns a closure
 `fn(ctx, *inputs) -> tuple(outputs)` over torch tensors (`base` states the host/device rules). The
 families: `elementwise`, `tensor` (shapes, data movement, reductions), `linear`, `norms`, `rotary`,
-`attention` (the ops bound to the runtime's KV), and `quant` (int4: dequantization at load, or the
-lowering's Int4Linear on packed weights).
+`attention` (the ops bound to the runtime's KV), `quant` (int4: dequantization at load, or the
+lowering's Int4Linear on packed weights) and `moe` (mixture of experts: MoE, QMoE, their weights prepared at
+load by `prepare_moe`).
 """
 
 from __future__ import annotations
 
-from onnxgen.backends.native.ops import attention, elementwise, linear, norms, quant, rotary, tensor
+from onnxgen.backends.native.ops import attention, elementwise, linear, moe, norms, quant, rotary, tensor
 from onnxgen.backends.native.ops.base import AI, INTERNAL, Builder, Fn, Node, RunCtx
+from onnxgen.backends.native.ops.moe import prepare_moe
 from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits, kmajor
 from onnxgen.errors import UnsupportedOp
 
@@ -24,11 +26,12 @@ __all__ = [
     "dequant_gather_block",
     "dequant_matmul_nbits",
     "kmajor",
+    "prepare_moe",
     "supported_ops",
 ]
 
 BUILDERS: dict[tuple[str, str], Builder] = {}
-for _family in (elementwise, tensor, linear, norms, rotary, attention, quant):
+for _family in (elementwise, tensor, linear, norms, rotary, attention, quant, moe):
     _twice = BUILDERS.keys() & _family.BUILDERS.keys()
     assert not _twice, f"ops registered by two families: {sorted(_twice)}"
     BUILDERS.update(_family.BUILDERS)
