@@ -27,7 +27,8 @@
 #   cpucompare compare.py .carry/base . on the host's CPU (quiet, 2 threads a side): SmolLM2-135M's shape in
 #             fp32 on the native backend, batch-1 decode and 64 concurrent requests
 # Environment knobs: ONNXGEN_* kernel switches pass through (onnxgen.envs); BENCH_ARGS adds arguments to
-# every tool's command line (e.g. BENCH_ARGS="--engine decode_steps=4").
+# every tool's command line (e.g. BENCH_ARGS="--engine decode_steps=4"); GPU_TESTS_S, KERNEL_TESTS_S and
+# COMPARE_S shorten those sections' time limits (seconds) to fit one call.
 # Results go to docs/benchmarks/ (replace the page's table; the card is named in the tool's caption).
 set -u
 cd "$(dirname "$0")/.."
@@ -83,9 +84,9 @@ for section in "${@}"; do
             if [ "$section" = ifh200 ]; then
                 case "$card" in *H200*) ;; *) echo "not an H200: the sections after ifh200 are skipped"; break ;; esac
             fi ;;
-        tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests 2>&1 \
+        tests) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests 2>&1 \
                    | grep -E "^FAILED|passed|failed|error" | cut -c1-200 | tail -12
-               timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -rf tests/kernels 2>&1 \
+               timeout "${KERNEL_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 8 -rf tests/kernels 2>&1 \
                    | grep -E "^FAILED|passed|failed|error" | cut -c1-200 | tail -12 ;;
         decode) run 400 benchmarks/gpu_decode.py --model builder:0.5b,builder:1b,builder:8b16k ;;
         int4) run 200 benchmarks/gpu_decode.py --model builder:8b16k --no-hf
@@ -104,7 +105,7 @@ for section in "${@}"; do
                   echo "spec: no /tmp/gg/m.gguf (carry .gguf_parts/part.aa, then part.ab, within the warm window)"
               fi ;;
         compare) if [ -d .carry/base/src ]; then
-                     run 550 benchmarks/compare.py .carry/base . --device cuda --model builder:1b
+                     run "${COMPARE_S:-550}" benchmarks/compare.py .carry/base . --device cuda --model builder:1b
                  else
                      echo "compare: no .carry/base (bash benchmarks/gpu_session.sh prepare BASE, then carry .carry)"
                  fi ;;
