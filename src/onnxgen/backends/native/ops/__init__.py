@@ -3,13 +3,13 @@
 A builder takes a `Node` (op type, domain, attributes, input/output names) and returns a closure
 `fn(ctx, *inputs) -> tuple(outputs)` over torch tensors (`base` states the host/device rules). The
 families: `elementwise`, `tensor` (shapes, data movement, reductions), `linear`, `norms`, `rotary`,
-`attention` (the ops bound to the runtime's KV), and `quant` (int4: dequantization at load, or the
-lowering's Int4Linear on packed weights).
+`attention` (the ops bound to the runtime's KV), `quant` (int4: dequantization at load, or the
+lowering's Int4Linear on packed weights), and `control` (`If` with constant branches).
 """
 
 from __future__ import annotations
 
-from onnxgen.backends.native.ops import attention, elementwise, linear, norms, quant, rotary, tensor
+from onnxgen.backends.native.ops import attention, control, elementwise, linear, norms, quant, rotary, tensor
 from onnxgen.backends.native.ops.base import AI, INTERNAL, Builder, Fn, Node, RunCtx
 from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits, kmajor
 from onnxgen.errors import UnsupportedOp
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 BUILDERS: dict[tuple[str, str], Builder] = {}
-for _family in (elementwise, tensor, linear, norms, rotary, attention, quant):
+for _family in (elementwise, tensor, linear, norms, rotary, attention, quant, control):
     _twice = BUILDERS.keys() & _family.BUILDERS.keys()
     assert not _twice, f"ops registered by two families: {sorted(_twice)}"
     BUILDERS.update(_family.BUILDERS)
