@@ -264,15 +264,18 @@ def _engine_runs(pkg: Path, backend: str, prompts: list[list[int]], **load: Any)
         model.close()
 
 
-@pytest.mark.parametrize("steps", [1, 4])
-def test_paged_engine_across_the_switch_equals_the_ort_backend(pkg: Path, steps: int) -> None:
+@pytest.mark.parametrize(("steps", "chunk"), [(1, None), (4, 16)])
+def test_paged_engine_across_the_switch_equals_the_ort_backend(
+    pkg: Path, steps: int, chunk: int | None
+) -> None:
     """Requests batched together on both sides of the switch, some crossing it while decoding (in runs of
     `steps` decode steps, none past the switch: the crossing step recomputes the request), with prompt-lookup
-    drafts on a repetitive prompt (no verify step across the switch): the ort backend's greedy tokens."""
+    drafts on a repetitive prompt (no verify step across the switch), prompts in chunks of `chunk` tokens (a
+    long prompt's first chunks computed with the long factors already): the ort backend's greedy tokens."""
     loop = _ids(9, 7)
     prompts = [_ids(10, 8), _ids(50, 9), _ids(90, 10), (loop * 6)[:52]]
     want = _engine_runs(pkg, "ort", prompts)
-    got = _engine_runs(pkg, "native", prompts, decode_steps=steps)
+    got = _engine_runs(pkg, "native", prompts, decode_steps=steps, chunk_size=chunk)
     for w, g in zip(want, got, strict=True):
         assert g.tokens == w.tokens
     assert got[3].stats.draft_tokens > 0

@@ -169,6 +169,7 @@ class PagedKV:
                     c.start,
                     c.req.kv.pages,
                     (1 + len(c.draft)) if c.sample else 0,
+                    c.req.num_tokens,  # a prompt's chunk is computed for the whole prompt (LongRoPE)
                 )
                 for c in chunks
             )
