@@ -253,10 +253,12 @@ def test_runner_batches_sequences_on_both_sides_of_the_switch(spec: Any) -> None
     _close(rest[0], ref.forward(c, 0))  # 100 tokens: every key in the long regime
 
 
-def _engine_runs(pkg: Path, backend: str, prompts: list[list[int]], **load: Any) -> list[Any]:
+def _engine_runs(
+    pkg: Path, backend: str, prompts: list[list[int]], device: str = "cpu", **load: Any
+) -> list[Any]:
     import onnxgen
 
-    model = onnxgen.load(str(pkg), backend=backend, device="cpu", **load)
+    model = onnxgen.load(str(pkg), backend=backend, device=device, **load)
     try:
         handles = [model.submit(p, max_new_tokens=24, temperature=0, reuse=False) for p in prompts]
         return [h.result() for h in handles]
@@ -321,3 +323,42 @@ def test_rope_rows_need_totals_in_a_paged_step() -> None:
     assert rope_rows(RunCtx(None, 60, 4, pos), (64, 100)).tolist() == [0, 1, 2, 3]  # 64 tokens: short
     assert rope_rows(RunCtx(None, 62, 4, pos), (64, 100)).tolist() == [100, 101, 102, 103]  # 66: long
     assert rope_rows(ctx, None) is pos
+
+
+# --- CUDA: the captured steps ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_across_the_switch_match_the_cpu(pkg: Path, spec: Any) -> None:
+    """CUDA graphs read each sequence's length from device memory: decode graphs (and runs of them, the
+    decode advance moving the lengths on) below and past the switch, prefill-chunk graphs of a prompt longer
+    than the switch (its length set before the replay), verify graphs; the batch-1 decoder's captured steps
+    too. Each equals the CPU path (fp32)."""
+    loop = _ids(9, 7)
+    prompts = [_ids(10, 8), _ids(50, 9), _ids(90, 10), _ids(60, 12), (loop * 6)[:52]]
+    cpu = _engine_runs(pkg, "native", prompts, chunk_size=16)
+    gpu = _engine_runs(pkg, "native", prompts, chunk_size=16, device="cuda", kv_bytes=64 << 20)
+    for c, g in zip(cpu, gpu, strict=True):
+        assert g.tokens == c.tokens
+    import onnxgen
+
+    model = onnxgen.load(str(pkg), backend="native", device="cuda", kv_bytes=64 << 20)
+    on_cpu = onnxgen.load(str(pkg), backend="native", device="cpu")
+    try:
+        assert model.kv_stats()["cuda_graphs"]
+        opts: dict[str, Any] = {"max_new_tokens": 20, "temperature": 0, "output_logits": True, "reuse": False}
+        for n in (50, 90):
+            g, c = model.generate(_ids(n, 13), **opts), on_cpu.generate(_ids(n, 13), **opts)
+            assert g.tokens == c.tokens
+            _close(np.asarray(g.logits), np.asarray(c.logits), 1e-4)
+    finally:
+        model.close()
+        on_cpu.close()
+
+    ids = _ids(80, 1)
+    dev = NativeDecoder(spec, "cuda", kv_floor=16)
+    ref = NativeDecoder(spec)
+    _close(dev.forward(ids[:56], 0), ref.forward(ids[:56], 0), 1e-4)
+    for i, t in enumerate(ids[56:72]):
+        _close(dev.forward([t], 56 + i), ref.forward([t], 56 + i), 1e-4)
+    assert dev.info["rope_recomputes"] == 1 and dev.info["static_forwards"].get(1, 0) >= 15
