@@ -361,15 +361,24 @@ def _rope_switch(
             and int(p.attr("axis", 0)) == 0
         )
 
-    def rotary_table(r: O.Node, name: str) -> bool:
-        ins = r.inputs
-        if r.op == "GroupQueryAttention" and r.domain == "com.microsoft":
-            return int(r.attr("do_rotary", 0)) == 1 and name in ins[7:9] and name not in ins[:7] + ins[9:]
+    def tables(r: O.Node) -> list[str] | None:
+        """The rotary tables `r` looks up by position (None: `r` is no such lookup)."""
+        ins = r.inputs + [""] * 9
+        if r.op == "GroupQueryAttention" and r.domain == "com.microsoft" and int(r.attr("do_rotary", 0)):
+            return ins[7:9]
         if r.op == "RotaryEmbedding" and r.domain == "com.microsoft":
-            return name in ins[2:4] and name not in ins[:2]
-        if r.op == "RotaryEmbedding" and r.domain == "":
-            return len(ins) > 3 and bool(ins[3]) and name in ins[1:3] and name not in (ins[0], ins[3])
-        return False
+            return ins[2:4]
+        if r.op == "RotaryEmbedding" and r.domain == "" and ins[3]:
+            return ins[1:3]
+        return None
+
+    def switched(r: O.Node, outs: list[str], key: tuple[int, int]) -> bool:
+        """`r` reads `outs` (one If's tables) as its rotary tables only, both of them from that If."""
+        t = tables(r)
+        others = [x for i, x in enumerate(r.inputs) if x in outs and (t is None or x not in t)]
+        return (
+            t is not None and set(t) <= set(outs) and not others and r.attrs.get("_rope_switch", key) == key
+        )
 
     found: int | None = None
     drop: set[int] = set()
@@ -396,7 +405,11 @@ def _rope_switch(
             )
             or len({b.shape[0] for b in other}) != 1
             or other[0].shape[0] < limit  # the short tables cover every position below the switch
-            or not all(readers.get(o) and all(rotary_table(r, o) for r in readers[o]) for o in n.outputs)
+            or not all(
+                readers.get(o)
+                and all(switched(r, n.outputs, (limit, int(other[0].shape[0]))) for r in readers[o])
+                for o in n.outputs
+            )
         ):
             continue
         rows = int(other[0].shape[0])
