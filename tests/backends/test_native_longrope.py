@@ -34,7 +34,8 @@ TOL = 1e-5
 
 
 def longrope_package(src: Path, dest: Path, *, cond: str = "Greater", branch: str = "constant") -> Path:
-    """A copy of the synthetic package `src` whose rotary tables sit behind the builder's LongRoPE `If`.
+    """A copy of the synthetic package `src` (any attention style with `cos_cache` / `sin_cache` tables of
+    half width) whose rotary tables sit behind the builder's LongRoPE `If`.
     `cond`: "Greater" (the builder's `mask length > 64`) or "Less" (`64 < mask length`: the same choice in a
     form the LongRoPE rewrite does not take). `branch`: "constant", or "runtime" (the then-branch reads a
     value of the outer graph)."""
@@ -78,27 +79,36 @@ def longrope_package(src: Path, dest: Path, *, cond: str = "Greater", branch: st
     else_g = helper.make_graph(
         [table("cos_cache_small", short_cos), table("sin_cache_small", short_sin)], "else", [], else_out
     )
-    length = "/model/attn_mask_reformat/attn_mask_subgraph/Gather/output_0"
-    assert any(length in n.output for n in g.node)
-    switch = helper.make_node(
-        "Constant", [], ["/model/longrope/switch"], value=numpy_helper.from_array(np.array(SWITCH))
-    )
+    # the mask's length, as the builder computes it: Gather(Shape(attention_mask), 1)
+    length = "/model/longrope/length"
+    one = numpy_helper.from_array(np.array(1, dtype=np.int64))
+    nodes = [
+        helper.make_node("Shape", ["attention_mask"], ["/model/longrope/shape"]),
+        helper.make_node("Constant", [], ["/model/longrope/one"], value=one),
+        helper.make_node("Gather", ["/model/longrope/shape", "/model/longrope/one"], [length], axis=0),
+        helper.make_node(
+            "Constant", [], ["/model/longrope/switch"], value=numpy_helper.from_array(np.array(SWITCH))
+        ),
+    ]
     if cond == "Greater":
-        test = helper.make_node("Greater", [length, "/model/longrope/switch"], ["/model/longrope/cond"])
+        nodes.append(
+            helper.make_node("Greater", [length, "/model/longrope/switch"], ["/model/longrope/cond"])
+        )
     else:
-        test = helper.make_node("Less", ["/model/longrope/switch", length], ["/model/longrope/cond"])
-    scale = helper.make_node("Cast", [length], ["/model/longrope/scale"], to=TensorProto.FLOAT)
-    iff = helper.make_node(
-        "If",
-        ["/model/longrope/cond"],
-        ["cos_cache", "sin_cache"],
-        name="/model/rope_caches_subgraph/If",
-        then_branch=then_g,
-        else_branch=else_g,
+        nodes.append(helper.make_node("Less", ["/model/longrope/switch", length], ["/model/longrope/cond"]))
+    nodes.append(helper.make_node("Cast", [length], ["/model/longrope/scale"], to=TensorProto.FLOAT))
+    nodes.append(
+        helper.make_node(
+            "If",
+            ["/model/longrope/cond"],
+            ["cos_cache", "sin_cache"],
+            name="/model/rope_caches_subgraph/If",
+            then_branch=then_g,
+            else_branch=else_g,
+        )
     )
-    at = next(i for i, n in enumerate(g.node) if length in n.output) + 1  # after the mask length's node
-    for i, n in enumerate((switch, test, scale, iff)):
-        g.node.insert(at + i, n)
+    for i, n in enumerate(nodes):
+        g.node.insert(i, n)
     onnx.save(model, str(dest / "model.onnx"))
     return dest
 
@@ -178,6 +188,24 @@ def test_other_constant_ifs_choose_at_run_time(tiny_dir: Path, tmp_path: Path) -
         _close(dec.forward(ids[:n], 0), ref.forward(ids[:n], 0))
         dec.reset()
         ref.reset()
+
+
+def test_rotary_embedding_ops_read_the_switched_tables(tmp_path: Path) -> None:
+    """The opset-23 graph style (RotaryEmbedding with position ids, Attention, KV concatenated in the graph):
+    its RotaryEmbedding ops read the one table at each token's row too, eager steps only (the KV concat)."""
+    from onnxgen.convert.synthetic import SyntheticConfig, write_package
+
+    cfg = SyntheticConfig(num_layers=2, context_length=1024, attention="onnx23")
+    src = write_package(tmp_path / "onnx23", cfg)
+    spec23 = load_spec(longrope_package(src, tmp_path / "pkg"))
+    dec = NativeDecoder(spec23)
+    assert dec.program.rope_switch == SWITCH and "RotaryEmbedding" in dec.program.info["ops"]
+    ref = OrtDecoder(spec23, threads=1)
+    ids = _ids(80, 14)
+    _close(dec.forward(ids[:60], 0), ref.forward(ids[:60], 0))
+    for i, t in enumerate(ids[60:68]):
+        _close(dec.forward([t], 60 + i), ref.forward([t], 60 + i))
+    assert dec.info["rope_recomputes"] == 1
 
 
 def test_if_const_picks_by_a_host_condition_and_selects_same_shaped_values() -> None:
