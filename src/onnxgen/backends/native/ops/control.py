@@ -21,9 +21,7 @@ from onnxgen.errors import UnsupportedOp
 
 def _if(node: Node) -> Fn:
     """ai.onnx If: never built as it is (the lowering turns every `If` into `IfConst` or rejects it)."""
-    from onnxgen.backends.native.ops import supported_ops
-
-    raise UnsupportedOp("If(branches not lowered)", "", node.name, supported_ops())
+    raise UnsupportedOp("If(branches not lowered)", "", node.name, ["IfConst"])
 
 
 def _if_const(node: Node) -> Fn:
