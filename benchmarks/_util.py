@@ -9,7 +9,8 @@ Models (`--model`, comma-separated where a tool takes several):
                                  SyntheticConfig fields overridden (`synthetic:8b:num_layers=4,quant=int4`)
     builder:SHAPE[:PRECISION]    a random Llama checkpoint saved by transformers (`onnxgen.convert.reference`
                                  SHAPES: tiny, 2048x4, 135m, 0.5b, 1b, 8b, 8b16k; gpt-oss MoE: gptoss-tiny,
-                                 gptoss-20b, gptoss-20bx8, gptoss-20bx2) converted by onnxruntime-genai's
+                                 gptoss-20b, gptoss-20bx8, gptoss-20bx2; Phi-3 LongRoPE switching at 4096
+                                 tokens: phi4mini, phi4minix4) converted by onnxruntime-genai's
                                  builder (bf16 by default; fp32, fp16, int4); needs --tokenizer
     convert:SRC[:PRECISION]      a Hugging Face folder or a .gguf file converted by the builder (bf16)
                                  (PRECISION@EP picks the builder's execution provider: int4@cpu; default

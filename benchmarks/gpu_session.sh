@@ -23,6 +23,9 @@
 #             chunked prefill of 8k tokens (8B shape)
 #   parity    parity.py: logits against transformers to 8k tokens (2048x4, 1B; 8B with sessions)
 #   spec      speculative.py on SmolLM2-135M bf16 (the GGUF's real weights), the four workloads and --mix
+#   longrope  the LongRoPE GPU tests on Phi-4-mini's full shape (builder bf16, built under /tmp/onnxgen_bench):
+#             parity against transformers below and past the switch, decoding across it, sessions growing past it
+#   longropebench gpu_decode.py (a prompt past the switch) and batch.py (1 and 64 requests) on that shape
 #   compare   compare.py .carry/base . on the 1B shape: batch-1 decode and 64 concurrent requests
 #   cpucompare compare.py .carry/base . on the host's CPU (quiet, 2 threads a side): SmolLM2-135M's shape in
 #             fp32 on the native backend, batch-1 decode and 64 concurrent requests
@@ -104,6 +107,12 @@ for section in "${@}"; do
               else
                   echo "spec: no /tmp/gg/m.gguf (carry .gguf_parts/part.aa, then part.ab, within the warm window)"
               fi ;;
+        longrope) ONNXGEN_TEST_LONGROPE_SHAPE=phi4mini ONNXGEN_TEST_LONGROPE_WORK=/tmp/onnxgen_bench timeout 550 \
+                      python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/parity/test_longrope.py \
+                      tests/backends/test_native_longrope.py 2>&1 | grep -E "^FAILED|^E |passed|failed|error" \
+                      | cut -c1-300 | tail -16 ;;
+        longropebench) run 300 benchmarks/gpu_decode.py --model builder:phi4mini --prompt 6000 --ttft 4096,8192
+                       run 280 benchmarks/batch.py --model builder:phi4mini --device cuda --concurrency 1,64 ;;
         compare) if [ -d .carry/base/src ]; then
                      run "${COMPARE_S:-550}" benchmarks/compare.py .carry/base . --device cuda --model builder:1b
                  else

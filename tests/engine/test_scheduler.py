@@ -169,3 +169,51 @@ def test_a_deferred_request_keeps_its_place_while_later_ones_are_admitted() -> N
     chunks, _ = s.schedule()
     assert [c_.req.id for c_ in chunks] == [a.id, c.id, b.id] and not s.waiting
     assert plan(chunks)[-1] == (b.id, 0, 6, True)
+
+
+class LimitKV(PagesKV):
+    """As LongRoPE's paged KV: a request admitted at most `limit` tokens long holds KV valid up to `limit`."""
+
+    def __init__(self, pages: int, limit: int) -> None:
+        super().__init__(pages)
+        self.limit = limit
+
+    def admit(self, req: Request) -> bool:
+        req.kv_limit = self.limit if req.num_tokens <= self.limit else None
+        return super().admit(req)
+
+
+class Drafts:
+    """A draft control that always proposes as many tokens as asked for."""
+
+    def active(self, batch: int) -> bool:
+        return True
+
+    def budget(self, generated: int) -> int:
+        return 8
+
+    def propose(self, prompt: list[int], output: list[int], k: int) -> list[int]:
+        return [5] * k
+
+
+def test_a_request_is_recomputed_where_its_kv_stops_being_valid_and_no_draft_crosses_it() -> None:
+    """`Request.kv_limit` (LongRoPE's switch at 10 here): drafts stop at it; the step that would feed past it
+    releases the request's KV and admits it again in the same step, in one chunk of all its tokens (not a
+    preemption), and then nothing limits it."""
+    kv = LimitKV(100, limit=10)
+    s = Scheduler(kv, max_running=4, token_budget=64, preempt=True)
+    r, other = request(6), request(3)
+    r.drafts = Drafts()
+    s.add(r)
+    s.add(other)
+    chunks, _ = s.schedule()
+    assert plan(chunks) == [(r.id, 0, 6, True), (other.id, 0, 3, True)] and r.kv_limit == 10
+    feed(chunks)  # r: 7 tokens, 6 computed
+    chunks, _ = s.schedule()
+    assert chunks[0].req is r and chunks[0].draft == (5, 5, 5)  # feeds positions 6..9: the last valid one
+    r.computed, r.output = 10, r.output + [5, 5, 5, 5]  # every draft accepted: 11 tokens, 10 computed
+    feed(chunks[1:])
+    chunks, _ = s.schedule()
+    assert plan(chunks) == [(other.id, 4, 1, True), (r.id, 0, 11, True)]
+    assert r.kv_limit is None and r.status is Status.RUNNING and kv.released == [r.id]
+    assert s.preemptions == 0 and r.admissions == 2 and r.cached == 0

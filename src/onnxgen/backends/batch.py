@@ -24,12 +24,15 @@ from typing import Any, NamedTuple, Protocol
 class SeqChunk(NamedTuple):
     """One sequence's part of a step: `tokens` at positions `[start, start + len(tokens))`; `pages` cover
     at least `start + len(tokens)` positions; `logits`: how many of the last tokens' logits to return
-    (0 / False: none; 1 / True: the last token's; more: to verify draft tokens)."""
+    (0 / False: none; 1 / True: the last token's; more: to verify draft tokens). `total`: the length the
+    sequence is computed for when larger than `end` (a prompt's chunk before its last: the prompt's length),
+    which a graph sees as its attention mask's width: LongRoPE's rotary regime follows it (0: `end`)."""
 
     tokens: Sequence[int]
     start: int
     pages: Sequence[int]
     logits: int = 1
+    total: int = 0
 
     @property
     def end(self) -> int:
@@ -71,6 +74,10 @@ class BatchRunner(Protocol):
     verify_sizes: tuple[int, ...]
     """The sizes a verify step of n positions costs as: the smallest one >= n (a step padded to it);
     () where a step costs what its positions do."""
+    rope_switch: int | None
+    """LongRoPE: a sequence's keys are computed with the long rotary factors when its `total` exceeds this,
+    else with the short ones (None: no switch). Keys computed in one regime are not valid in the other: the
+    caller recomputes a sequence whose length crosses it (no chunk crosses it unless it starts at 0)."""
 
     def run(self, step: BatchStep) -> Any: ...
 

@@ -1,5 +1,5 @@
-"""Reference packages from an independent producer: random Llama (and gpt-oss, mixture-of-experts)
-checkpoints saved by transformers, converted by onnxruntime-genai's model builder.
+"""Reference packages from an independent producer: random Llama (and Phi-3 LongRoPE, and gpt-oss
+mixture-of-experts) checkpoints saved by transformers, converted by onnxruntime-genai's model builder.
 
 The project's own synthetic writer (`onnxgen.convert.synthetic`) is not independent of the code under
 test; these packages are. Parity tests and GPU benchmarks compare the native backend on such a
@@ -31,7 +31,13 @@ TOKENIZER_FILES = (
 @dataclass(frozen=True)
 class LlamaShape:
     """The shape of a random Llama checkpoint. Defaults: Llama-3.2-1B's layer shape with SmolLM2's
-    vocabulary (49152) so SmolLM2's tokenizer fits."""
+    vocabulary (49152) so SmolLM2's tokenizer fits.
+
+    `architecture` "phi3": a Phi-3 checkpoint instead (fused qkv and gate/up projections), with LongRoPE when
+    `original_context` is set (the length past which the long factors apply, `original_max_position_
+    embeddings`; `context_length` is then `max_position_embeddings`) and `partial_rotary_factor` (Phi-4-mini:
+    0.75 of each head rotated). The LongRoPE factors are made up (`longrope_factors`): smooth, short ones near
+    1, long ones growing to 40 over the frequencies, as Phi-3.5 / Phi-4-mini's are shaped."""
 
     hidden_size: int = 2048
     num_layers: int = 16
@@ -43,12 +49,31 @@ class LlamaShape:
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
+    architecture: str = "llama"
+    partial_rotary_factor: float = 1.0
+    original_context: int = 0
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"heads must divide: hidden {self.hidden_size}, heads {self.num_heads}/{self.num_kv_heads}"
             )
+        if self.architecture not in ("llama", "phi3"):
+            raise ValueError(f"architecture must be 'llama' or 'phi3', got {self.architecture!r}")
+        if (self.original_context or self.partial_rotary_factor != 1.0) and self.architecture != "phi3":
+            raise ValueError("LongRoPE and partial rotary shapes are Phi-3 ones (architecture='phi3')")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.hidden_size // self.num_heads * self.partial_rotary_factor)
+
+
+def longrope_factors(rotary_dim: int) -> tuple[list[float], list[float]]:
+    """Made-up LongRoPE (short, long) factors for `rotary_dim / 2` frequencies (see `LlamaShape`)."""
+    n = rotary_dim // 2
+    short = [1.0 + 0.05 * (i / max(n - 1, 1)) ** 2 for i in range(n)]
+    long = [1.0 + 39.0 * (i / max(n - 1, 1)) ** 2 for i in range(n)]
+    return short, long
 
 
 @dataclass(frozen=True)
@@ -125,6 +150,34 @@ SHAPES: dict[str, LlamaShape | GptOssShape] = {
     "gptoss-20b": GptOssShape(),  # ~42 GB checkpoint + ~42 GB package: hosts with the disk for both
     "gptoss-20bx8": GptOssShape(num_layers=8),  # the 20B layer in 8 layers (~14 GB each): a 64 GiB disk
     "gptoss-20bx2": GptOssShape(num_layers=2),  # the same in 2 layers: parity against transformers fp32
+    # Phi-4-mini's shape (3.8B: 24/8 heads of 128, 3/4 of each rotated, LongRoPE switching at 4096 tokens, a
+    # 200064-token vocabulary, tied embeddings), and the same in 4 layers (CPU checks, quick GPU parity)
+    "phi4mini": LlamaShape(
+        hidden_size=3072,
+        num_layers=32,
+        num_heads=24,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        vocab_size=200064,
+        context_length=131072,
+        rope_theta=10000.0,
+        architecture="phi3",
+        partial_rotary_factor=0.75,
+        original_context=4096,
+    ),
+    "phi4minix4": LlamaShape(
+        hidden_size=3072,
+        num_layers=4,
+        num_heads=24,
+        num_kv_heads=8,
+        intermediate_size=8192,
+        vocab_size=200064,
+        context_length=131072,
+        rope_theta=10000.0,
+        architecture="phi3",
+        partial_rotary_factor=0.75,
+        original_context=4096,
+    ),
 }
 
 
@@ -211,37 +264,57 @@ def random_llama_checkpoint(
     device: str = "cpu",
     dtype: str = "bfloat16",
 ) -> Path:
-    """Write a Hugging Face folder with transformers' default random init of `shape` into `dest`.
+    """Write a Hugging Face folder with transformers' default random init of `shape` into `dest` (a Llama
+    checkpoint, or a Phi-3 one for `architecture="phi3"`).
 
     Weights are saved in `dtype` (bfloat16 by default, so a bf16 package and an fp32 reference loaded
     from the folder hold exactly the same values). `device="cuda"` initialises on the GPU (fast for 8B
     shapes). Returns `dest`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     dest = Path(dest)
-    cfg = LlamaConfig(
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        vocab_size=shape.vocab_size,
-        max_position_embeddings=shape.context_length,
-        rope_theta=shape.rope_theta,
-        rms_norm_eps=shape.rms_norm_eps,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    phi3 = shape.architecture == "phi3"
+    common = {
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.context_length,
+        "rope_theta": shape.rope_theta,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    rope: dict[str, object] = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if phi3:
+        # NOTE: the builder picks its LongRoPE class when the two lengths differ (`original_context` 0: equal)
+        common["original_max_position_embeddings"] = shape.original_context or shape.context_length
+        if shape.partial_rotary_factor != 1.0:
+            rope["partial_rotary_factor"] = shape.partial_rotary_factor
+        if shape.original_context:
+            short, long = longrope_factors(shape.rotary_dim)
+            rope.update(
+                rope_type="longrope",
+                original_max_position_embeddings=shape.original_context,
+                short_factor=short,
+                long_factor=long,
+            )
+            common["rope_parameters"] = rope
+    cfg = (transformers.Phi3Config if phi3 else transformers.LlamaConfig)(**common)
     # transformers 5 keeps the base in `rope_parameters`; 4.x in `rope_theta`. Set it where it is read.
     if isinstance(getattr(cfg, "rope_parameters", None), dict):
         cfg.rope_parameters["rope_theta"] = shape.rope_theta
+        if phi3 and shape.partial_rotary_factor != 1.0:
+            cfg.rope_parameters["partial_rotary_factor"] = shape.partial_rotary_factor
     else:
         cfg.rope_theta = shape.rope_theta
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+        model = (transformers.Phi3ForCausalLM if phi3 else transformers.LlamaForCausalLM)(cfg)
     model.to(getattr(torch, dtype)).save_pretrained(dest)
     del model
     for name in TOKENIZER_FILES:

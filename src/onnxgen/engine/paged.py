@@ -12,10 +12,17 @@ A session keeps `Pinned(node, identity, anchor)`: a pin on the end of its last c
 index, so the pages of that context stay while the session does; the next turn matches them exactly as a
 retained decoder would, and when its tokens start with that context (a conversation growing), the lookup
 and the indexing start at the context's last full page: a turn costs its new tokens, not its context.
+
+LongRoPE (`BatchRunner.rope_switch`): keys computed with the short rotary factors differ from the same
+tokens' keys with the long ones, so the regime is part of the identity the pages are indexed and shared
+under (`_digest`): a request whose tokens exceed the switch when admitted computes (or finds) long keys from
+position 0, as a fresh run of all its tokens would; one admitted below it holds short keys valid up to the
+switch (`Request.kv_limit`), and the scheduler recomputes it when it grows past (`Scheduler._recompute`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +69,7 @@ class PagedKV:
         self.bytes_per_page = runner.storage.nbytes() // runner.num_pages
         self.pinned_sessions = 0
         self._running: dict[bytes, list[Request]] = {}  # admitted requests that may share, by identity digest
+        self.rope_switch: int | None = getattr(runner, "rope_switch", None)
 
     @property
     def verify_sizes(self) -> tuple[int, ...]:
@@ -75,8 +83,20 @@ class PagedKV:
 
     # --- the scheduler's calls ---------------------------------------------------------------------
 
+    def _digest(self, req: Request) -> bytes | None:
+        """The digest `req`'s pages are indexed and shared under: its identity's, and with LongRoPE its rotary
+        regime's too (long: its tokens exceeded the switch when admitted, or will when it is; `kv_limit` None)."""
+        switch = self.rope_switch
+        if req.digest is None or switch is None:
+            return req.digest
+        long = req.num_tokens > switch if req.kv is None else req.kv_limit is None
+        return hashlib.blake2b(req.digest + b"|longrope", digest_size=16).digest() if long else req.digest
+
     def admit(self, req: Request) -> bool:
-        digest = req.digest if req.reuse else None
+        # LongRoPE: a request admitted at most as long as the switch computes short keys, valid up to it
+        switch = self.rope_switch
+        req.kv_limit = switch if switch is not None and req.num_tokens <= switch else None
+        digest = self._digest(req) if req.reuse else None
         peers = self._running.get(digest, ()) if digest is not None else ()
         inflight = [
             InFlight(r.prompt if r.computed <= len(r.prompt) else r.tokens, r.computed, r.kv.pages)
@@ -110,7 +130,7 @@ class PagedKV:
             return False
         tokens, P = req.tokens, self.page_size
         most = (len(tokens) - 1) // P
-        for r in self._running.get(req.digest, ()):
+        for r in self._running.get(self._digest(req), ()):
             if r.pending <= 1 or r.computed // P >= most:  # decoding, or already past what req can share
                 continue
             if common_pages(tokens, r.prompt, most, P) > r.computed // P:
@@ -118,11 +138,12 @@ class PagedKV:
         return False
 
     def _forget(self, req: Request) -> None:
-        peers = self._running.get(req.digest) if req.digest is not None else None
+        digest = self._digest(req)
+        peers = self._running.get(digest) if digest is not None else None
         if peers is not None and req in peers:
             peers.remove(req)
             if not peers:
-                del self._running[req.digest]
+                del self._running[digest]
 
     def reserve(self, req: Request, total: int) -> bool:
         if total <= len(req.kv.pages) * self.page_size:  # NOTE: most decode steps need no new page
@@ -148,6 +169,7 @@ class PagedKV:
                     c.start,
                     c.req.kv.pages,
                     (1 + len(c.draft)) if c.sample else 0,
+                    c.req.num_tokens,  # a prompt's chunk is computed for the whole prompt (LongRoPE)
                 )
                 for c in chunks
             )
@@ -227,9 +249,10 @@ class PagedKV:
         """After success: index the request's pages (its fed tokens) and drop its hold; return the pin a
         session keeps, or None."""
         self._forget(req)
+        digest = self._digest(req)
         table: PageTable = req.kv
         req.kv = None
-        if not req.reuse or req.digest is None:
+        if not req.reuse or digest is None:
             self.kv.release(table)
             return None
         fed = req.fed
@@ -238,7 +261,7 @@ class PagedKV:
             return None
         self.index.pin(node)
         self.pinned_sessions += 1
-        return Pinned(node, Identity(tuple(fed), req.digest), table.anchor)
+        return Pinned(node, Identity(tuple(fed), digest), table.anchor)
 
     def drop(self, state: Pinned | None) -> None:
         """A session lets go of its context: unpin it (its pages stay indexed until evicted)."""

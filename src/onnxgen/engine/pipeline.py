@@ -137,12 +137,14 @@ class DecodePipeline:
 
     def _room(self, chunks: Sequence[Chunk], k: int, fed: int, least: int = 1) -> int:
         """At most `k` decode steps for `chunks` after the `fed` steps already launched or chosen for them:
-        what every request may still generate, those steps counted, and its context hold; with the pages for
-        them all reserved, or 0 when fewer than `least` fit."""
+        what every request may still generate, those steps counted, its context and its `kv_limit` hold; with
+        the pages for them all reserved, or 0 when fewer than `least` fit."""
         for c in chunks:
             r = c.req
             unread = c.start + fed - r.num_tokens + 1  # launched steps whose tokens the request has not taken
             k = min(k, r.max_new_tokens - len(r.output) - unread, r.context_length - (c.start + fed) - 1)
+            if r.kv_limit is not None:  # no step past the length its KV is valid for (`Request.kv_limit`)
+                k = min(k, r.kv_limit - (c.start + fed))
         if k >= least and all(self.executor.reserve(c.req, c.start + fed + k) for c in chunks):
             return k
         return 0

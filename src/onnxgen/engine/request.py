@@ -124,6 +124,10 @@ class Request:
     cached: int = 0  # prompt positions the cache supplied at the first admission
     admissions: int = 0  # 1 + times it was preempted and admitted again
     kv: Any = None  # the KV adapter's per-request state (a page table, or a decoder)
+    # set by the KV adapter on admission: the length its KV may reach before it must be computed anew (LongRoPE:
+    # keys computed with the short rotary factors are valid up to the switch; the scheduler then recomputes the
+    # request, `Scheduler._recompute`); None: no such length
+    kv_limit: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: BaseException | None = None

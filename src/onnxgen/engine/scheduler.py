@@ -15,6 +15,10 @@ positions a running request needs, the most recently admitted running request is
 released and it waits again at the head of the queue, to be recomputed (its generated tokens are kept).
 A waiting request that cannot be admitted waits; nothing fails for lack of memory. With preemption off
 (per-request decoders) requests are only ever admitted when they fit.
+
+A request's KV may be valid only up to a length (`Request.kv_limit`: LongRoPE's switch, for keys computed
+with the short rotary factors): no chunk or draft is fed past it; the step that would is replaced by the
+request's recomputation (`_recompute`), admitted again at once where there is room.
 """
 
 from __future__ import annotations
@@ -124,6 +128,9 @@ class Scheduler:
             if req.status is not Status.RUNNING or budget <= 0:  # preempted meanwhile, or no budget
                 continue
             n = self._chunk(req, budget)
+            if req.kv_limit is not None and req.computed + n > req.kv_limit:
+                self._recompute(req)
+                continue
             draft = self._draft(req, budget, batch) if n == 1 == req.pending else ()
             while n and not self.kv.reserve(req, req.computed + n + len(draft)):
                 if draft:  # no room for the drafts: a plain decode step
@@ -180,6 +187,8 @@ class Scheduler:
         room = min(
             budget - 1, req.max_new_tokens - len(req.output) - 1, req.context_length - req.num_tokens - 1
         )
+        if req.kv_limit is not None:  # the verify step ends where its KV stays valid
+            room = min(room, req.kv_limit - req.computed - 1)
         k = min(req.drafts.budget(len(req.output)), room)
         return tuple(req.drafts.propose(req.prompt, req.output, k)) if k > 0 else ()
 
@@ -194,6 +203,16 @@ class Scheduler:
         if not self.preempt or not self.running:
             return None
         return self.running[-1]
+
+    def _recompute(self, req: Request) -> None:
+        """`req`'s next feed would pass the length its KV is valid for (`Request.kv_limit`): release its KV and
+        put it at the head of the queue, to be admitted again (this step where there is room; not counted as a
+        preemption) and computed anew, its generated tokens kept."""
+        self.kv.release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.computed = 0
+        self.waiting.appendleft(req)
 
     def _preempt(self, victim: Request) -> None:
         self.kv.release(victim)

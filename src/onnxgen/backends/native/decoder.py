@@ -24,6 +24,13 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   forward then runs eagerly. On the CPU forwards of different decoders run in parallel.
 - `reset()` keeps the KV buffers, so the CUDA graphs captured on them stay valid; `close()` frees the
   buffers and drops the graphs. `fork()` shares the lowered program (the weights).
+- LongRoPE (Phi-3.5, Phi-4-mini): the lowered graph reads the long rotary tables when the total length
+  exceeds `Program.rope_switch` (`ops.rotary.rope_rows`, on the device in static steps), and cached keys keep
+  the factors they were computed with. As the ort backend and transformers' Phi-3 do, a forward whose total
+  is on the other side of the switch from the cached keys (growing past it, or after a rewind back below it)
+  recomputes the whole context in that forward, and rows asked for on both sides of it (a verify step) are
+  computed each in its own regime, so a session that grows past the switch equals a fresh run. The decoder
+  keeps the cached token ids for that (LongRoPE packages only).
 """
 
 from __future__ import annotations
@@ -79,6 +86,8 @@ class NativeDecoder:
         graphs          the CUDA graphs held now, as sorted (step size, KV capacity) pairs
         static_forwards forwards run as static steps since load, by step size ({step size: count})
         eager_forwards  forwards run eagerly since load
+        rope_switch     LongRoPE's threshold (None: no switch)
+        rope_recomputes how many times the cache was recomputed at that threshold
     """
 
     backend = "native"
@@ -146,6 +155,10 @@ class NativeDecoder:
         self._static_forwards: dict[int, int] = {}
         self._eager_forwards = 0
         self._warmed: tuple[int, ...] = ()
+        # LongRoPE: the ids whose KV the cache holds, and whether it was computed with the long tables
+        self._held: list[int] = []
+        self._rope_long = False
+        self.rope_recomputes = 0
         warm_s = self._warm_up() if self._use_graphs or self._static_steps else 0.0
         self.load_seconds = time.perf_counter() - t0
         self._described = describe(p)
@@ -164,11 +177,13 @@ class NativeDecoder:
     def rewind_to(self, n: int) -> bool:
         assert 0 <= n <= self.kv.length, f"rewind_to({n}) outside [0, {self.kv.length}]"
         self.kv.rewind_to(n)
+        del self._held[n:]
         return True
 
     def reset(self) -> None:
         """Empty the cache; the buffers (and the CUDA graphs captured on them) stay."""
         self.kv.reset(free=False)
+        self._held.clear()
 
     # --- memory and lifetime ----------------------------------------------------------------------
 
@@ -191,6 +206,8 @@ class NativeDecoder:
             "graphs": sorted((k.tokens, k.kv) for k in self._graphs),
             "static_forwards": dict(self._static_forwards),
             "eager_forwards": self._eager_forwards,
+            "rope_switch": self.program.rope_switch,
+            "rope_recomputes": self.rope_recomputes,
         }
 
     def close(self) -> None:
@@ -198,6 +215,7 @@ class NativeDecoder:
         self._graphs.clear()
         self._seen.clear()
         self.kv.reset(free=True)
+        self._held.clear()
 
     def fork(self) -> NativeDecoder:
         """A new decoder with an empty cache, the same options, sharing this one's lowered program."""
@@ -209,6 +227,41 @@ class NativeDecoder:
         self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None, rows: int = 1
     ) -> torch.Tensor:
         assert start_pos == self.kv.length, f"start_pos {start_pos} != kv_len {self.kv.length}"
+        switch = self.program.rope_switch
+        if switch is None:
+            return self._forward(tokens, start_pos, inputs, rows)
+        end = start_pos + len(tokens)
+        if start_pos < switch < end and rows > end - switch:
+            # NOTE: rows wanted on both sides of the switch (a verify step of drafts): those up to it must see
+            # the short tables, as one-token steps would; feed up to the switch first, then the rest.
+            head = switch - start_pos
+            first = self._forward_rope(tokens[:head], start_pos, inputs, rows - (end - switch))
+            rest = self._forward_rope(tokens[head:], switch, inputs, end - switch)
+            return torch.cat([first.reshape(-1, first.shape[-1]), rest.reshape(-1, rest.shape[-1])])
+        return self._forward_rope(tokens, start_pos, inputs, rows)
+
+    def _forward_rope(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None, rows: int
+    ) -> torch.Tensor:
+        """`_forward` for a LongRoPE graph: recompute everything when the regime changes (see the module doc)."""
+        switch = self.program.rope_switch
+        assert switch is not None
+        long = start_pos + len(tokens) > switch
+        if start_pos and long != self._rope_long:
+            # NOTE: the cached keys carry the other regime's rotary factors; recompute them all in this one
+            # forward (a chunked recompute would run its first chunks in the short regime again).
+            tokens = [*self._held[:start_pos], *tokens]
+            self.kv.rewind_to(0)
+            start_pos = 0
+            self.rope_recomputes += 1
+        out = self._forward(tokens, start_pos, inputs, rows)
+        self._rope_long = long
+        self._held[start_pos:] = list(tokens)
+        return out
+
+    def _forward(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None, rows: int
+    ) -> torch.Tensor:
         n = len(tokens)
         assert n > 0, "forward needs at least one token"
         assert 1 <= rows <= n, f"rows={rows} outside [1, {n}]"

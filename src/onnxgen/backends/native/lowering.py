@@ -62,6 +62,9 @@ class Program:
     uses_attention_mask: bool
     static_ok: bool  # every KV binding is a fused attention op (decode can be captured)
     weight_bytes: int
+    # LongRoPE: the graph reads its long rotary tables when a sequence is longer than this (None: no switch;
+    # `_rope_switch`)
+    rope_switch: int | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     def new_env(self) -> list[Any]:
@@ -115,8 +118,8 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    if model.graph.node and any(n.op_type in ("If", "Loop", "Scan") for n in model.graph.node):
-        bad = next(n for n in model.graph.node if n.op_type in ("If", "Loop", "Scan"))
+    if model.graph.node and any(n.op_type in ("Loop", "Scan") for n in model.graph.node):
+        bad = next(n for n in model.graph.node if n.op_type in ("Loop", "Scan"))
         raise UnsupportedOp(bad.op_type, bad.domain, bad.name, O.supported_ops())
     ext = ExternalData(path.parent)
     consts: dict[str, torch.Tensor] = {}
@@ -125,33 +128,14 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
         consts[init.name] = tensor_from_proto(init, ext)
         if init.data_type in (21, 22):  # UINT4 / INT4: packed bytes; keep the logical shape
             int4_meta[init.name] = (tuple(int(d) for d in init.dims), init.data_type == 22)
-    nodes: list[O.Node] = []
-    for i, n in enumerate(model.graph.node):
-        attrs = {a.name: _attr_value(a, ext) for a in n.attribute}
-        nodes.append(
-            O.Node(
-                n.op_type,
-                _norm_domain(n.domain),
-                n.name or f"{n.op_type}_{i}",
-                list(n.input),
-                list(n.output),
-                attrs,
-            )
-        )
-
-    # Constant nodes -> constants.
-    rest = []
-    for n in nodes:
-        if n.op == "Constant" and n.domain == "":
-            consts[n.outputs[0]] = _constant_value(n)
-        else:
-            rest.append(n)
-    nodes = rest
+    nodes = _read_nodes(model.graph.node, ext, consts)  # Constant nodes -> constants
+    nodes = _lower_if(nodes, consts, ext)
 
     for n in nodes:
         O.builder(n)  # raises UnsupportedOp for an op the backend lacks, before any rewrite
 
     graph_inputs = [i.name for i in model.graph.input if i.name not in consts]
+    nodes, rope_switch = _rope_switch(nodes, consts, spec.attention_mask_name)
     nodes, static_ok = _bind_kv(nodes, spec)
     nodes = _slice_before_lm_head(nodes, spec.logits_name, consts)
     nodes = _fuse_silu(nodes, spec.logits_name)
@@ -238,6 +222,7 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
         uses_attention_mask=uses_mask,
         static_ok=static_ok and not uses_mask,
         weight_bytes=weight_bytes,
+        rope_switch=rope_switch,
         info={
             "ops": sorted({f"{n.domain + '::' if n.domain else ''}{n.op}" for n in nodes}),
             "steps": len(steps),
@@ -248,6 +233,26 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
 def _is_host(t: torch.Tensor) -> bool:
     """Small integer tensors stay on the host: they are shapes, axes and indices."""
     return (not t.dtype.is_floating_point) and t.numel() <= 1024
+
+
+def _read_nodes(protos: Any, ext: ExternalData, consts: dict[str, torch.Tensor]) -> list[O.Node]:
+    """A graph's nodes as `Node`s (attribute tensors read, memory-mapped); Constant nodes go into `consts`."""
+    nodes: list[O.Node] = []
+    for i, n in enumerate(protos):
+        attrs = {a.name: _attr_value(a, ext) for a in n.attribute}
+        node = O.Node(
+            n.op_type,
+            _norm_domain(n.domain),
+            n.name or f"{n.op_type}_{i}",
+            list(n.input),
+            list(n.output),
+            attrs,
+        )
+        if node.op == "Constant" and node.domain == "":
+            consts[node.outputs[0]] = _constant_value(node)
+        else:
+            nodes.append(node)
+    return nodes
 
 
 def _constant_value(n: O.Node) -> torch.Tensor:
@@ -263,6 +268,161 @@ def _constant_value(n: O.Node) -> torch.Tensor:
     if "value_ints" in a:
         return torch.tensor(list(a["value_ints"]), dtype=torch.int64)
     raise UnsupportedOp("Constant", "", n.name, O.supported_ops())
+
+
+# --- If ------------------------------------------------------------------------------------------------
+
+
+def _lower_if(nodes: list[O.Node], consts: dict[str, torch.Tensor], ext: ExternalData) -> list[O.Node]:
+    """Each ai.onnx `If` -> `IfConst(cond, then..., else...)` (`ops.control`) over its branches' outputs,
+    evaluated here once (new constants named `<node>::then::<i>` / `<node>::else::<i>`). A branch must compute
+    from constants only (its Constant nodes and initializers, the outer graph's constants); otherwise
+    `UnsupportedOp` names the branch, the node and the run-time value it reads."""
+    out = []
+    for n in nodes:
+        if not (n.op == "If" and n.domain == ""):
+            out.append(n)
+            continue
+        values = {}
+        for which in ("then", "else"):
+            values[which] = _fold_branch(n, which, consts, ext)
+            for i, v in enumerate(values[which]):
+                consts[f"{n.name}::{which}::{i}"] = v
+        k = len(n.outputs)
+        names = [f"{n.name}::{which}::{i}" for which in ("then", "else") for i in range(k)]
+        out.append(O.Node("IfConst", O.INTERNAL, n.name, [n.inputs[0], *names], list(n.outputs)))
+    return out
+
+
+def _fold_branch(
+    n: O.Node, which: str, consts: dict[str, torch.Tensor], ext: ExternalData
+) -> list[torch.Tensor]:
+    """The output values of `If` node `n`'s branch `which` ("then" / "else"), computed from constants."""
+
+    def bad(why: str) -> UnsupportedOp:
+        return UnsupportedOp(f"If({which}_branch {why})", "", n.name, O.supported_ops())
+
+    g = n.attr(f"{which}_branch")
+    if g is None:
+        raise bad("missing")
+    if len(g.input):
+        raise bad("with inputs")
+    local = dict(consts)
+    for init in g.initializer:
+        local[init.name] = tensor_from_proto(init, ext)
+    try:
+        body = _lower_if(_read_nodes(g.node, ext, local), local, ext)
+    except UnsupportedOp as exc:
+        raise bad(f"holds a node the native backend cannot lower: {exc.op}") from exc
+    for m in body:
+        missing = [x for x in m.inputs if x and x not in local]
+        if missing:
+            raise bad(f"is not constant: node {m.name!r} ({m.op}) reads {missing[0]!r}")
+        if m.op in _NOT_FOLDABLE or (m.domain == "onnxgen" and m.op != "IfConst"):
+            raise bad(f"is not constant: node {m.name!r} ({m.op}) cannot run at load")
+        O.builder(m)
+        _fold_constants([m], local)
+        if any(o and o not in local for o in m.outputs):
+            raise bad(f"is not constant: node {m.name!r} ({m.op}) was not computed at load")
+    outs = [o.name for o in g.output]
+    if len(outs) != len(n.outputs) or any(o not in local for o in outs):
+        raise bad("does not produce the If's outputs from constants")
+    return [local[o] for o in outs]
+
+
+def _rope_switch(
+    nodes: list[O.Node], consts: dict[str, torch.Tensor], mask: str | None
+) -> tuple[list[O.Node], int | None]:
+    """LongRoPE, as the model builder writes it: `IfConst(Greater(attention_mask.shape[1], C))` choosing between
+    long (then) and short (else) rotary tables `[rows, rotary_dim / 2]` that only rotary lookups read
+    (GroupQueryAttention's cos/sin caches, RotaryEmbedding's with position ids). Rewritten so that nothing reads
+    the mask: each output becomes one constant table, the short rows followed by the long ones, and each reader
+    gets `_rope_switch = (C, short rows)`: a token reads row position + short rows when its sequence is longer
+    than C (`ops.rotary.rope_rows`, on the device: static and batched steps keep working). Returns the nodes
+    and C (None: no such switch; other `IfConst`s stay as they are)."""
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    readers = _readers(nodes)
+
+    def scalar(name: str) -> int | None:
+        t = consts.get(name)
+        return (
+            int(t.reshape(-1)[0]) if t is not None and t.numel() == 1 and not t.is_floating_point() else None
+        )
+
+    def mask_length(name: str) -> bool:
+        p = producer.get(name)
+        while p is not None and p.op in ("Cast", "Squeeze", "Reshape", "Identity") and p.domain == "":
+            p = producer.get(p.inputs[0])
+        if p is None or p.op != "Gather" or p.domain != "" or scalar(p.inputs[1]) != 1:
+            return False
+        shape = producer.get(p.inputs[0])
+        return (
+            shape is not None
+            and shape.op == "Shape"
+            and shape.inputs[0] == mask
+            and not shape.attr("start", 0)
+            and int(p.attr("axis", 0)) == 0
+        )
+
+    def tables(r: O.Node) -> list[str] | None:
+        """The rotary tables `r` looks up by position (None: `r` is no such lookup)."""
+        ins = r.inputs + [""] * 9
+        if r.op == "GroupQueryAttention" and r.domain == "com.microsoft" and int(r.attr("do_rotary", 0)):
+            return ins[7:9]
+        if r.op == "RotaryEmbedding" and r.domain == "com.microsoft":
+            return ins[2:4]
+        if r.op == "RotaryEmbedding" and r.domain == "" and ins[3]:
+            return ins[1:3]
+        return None
+
+    def switched(r: O.Node, outs: list[str], key: tuple[int, int]) -> bool:
+        """`r` reads `outs` (one If's tables) as its rotary tables only, both of them from that If."""
+        t = tables(r)
+        others = [x for i, x in enumerate(r.inputs) if x in outs and (t is None or x not in t)]
+        return (
+            t is not None and set(t) <= set(outs) and not others and r.attrs.get("_rope_switch", key) == key
+        )
+
+    found: int | None = None
+    drop: set[int] = set()
+    for n in nodes:
+        if n.op != "IfConst" or n.domain != "onnxgen" or not mask:
+            continue
+        cond = producer.get(n.inputs[0])
+        if cond is None or cond.op != "Greater" or cond.domain != "" or not mask_length(cond.inputs[0]):
+            continue
+        limit = scalar(cond.inputs[1])
+        k = len(n.outputs)
+        then = [consts[x] for x in n.inputs[1 : 1 + k]]
+        other = [consts[x] for x in n.inputs[1 + k :]]
+        if (
+            limit is None
+            or (found is not None and limit != found)
+            or any(
+                a.dim() != 2
+                or b.dim() != 2
+                or a.shape[1] != b.shape[1]
+                or a.dtype != b.dtype
+                or not a.is_floating_point()
+                for a, b in zip(then, other, strict=True)
+            )
+            or len({b.shape[0] for b in other}) != 1
+            or other[0].shape[0] < limit  # the short tables cover every position below the switch
+            or not all(
+                readers.get(o)
+                and all(switched(r, n.outputs, (limit, int(other[0].shape[0]))) for r in readers[o])
+                for o in n.outputs
+            )
+        ):
+            continue
+        rows = int(other[0].shape[0])
+        for o, a, b in zip(n.outputs, then, other, strict=True):
+            consts[o] = torch.cat([b, a])
+            for r in readers[o]:
+                r.attrs["_rope_switch"] = (limit, rows)
+        found = limit
+        drop.add(id(n))
+    return [n for n in nodes if id(n) not in drop], found
 
 
 # --- KV binding --------------------------------------------------------------------------------------
@@ -890,6 +1050,8 @@ def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device:
         bias_slot = [""] if p.op == "Linear" else []  # Linear's third input is its (absent) bias
         p.inputs = [*p.inputs[:wi], name, *bias_slot, ins[7], ins[8]]
         p.attrs["_rope"] = (g.layer, n, hkv, d)
+        if "_rope_switch" in g.attrs:
+            p.attrs["_rope_switch"] = g.attrs["_rope_switch"]
         g.attrs["rotary_interleaved"] = 1
 
 
@@ -901,7 +1063,7 @@ def _fold_constants(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> lis
     for n in nodes:
         if (
             n.op in _NOT_FOLDABLE
-            or n.domain in ("onnxgen",)
+            or (n.domain == "onnxgen" and n.op != "IfConst")
             or (n.domain == "com.microsoft" and n.op in ("MatMulNBits", "GatherBlockQuantized"))
             or not all((not x) or x in consts for x in n.inputs)
         ):

@@ -18,6 +18,10 @@ from pinned memory, no synchronisation; padding writes its keys into a scratch p
 logits are dropped); runs of decode steps follow `runs.replay_plan`. Mixed steps run eagerly. A failed
 capture turns graphs off for the runner (a verify graph's: that size only), logged; the process stays usable.
 
+LongRoPE (`rope_switch`): each sequence's tokens read the short or the long rotary tables by its length
+(`SeqChunk.total`, else its end; `RunCtx.totals`: uploaded for eager steps, the KV lengths of a decode graph,
+a device scalar set before a chunk graph's replay), so sequences on both sides of the switch share a batch.
+
 A package can be batched when every KV-bound node is a fused attention op (GroupQueryAttention, or ai.onnx
 Attention without a mask) and the graph needs no attention mask or extra inputs: `batchable(program,
 spec)`. Other packages run one request per `NativeDecoder` (the engine decides).
@@ -124,6 +128,7 @@ class NativeRunner:
         self._dev = torch_device(device)
         dtype = kv_dtype(spec)
         self.program = shared_program(spec, self._dev, int4)
+        self.rope_switch: int | None = self.program.rope_switch
         why = batchable(self.program, spec)
         if why is not None:
             raise BackendUnavailable(f"{spec.path}: cannot batch this package: {why}")
@@ -166,6 +171,8 @@ class NativeRunner:
         self._pos_dtype = input_dtype(spec, spec.position_ids_name, torch.int64)
         self._max_pages = -(-spec.context_length // page_size)
         self._graphs: Graphs[StepBuffers] = Graphs(self._dev)
+        # LongRoPE: a chunk graph's sequence length (`RunCtx.totals`), set before each replay of one
+        self._rope_total = torch.zeros(1, dtype=torch.int64, device=self._dev)
         self._short: dict[int, int] = {}  # batch -> the KV bound of its short-context decode graph
         on = cuda_graphs and self._dev.type == "cuda"
         self._graph_batches = [b for b in GRAPH_BATCHES if b <= max_batch] if on else []
@@ -384,8 +391,13 @@ class NativeRunner:
         env[self._in_ids] = ids_t.to(self._dev, non_blocking=True).view(1, t).to(self._ids_dtype)
         if self._in_pos >= 0:
             env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
+        totals = None
+        if self.rope_switch is not None:  # each token's sequence length (LongRoPE's regime)
+            lens = [max(s.total, s.end) for s in step.seqs for _ in s.tokens]
+            totals = torch.tensor(lens, dtype=torch.int64).to(self._dev, non_blocking=True)
         out = self.program.execute(
-            env, RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps, rowwise=rowwise)
+            env,
+            RunCtx(self._rows, -1, t, ps.positions, last=ps.last, paged=ps, rowwise=rowwise, totals=totals),
         )
         self.steps["eager"] += 1
         return out.reshape(-1, out.shape[-1]).float()
@@ -409,6 +421,8 @@ class NativeRunner:
         step's)."""
         buf, b = g.inputs, len(step.seqs)
         buf.fill(step, self.page_size, self._scratch, run)
+        if self.rope_switch is not None and buf.tokens > 1:  # a chunk graph: its sequence's length
+            self._rope_total.fill_(max(step.seqs[0].total, step.seqs[0].end))
         if ids_t is not None:
             buf.wide[:b].copy_(ids_t)
         assert not multi or run >= g.depth
@@ -431,10 +445,21 @@ class NativeRunner:
         env[self._in_ids] = buf.wide[:t].view(1, t).to(self._ids_dtype)
         if self._in_pos >= 0:
             env[self._in_pos] = ps.positions.view(1, t).to(self._pos_dtype)
+        # LongRoPE: a decode graph's sequences are as long as their KV after the step (moved on by the decode
+        # advance); a chunk graph's one sequence as `_rope_total`
+        totals = ps.seq_lens_t if buf.tokens == 1 else self._rope_total
         return self.program.execute(
             env,
             RunCtx(
-                self._rows, -1, t, ps.positions, last=ps.last, paged=ps, static=True, rowwise=ps.per_token
+                self._rows,
+                -1,
+                t,
+                ps.positions,
+                last=ps.last,
+                paged=ps,
+                static=True,
+                rowwise=ps.per_token,
+                totals=totals,
             ),
         )
 

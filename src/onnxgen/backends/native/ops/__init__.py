@@ -4,13 +4,23 @@ A builder takes a `Node` (op type, domain, attributes, input/output names) and r
 `fn(ctx, *inputs) -> tuple(outputs)` over torch tensors (`base` states the host/device rules). The
 families: `elementwise`, `tensor` (shapes, data movement, reductions), `linear`, `norms`, `rotary`,
 `attention` (the ops bound to the runtime's KV), `quant` (int4: dequantization at load, or the
-lowering's Int4Linear on packed weights) and `moe` (mixture of experts: MoE, QMoE, their weights prepared at
-load by `prepare_moe`).
+lowering's Int4Linear on packed weights), `moe` (mixture of experts: MoE, QMoE, their weights prepared at
+load by `prepare_moe`) and `control` (`If` with constant branches).
 """
 
 from __future__ import annotations
 
-from onnxgen.backends.native.ops import attention, elementwise, linear, moe, norms, quant, rotary, tensor
+from onnxgen.backends.native.ops import (
+    attention,
+    control,
+    elementwise,
+    linear,
+    moe,
+    norms,
+    quant,
+    rotary,
+    tensor,
+)
 from onnxgen.backends.native.ops.base import AI, INTERNAL, Builder, Fn, Node, RunCtx
 from onnxgen.backends.native.ops.moe import prepare_moe
 from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits, kmajor
@@ -31,7 +41,7 @@ __all__ = [
 ]
 
 BUILDERS: dict[tuple[str, str], Builder] = {}
-for _family in (elementwise, tensor, linear, norms, rotary, attention, quant, moe):
+for _family in (elementwise, tensor, linear, norms, rotary, attention, quant, moe, control):
     _twice = BUILDERS.keys() & _family.BUILDERS.keys()
     assert not _twice, f"ops registered by two families: {sorted(_twice)}"
     BUILDERS.update(_family.BUILDERS)

@@ -25,6 +25,7 @@ from onnxgen.backends.native.ops.base import (
     same_device,
 )
 from onnxgen.backends.native.ops.norms import rms
+from onnxgen.backends.native.ops.rotary import rope_rows
 from onnxgen.backends.native.rotary import rope
 from onnxgen.errors import NotCapturable
 
@@ -166,6 +167,7 @@ def _gqa(node: Node) -> Fn:
     interleaved = bool(node.attr("rotary_interleaved", 0))
     qn_eps = float(node.attr("q_norm_epsilon", node.attr("qk_norm_epsilon", 1e-6)))
     kn_eps = float(node.attr("k_norm_epsilon", node.attr("qk_norm_epsilon", 1e-6)))
+    switch = node.attr("_rope_switch")  # LongRoPE: short and long tables in one (`ops.rotary.rope_rows`)
     layer = node.layer
     assert layer is not None
 
@@ -213,12 +215,12 @@ def _gqa(node: Node) -> Fn:
         if key is None and do_rotary and qnw is None:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
             assert ctx.static or ctx.paged is not None or ctx.pos0 + s <= ctx.kv.capacity
-            slots = ctx.paged.slots if ctx.paged is not None else None
+            slots = ctx.paged.slots if ctx.paged is not None else ctx.positions
             q = rope_qkv_write(
                 query,
                 cos_c,
                 sin_c,
-                ctx.positions,
+                rope_rows(ctx, switch),
                 ctx.kv,
                 layer,
                 n,
@@ -231,7 +233,7 @@ def _gqa(node: Node) -> Fn:
             o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:
-            pos = ctx.positions
+            pos = rope_rows(ctx, switch)
             cos = cos_c.index_select(0, pos).unsqueeze(1)  # [S, 1, rd/2]
             sin = sin_c.index_select(0, pos).unsqueeze(1)
             q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)

@@ -58,6 +58,7 @@ class RunCtx:
         paged: Any = None,
         static: bool | None = None,
         rowwise: bool = False,
+        totals: Any = None,
     ) -> None:
         self.kv = kv
         self.pos0 = pos0  # KV length before this forward (host int; -1 when static or paged)
@@ -73,6 +74,12 @@ class RunCtx:
         # every token computed exactly as a one-token step computes it (a verify step: the rowwise products of
         # `kernels.linear` and `paged.attention`'s per-token work), so its rows equal plain decoding's bits
         self.rowwise = rowwise
+        # each token's sequence length as the graph sees it (its attention mask's width, which LongRoPE's switch
+        # reads; `ops.rotary.rope_rows`): a host int (one sequence), an int tensor on the device (`[1]`, or one
+        # per token: `[n]`), or None: derived (contiguous steps: pos0 + n, or past + last + 1 when static;
+        # paged steps must set it)
+        self.totals = totals
+        self.memo: dict[Any, Any] = {}  # values computed once per forward and shared by the ops (rotary rows)
         self.prepared: set[int] = set()  # layers whose QKV product rotated q, k and wrote k, v (`_qkv_rope`)
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from onnxgen.backends.native.kernels.linear import Rope, linear, linear_rope, rms_linear
 from onnxgen.backends.native.kernels.norms import rms_norm, silu_mul_halves
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
+from onnxgen.backends.native.ops.rotary import rope_rows
 
 
 def _matmul(node: Node) -> Fn:
@@ -34,13 +35,14 @@ def _linear(node: Node) -> Fn:
     lowering's `_cast_into_product`): the product's values, rounded to x's dtype, returned as float32."""
     transposed = bool(node.attr("_transposed", 0))
     qkv = node.attr("_rope", None)
+    switch = node.attr("_rope_switch")  # LongRoPE's tables (`ops.rotary.rope_rows`)
     out = torch.float32 if node.attr("_out_float", 0) else None
 
     def f(
         ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None, residual: Any = None
     ) -> tuple[Any, ...]:
         if qkv is not None and transposed and bias is None:
-            done = _qkv_rope(ctx, qkv, x, w, cos, sin, None)
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, None, switch)
             if done is not None:
                 return (done[0],)
         return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out),)
@@ -56,6 +58,7 @@ def _qkv_rope(
     cos: Any,
     sin: Any,
     norm: tuple[Any, Any, float] | None,
+    switch: tuple[int, int] | None = None,
 ) -> tuple[Any, Any] | None:
     """A one-token step's QKV product with rotary and the KV write (`kernels.linear.linear_rope`; a rowwise
     step's tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
@@ -64,7 +67,7 @@ def _qkv_rope(
     if ctx is None or ctx.kv is None or (ctx.n != 1 and not ctx.rowwise) or ctx.positions is None:
         return None
     slot = ctx.paged.slots if ctx.paged is not None else ctx.positions
-    rope = Rope(cos, sin, ctx.positions, slot, ctx.kv, layer, n, hkv, d)
+    rope = Rope(cos, sin, rope_rows(ctx, switch), slot, ctx.kv, layer, n, hkv, d)
     out = linear_rope(x, w, rope, norm, rowwise=ctx.rowwise)
     if out is not None:
         ctx.prepared.add(layer)
@@ -120,11 +123,12 @@ def _rms_linear(node: Node) -> Fn:
     silu = bool(node.attr("silu", 0))
     eps = float(node.attr("epsilon", 1e-5))
     qkv = node.attr("_rope", None)
+    switch = node.attr("_rope_switch")
     out = torch.float32 if node.attr("_out_float", 0) else None  # (never with silu)
 
     def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
         if qkv is not None and transposed:
-            done = _qkv_rope(ctx, qkv, x, w, cos, sin, (skip, nw, eps))
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, (skip, nw, eps), switch)
             if done is not None:
                 return done
         if transposed and not _upcast_cpu_matmul(x):

@@ -1,6 +1,7 @@
 """The RotaryEmbedding ops (com.microsoft and ai.onnx opset 23): cos/sin lookup by position around the
 one rotary implementation, `onnxgen.backends.native.rotary.rope`. (GroupQueryAttention's fused rotary is
-in `attention`.)"""
+in `attention`.) And `rope_rows`: which rows of the rotary tables a step's tokens read, LongRoPE's switch
+included (every op that looks the tables up by position goes through it)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,45 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, same_device
+from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, RunCtx, same_device
 from onnxgen.backends.native.rotary import rope
+
+
+def rope_rows(
+    ctx: RunCtx | None, switch: tuple[int, int] | None, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The rows of the rotary tables the step's tokens read: their positions (`positions`, default
+    `ctx.positions`), or with LongRoPE's `switch` = (threshold, offset) (the lowering's `_rope_switch`: the
+    tables are the short ones, `offset` rows, followed by the long ones) position + offset for a token whose
+    sequence is longer than the threshold (`RunCtx.totals`), as the builder's `If(attention_mask.shape[1] >
+    threshold)` picks the long tables. Computed on the device without a host sync (a captured step reads the
+    lengths from device memory); once per forward for `ctx.positions`."""
+    pos = ctx.positions if positions is None and ctx is not None else positions
+    assert pos is not None, "rotary rows need the step's positions"
+    if switch is None:
+        return pos
+    assert ctx is not None, "LongRoPE's rows depend on the step"
+    key = ("rope_rows", switch) if positions is None else None
+    if key is not None and key in ctx.memo:
+        return ctx.memo[key]
+    limit, offset = switch
+    tot = ctx.totals
+    if tot is None:
+        assert ctx.paged is None, "a paged step of a LongRoPE graph sets RunCtx.totals"
+        if ctx.static:  # the KV length before the step and the index of its last real token, on the device
+            tot = ctx.past + (ctx.last + 1 if ctx.last is not None else 1)
+        else:
+            tot = ctx.pos0 + ctx.n
+    if isinstance(tot, int):
+        rows = pos + offset if tot > limit else pos
+    else:
+        if tot.numel() == pos.numel() and tot.numel() > 1:
+            tot = tot.reshape(pos.shape)
+        tot = tot.to(pos.device)
+        rows = torch.where(tot > limit, pos + offset, pos)
+    if key is not None:
+        ctx.memo[key] = rows
+    return rows
 
 
 def _rotate(
@@ -26,13 +64,14 @@ def _rotary_ms(node: Node) -> Fn:
     """com.microsoft RotaryEmbedding(input, position_ids, cos_cache, sin_cache)."""
     interleaved = bool(node.attr("interleaved", 0))
     num_heads = int(node.attr("num_heads", 0))
+    switch = node.attr("_rope_switch")
 
     def f(ctx: Any, x: Any, pos: Any, cos_c: Any, sin_c: Any) -> tuple[Any, ...]:
         x, pos, cos_c, sin_c = same_device(ctx, x, pos, cos_c, sin_c)
         s = x.shape[2] if x.dim() == 4 else x.shape[1]
         if pos.numel() == 1:
             pos = pos.reshape(1, 1) + torch.arange(s, device=pos.device).reshape(1, s)
-        pos = pos.reshape(-1, s).long()
+        pos = rope_rows(ctx, switch, pos.reshape(-1, s).long())
         cos = cos_c[pos].unsqueeze(2)  # [B, S, 1, rd/2]
         sin = sin_c[pos].unsqueeze(2)
         nh = num_heads or x.shape[2] // (2 * cos_c.shape[1])
@@ -46,12 +85,14 @@ def _rotary_23(node: Node) -> Fn:
     interleaved = bool(node.attr("interleaved", 0))
     num_heads = int(node.attr("num_heads", 0))
     rot_dim = int(node.attr("rotary_embedding_dim", 0))
+    switch = node.attr("_rope_switch")
 
     def f(ctx: Any, x: Any, cos_c: Any, sin_c: Any, pos: Any = None) -> tuple[Any, ...]:
         x, cos_c, sin_c, pos = same_device(ctx, x, cos_c, sin_c, pos)
         s = x.shape[2] if x.dim() == 4 else x.shape[1]
         if pos is not None:
-            cos, sin = cos_c[pos.long()], sin_c[pos.long()]  # [B, S, rd/2]
+            rows = rope_rows(ctx, switch, pos.long())
+            cos, sin = cos_c[rows], sin_c[rows]  # [B, S, rd/2]
         else:
             cos, sin = cos_c, sin_c
         if rot_dim:
