@@ -347,8 +347,6 @@ def _check_gqa(n: O.Node) -> None:
         bad("smooth_softmax")
     if int(n.attr("causal", 1)) != 1:
         bad("causal=0")
-    if int(n.attr("sliding_window_cache", 0)):
-        bad("sliding_window_cache")
     if int(n.attr("qk_output", 0)):
         bad("qk_output")
     if int(n.attr("do_rotary", 0)) and not (ins[7] and ins[8]):
