@@ -71,6 +71,10 @@ class BatchRunner(Protocol):
     verify_sizes: tuple[int, ...]
     """The sizes a verify step of n positions costs as: the smallest one >= n (a step padded to it);
     () where a step costs what its positions do."""
+    kv_window: int
+    """The sliding window every layer attends within (0: some layer reads the whole context): a step whose
+    first query of a sequence is at position p reads none of its keys below p - kv_window + 1, so their
+    page table entries may be holes (`kv.manager.HOLE`). Optional (read with a default of 0)."""
 
     def run(self, step: BatchStep) -> Any: ...
 

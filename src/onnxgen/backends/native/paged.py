@@ -88,6 +88,7 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
         need = -(-s.end // page_size)
         assert len(s.pages) >= need, f"{len(s.pages)} pages do not cover {s.end} positions"
         pages = s.pages
+        assert min(pages[s.start // page_size : need]) >= 0, "a chunk writes into a page given back"
         positions.extend(range(s.start, s.end))
         slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(s.start, s.end))
         q_starts.append(q_starts[-1] + n)
@@ -265,10 +266,14 @@ def attention_triton(
     work = ps.work(g, block_m)
     w = work.shape[0]
     plan = ps.plan_len or max(ps.seq_lens)
+    longest = max(ps.seq_lens)
+    if window > 0:  # an item reads the keys of its rows' windows only: at most window + tokens - 1
+        span = window - 1 + (1 if ps.per_token else max(rows) // g)
+        plan, longest = min(plan, span), min(longest, span)
     # per token: planned as one decode (one item per KV head)
     nsplit = plan_splits((1 if ps.per_token else w) * hkv, plan, block_m, block_n, q.device, nsplit)
     decode_size = max(rows) <= g and q.dtype != torch.float32
-    if tile is None and decode_size and is_short(max(ps.seq_lens), nsplit, block_n):
+    if tile is None and decode_size and is_short(longest, nsplit, block_n):
         stages = 1  # decode-size items, short splits: no software pipeline (`short_blocks`)
     qc = q.contiguous()
     out = torch.empty_like(qc)
@@ -338,27 +343,42 @@ def attention_ref(
     ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0, window: int = -1
 ) -> torch.Tensor:
     """The torch reference (the CPU path): a decode step (one query per sequence) in one batched product
-    over the page table; otherwise sequence by sequence. float32 inside."""
+    over the page table; otherwise sequence by sequence. float32 inside. With a window only the pages of
+    the keys some query sees are read (`first_page`)."""
     if len(ps.seq_lens) > 1 and ps.q_starts[-1] == len(ps.seq_lens):
         return _decode_batched(ps, layer, q, scale, softcap, window)
     out = torch.empty_like(q)
-    n = q.shape[1]
+    n, P = q.shape[1], ps.page_size
     for b, total in enumerate(ps.seq_lens):
         qs, qe = ps.q_starts[b], ps.q_starts[b + 1]
-        kk, vv = ps.storage.gather(layer, ps.page_table[b, : -(-total // ps.page_size)].long(), total)
+        p0 = first_page(total - (qe - qs), window, P)
+        kk, vv = ps.storage.gather(layer, ps.page_table[b, p0 : -(-total // P)].long(), total - p0 * P)
+        if window > 0:  # from the first query's window start
+            lo = max(0, total - (qe - qs) - window + 1) - p0 * P
+            kk, vv = kk[:, lo:], vv[:, lo:]
         out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window)
     return out
+
+
+def first_page(pos: int, window: int, page_size: int) -> int:
+    """The first page a query at position `pos` (and every later one) reads: 0, or with a window the page of
+    key `pos - window + 1`. Pages before it are never read again by that sequence's layers of that window."""
+    return max(0, pos - window + 1) // page_size if window > 0 else 0
 
 
 def _decode_batched(
     ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float, window: int
 ) -> torch.Tensor:
     """`q` `[B, N, D]`, one query per sequence at position `seq_lens[b] - 1`: every sequence's pages read at
-    once (padded to the longest, the padding masked), grouped-query heads without repeating K/V."""
+    once (padded to the longest, the padding masked), grouped-query heads without repeating K/V. With a
+    window, from the first page any sequence's window reaches (pages before a sequence's own window, which
+    may be gone, read as page 0 and masked)."""
     b, n, d = q.shape
+    P = ps.page_size
     lens = ps.seq_lens_t.long()
-    maxp = -(-max(ps.seq_lens) // ps.page_size)
-    pages = ps.page_table[:, :maxp].long()  # [B, maxp]
+    maxp = -(-max(ps.seq_lens) // P)
+    p0 = min(first_page(x - 1, window, P) for x in ps.seq_lens)
+    pages = ps.page_table[:, p0:maxp].long().clamp(min=0)  # [B, maxp - p0]
     keys, values = ps.storage.keys(layer), ps.storage.values(layer)  # [pages, P, Hkv, D]
     hkv = keys.shape[2]
     k = keys[pages].flatten(1, 2).float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
@@ -366,7 +386,7 @@ def _decode_batched(
     s = torch.matmul(q.float().view(b, hkv, n // hkv, d), k) * scale  # [B, Hkv, G, L]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    kpos = torch.arange(k.shape[-1], device=q.device)
+    kpos = p0 * P + torch.arange(k.shape[-1], device=q.device)
     drop = kpos.unsqueeze(0) >= lens.unsqueeze(1)  # [B, L]: past each sequence's end
     if window > 0:
         drop = drop | (kpos.unsqueeze(0) <= (lens - 1 - window).unsqueeze(1))
@@ -386,17 +406,18 @@ def _attend_one(
     softcap: float,
     window: int,
 ) -> torch.Tensor:
-    """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, total, D]`. float32 inside."""
+    """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, L, D]`: positions
+    `total - L .. total - 1` (all of them, or from a window's first page). float32 inside."""
     m = q.shape[0]
-    hkv = k.shape[0]
+    hkv, length = k.shape[0], k.shape[1]
     qf = q.transpose(0, 1).float()  # [N, m, D]
     kf = k.float().repeat_interleave(n // hkv, dim=0)
     vf = v.float().repeat_interleave(n // hkv, dim=0)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [N, m, total]
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [N, m, L]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     qpos = torch.arange(total - m, total, device=q.device).unsqueeze(1)
-    kpos = torch.arange(total, device=q.device).unsqueeze(0)
+    kpos = torch.arange(total - length, total, device=q.device).unsqueeze(0)
     keep = kpos <= qpos
     if window > 0:
         keep = keep & (kpos > qpos - window)

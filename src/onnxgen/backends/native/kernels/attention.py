@@ -4,7 +4,7 @@
   KV buffer that already holds their keys, causal (query t sees keys `[0, past + t]`), with the length read
   from device memory: static shapes over a fixed capacity, so decode (M = 1) and prefill chunks alike can live
   in a CUDA graph. Split-K ("flash decoding") over the keys, the query heads that share a KV head packed into
-  one tile; only the valid KV is read.
+  one tile; only the valid KV is read (with a window, only the keys some query's window holds).
 - `rope_qkv_write(qkv, cos, sin, positions, kv, layer, ...)`: split packed QKV rows, rotate q and k, write k
   and v into the KV buffers at `positions` (or slots: the paged pool's rows) and return q.
 
@@ -63,10 +63,13 @@ def cache_attention(
     # Split the keys so that about 2 waves of programs run (decode: up to 64 splits of >= 256 keys).
     # The split count is a run-time argument (only "one split or several" is compiled in), so a new
     # KV capacity never triggers a Triton compile.
+    # With a window the splits cut only the keys some row's window holds (from the first row's window start,
+    # on the device): at most window + M - 1 of them, whatever the capacity.
+    span = min(cap, window + m - 1) if window > 0 else cap
     want = 64 if m == 1 else triton_cdiv(256, hkv * rblocks)
-    nsplit = max(1, min(want, cap // 256, _MAX_SPLITS))
-    split = max(block_n, triton_cdiv(triton_cdiv(cap, nsplit), block_n) * block_n)
-    nsplit = triton_cdiv(cap, split)
+    nsplit = max(1, min(want, span // 256, _MAX_SPLITS))
+    split = max(block_n, triton_cdiv(triton_cdiv(span, nsplit), block_n) * block_n)
+    nsplit = triton_cdiv(span, split)
     qc = q.contiguous()
     out = torch.empty_like(qc)
     direct = nsplit == 1

@@ -78,6 +78,11 @@ def attend(
         kv.write(layer, pos0, k, v)
     total = pos0 + s
     kk, vv = kv.view(layer, total)
+    k0 = max(0, pos0 + 1 - window) if window > 0 else 0  # keys below the first query's window: never read
+    if k0:
+        kk, vv = kk[:, :, k0:], vv[:, :, k0:]
+        bias = bias[..., k0:] if bias is not None and bias.shape[-1] == total else bias
+        mask = mask[..., k0:] if mask is not None and mask.shape[-1] == total else mask
     n, hkv = q.shape[1], kk.shape[1]
     if (
         _FLASH[0]
@@ -106,7 +111,7 @@ def attend(
     if softcap > 0:
         scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
         scores = softcap * torch.tanh(scores / softcap)
-        scores = scores + _causal_bias(pos0, s, total, window, q.device, torch.float32)
+        scores = scores + _causal_bias(pos0, s, total, window, k0, q.device, torch.float32)
         if bias is not None:
             scores = scores + bias.float()
         if mask is not None:
@@ -116,7 +121,7 @@ def attend(
     if bias is None and mask is None and window <= 0 and (pos0 == 0 or s == 1):
         attn_mask, causal = None, s > 1
     else:
-        attn_mask = _causal_bias(pos0, s, total, window, q.device, q.dtype)
+        attn_mask = _causal_bias(pos0, s, total, window, k0, q.device, q.dtype)
         if bias is not None:
             attn_mask = attn_mask + bias.to(q.dtype)
         if mask is not None:
@@ -132,16 +137,19 @@ def attend(
     # as onnxruntime's kernels do, and the output is rounded once.
     scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
     if causal:
-        attn_mask = _causal_bias(pos0, s, total, window, q.device, torch.float32)
+        attn_mask = _causal_bias(pos0, s, total, window, k0, q.device, torch.float32)
     if attn_mask is not None:
         scores = scores + attn_mask.float()
     return torch.matmul(torch.softmax(scores, dim=-1), vv.float()).to(q.dtype)
 
 
-def _causal_bias(pos0: int, s: int, total: int, window: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
-    """Additive `[s, total]` mask: 0 where query pos0 + i may see key j (see `attend`), -inf elsewhere."""
+def _causal_bias(
+    pos0: int, s: int, total: int, window: int, k0: int, device: Any, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive `[s, total - k0]` mask over keys `k0 .. total - 1`: 0 where query pos0 + i may see key j (see
+    `attend`), -inf elsewhere."""
     qpos = torch.arange(pos0, pos0 + s, device=device).unsqueeze(1)
-    kpos = torch.arange(total, device=device).unsqueeze(0)
+    kpos = torch.arange(k0, total, device=device).unsqueeze(0)
     keep = kpos <= qpos
     if window > 0:
         keep = keep & (kpos > qpos - window)
@@ -302,6 +310,20 @@ def _kv_concat(node: Node) -> Fn:
         return (buf[:, :, : ctx.pos0 + s],)
 
     return f
+
+
+def layer_windows(nodes: Any, num_layers: int) -> list[int]:
+    """Each KV layer's attention window (GroupQueryAttention's `local_window_size`; 0: the layer attends to the
+    whole context) from the lowered program's KV-bound `nodes`: what a layer's attention never reads again."""
+    windows: dict[int, int] = {}
+    for n in nodes:
+        if n.layer is None:
+            continue
+        w = int(n.attr("local_window_size", -1)) if (n.domain, n.op) == (MS, "GroupQueryAttention") else 0
+        w = max(w, 0)
+        prev = windows.get(n.layer)
+        windows[n.layer] = w if prev is None else (0 if 0 in (prev, w) else max(prev, w))
+    return [windows.get(layer, 0) for layer in range(num_layers)]
 
 
 BUILDERS: dict[tuple[str, str], Builder] = {
