@@ -7,9 +7,10 @@ Models (`--model`, comma-separated where a tool takes several):
     PATH                         any package folder
     synthetic:PRESET[:k=v,...]   onnxgen's own writer (`onnxgen.convert.synthetic`): tiny, 1b, 8b, with
                                  SyntheticConfig fields overridden (`synthetic:8b:num_layers=4,quant=int4`)
-    builder:SHAPE[:PRECISION]    a random Llama checkpoint saved by transformers (`onnxgen.convert.reference`
-                                 SHAPES: tiny, 2048x4, 135m, 0.5b, 1b, 8b, 8b16k) converted by onnxruntime-genai's
-                                 builder (bf16 by default; fp32, fp16, int4); needs --tokenizer
+    builder:SHAPE[:PRECISION]    a random Llama or Gemma 3 checkpoint saved by transformers
+                                 (`onnxgen.convert.reference` SHAPES: tiny, 2048x4, 135m, 0.5b, 1b, 8b, 8b16k,
+                                 gemma3_1b, gemma3_6l, gemma3_tiny) converted by onnxruntime-genai's builder
+                                 (bf16 by default; fp32, fp16, int4); needs --tokenizer
     convert:SRC[:PRECISION]      a Hugging Face folder or a .gguf file converted by the builder (bf16)
                                  (PRECISION@EP picks the builder's execution provider: int4@cpu; default
                                  cpu for fp32, cuda otherwise)
@@ -250,7 +251,7 @@ def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, devi
         return Package(f"synthetic {rest}", out)
     if kind == "builder" and rest:
         from onnxgen.convert.checkpoint import convert_checkpoint
-        from onnxgen.convert.reference import SHAPES, random_llama_checkpoint
+        from onnxgen.convert.reference import SHAPES, random_checkpoint
 
         shape, precision, ep = _split_precision(rest)
         if shape not in SHAPES:
@@ -262,7 +263,7 @@ def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, devi
             )
         hf, out = work / f"{shape}_hf", work / f"{shape}_{precision}_{ep}"
         if not (hf / "config.json").is_file():
-            random_llama_checkpoint(hf, SHAPES[shape], tok, device="cuda" if device == "cuda" else "cpu")
+            random_checkpoint(hf, SHAPES[shape], tok, device="cuda" if device == "cuda" else "cpu")
         if not (out / "genai_config.json").is_file():
             convert_checkpoint(hf, out, precision=precision, execution_provider=ep, progress=False)
         return Package(f"builder {shape} {precision}", out, hf)
@@ -365,6 +366,19 @@ def step_bytes(path: Path) -> int:
                 n *= d
             total += n * size.get(t.data_type, 4)
     return total
+
+
+def kv_read_bytes(path: Path, tokens: int) -> int:
+    """Bytes of KV one decode step reads at `tokens` of context: every layer's keys and values of the context,
+    or of its sliding window only (genai_config's `sliding_window`: its layers and `window_size`)."""
+    from onnxgen.package.spec import load_spec
+
+    spec = load_spec(path)
+    per_layer = spec.kv_bytes_per_token // spec.num_layers
+    sw = json.loads((Path(path) / "genai_config.json").read_text())["model"]["decoder"].get("sliding_window")
+    local = set(sw.get("layers", ())) if sw else set()
+    window = int(sw["window_size"]) if sw else tokens
+    return per_layer * sum(min(tokens, window) if i in local else tokens for i in range(spec.num_layers))
 
 
 # --- timing ------------------------------------------------------------------------------------------
