@@ -234,15 +234,13 @@ def attn_split_kernel(
     low_limit = tl.min(tl.where(rmask, limit, 1 << 30), 0)  # keys below it are seen by every row
     # the splits cut the keys from the first row's window start (0 without a window): SPLIT was planned
     # for the largest span, window + M - 1 keys or the capacity
-    base_n = 0
-    if window > 0:
-        base_n = tl.maximum(low_limit - window, 0)
+    base_n = tl.where(window > 0, tl.maximum(low_limit - window, 0), 0)
     lo = base_n + sp * SPLIT
     hi = tl.minimum(lo + SPLIT, item_hi)
     # unmasked blocks: keys every row sees (at or above the last row's window start, below low_limit)
-    full_start = lo
-    if window > 0:
-        full_start = lo + (tl.maximum(item_hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_start = lo + tl.where(
+        window > 0, (tl.maximum(item_hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 0
+    )
     full_end = full_start + tl.maximum(tl.minimum(hi, low_limit) - full_start, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

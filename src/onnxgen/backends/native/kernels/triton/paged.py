@@ -140,9 +140,7 @@ def paged_attn_kernel(
     low_limit = tl.min(tl.where(rmask, limit, 1 << 30), 0)
     # ... and begin here: with a window, at the first row's window (nothing below it is read, not even the
     # page table: pages that fell out of every window may be gone)
-    base = 0
-    if window > 0:
-        base = tl.maximum(low_limit - window, 0)
+    base = tl.where(window > 0, tl.maximum(low_limit - window, 0), 0)
     # keys per split, whole blocks, from this item's own span: a sequence splits the same in any step
     split = ((item_hi - base + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     lo = base + sp * split
@@ -154,9 +152,9 @@ def paged_attn_kernel(
     koff = h * D + dcol
     # blocks of keys every row sees (at or above the last row's window start, below the first row's limit
     # and hi) need no masks; blocks before them (inside some rows' windows only) and after them do
-    full_start = lo
-    if window > 0:
-        full_start = lo + (tl.maximum(item_hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_start = lo + tl.where(
+        window > 0, (tl.maximum(item_hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 0
+    )
     full_end = full_start + tl.maximum(tl.minimum(hi, low_limit) - full_start, 0) // BLOCK_N * BLOCK_N
     for start in range(lo, tl.minimum(full_start, hi), BLOCK_N):
         acc, m_i, l_i = _paged_block(
