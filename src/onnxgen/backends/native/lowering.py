@@ -347,6 +347,9 @@ def _check_gqa(n: O.Node) -> None:
         bad("smooth_softmax")
     if int(n.attr("causal", 1)) != 1:
         bad("causal=0")
+    # `sliding_window_cache` (the builder's windowed layers) only tells onnxruntime that the past/present
+    # buffers are window-sized rings; the runtime owns the KV here and attends over the last
+    # `local_window_size` positions of its own buffers (`ops.attention.attend`), so it needs nothing more.
     if int(n.attr("qk_output", 0)):
         bad("qk_output")
     if int(n.attr("do_rotary", 0)) and not (ins[7] and ins[8]):

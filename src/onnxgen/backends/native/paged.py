@@ -407,7 +407,7 @@ def _attend_one(
     window: int,
 ) -> torch.Tensor:
     """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, L, D]`: positions
-    `total - L .. total - 1` (all of them, or from a window's first page). float32 inside."""
+    `total - L .. total - 1` (all of them, or from the first query's window start). float32 inside."""
     m = q.shape[0]
     hkv, length = k.shape[0], k.shape[1]
     qf = q.transpose(0, 1).float()  # [N, m, D]
