@@ -1,6 +1,7 @@
 """Sliding-window attention at the window's edges, in every attention path: the paged pool's torch reference
 and Triton kernel, and the contiguous buffer's `cache_attention` (Triton and its reference), against dense
-float64 attention with an explicit mask.
+float64 attention with an explicit mask; with soft-capping and attention sinks (GroupQueryAttention's
+head_sink) too, and the semantics of both checked against onnxruntime's GroupQueryAttention itself.
 
 The window follows transformers' (and onnxruntime's `local_window_size`): a query at position p sees keys
 p - window + 1 .. p, `window` keys. Keys below every query's window are poisoned with NaN (and, in the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -69,8 +71,28 @@ def _pool(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], window
     return st, BatchStep(tuple(seqs)), BatchStep(tuple(holed)), q
 
 
+def _sink(device: str, seed: int = 7) -> torch.Tensor:
+    """A head_sink logit per query head (gpt-oss's attention sinks), float32."""
+    return (torch.randn(N, generator=torch.Generator().manual_seed(seed)) * 2).to(device)
+
+
+def _softmax(sc: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """float64 softmax over the last axis, a sink logit per head (axis 0) in the denominator."""
+    if sink is None:
+        return torch.softmax(sc, -1)
+    col = sink.double().cpu().view(-1, *([1] * (sc.dim() - 1))).expand(*sc.shape[:-1], 1)
+    return torch.softmax(torch.cat([sc, col], -1), -1)[..., :-1]
+
+
 def _dense(
-    st: PageStorage, step: BatchStep, q: torch.Tensor, layer: int, scale: float, window: int, cap: float
+    st: PageStorage,
+    step: BatchStep,
+    q: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    cap: float,
+    sink: torch.Tensor | None = None,
 ):
     """float64, each sequence's window of keys copied out position by position (never a poisoned one)."""
     out, t0 = [], 0
@@ -89,7 +111,7 @@ def _dense(
         if cap > 0:
             sc = cap * torch.tanh(sc / cap)
         sc = sc.masked_fill(~keep, float("-inf"))
-        out.append((torch.softmax(sc, -1) @ v).transpose(0, 1))
+        out.append((_softmax(sc, sink) @ v).transpose(0, 1))
         t0 += m
     return torch.cat(out)
 
@@ -104,23 +126,25 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_paged_torch_path_reads_only_the_window(case: str) -> None:
     shapes, windows = CASES[case]
     for window in windows:
-        for softcap in (0.0, 5.0):
+        for softcap, sink in ((0.0, None), (5.0, None), (0.0, _sink("cpu"))):
             st, step, holed, q = _pool("cpu", torch.float32, shapes, window)
-            want = _dense(st, step, q, 1, 0.3, window, softcap)
+            want = _dense(st, step, q, 1, 0.3, window, softcap, sink)
             ps = paged.build_step(holed, st, P, torch.device("cpu"))
-            assert _rel(paged.attention_ref(ps, 1, q, 0.3, softcap, window), want) < 1e-6, (window, softcap)
+            got = paged.attention_ref(ps, 1, q, 0.3, softcap, window, sink)
+            assert _rel(got, want) < 1e-6, (window, softcap, sink is not None)
 
 
 def _paged_triton(device: str, dtype: torch.dtype, cases: list[str], nsplits: tuple[int | None, ...]) -> None:
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for case in cases:
         shapes, windows = CASES[case]
-        for window in windows:
+        for window in windows:  # odd windows soft-capped, even ones with sinks
             st, step, holed, q = _pool(device, dtype, shapes, window, seed=window)
-            want = _dense(st, step, q, 1, 0.3, window, 5.0 if window % 2 else 0.0)
+            cap, sink = (5.0, None) if window % 2 else (0.0, _sink(device, window))
+            want = _dense(st, step, q, 1, 0.3, window, cap, sink)
             for nsplit in nsplits:
                 ps = paged.build_step(holed, st, P, torch.device(device))
-                got = paged.attention_triton(ps, 1, q, 0.3, 5.0 if window % 2 else 0.0, window, nsplit=nsplit)
+                got = paged.attention_triton(ps, 1, q, 0.3, cap, window, nsplit=nsplit, sink=sink)
                 assert _rel(got, want) < tol, (case, window, nsplit)
 
 
@@ -186,8 +210,9 @@ def _cache_attention(device: str, dtype: torch.dtype) -> None:
         k, v, kp, vp, q = _buffer(device, dtype, past, m, window, seed=past)
         p = torch.tensor([past], device=device)
         softcap = 5.0 if m > 1 else 0.0
-        want = cache_attention_ref(q, k, v, p, 0.3, softcap, window).double().cpu()
-        got = cache_attention(q, kp, vp, p, 0.3, softcap, window)
+        sink = _sink(device, past) if past % 2 == 0 else None
+        want = cache_attention_ref(q, k, v, p, 0.3, softcap, window, sink).double().cpu()
+        got = cache_attention(q, kp, vp, p, 0.3, softcap, window, sink)
         assert _rel(got, want) < tol, (past, m, window)
 
 
@@ -197,14 +222,15 @@ def test_cache_attention_reference_masks_the_window() -> None:
 
     for past, m, window in BUFFER_CASES:
         k, v, _, _, q = _buffer("cpu", torch.float32, past, m, window, seed=past)
-        got = cache_attention_ref(q, k, v, torch.tensor([past]), 0.3, 0.0, window)
+        sink = _sink("cpu", past) if past % 2 == 0 else None
+        got = cache_attention_ref(q, k, v, torch.tensor([past]), 0.3, 0.0, window, sink)
         kk = k[0, :, : past + m].repeat_interleave(N // HKV, 0).double()
         vv = v[0, :, : past + m].repeat_interleave(N // HKV, 0).double()
         qpos = torch.arange(past, past + m).unsqueeze(1)
         kpos = torch.arange(past + m).unsqueeze(0)
         keep = (kpos <= qpos) & (kpos > qpos - window)
         sc = (q[0].double() @ kk.transpose(-1, -2) * 0.3).masked_fill(~keep, float("-inf"))
-        assert _rel(got[0], torch.softmax(sc, -1) @ vv) < 1e-6
+        assert _rel(got[0], _softmax(sc, sink) @ vv) < 1e-6
 
 
 def test_interpreted_cache_attention_reads_only_the_window() -> None:
@@ -221,3 +247,132 @@ def test_interpreted_cache_attention_reads_only_the_window() -> None:
 def test_cuda_cache_attention_reads_only_the_window(dtype: str) -> None:
     _cuda()
     _cache_attention("cuda", getattr(torch, dtype))
+
+
+# --- the semantics, against onnxruntime's GroupQueryAttention ------------------------------------------------
+
+
+def _ort_gqa(q, k, v, past: int, window: int, softcap: float, sink: torch.Tensor | None) -> torch.Tensor:
+    """One GroupQueryAttention node (scale 0.3) run by onnxruntime: `q` `[m, N, D]` at positions past ..
+    past + m - 1; `k`/`v` `[Hkv, past + m, D]` (the first `past` as the past KV). Returns `[m, N, D]`."""
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    m, total = q.shape[0], past + q.shape[0]
+    f32, i32 = TensorProto.FLOAT, TensorProto.INT32
+    inputs = [
+        helper.make_tensor_value_info("q", f32, [1, m, N * D]),
+        helper.make_tensor_value_info("k", f32, [1, m, HKV * D]),
+        helper.make_tensor_value_info("v", f32, [1, m, HKV * D]),
+        helper.make_tensor_value_info("pk", f32, [1, HKV, past, D]),
+        helper.make_tensor_value_info("pv", f32, [1, HKV, past, D]),
+        helper.make_tensor_value_info("seqlens", i32, [1]),
+        helper.make_tensor_value_info("total", i32, [1]),
+    ]
+    inits = []
+    names = ["q", "k", "v", "pk", "pv", "seqlens", "total", "", "", "", "", ""]
+    if sink is not None:
+        inits.append(helper.make_tensor("sink", f32, [N], sink.tolist()))
+        names[11] = "sink"
+    node = helper.make_node(
+        "GroupQueryAttention",
+        names,
+        ["out", "present_k", "present_v"],
+        domain="com.microsoft",
+        **_GQA_ATTRS,
+        local_window_size=window,
+        softcap=softcap,
+    )
+    out = helper.make_tensor_value_info("out", f32, [1, m, N * D])
+    graph = helper.make_graph([node], "gqa", inputs, [out], initializer=inits)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {
+        "q": q.reshape(1, m, N * D).numpy(),
+        "k": k[:, past:].transpose(0, 1).reshape(1, m, HKV * D).numpy(),
+        "v": v[:, past:].transpose(0, 1).reshape(1, m, HKV * D).numpy(),
+        "pk": k[None, :, :past].contiguous().numpy(),
+        "pv": v[None, :, :past].contiguous().numpy(),
+        "seqlens": np.array([total - 1], dtype=np.int32),
+        "total": np.array([total], dtype=np.int32),
+    }
+    return torch.from_numpy(sess.run(["out"], feeds)[0]).view(m, N, D)
+
+
+_GQA_ATTRS = {"num_heads": N, "kv_num_heads": HKV, "scale": 0.3}
+
+
+def _native_gqa(q, k, v, past: int, window: int, softcap: float, sink, how: str) -> torch.Tensor:
+    """The native backend's GroupQueryAttention op (its lowering's builder, bound to KV layer 0) over the same
+    inputs, the past already in the runtime's KV: `how` = "eager" (a contiguous cache), "static" (the
+    captured path: `cache_attention`) or "paged" (a ragged step over the pool)."""
+    from onnxgen.backends.native import ops
+    from onnxgen.backends.native.ops.base import Node, RunCtx
+    from onnxgen.kv.buffers import KVBuffers
+
+    m, total = q.shape[0], past + q.shape[0]
+    attrs = {**_GQA_ATTRS, "local_window_size": window, "softcap": softcap}
+    node = Node("GroupQueryAttention", "com.microsoft", "gqa", [], ["out", "", ""], attrs, layer=0)
+    fn = ops.builder(node)(node)
+    pos = torch.arange(past, total)
+    new_k, new_v = k[None, :, past:], v[None, :, past:]  # [1, Hkv, m, D]
+    if how == "paged":
+        st = PageStorage(1, -(-total // P) + 1, P, HKV, D, torch.float32, "cpu")
+        step = BatchStep((SeqChunk([0] * m, past, list(range(1, -(-total // P) + 1))[::-1]),))
+        if past:
+            old = paged.build_step(
+                BatchStep((SeqChunk([0] * past, 0, step.seqs[0].pages),)), st, P, pos.device
+            )
+            st.write(0, old.slots, k[:, :past].transpose(0, 1), v[:, :past].transpose(0, 1))
+        ps = paged.build_step(step, st, P, pos.device)
+        ctx = RunCtx(None, -1, m, ps.positions, paged=ps)
+    else:
+        kv = KVBuffers(1, HKV, D, torch.float32, "cpu", floor=16)
+        kv.reserve(total)
+        kv.write(0, 0, k[None, :, :past], v[None, :, :past])
+        ctx = (
+            RunCtx(kv, past, m, pos) if how == "eager" else RunCtx(kv, -1, m, pos, past=torch.tensor([past]))
+        )
+    flat = (q.reshape(1, m, N * D), new_k[0].transpose(0, 1).reshape(1, m, HKV * D))
+    value = new_v[0].transpose(0, 1).reshape(1, m, HKV * D)
+    out = fn(ctx, *flat, value, None, None, None, None, None, None, None, None, sink)[0]
+    return out.view(m, N, D)
+
+
+@pytest.mark.parametrize(
+    ("past", "m", "window", "softcap", "sinks"),
+    [
+        (0, 40, 8, 0.0, False),
+        (39, 1, 8, 0.0, True),
+        (30, 6, 8, 5.0, False),
+        (20, 1, -1, 0.0, True),
+        (9, 12, 8, 0.0, True),
+        (70, 3, 20, 5.0, True),
+    ],
+)
+def test_the_lowered_op_means_what_onnxruntime_means(
+    past: int, m: int, window: int, softcap: float, sinks: bool
+) -> None:
+    """onnxruntime's GroupQueryAttention against the dense float64 attention every path here is held to (the
+    window: a query at p sees p - window + 1 .. p; soft-capping; head sinks), and the native backend's
+    lowered op in each of its three contexts against onnxruntime."""
+    g = torch.Generator().manual_seed(past + m)
+    total = past + m
+    k, v = torch.randn(HKV, total, D, generator=g), torch.randn(HKV, total, D, generator=g)
+    q = torch.randn(m, N, D, generator=g)
+    sink = _sink("cpu", past) if sinks else None
+    got = _ort_gqa(q, k, v, past, window, softcap, sink)
+    kk, vv = k.double().repeat_interleave(N // HKV, 0), v.double().repeat_interleave(N // HKV, 0)
+    sc = q.transpose(0, 1).double() @ kk.transpose(-1, -2) * 0.3  # [N, m, total]
+    if softcap > 0:
+        sc = softcap * torch.tanh(sc / softcap)
+    qpos = torch.arange(past, total).unsqueeze(1)
+    kpos = torch.arange(total).unsqueeze(0)
+    keep = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
+    want = (_softmax(sc.masked_fill(~keep, float("-inf")), sink) @ vv).transpose(0, 1)
+    assert _rel(got, want) < 1e-5
+    for how in ("eager", "static", "paged"):
+        assert float((_native_gqa(q, k, v, past, window, softcap, sink, how) - got).abs().max()) < 1e-5, how

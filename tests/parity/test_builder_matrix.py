@@ -42,7 +42,7 @@ NOT_BUILT = [n for n, r in RECIPES.items() if not r.builds]
 # Native cells that cannot load today: (exact error type, reason). Remove an entry when its feature lands.
 _IF = (UnsupportedOp, "native: LongRoPE's short/long rotary caches behind ai.onnx::If")
 NATIVE_XFAIL: dict[str, tuple[type[Exception], str]] = {
-    "gptoss": (UnsupportedOp, "native: MoE and sliding-window attention"),
+    "gptoss": (UnsupportedOp, "native: MoE (its windows and attention sinks are supported)"),
     "phi3_longrope": _IF,
     "phi4_mini": _IF,
 }

@@ -337,8 +337,6 @@ def _check_gqa(n: O.Node) -> None:
         raise UnsupportedOp(f"GroupQueryAttention({feature})", "com.microsoft", n.name, O.supported_ops())
 
     ins = n.inputs + [""] * 17
-    if ins[11]:
-        bad("head_sink")
     if ins[12] or ins[13] or n.attr("kv_cache_bit_width"):
         bad("quantized KV")
     if ins[16]:

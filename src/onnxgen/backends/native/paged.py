@@ -27,6 +27,7 @@ import torch
 import onnxgen.envs as envs
 from onnxgen.backends.batch import BatchStep
 from onnxgen.backends.native.kernels.dispatch import launch_options, use_triton
+from onnxgen.backends.native.kernels.reference import softmax_with_sink
 
 
 @dataclass
@@ -138,14 +139,21 @@ def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> Non
 
 
 def attention(
-    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0, window: int = -1
+    ps: PagedStep,
+    layer: int,
+    q: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = -1,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
-    this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
-    torch reference elsewhere."""
+    this step's keys). `sink`: `[N]` float32, one more logit per head in the softmax's denominator
+    (`ops.attention.softmax_with_sink`). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under
+    `FORCE_TRITON`), the torch reference elsewhere."""
     if use_triton(q):
-        return attention_triton(ps, layer, q, scale, softcap, window)
-    return attention_ref(ps, layer, q, scale, softcap, window)
+        return attention_triton(ps, layer, q, scale, softcap, window, sink=sink)
+    return attention_ref(ps, layer, q, scale, softcap, window, sink)
 
 
 _LOG2E = 1.4426950408889634
@@ -247,6 +255,7 @@ def attention_triton(
     window: int = -1,
     nsplit: int | None = None,
     tile: Tile | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of `attention`. `nsplit` (tests, benchmarks): the number of key splits; by default
     `splits_for`'s over `ps.plan_len` (a captured step's host shapes: the whole context). Each work item
@@ -292,6 +301,7 @@ def attention_triton(
         out,
         acc,
         ml,
+        sink if sink is not None else qc,
         float(scale) * _LOG2E,
         float(softcap),
         int(window),
@@ -310,6 +320,7 @@ def attention_triton(
         BLOCK_N=block_n,
         DIRECT=direct,
         SOFTCAP=softcap > 0,
+        SINK=sink is not None,
         IEEE=q.dtype == torch.float32 or not q.is_cuda,
         ONE=one,
         num_warps=warps,
@@ -340,13 +351,19 @@ def attention_triton(
 
 
 def attention_ref(
-    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0, window: int = -1
+    ps: PagedStep,
+    layer: int,
+    q: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = -1,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference (the CPU path): a decode step (one query per sequence) in one batched product
     over the page table; otherwise sequence by sequence. float32 inside. With a window only the pages of
     the keys some query sees are read (`first_page`)."""
     if len(ps.seq_lens) > 1 and ps.q_starts[-1] == len(ps.seq_lens):
-        return _decode_batched(ps, layer, q, scale, softcap, window)
+        return _decode_batched(ps, layer, q, scale, softcap, window, sink)
     out = torch.empty_like(q)
     n, P = q.shape[1], ps.page_size
     for b, total in enumerate(ps.seq_lens):
@@ -356,7 +373,7 @@ def attention_ref(
         if window > 0:  # from the first query's window start
             lo = max(0, total - (qe - qs) - window + 1) - p0 * P
             kk, vv = kk[:, lo:], vv[:, lo:]
-        out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window)
+        out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window, sink)
     return out
 
 
@@ -367,7 +384,13 @@ def first_page(pos: int, window: int, page_size: int) -> int:
 
 
 def _decode_batched(
-    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float, window: int
+    ps: PagedStep,
+    layer: int,
+    q: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` `[B, N, D]`, one query per sequence at position `seq_lens[b] - 1`: every sequence's pages read at
     once (padded to the longest, the padding masked), grouped-query heads without repeating K/V. With a
@@ -392,7 +415,8 @@ def _decode_batched(
         drop = drop | (kpos.unsqueeze(0) <= (lens - 1 - window).unsqueeze(1))
     s = s.masked_fill(drop[:, None, None, :], float("-inf"))
     v = v.masked_fill(drop[:, None, :, None], 0.0)  # slots never written may hold NaN: 0 * NaN is NaN
-    o = torch.matmul(torch.softmax(s, dim=-1), v)  # [B, Hkv, G, D]
+    p = softmax_with_sink(s, sink.view(hkv, n // hkv, 1) if sink is not None else None)
+    o = torch.matmul(p, v)  # [B, Hkv, G, D]
     return o.reshape(b, n, d).to(q.dtype)
 
 
@@ -405,6 +429,7 @@ def _attend_one(
     scale: float,
     softcap: float,
     window: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, L, D]`: positions
     `total - L .. total - 1` (all of them, or from the first query's window start). float32 inside."""
@@ -423,5 +448,5 @@ def _attend_one(
         keep = keep & (kpos > qpos - window)
     if m > 1 or window > 0:
         s = s.masked_fill(~keep, float("-inf"))
-    o = torch.matmul(torch.softmax(s, dim=-1), vf)  # [N, m, D]
+    o = torch.matmul(softmax_with_sink(s, sink.view(n, 1, 1) if sink is not None else None), vf)  # [N, m, D]
     return o.transpose(0, 1).to(q.dtype)

@@ -33,6 +33,7 @@ def cache_attention(
     scale: float,
     softcap: float = 0.0,
     window: int = -1,
+    sink: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of M new tokens over a KV buffer that already holds their keys and values.
@@ -40,11 +41,12 @@ def cache_attention(
     `q` `[1, N, M, D]` (contiguous): queries at absolute positions `past .. past + M - 1`; `kbuf`/`vbuf`
     `[1, Hkv, cap, D]` valid at `[0, past + M)`; `past` `[1]` integer on the device. Query t sees keys
     `[0, past + t]` (with `window` > 0 only the last `window` of them); scores are soft-capped when
-    `softcap` > 0. Returns `[1, N, M, D]` in q's dtype. Shapes depend only on M and the capacity.
+    `softcap` > 0; `sink` (`[N]` float32): a logit per head in the softmax's denominator. Returns `[1, N, M, D]`
+    in q's dtype. Shapes depend only on M and the capacity.
     `config` (benchmarks): (rows per program, keys per block, warps, pipeline stages) instead of the
     defaults."""
     if not use_triton(q):
-        return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window)
+        return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window, sink)
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     n, m, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, cap = kbuf.shape[1], kbuf.shape[2]
@@ -84,6 +86,7 @@ def cache_attention(
         acc,
         ml,
         out,
+        sink if sink is not None else qc,
         kbuf.stride(1),
         kbuf.stride(2),
         vbuf.stride(1),
@@ -103,6 +106,7 @@ def cache_attention(
         BLOCK_N=block_n,
         DIRECT=direct,
         SOFTCAP=softcap > 0,
+        SINK=sink is not None,
         IEEE=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=warps,
         num_stages=stages,

@@ -196,6 +196,7 @@ def attn_split_kernel(
     ACC,
     ML,
     OUT,
+    SINKS,
     sk_h,
     sk_s,
     sv_h,
@@ -215,6 +216,7 @@ def attn_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINK: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -244,6 +246,11 @@ def attn_split_kernel(
     full_end = full_start + tl.maximum(tl.minimum(hi, low_limit) - full_start, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINK:  # split 0 starts from the sink logit of each row's query head (base 2, as the scores)
+        if sp == 0:
+            head = h * (R // M) + rows // M
+            m_i = tl.load(SINKS + head, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     kbase = K + h.to(tl.int64) * sk_h
     vbase = V + h.to(tl.int64) * sv_h

@@ -86,6 +86,7 @@ def paged_attn_kernel(
     OUT,
     ACC,
     ML,
+    SINKS,
     qk_scale,
     softcap,
     window,
@@ -104,12 +105,15 @@ def paged_attn_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINK: tl.constexpr,
     IEEE: tl.constexpr,
     ONE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
-    writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`."""
+    writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`.
+    `SINK`: SINKS `[N]` float32 holds a logit per query head that joins the softmax's denominator (split 0
+    starts from it: a key of weight exp(sink) and value 0)."""
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -147,6 +151,10 @@ def paged_attn_kernel(
     hi = tl.minimum(lo + split, item_hi)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINK:
+        if sp == 0:  # the sink in base 2, as the scores are
+            m_i = tl.load(SINKS + h * G + grp, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     pt = PT + b.to(tl.int64) * MAXP
     koff = h * D + dcol
