@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import onnxgen
 from onnxgen.kv.manager import HOLE
 from tests.conftest import native_available
-from tests.harness import stepper
+from tests.harness import Ticket, stepper
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native backend not importable")
 
@@ -122,3 +124,70 @@ def test_a_sessions_context_keeps_every_page_and_is_reused(windowed_dir: Path, a
     assert model.kv_stats()["pages_trimmed"] == 0
     same(r2, alone_model.generate(turn2, max_new_tokens=10, output_logits=True, reuse=False))
     check_pool(model)
+
+
+ARRIVALS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "at": st.integers(0, 5),  # the step at which it arrives
+            "cut": st.integers(0, 60),  # how much of the shared prefix it starts with
+            "tail": st.integers(1, 60),  # its own tokens after it
+            "n": st.integers(1, 30),  # tokens to generate
+            "cancel": st.one_of(st.none(), st.integers(0, 6)),  # cancelled this many steps after arriving
+            "session": st.booleans(),  # kept by a session (never trimmed)
+        }
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=ARRIVALS)
+def test_trimmed_requests_under_random_arrivals_cancels_and_preemption_equal_each_alone(
+    windowed_dir: Path, alone_model: Any, arrivals: list[dict]
+) -> None:
+    """Requests arriving at random steps over a shared prefix, some in sessions (short ones: they keep every
+    page), some cancelled, in a pool of 8 pages (128 positions, less than a long request's context: only its
+    trimming lets it run; requests wait and are preempted): each finished one equals its run alone, and no
+    page leaks or is indexed while gone."""
+    import threading
+
+    from onnxgen.errors import Cancelled
+
+    per_token = 2 * 2 * alone_model.spec.num_kv_heads * alone_model.spec.head_size * 4
+    model = stepper(windowed_dir, backend="native", kv_bytes=8 * PAGE * per_token, max_batch_tokens=32)
+    rng = np.random.default_rng(len(arrivals))
+    base = rng.integers(3, 380, size=60).tolist()
+    pending = []
+    todo = sorted(arrivals, key=lambda a: a["at"])
+    step = 0
+    while todo or any(not h.done() for _, _, h, _ in pending):
+        while todo and todo[0]["at"] <= step:
+            a = todo.pop(0)
+            prompt = base[: a["cut"]] + rng.integers(3, 380, size=a["tail"]).tolist()
+            if a["session"]:
+                prompt, a["n"] = prompt[:40], min(a["n"], 10)
+            ev = threading.Event()
+            if a["session"]:
+                s = model.session()
+                h = Ticket(model, s.submit(prompt, max_new_tokens=a["n"], output_logits=True, cancel=ev))
+            else:
+                h = model.submit(prompt, max_new_tokens=a["n"], output_logits=True, cancel=ev)
+            pending.append((a, prompt, h, ev))
+        for a, _, h, ev in pending:
+            if a["cancel"] is not None and step >= a["at"] + a["cancel"] and not h.done():
+                ev.set()
+        model.step()
+        step += 1
+        assert step < 5_000, "the engine made no progress"
+    for a, prompt, h, ev in pending:
+        if ev.is_set() and h.error is not None:
+            with pytest.raises(Cancelled):
+                h.result()
+            continue
+        same(h.result(), alone_model.generate(prompt, max_new_tokens=a["n"], output_logits=True, reuse=False))
+    kv = model.executor.kv
+    kv.allocator.check_integrity()
+    kv.index.check_integrity()
+    assert HOLE not in kv.index.pages()
