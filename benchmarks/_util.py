@@ -7,11 +7,12 @@ Models (`--model`, comma-separated where a tool takes several):
     PATH                         any package folder
     synthetic:PRESET[:k=v,...]   onnxgen's own writer (`onnxgen.convert.synthetic`): tiny, 1b, 8b, with
                                  SyntheticConfig fields overridden (`synthetic:8b:num_layers=4,quant=int4`)
-    builder:SHAPE[:PRECISION]    a random Llama checkpoint saved by transformers (`onnxgen.convert.reference`
-                                 SHAPES: tiny, 2048x4, 135m, 0.5b, 1b, 8b, 8b16k; gpt-oss MoE: gptoss-tiny,
-                                 gptoss-20b, gptoss-20bx8, gptoss-20bx2; Phi-3 LongRoPE switching at 4096
-                                 tokens: phi4mini, phi4minix4) converted by onnxruntime-genai's
-                                 builder (bf16 by default; fp32, fp16, int4); needs --tokenizer
+    builder:SHAPE[:PRECISION]    a random checkpoint saved by transformers (`onnxgen.convert.reference`
+                                 SHAPES: Llama tiny, 2048x4, 135m, 0.5b, 1b, 8b, 8b16k; Gemma 3 gemma3_1b,
+                                 gemma3_6l, gemma3_tiny; gpt-oss MoE gptoss-tiny, gptoss-20b, gptoss-20bx8,
+                                 gptoss-20bx2; Phi-3 LongRoPE switching at 4096 tokens phi4mini, phi4minix4)
+                                 converted by onnxruntime-genai's builder (bf16 by default; fp32, fp16, int4);
+                                 needs --tokenizer
     convert:SRC[:PRECISION]      a Hugging Face folder or a .gguf file converted by the builder (bf16)
                                  (PRECISION@EP picks the builder's execution provider: int4@cpu; default
                                  cpu for fp32, cuda otherwise)
@@ -377,6 +378,19 @@ def step_bytes(path: Path) -> int:
             nbytes = n * size.get(t.data_type, 4)
         total += int(nbytes * share.get(t.name, 1.0))
     return total
+
+
+def kv_read_bytes(path: Path, tokens: int) -> int:
+    """Bytes of KV one decode step reads at `tokens` of context: every layer's keys and values of the context,
+    or of its sliding window only (genai_config's `sliding_window`: its layers and `window_size`)."""
+    from onnxgen.package.spec import load_spec
+
+    spec = load_spec(path)
+    per_layer = spec.kv_bytes_per_token // spec.num_layers
+    sw = json.loads((Path(path) / "genai_config.json").read_text())["model"]["decoder"].get("sliding_window")
+    local = set(sw.get("layers", ())) if sw else set()
+    window = int(sw["window_size"]) if sw else tokens
+    return per_layer * sum(min(tokens, window) if i in local else tokens for i in range(spec.num_layers))
 
 
 # --- timing ------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ For each model and engine (engines interleaved, median of --runs; greedy, `specu
 - GPU time and kernels per decode step: two generations of different lengths under torch.profiler, the
   difference of their kernels' summed time and count over the difference of their steps;
 - the floor: the bytes a step reads (the decoder's initializers but gathered-only embeddings, as stored,
-  plus the KV of prompt + new tokens) over the copy bandwidth measured at the start;
+  plus the KV of prompt + new tokens, of a sliding window's only on windowed layers) over the copy bandwidth
+  measured at the start;
 - transformers eager (sdpa, cuDNN SDPA off, `logits_to_keep=1`, DynamicCache, bf16) on the same checkpoint
   when the model is `builder:*` or `convert:HF_DIR`: decode tok/s, its forward over the first --ttft
   prompt, and how many greedy tokens it shares with onnxgen's first engine (random weights: small margins).
@@ -99,7 +100,7 @@ def run_model(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]], bw: f
         m = u.load(pkg, args.device, opts, args.threads)
         loaded[k] = (m, time.perf_counter() - t0)
     m0 = next(iter(loaded.values()))[0]
-    vocab, kv_token = m0.spec.vocab_size, m0.spec.kv_bytes_per_token
+    vocab = m0.spec.vocab_size
     prompt = u.random_ids(args.prompt, vocab, 1)
     lengths = u.ints(args.ttft)
     ttft_prompts = {n: u.random_ids(n, vocab, 100 + n) for n in lengths}
@@ -130,7 +131,7 @@ def run_model(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]], bw: f
     runs = u.interleave(args.runs, contenders)
     floor_ms = None
     if bw:
-        floor_ms = (u.step_bytes(pkg.path) + kv_token * (args.prompt + args.new)) / bw * 1e3
+        floor_ms = (u.step_bytes(pkg.path) + u.kv_read_bytes(pkg.path, args.prompt + args.new)) / bw * 1e3
     rows = []
     for k, (m, load_s) in loaded.items():
         tps = u.median(x["tok_s"] for x in runs[f"{k}|decode"])

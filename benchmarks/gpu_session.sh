@@ -22,6 +22,8 @@
 #   sessions  sessions.py: a 64-token turn on a retained 8k context, a conversation growing 7,900 -> 9,000,
 #             chunked prefill of 8k tokens (8B shape)
 #   parity    parity.py: logits against transformers to 8k tokens (2048x4, 1B; 8B with sessions)
+#   window    the Gemma-3-1B-like shape (builder bf16: sliding windows of 512 on 5 of every 6 layers): its GPU
+#             tests, logits and sessions against transformers to 8k, batch-1 decode vs floor, 1 and 64 requests
 #   spec      speculative.py on SmolLM2-135M bf16 (the GGUF's real weights), the four workloads and --mix
 #   longrope  the LongRoPE GPU tests on Phi-4-mini's full shape (builder bf16, built under /tmp/onnxgen_bench):
 #             parity against transformers below and past the switch, decoding across it, sessions growing past it
@@ -102,6 +104,12 @@ for section in "${@}"; do
         sessions) run 400 benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks ;;
         parity) run 300 benchmarks/parity.py --model builder:2048x4,builder:1b --device cuda --sections logits
                 run 300 benchmarks/parity.py --model builder:8b --device cuda --sections logits,sessions ;;
+        window) timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/parity/test_window_bf16.py \
+                    tests/kernels/test_window_attention.py 2>&1 | grep -E "^FAILED|passed|failed|error" | cut -c1-200 | tail -12
+                run 300 benchmarks/parity.py --model builder:gemma3_1b --device cuda --sections logits,sessions \
+                    --lengths 16,511,513,2048,8192
+                run 300 benchmarks/gpu_decode.py --model builder:gemma3_1b
+                run 300 benchmarks/batch.py --model builder:gemma3_1b --device cuda --concurrency 1,64 ;;
         spec) if [ -f /tmp/gg/m.gguf ]; then
                   run 400 benchmarks/speculative.py --model convert:/tmp/gg/m.gguf:bf16 --device cuda --mix
               else

@@ -14,8 +14,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from onnxgen.errors import UnsupportedOp
-
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
@@ -76,20 +74,7 @@ def test_the_package_is_gemma3_with_windows(gemma3_dir: Path) -> None:
     assert window["window_size"] == WINDOW and len(window["layers"]) == 15
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "ort",
-        pytest.param(
-            "native",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=UnsupportedOp,
-                reason="native: sliding-window attention (GQA sliding_window_cache)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", ["ort", "native"])
 def test_greedy_tokens_equal_transformers_with_default_options(
     gemma3_dir: Path, hf_model: Any, backend: str
 ) -> None:
@@ -111,12 +96,13 @@ def test_greedy_tokens_equal_transformers_with_default_options(
         model.close()
 
 
-def test_a_2k_token_session_reuses_and_equals_fresh(gemma3_dir: Path) -> None:
+@pytest.mark.parametrize("backend", ["ort", "native"])
+def test_a_2k_token_session_reuses_and_equals_fresh(gemma3_dir: Path, backend: str) -> None:
     """Turn 1 past the window (~1.2k tokens), turn 2 to ~2k: turn 2 reuses turn 1's KV and equals a fresh
     run on the whole prompt (tokens, and logits within fp32 noise)."""
     import onnxgen
 
-    model = onnxgen.load(str(gemma3_dir), backend="ort")
+    model = onnxgen.load(str(gemma3_dir), backend=backend)
     try:
         s = model.session()
         turn1 = _text(115, seed=2)

@@ -78,6 +78,10 @@ class BatchRunner(Protocol):
     """LongRoPE: a sequence's keys are computed with the long rotary factors when its `total` exceeds this,
     else with the short ones (None: no switch). Keys computed in one regime are not valid in the other: the
     caller recomputes a sequence whose length crosses it (no chunk crosses it unless it starts at 0)."""
+    kv_window: int
+    """The sliding window every layer attends within (0: some layer reads the whole context): a step whose
+    first query of a sequence is at position p reads none of its keys below p - kv_window + 1, so their
+    page table entries may be holes (`kv.manager.HOLE`). Optional (read with a default of 0)."""
 
     def run(self, step: BatchStep) -> Any: ...
 

@@ -1,4 +1,4 @@
-"""Reference packages from an independent producer: random Llama (and Phi-3 LongRoPE, and gpt-oss
+"""Reference packages from an independent producer: random Llama (and Phi-3 LongRoPE, Gemma 3, and gpt-oss
 mixture-of-experts) checkpoints saved by transformers, converted by onnxruntime-genai's model builder.
 
 The project's own synthetic writer (`onnxgen.convert.synthetic`) is not independent of the code under
@@ -19,6 +19,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -103,7 +104,41 @@ class GptOssShape:
             raise ValueError(f"bad gpt-oss shape: {self}")
 
 
-SHAPES: dict[str, LlamaShape | GptOssShape] = {
+@dataclass(frozen=True)
+class Gemma3Shape:
+    """The shape of a random Gemma 3 text checkpoint (`Gemma3ForCausalLM`): sliding-window layers with their own
+    RoPE base, every `global_every`-th layer global, q/k norms, `query_pre_attn_scalar` for the scale. Defaults:
+    Gemma-3-1B's shape (its 262k vocabulary; SmolLM2's tokenizer files still serve: its ids are a subset)."""
+
+    hidden_size: int = 1152
+    num_layers: int = 26
+    num_heads: int = 4
+    num_kv_heads: int = 1
+    head_dim: int = 256
+    intermediate_size: int = 6912
+    vocab_size: int = 262144
+    context_length: int = 32768
+    sliding_window: int = 512
+    global_every: int = 6
+    rope_theta: float = 1_000_000.0
+    rope_local_theta: float = 10_000.0
+    query_pre_attn_scalar: int = 256
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads or self.sliding_window < 1 or self.global_every < 1:
+            raise ValueError(f"bad Gemma 3 shape: {self}")
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [
+            "full_attention" if (i + 1) % self.global_every == 0 else "sliding_attention"
+            for i in range(self.num_layers)
+        ]
+
+
+SHAPES: dict[str, LlamaShape | Gemma3Shape | GptOssShape] = {
     "tiny": LlamaShape(
         hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=512, context_length=1024
     ),  # dry runs
@@ -178,20 +213,42 @@ SHAPES: dict[str, LlamaShape | GptOssShape] = {
         partial_rotary_factor=0.75,
         original_context=4096,
     ),
+    # Gemma-3-1B's shape: 26 layers, 5 sliding (window 512) to 1 global, head_dim 256, one KV head
+    "gemma3_1b": Gemma3Shape(),
+    # its layer shape, 6 layers (5 sliding + 1 global): its numerics on a CPU in minutes
+    "gemma3_6l": Gemma3Shape(num_layers=6),
+    # a small one: windows of 64, SmolLM2's vocabulary (CPU tests of the whole chain in seconds)
+    "gemma3_tiny": Gemma3Shape(
+        hidden_size=256,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        intermediate_size=512,
+        vocab_size=49152,
+        context_length=4096,
+        sliding_window=64,
+        global_every=3,
+    ),
 }
 
 
 def random_checkpoint(
     dest: Path,
-    shape: LlamaShape | GptOssShape,
+    shape: LlamaShape | Gemma3Shape | GptOssShape,
     tokenizer_dir: Path,
     *,
     seed: int = 0,
     device: str = "cpu",
     dtype: str = "bfloat16",
 ) -> Path:
-    """`random_llama_checkpoint` or `random_gptoss_checkpoint`, by the kind of `shape`."""
-    make = random_gptoss_checkpoint if isinstance(shape, GptOssShape) else random_llama_checkpoint
+    """`random_llama_checkpoint`, `random_gemma3_checkpoint` or `random_gptoss_checkpoint`, by the kind of
+    `shape`."""
+    make: Any = random_llama_checkpoint
+    if isinstance(shape, Gemma3Shape):
+        make = random_gemma3_checkpoint
+    elif isinstance(shape, GptOssShape):
+        make = random_gptoss_checkpoint
     return make(dest, shape, tokenizer_dir, seed=seed, device=device, dtype=dtype)  # type: ignore[arg-type]
 
 
@@ -248,6 +305,56 @@ def random_gptoss_checkpoint(
             if name.endswith(("gate_up_proj_bias", "down_proj_bias")):
                 p.normal_(0.0, 0.02)
     model.save_pretrained(dest)
+    del model
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    return dest
+
+
+def random_gemma3_checkpoint(
+    dest: Path,
+    shape: Gemma3Shape,
+    tokenizer_dir: Path,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+) -> Path:
+    """As `random_llama_checkpoint`, for a Gemma 3 text model (`Gemma3TextConfig`, transformers' RoPE per layer
+    type: the builder gets it normalized by `onnxgen.convert.builder_config`)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    dest = Path(dest)
+    cfg = Gemma3TextConfig(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.context_length,
+        sliding_window=shape.sliding_window,
+        layer_types=shape.layer_types,
+        query_pre_attn_scalar=shape.query_pre_attn_scalar,
+        rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict) and set(rp) >= {"full_attention", "sliding_attention"}:  # transformers 5
+        rp["full_attention"]["rope_theta"] = shape.rope_theta
+        rp["sliding_attention"]["rope_theta"] = shape.rope_local_theta
+    else:  # transformers 4.x
+        cfg.rope_theta, cfg.rope_local_base_freq = shape.rope_theta, shape.rope_local_theta
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Gemma3ForCausalLM(cfg)
+    model.to(getattr(torch, dtype)).save_pretrained(dest)
     del model
     for name in TOKENIZER_FILES:
         if (Path(tokenizer_dir) / name).is_file():

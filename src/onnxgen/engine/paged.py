@@ -18,6 +18,14 @@ tokens' keys with the long ones, so the regime is part of the identity the pages
 under (`_digest`): a request whose tokens exceed the switch when admitted computes (or finds) long keys from
 position 0, as a fresh run of all its tokens would; one admitted below it holds short keys valid up to the
 switch (`Request.kv_limit`), and the scheduler recomputes it when it grows past (`Scheduler._recompute`).
+
+Sliding windows: where every layer of the model attends within a window (the runner's `kv_window`, e.g.
+Mistral; not Gemma, whose global layers read the whole context), a request that no session keeps gives back
+the pages that fell out of the window as it runs (`KVManager.trim`, before each step it is scheduled in), so a
+long generation holds about a window of KV. Its context is then indexed only up to its first hole (the
+pages still there; usually only what it shared from the index), and running requests share only present
+pages: no request is ever given KV that is gone. A session's requests keep every page: their context is
+what the session retains and reuses.
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ class PagedKV:
         self.pinned_sessions = 0
         self._running: dict[bytes, list[Request]] = {}  # admitted requests that may share, by identity digest
         self.rope_switch: int | None = getattr(runner, "rope_switch", None)
+        # the window every layer attends within (0: some layer reads the whole context): pages below a
+        # request's next position's window are never read again
+        self.window = int(getattr(runner, "kv_window", 0) or 0)
+        self.trimmed_pages = 0
 
     @property
     def verify_sizes(self) -> tuple[int, ...]:
@@ -99,7 +111,11 @@ class PagedKV:
         digest = self._digest(req) if req.reuse else None
         peers = self._running.get(digest, ()) if digest is not None else ()
         inflight = [
-            InFlight(r.prompt if r.computed <= len(r.prompt) else r.tokens, r.computed, r.kv.pages)
+            InFlight(
+                r.prompt if r.computed <= len(r.prompt) else r.tokens,
+                r.computed,
+                r.kv.pages[: r.kv.present()],
+            )
             for r in peers
         ]
         table, cached = self.kv.open(digest, req.tokens, inflight, self._anchor(req, digest))
@@ -133,6 +149,8 @@ class PagedKV:
         for r in self._running.get(self._digest(req), ()):
             if r.pending <= 1 or r.computed // P >= most:  # decoding, or already past what req can share
                 continue
+            if r.kv.first_hole is not None:  # trimmed: its leading pages are gone, nothing to wait for
+                continue
             if common_pages(tokens, r.prompt, most, P) > r.computed // P:
                 return True
         return False
@@ -146,6 +164,8 @@ class PagedKV:
                 del self._running[digest]
 
     def reserve(self, req: Request, total: int) -> bool:
+        if self.window and req.owner is None:  # positions below the next query's window: never read again
+            self.trimmed_pages += self.kv.trim(req.kv, req.computed - self.window + 1)
         if total <= len(req.kv.pages) * self.page_size:  # NOTE: most decode steps need no new page
             return True
         return self.kv.grow(req.kv, total)
@@ -277,7 +297,8 @@ class PagedKV:
 
     def stats(self) -> dict[str, int]:
         """Pool occupancy (pages in all, free, used, held by the index, shared by more than one holder),
-        pinned sessions, prefix-cache lookups and hits, and whether decode steps replay CUDA graphs."""
+        pinned sessions, prefix-cache lookups and hits, pages given back as they fell out of every layer's
+        window, and whether decode steps replay CUDA graphs."""
         alloc = self.kv.allocator
         c = self.kv.counters
         return {
@@ -292,6 +313,7 @@ class PagedKV:
             "prefix_lookup_tokens": c.looked_up_tokens,
             "prefix_hit_tokens": c.hit_tokens,
             "prefix_inflight_hits": c.inflight_hits,
+            "pages_trimmed": self.trimmed_pages,
             "cuda_graphs": bool(getattr(self.runner, "cuda_graphs", False)),
         }
 

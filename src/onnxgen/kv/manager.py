@@ -14,10 +14,19 @@ It puts the page allocator (`kv/pages.py`), the prefix index (`kv/prefix.py`) an
                                               # `table.anchor`: the committed path's, for the next turn
     kv.release(table)                         # on failure, cancellation or preemption: drop its hold;
                                               # nothing of the request becomes visible
+    kv.trim(table, below)                     # sliding windows on every layer: give back the pages wholly
+                                              # below `below` that only the request holds (HOLE entries)
 
 Pages a request shares from the index are never written: writes go to positions >= `cached`, which lie in
 the request's own pages (allocated, or the copy of a partly matched page). A `PageTable` maps the
 request's positions to slots: position p lives in page `pages[p // page_size]` at offset `p % page_size`.
+
+Trimmed tables (a model whose every layer attends within a window: no step of the request reads a key below
+its next position's window again) have holes: entries `HOLE` whose pages went back to the pool. Attention
+never reads them (the kernels start at each query's window); nothing else may: a table's present prefix
+(`PageTable.present`) is all that is ever shared with another request or indexed (`commit`), so no request
+is ever given KV that is not there (docs/reuse.md). Pages the index or another request also holds are
+never trimmed: they stay in the table, present.
 """
 
 from __future__ import annotations
@@ -36,15 +45,26 @@ class PageCopier(Protocol):
         """Copy positions [0, n) of page `src` into page `dst`, in every layer."""
 
 
+HOLE = -1  # a page table entry whose page `KVManager.trim` gave back: never read, shared or indexed
+
+
 @dataclass
 class PageTable:
     """The pages one request holds, in position order, under its identity digest (None: undigestable,
     never matched or indexed). `anchor`: the deepest full indexed page its leading pages are (set by `open`
-    when they came from the index, so `commit` walks only the rest; after `commit`, the committed path's)."""
+    when they came from the index, so `commit` walks only the rest; after `commit`, the committed path's).
+    `trimmed`: the leading entries `KVManager.trim` has looked at; `first_hole`: the first `HOLE` entry (None:
+    every page is present)."""
 
     digest: bytes | None
     pages: list[int] = field(default_factory=list)
     anchor: Anchor | None = None
+    trimmed: int = 0
+    first_hole: int | None = None
+
+    def present(self) -> int:
+        """How many leading pages are present (all of them, or those before the first hole)."""
+        return len(self.pages) if self.first_hole is None else self.first_hole
 
     def slots(self, start: int, n: int, page_size: int) -> list[int]:
         """Slot ids (page * page_size + offset) of positions [start, start + n)."""
@@ -173,6 +193,9 @@ class KVManager:
         and drop the request's hold on its pages. Returns the end of the indexed path (for a session's
         pin), or None when nothing was indexed (undigestable identity or no tokens)."""
         node = None
+        k = table.present()
+        if k < len(table.pages):  # trimmed: only the pages before the first hole (whole pages) can be indexed
+            tokens = tokens[: k * self.page_size]
         if table.digest is not None and tokens:
             node, table.anchor = self.index.insert_path(table.digest, tokens, table.pages, table.anchor)
         self.release(table)
@@ -180,8 +203,30 @@ class KVManager:
 
     def release(self, table: PageTable) -> None:
         """Drop the request's hold on its pages (failure, cancellation, preemption, or after commit)."""
-        self.allocator.decref(table.pages)
+        pages = table.pages if table.first_hole is None else [p for p in table.pages if p != HOLE]
+        self.allocator.decref(pages)
         table.pages = []
+        table.trimmed, table.first_hole = 0, None
+
+    def trim(self, table: PageTable, below: int) -> int:
+        """Give back the pages of `table` that lie wholly below position `below` (no step of the request reads
+        them again: every layer attends within a window, and its next query's window starts at `below`) and
+        that only this request holds; their entries become `HOLE`. Pages the index or another request also
+        holds stay (present). Each entry is looked at once. Returns the number of pages freed."""
+        end = min(max(below, 0) // self.page_size, len(table.pages))
+        if end <= table.trimmed:
+            return 0
+        pages, refs = table.pages, self.allocator.refs
+        solo = [i for i in range(table.trimmed, end) if refs(pages[i]) == 1]
+        table.trimmed = end
+        if not solo:
+            return 0
+        freed = self.allocator.decref([pages[i] for i in solo])
+        for i in solo:
+            pages[i] = HOLE
+        if table.first_hole is None:
+            table.first_hole = solo[0]
+        return len(freed)
 
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.num_free

@@ -27,6 +27,7 @@ import torch
 import onnxgen.envs as envs
 from onnxgen.backends.batch import BatchStep
 from onnxgen.backends.native.kernels.dispatch import launch_options, use_triton
+from onnxgen.backends.native.kernels.reference import softmax_with_sink
 
 
 @dataclass
@@ -88,6 +89,7 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
         need = -(-s.end // page_size)
         assert len(s.pages) >= need, f"{len(s.pages)} pages do not cover {s.end} positions"
         pages = s.pages
+        assert min(pages[s.start // page_size : need]) >= 0, "a chunk writes into a page given back"
         positions.extend(range(s.start, s.end))
         slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(s.start, s.end))
         q_starts.append(q_starts[-1] + n)
@@ -137,14 +139,21 @@ def write_kv(ps: PagedStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> Non
 
 
 def attention(
-    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0, window: int = -1
+    ps: PagedStep,
+    layer: int,
+    q: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = -1,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` `[T, N, D]` (the step's tokens, already rotated) over each sequence's KV (which already holds
-    this step's keys). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under `FORCE_TRITON`), the
-    torch reference elsewhere."""
+    this step's keys). `sink`: `[N]` float32, one more logit per head in the softmax's denominator
+    (`ops.attention.softmax_with_sink`). Returns `[T, N, D]` in q's dtype. Triton on CUDA (and under
+    `FORCE_TRITON`), the torch reference elsewhere."""
     if use_triton(q):
-        return attention_triton(ps, layer, q, scale, softcap, window)
-    return attention_ref(ps, layer, q, scale, softcap, window)
+        return attention_triton(ps, layer, q, scale, softcap, window, sink=sink)
+    return attention_ref(ps, layer, q, scale, softcap, window, sink)
 
 
 _LOG2E = 1.4426950408889634
@@ -246,6 +255,7 @@ def attention_triton(
     window: int = -1,
     nsplit: int | None = None,
     tile: Tile | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path of `attention`. `nsplit` (tests, benchmarks): the number of key splits; by default
     `splits_for`'s over `ps.plan_len` (a captured step's host shapes: the whole context). Each work item
@@ -265,10 +275,14 @@ def attention_triton(
     work = ps.work(g, block_m)
     w = work.shape[0]
     plan = ps.plan_len or max(ps.seq_lens)
+    longest = max(ps.seq_lens)
+    if window > 0:  # an item reads the keys of its rows' windows only: at most window + tokens - 1
+        span = window - 1 + (1 if ps.per_token else max(rows) // g)
+        plan, longest = min(plan, span), min(longest, span)
     # per token: planned as one decode (one item per KV head)
     nsplit = plan_splits((1 if ps.per_token else w) * hkv, plan, block_m, block_n, q.device, nsplit)
     decode_size = max(rows) <= g and q.dtype != torch.float32
-    if tile is None and decode_size and is_short(max(ps.seq_lens), nsplit, block_n):
+    if tile is None and decode_size and is_short(longest, nsplit, block_n):
         stages = 1  # decode-size items, short splits: no software pipeline (`short_blocks`)
     qc = q.contiguous()
     out = torch.empty_like(qc)
@@ -287,6 +301,7 @@ def attention_triton(
         out,
         acc,
         ml,
+        sink if sink is not None else qc,
         float(scale) * _LOG2E,
         float(softcap),
         int(window),
@@ -305,6 +320,7 @@ def attention_triton(
         BLOCK_N=block_n,
         DIRECT=direct,
         SOFTCAP=softcap > 0,
+        SINK=sink is not None,
         IEEE=q.dtype == torch.float32 or not q.is_cuda,
         ONE=one,
         num_warps=warps,
@@ -335,30 +351,57 @@ def attention_triton(
 
 
 def attention_ref(
-    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float = 0.0, window: int = -1
+    ps: PagedStep,
+    layer: int,
+    q: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = -1,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference (the CPU path): a decode step (one query per sequence) in one batched product
-    over the page table; otherwise sequence by sequence. float32 inside."""
+    over the page table; otherwise sequence by sequence. float32 inside. With a window only the pages of
+    the keys some query sees are read (`first_page`)."""
     if len(ps.seq_lens) > 1 and ps.q_starts[-1] == len(ps.seq_lens):
-        return _decode_batched(ps, layer, q, scale, softcap, window)
+        return _decode_batched(ps, layer, q, scale, softcap, window, sink)
     out = torch.empty_like(q)
-    n = q.shape[1]
+    n, P = q.shape[1], ps.page_size
     for b, total in enumerate(ps.seq_lens):
         qs, qe = ps.q_starts[b], ps.q_starts[b + 1]
-        kk, vv = ps.storage.gather(layer, ps.page_table[b, : -(-total // ps.page_size)].long(), total)
-        out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window)
+        p0 = first_page(total - (qe - qs), window, P)
+        kk, vv = ps.storage.gather(layer, ps.page_table[b, p0 : -(-total // P)].long(), total - p0 * P)
+        if window > 0:  # from the first query's window start
+            lo = max(0, total - (qe - qs) - window + 1) - p0 * P
+            kk, vv = kk[:, lo:], vv[:, lo:]
+        out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window, sink)
     return out
 
 
+def first_page(pos: int, window: int, page_size: int) -> int:
+    """The first page a query at position `pos` (and every later one) reads: 0, or with a window the page of
+    key `pos - window + 1`. Pages before it are never read again by that sequence's layers of that window."""
+    return max(0, pos - window + 1) // page_size if window > 0 else 0
+
+
 def _decode_batched(
-    ps: PagedStep, layer: int, q: torch.Tensor, scale: float, softcap: float, window: int
+    ps: PagedStep,
+    layer: int,
+    q: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`q` `[B, N, D]`, one query per sequence at position `seq_lens[b] - 1`: every sequence's pages read at
-    once (padded to the longest, the padding masked), grouped-query heads without repeating K/V."""
+    once (padded to the longest, the padding masked), grouped-query heads without repeating K/V. With a
+    window, from the first page any sequence's window reaches (pages before a sequence's own window, which
+    may be gone, read as page 0 and masked)."""
     b, n, d = q.shape
+    P = ps.page_size
     lens = ps.seq_lens_t.long()
-    maxp = -(-max(ps.seq_lens) // ps.page_size)
-    pages = ps.page_table[:, :maxp].long()  # [B, maxp]
+    maxp = -(-max(ps.seq_lens) // P)
+    p0 = min(first_page(x - 1, window, P) for x in ps.seq_lens)
+    pages = ps.page_table[:, p0:maxp].long().clamp(min=0)  # [B, maxp - p0]
     keys, values = ps.storage.keys(layer), ps.storage.values(layer)  # [pages, P, Hkv, D]
     hkv = keys.shape[2]
     k = keys[pages].flatten(1, 2).float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
@@ -366,13 +409,14 @@ def _decode_batched(
     s = torch.matmul(q.float().view(b, hkv, n // hkv, d), k) * scale  # [B, Hkv, G, L]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    kpos = torch.arange(k.shape[-1], device=q.device)
+    kpos = p0 * P + torch.arange(k.shape[-1], device=q.device)
     drop = kpos.unsqueeze(0) >= lens.unsqueeze(1)  # [B, L]: past each sequence's end
     if window > 0:
         drop = drop | (kpos.unsqueeze(0) <= (lens - 1 - window).unsqueeze(1))
     s = s.masked_fill(drop[:, None, None, :], float("-inf"))
     v = v.masked_fill(drop[:, None, :, None], 0.0)  # slots never written may hold NaN: 0 * NaN is NaN
-    o = torch.matmul(torch.softmax(s, dim=-1), v)  # [B, Hkv, G, D]
+    p = softmax_with_sink(s, sink.view(hkv, n // hkv, 1) if sink is not None else None)
+    o = torch.matmul(p, v)  # [B, Hkv, G, D]
     return o.reshape(b, n, d).to(q.dtype)
 
 
@@ -385,22 +429,24 @@ def _attend_one(
     scale: float,
     softcap: float,
     window: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, total, D]`. float32 inside."""
+    """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, L, D]`: positions
+    `total - L .. total - 1` (all of them, or from the first query's window start). float32 inside."""
     m = q.shape[0]
-    hkv = k.shape[0]
+    hkv, length = k.shape[0], k.shape[1]
     qf = q.transpose(0, 1).float()  # [N, m, D]
     kf = k.float().repeat_interleave(n // hkv, dim=0)
     vf = v.float().repeat_interleave(n // hkv, dim=0)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [N, m, total]
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [N, m, L]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     qpos = torch.arange(total - m, total, device=q.device).unsqueeze(1)
-    kpos = torch.arange(total, device=q.device).unsqueeze(0)
+    kpos = torch.arange(total - length, total, device=q.device).unsqueeze(0)
     keep = kpos <= qpos
     if window > 0:
         keep = keep & (kpos > qpos - window)
     if m > 1 or window > 0:
         s = s.masked_fill(~keep, float("-inf"))
-    o = torch.matmul(torch.softmax(s, dim=-1), vf)  # [N, m, D]
+    o = torch.matmul(softmax_with_sink(s, sink.view(n, 1, 1) if sink is not None else None), vf)  # [N, m, D]
     return o.transpose(0, 1).to(q.dtype)

@@ -44,6 +44,7 @@ from onnxgen.backends.native.kernels.advance import copy_page_prefix, greedy_adv
 from onnxgen.backends.native.kernels.linear import ROWWISE_ROWS
 from onnxgen.backends.native.lowering import Program
 from onnxgen.backends.native.ops import RunCtx
+from onnxgen.backends.native.ops.attention import layer_windows
 from onnxgen.backends.native.runs import PART_STEPS, DecodeRun, even_parts, replay_plan
 from onnxgen.backends.native.step_buffers import RUN_TOKENS, StepBuffers
 from onnxgen.errors import BackendUnavailable, DeviceOutOfMemory, InvalidRequest, NotCapturable
@@ -132,6 +133,10 @@ class NativeRunner:
         why = batchable(self.program, spec)
         if why is not None:
             raise BackendUnavailable(f"{spec.path}: cannot batch this package: {why}")
+        # each layer's sliding window (0: the whole context); `kv_window`: the window every layer attends
+        # within (0 when some layer reads the whole context), below which a sequence's pages are never read
+        self.windows = layer_windows((st.node for st in self.program.steps), spec.num_layers)
+        self.kv_window = max(self.windows) if min(self.windows, default=0) > 0 else 0
         per_page = page_bytes(spec.num_layers, page_size, spec.num_kv_heads, spec.head_size, dtype.itemsize)
         if kv_bytes is None:
             if self._dev.type == "cuda":  # pragma: cuda

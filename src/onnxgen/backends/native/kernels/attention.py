@@ -4,7 +4,7 @@
   KV buffer that already holds their keys, causal (query t sees keys `[0, past + t]`), with the length read
   from device memory: static shapes over a fixed capacity, so decode (M = 1) and prefill chunks alike can live
   in a CUDA graph. Split-K ("flash decoding") over the keys, the query heads that share a KV head packed into
-  one tile; only the valid KV is read.
+  one tile; only the valid KV is read (with a window, only the keys some query's window holds).
 - `rope_qkv_write(qkv, cos, sin, positions, kv, layer, ...)`: split packed QKV rows, rotate q and k, write k
   and v into the KV buffers at `positions` (or slots: the paged pool's rows) and return q.
 
@@ -33,6 +33,7 @@ def cache_attention(
     scale: float,
     softcap: float = 0.0,
     window: int = -1,
+    sink: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Attention of M new tokens over a KV buffer that already holds their keys and values.
@@ -40,11 +41,12 @@ def cache_attention(
     `q` `[1, N, M, D]` (contiguous): queries at absolute positions `past .. past + M - 1`; `kbuf`/`vbuf`
     `[1, Hkv, cap, D]` valid at `[0, past + M)`; `past` `[1]` integer on the device. Query t sees keys
     `[0, past + t]` (with `window` > 0 only the last `window` of them); scores are soft-capped when
-    `softcap` > 0. Returns `[1, N, M, D]` in q's dtype. Shapes depend only on M and the capacity.
+    `softcap` > 0; `sink` (`[N]` float32): a logit per head in the softmax's denominator. Returns `[1, N, M, D]`
+    in q's dtype. Shapes depend only on M and the capacity.
     `config` (benchmarks): (rows per program, keys per block, warps, pipeline stages) instead of the
     defaults."""
     if not use_triton(q):
-        return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window)
+        return cache_attention_ref(q, kbuf, vbuf, past, scale, softcap, window, sink)
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     n, m, d = q.shape[1], q.shape[2], q.shape[3]
     hkv, cap = kbuf.shape[1], kbuf.shape[2]
@@ -63,10 +65,13 @@ def cache_attention(
     # Split the keys so that about 2 waves of programs run (decode: up to 64 splits of >= 256 keys).
     # The split count is a run-time argument (only "one split or several" is compiled in), so a new
     # KV capacity never triggers a Triton compile.
+    # With a window the splits cut only the keys some row's window holds (from the first row's window start,
+    # on the device): at most window + M - 1 of them, whatever the capacity.
+    span = min(cap, window + m - 1) if window > 0 else cap
     want = 64 if m == 1 else triton_cdiv(256, hkv * rblocks)
-    nsplit = max(1, min(want, cap // 256, _MAX_SPLITS))
-    split = max(block_n, triton_cdiv(triton_cdiv(cap, nsplit), block_n) * block_n)
-    nsplit = triton_cdiv(cap, split)
+    nsplit = max(1, min(want, span // 256, _MAX_SPLITS))
+    split = max(block_n, triton_cdiv(triton_cdiv(span, nsplit), block_n) * block_n)
+    nsplit = triton_cdiv(span, split)
     qc = q.contiguous()
     out = torch.empty_like(qc)
     direct = nsplit == 1
@@ -81,6 +86,7 @@ def cache_attention(
         acc,
         ml,
         out,
+        sink if sink is not None else qc,
         kbuf.stride(1),
         kbuf.stride(2),
         vbuf.stride(1),
@@ -100,6 +106,7 @@ def cache_attention(
         BLOCK_N=block_n,
         DIRECT=direct,
         SOFTCAP=softcap > 0,
+        SINK=sink is not None,
         IEEE=q.dtype == torch.float32 or not q.is_cuda,
         num_warps=warps,
         num_stages=stages,

@@ -18,6 +18,16 @@ def rms_norm_ref(
     return y, (sf.to(x.dtype) if skip is not None else None)
 
 
+def softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of float32 `scores`; with `sink` (broadcast to `scores[..., :1]`) one more
+    logit in the denominator (onnxruntime's GroupQueryAttention head_sink, gpt-oss's attention sinks), whose
+    probability is dropped."""
+    if sink is None:
+        return torch.softmax(scores, dim=-1)
+    col = sink.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+
+
 def cache_attention_ref(
     q: torch.Tensor,
     kbuf: torch.Tensor,
@@ -26,6 +36,7 @@ def cache_attention_ref(
     scale: float,
     softcap: float = 0.0,
     window: int = -1,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Static-shape reference: scores over the whole capacity, masked on the device (see
     `attention.cache_attention`)."""
@@ -43,7 +54,8 @@ def cache_attention_ref(
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~keep, float("-inf"))
-    return torch.matmul(torch.softmax(s, -1), v).to(q.dtype)
+    p = softmax_with_sink(s, sink.view(-1, 1, 1) if sink is not None else None)
+    return torch.matmul(p, v).to(q.dtype)
 
 
 def decode_advance_ref(

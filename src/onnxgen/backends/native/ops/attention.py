@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from onnxgen.backends.native import paged
 from onnxgen.backends.native.kernels.attention import cache_attention, rope_qkv_write
+from onnxgen.backends.native.kernels.reference import softmax_with_sink
 from onnxgen.backends.native.ops.base import (
     AI,
     INTERNAL,
@@ -51,6 +52,7 @@ def attend(
     window: int = -1,
     bias: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Append `k`/`v` (`[1, Hkv, S, D]`; None when already written) to layer `layer`'s KV and attend
     `q` (`[1, N, S, D]`) over it.
@@ -58,7 +60,8 @@ def attend(
     Causal, aligned bottom-right: query i (absolute position pos0 + i) sees keys j <= pos0 + i, and with
     `window` > 0 only the last `window` of them, j > pos0 + i - window (onnxruntime's local_window_size).
     `bias` is added to the scores; `mask` (bool, True = keep, or additive float) is combined with the
-    causal mask. Returns `[1, N, S, D]`."""
+    causal mask. `sink` (`[N]` float32: GroupQueryAttention's head_sink, gpt-oss's attention sinks): one more
+    logit per head in the softmax's denominator, with no value. Returns `[1, N, S, D]`."""
     kv = ctx.kv
     s = q.shape[2]
     if ctx.paged is not None:  # a ragged batch: each token attends over its own sequence's pages
@@ -66,19 +69,24 @@ def attend(
             raise NotImplementedError("an attention bias or mask in a batched step")
         if k is not None:  # None: the caller already wrote this step's k/v at the step's slots
             paged.write_kv(ctx.paged, layer, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        o = paged.attention(ctx.paged, layer, q[0].transpose(0, 1), scale, softcap, window)
+        o = paged.attention(ctx.paged, layer, q[0].transpose(0, 1), scale, softcap, window, sink)
         return o.transpose(0, 1).unsqueeze(0)
     if ctx.static:
         if bias is not None or mask is not None:
             raise NotCapturable("an attention bias or mask in a static step")
         if k is not None:  # None: the caller already wrote this step's k/v at `ctx.positions`
             kv.write_at(layer, ctx.positions, k, v)
-        return cache_attention(q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window)
+        return cache_attention(q, kv.keys[layer], kv.values[layer], ctx.past, scale, softcap, window, sink)
     pos0 = ctx.pos0
     if k is not None:  # None: the caller already wrote this step's k/v at [pos0, pos0 + s)
         kv.write(layer, pos0, k, v)
     total = pos0 + s
     kk, vv = kv.view(layer, total)
+    k0 = max(0, pos0 + 1 - window) if window > 0 else 0  # keys below the first query's window: never read
+    if k0:
+        kk, vv = kk[:, :, k0:], vv[:, :, k0:]
+        bias = bias[..., k0:] if bias is not None and bias.shape[-1] == total else bias
+        mask = mask[..., k0:] if mask is not None and mask.shape[-1] == total else mask
     n, hkv = q.shape[1], kk.shape[1]
     if (
         _FLASH[0]
@@ -88,6 +96,7 @@ def attend(
         and bias is None
         and mask is None
         and window <= 0
+        and sink is None
         and q.shape[-1] % 8 == 0
     ):
         # Flash attention reads the grouped KV as it is (no repeat_interleave copy of the whole cache) and
@@ -104,20 +113,21 @@ def attend(
     if n != hkv:
         kk = kk.repeat_interleave(n // hkv, dim=1)
         vv = vv.repeat_interleave(n // hkv, dim=1)
-    if softcap > 0:
+    if softcap > 0 or sink is not None:
         scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
-        scores = softcap * torch.tanh(scores / softcap)
-        scores = scores + _causal_bias(pos0, s, total, window, q.device, torch.float32)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores + _causal_bias(pos0, s, total, window, k0, q.device, torch.float32)
         if bias is not None:
             scores = scores + bias.float()
         if mask is not None:
             scores = scores + _as_additive(mask, torch.float32)
-        p = torch.softmax(scores, dim=-1)
+        p = softmax_with_sink(scores, sink.view(-1, 1, 1) if sink is not None else None)
         return torch.matmul(p, vv.float()).to(q.dtype)
     if bias is None and mask is None and window <= 0 and (pos0 == 0 or s == 1):
         attn_mask, causal = None, s > 1
     else:
-        attn_mask = _causal_bias(pos0, s, total, window, q.device, q.dtype)
+        attn_mask = _causal_bias(pos0, s, total, window, k0, q.device, q.dtype)
         if bias is not None:
             attn_mask = attn_mask + bias.to(q.dtype)
         if mask is not None:
@@ -133,16 +143,19 @@ def attend(
     # as onnxruntime's kernels do, and the output is rounded once.
     scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
     if causal:
-        attn_mask = _causal_bias(pos0, s, total, window, q.device, torch.float32)
+        attn_mask = _causal_bias(pos0, s, total, window, k0, q.device, torch.float32)
     if attn_mask is not None:
         scores = scores + attn_mask.float()
     return torch.matmul(torch.softmax(scores, dim=-1), vv.float()).to(q.dtype)
 
 
-def _causal_bias(pos0: int, s: int, total: int, window: int, device: Any, dtype: torch.dtype) -> torch.Tensor:
-    """Additive `[s, total]` mask: 0 where query pos0 + i may see key j (see `attend`), -inf elsewhere."""
+def _causal_bias(
+    pos0: int, s: int, total: int, window: int, k0: int, device: Any, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive `[s, total - k0]` mask over keys `k0 .. total - 1`: 0 where query pos0 + i may see key j (see
+    `attend`), -inf elsewhere."""
     qpos = torch.arange(pos0, pos0 + s, device=device).unsqueeze(1)
-    kpos = torch.arange(total, device=device).unsqueeze(0)
+    kpos = torch.arange(k0, total, device=device).unsqueeze(0)
     keep = kpos <= qpos
     if window > 0:
         keep = keep & (kpos > qpos - window)
@@ -184,7 +197,7 @@ def _gqa(node: Node) -> Fn:
         sin_c: Any = None,
         _pos: Any = None,
         bias: Any = None,
-        _sink: Any = None,
+        sink: Any = None,
         _ks: Any = None,
         _vs: Any = None,
         qnw: Any = None,
@@ -208,9 +221,13 @@ def _gqa(node: Node) -> Fn:
         scale = scale_attr or 1.0 / math.sqrt(d)
         if bias is not None:
             (bias,) = same_device(ctx, bias)
+        if sink is not None:  # head_sink: a constant [num_heads] (on the device with the weights)
+            sink = sink.reshape(-1).float()
         if key is None and layer in ctx.prepared:  # the QKV product rotated q and k and wrote k and v
             q = query[..., : n * d].reshape(b, s, n, d).transpose(1, 2)
-            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
+            o = attend(
+                ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias, sink=sink
+            )
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if key is None and do_rotary and qnw is None:
             # one fused launch: rotary on q and k, k/v written into the cache at their positions
@@ -230,7 +247,9 @@ def _gqa(node: Node) -> Fn:
                 slots=slots,
                 token_major=ctx.paged is not None,
             )
-            o = attend(ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias)
+            o = attend(
+                ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias, sink=sink
+            )
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
         if do_rotary:
             pos = rope_rows(ctx, switch)
@@ -247,6 +266,7 @@ def _gqa(node: Node) -> Fn:
             softcap=softcap,
             window=window,
             bias=bias,
+            sink=sink,
         )
         return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
 
@@ -304,6 +324,20 @@ def _kv_concat(node: Node) -> Fn:
         return (buf[:, :, : ctx.pos0 + s],)
 
     return f
+
+
+def layer_windows(nodes: Any, num_layers: int) -> list[int]:
+    """Each KV layer's attention window (GroupQueryAttention's `local_window_size`; 0: the layer attends to the
+    whole context) from the lowered program's KV-bound `nodes`: what a layer's attention never reads again."""
+    windows: dict[int, int] = {}
+    for n in nodes:
+        if n.layer is None:
+            continue
+        w = int(n.attr("local_window_size", -1)) if (n.domain, n.op) == (MS, "GroupQueryAttention") else 0
+        w = max(w, 0)
+        prev = windows.get(n.layer)
+        windows[n.layer] = w if prev is None else (0 if 0 in (prev, w) else max(prev, w))
+    return [windows.get(layer, 0) for layer in range(num_layers)]
 
 
 BUILDERS: dict[tuple[str, str], Builder] = {

@@ -196,6 +196,7 @@ def attn_split_kernel(
     ACC,
     ML,
     OUT,
+    SINKS,
     sk_h,
     sk_s,
     sv_h,
@@ -215,6 +216,7 @@ def attn_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINK: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -230,22 +232,54 @@ def attn_split_kernel(
     dmask = dcol < D
     qrow = (h * R + rows).to(tl.int64)
     q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    base_n = sp * SPLIT
-    hi = tl.minimum(base_n + SPLIT, tl.max(tl.where(rmask, limit, 0), 0))
-    lo = base_n
+    item_hi = tl.max(tl.where(rmask, limit, 0), 0)
     low_limit = tl.min(tl.where(rmask, limit, 1 << 30), 0)  # keys below it are seen by every row
-    full_end = lo
-    if window > 0:
-        lo = tl.maximum(base_n, low_limit - window)
-        full_end = lo
-    else:
-        full_end = lo + tl.maximum(tl.minimum(hi, low_limit) - lo, 0) // BLOCK_N * BLOCK_N
+    # the splits cut the keys from the first row's window start (0 without a window): SPLIT was planned
+    # for the largest span, window + M - 1 keys or the capacity
+    base_n = tl.where(window > 0, tl.maximum(low_limit - window, 0), 0)
+    lo = base_n + sp * SPLIT
+    hi = tl.minimum(lo + SPLIT, item_hi)
+    # unmasked blocks: keys every row sees (at or above the last row's window start, below low_limit)
+    full_start = lo + tl.where(
+        window > 0, (tl.maximum(item_hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 0
+    )
+    full_end = full_start + tl.maximum(tl.minimum(hi, low_limit) - full_start, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINK:  # split 0 starts from the sink logit of each row's query head (base 2, as the scores)
+        if sp == 0:
+            head = h * (R // M) + rows // M
+            m_i = tl.load(SINKS + head, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     kbase = K + h.to(tl.int64) * sk_h
     vbase = V + h.to(tl.int64) * sv_h
-    for start in range(lo, full_end, BLOCK_N):
+    for start in range(lo, tl.minimum(full_start, hi), BLOCK_N):
+        acc, m_i, l_i = attn_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            kbase,
+            vbase,
+            start,
+            hi,
+            limit,
+            window,
+            sk_s,
+            sv_s,
+            qk_scale,
+            softcap,
+            dcol,
+            dmask,
+            D,
+            DP,
+            BLOCK_N,
+            True,
+            SOFTCAP,
+            IEEE,
+        )
+    for start in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = attn_block(
             q,
             acc,

@@ -86,6 +86,7 @@ def paged_attn_kernel(
     OUT,
     ACC,
     ML,
+    SINKS,
     qk_scale,
     softcap,
     window,
@@ -104,12 +105,15 @@ def paged_attn_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINK: tl.constexpr,
     IEEE: tl.constexpr,
     ONE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program: work item `w`'s rows of KV head `h` against split `sp` of its keys. `DIRECT` (one split)
-    writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`."""
+    writes the output; otherwise the split's partial results go to ACC / ML for `paged_combine_kernel`.
+    `SINK`: SINKS `[N]` float32 holds a logit per query head that joins the softmax's denominator (split 0
+    starts from it: a key of weight exp(sink) and value 0)."""
     pdl_begin(PDL)
     w = tl.program_id(0)  # work item: (sequence, first row)
     h = tl.program_id(1)  # KV head
@@ -136,24 +140,60 @@ def paged_attn_kernel(
     dmask = dcol < D
     qrow = ((qs + tok) * N + h * G + grp).to(tl.int64)
     q = tl.load(Q + qrow[:, None] * D + dcol[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0)
-    item_hi = tl.max(tl.where(rmask, limit, 0), 0)  # the keys this item's rows see
-    # keys per split, whole blocks, from this item's own length: a sequence splits the same in any step
-    split = ((item_hi + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    lo = sp * split
+    item_hi = tl.max(tl.where(rmask, limit, 0), 0)  # the keys this item's rows see end here
+    low_limit = tl.min(tl.where(rmask, limit, 1 << 30), 0)
+    # ... and begin here: with a window, at the first row's window (nothing below it is read, not even the
+    # page table: pages that fell out of every window may be gone)
+    base = tl.where(window > 0, tl.maximum(low_limit - window, 0), 0)
+    # keys per split, whole blocks, from this item's own span: a sequence splits the same in any step
+    split = ((item_hi - base + NSPLIT - 1) // NSPLIT + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = base + sp * split
     hi = tl.minimum(lo + split, item_hi)
-    if window > 0:
-        lo = tl.maximum(lo, tl.min(tl.where(rmask, limit, 1 << 30), 0) - window)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINK:
+        if sp == 0:  # the sink in base 2, as the scores are
+            m_i = tl.load(SINKS + h * G + grp, mask=rmask, other=0.0).to(tl.float32) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
     pt = PT + b.to(tl.int64) * MAXP
     koff = h * D + dcol
-    # blocks wholly below every row's limit (and below hi) need no masks: the keys every row sees
-    low_limit = tl.min(tl.where(rmask, limit, 1 << 30), 0)
-    full_end = lo
-    if window <= 0:
-        full_end = lo + tl.maximum(tl.minimum(hi, low_limit) - lo, 0) // BLOCK_N * BLOCK_N
-    for start in range(lo, full_end, BLOCK_N):
+    # blocks of keys every row sees (at or above the last row's window start, below the first row's limit
+    # and hi) need no masks; blocks before them (inside some rows' windows only) and after them do
+    full_start = lo + tl.where(
+        window > 0, (tl.maximum(item_hi - window - lo, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, 0
+    )
+    full_end = full_start + tl.maximum(tl.minimum(hi, low_limit) - full_start, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, tl.minimum(full_start, hi), BLOCK_N):
+        acc, m_i, l_i = _paged_block(
+            q,
+            acc,
+            m_i,
+            l_i,
+            K,
+            V,
+            pt,
+            koff,
+            start,
+            hi,
+            limit,
+            window,
+            sk_page,
+            sk_row,
+            sv_page,
+            sv_row,
+            qk_scale,
+            softcap,
+            dmask,
+            D,
+            DP,
+            PAGE,
+            BLOCK_N,
+            True,
+            SOFTCAP,
+            IEEE,
+        )
+    for start in range(full_start, full_end, BLOCK_N):
         acc, m_i, l_i = _paged_block(
             q,
             acc,
