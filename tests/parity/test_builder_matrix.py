@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from onnxgen.convert.zoo import EOS, NOT_RUNNABLE, RECIPES, ROPE_SWITCH, VOCAB, WINDOW, ZooBuild, build_zoo
-from onnxgen.errors import ConversionError, UnsupportedModel, UnsupportedOp
+from onnxgen.errors import ConversionError, UnsupportedModel
 
 pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime_genai")
@@ -40,9 +40,7 @@ BUILT = [n for n, r in RECIPES.items() if r.builds and n not in NOT_RUNNABLE]
 NOT_BUILT = [n for n, r in RECIPES.items() if not r.builds]
 
 # Native cells that cannot load today: (exact error type, reason). Remove an entry when its feature lands.
-NATIVE_XFAIL: dict[str, tuple[type[Exception], str]] = {
-    "gptoss": (UnsupportedOp, "native: MoE (its windows and attention sinks are supported)"),
-}
+NATIVE_XFAIL: dict[str, tuple[type[Exception], str]] = {}
 
 
 @pytest.fixture(scope="session")
