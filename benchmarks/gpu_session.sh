@@ -33,7 +33,8 @@
 #             fp32 on the native backend, batch-1 decode and 64 concurrent requests
 # Environment knobs: ONNXGEN_* kernel switches pass through (onnxgen.envs); BENCH_ARGS adds arguments to
 # every tool's command line (e.g. BENCH_ARGS="--engine decode_steps=4"); GPU_TESTS_S, KERNEL_TESTS_S and
-# COMPARE_S shorten those sections' time limits (seconds) to fit one call.
+# COMPARE_S shorten those sections' time limits (seconds) to fit one call; GPU_TEST_ARGS adds pytest arguments
+# to the GPU tests (e.g. --ignore=PATH).
 # Results go to docs/benchmarks/ (replace the page's table; the card is named in the tool's caption).
 set -u
 cd "$(dirname "$0")/.."
@@ -89,7 +90,7 @@ for section in "${@}"; do
             if [ "$section" = ifh200 ]; then
                 case "$card" in *H200*) ;; *) echo "not an H200: the sections after ifh200 are skipped"; break ;; esac
             fi ;;
-        tests) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests 2>&1 \
+        tests) timeout "${GPU_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf ${GPU_TEST_ARGS:-} tests 2>&1 \
                    | grep -E "^FAILED|passed|failed|error" | cut -c1-200 | tail -12
                timeout "${KERNEL_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -n 8 -rf tests/kernels 2>&1 \
                    | grep -E "^FAILED|passed|failed|error" | cut -c1-200 | tail -12 ;;
