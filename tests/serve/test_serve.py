@@ -35,7 +35,9 @@ def tiny_model(tiny_engine):
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    config = ServerConfig(api_keys=(KEY_A, KEY_B), max_queue=2, max_body_bytes=MAX_BODY, metrics_keys=(KEY_A,))
+    config = ServerConfig(
+        api_keys=(KEY_A, KEY_B), max_queue=2, max_body_bytes=MAX_BODY, metrics_keys=(KEY_A,)
+    )
     app = create_app(tiny_model, config)
     with RunningServer(app) as srv:
         yield srv
