@@ -61,3 +61,16 @@ def test_a_failed_stateless_request_leaves_nothing_behind(tiny):
     assert (
         again.stats.reused_tokens == 0 and again.tokens == fresh.tokens
     )  # the cancelled one took the context
+
+
+def test_a_session_continuing_a_stateless_turn_finds_its_whole_context(tiny):
+    """`Model.session(history=...)`: the reply's ids are kept where the next prompt's text spells them, so the
+    stateless turn's cached context is reused whole even when its text re-tokenizes differently."""
+    _, m = tiny
+    first = [{"role": "user", "content": "continue this conversation"}]
+    r1 = m.generate(first, max_new_tokens=12)
+    turn2 = [*first, {"role": "assistant", "content": r1.text}, {"role": "user", "content": "and then?"}]
+    s = m.session(history=[*r1.prompt_ids, *r1.tokens])
+    r2 = s.generate(turn2, max_new_tokens=2)
+    assert r2.stats.reused_tokens == len(r1.prompt_ids) + len(r1.tokens) - 1
+    assert r2.prompt_ids[: len(r1.prompt_ids) + len(r1.tokens) - 1] == [*r1.prompt_ids, *r1.tokens][:-1]

@@ -183,11 +183,15 @@ class Model:
         engine.submit(prepared, on_token=on_token, cancel=handle.cancel_event, on_done=done)
         return handle
 
-    def session(self, name: str | None = None, *, salt: str | None = None) -> Session:
+    def session(
+        self, name: str | None = None, *, salt: str | None = None, history: Sequence[int] = ()
+    ) -> Session:
         """A new conversation whose KV is kept between its requests. `salt`: part of every identity of its
         requests; requests under different salts never share KV (a server gives each tenant its own). With
-        paged KV, sessions under the same salt share the pages of common prefixes."""
-        return Session(self._engine, name, salt=salt)
+        paged KV, sessions under the same salt share the pages of common prefixes. `history`: the ids of a
+        context the conversation continues (a stateless request's `prompt_ids` + `tokens`): its first chat
+        prompt keeps them where its text spells them, so that context's cached KV is found whole."""
+        return Session(self._engine, name, salt=salt, history=history)
 
     @property
     def default_session(self) -> Session:

@@ -11,8 +11,9 @@
              `error` and response.failed after a failure
 
 A stored response (`store`, the default) keeps its conversation (the input without `instructions`, which are
-never carried over, plus its output) and the engine session it ran on: a request naming it as
-`previous_response_id` runs on that session, so its KV is reused and only the new items are prefilled. The
+never carried over, plus its output). A chain's first response runs stateless (its context goes where any
+request can reuse it); a request naming a stored response as `previous_response_id` runs on the chain's
+session (made then, finding the first response's context by prefix), so only the new items are prefilled. The
 store is scoped to the caller's key and bounded (`ServerConfig.max_stored_responses`, oldest dropped first).
 Requests take the same path as the other families (`routes.respond`).
 """
@@ -49,6 +50,7 @@ class Stored:
     messages: list[dict[str, Any]]
     session: Session | None
     body: dict[str, Any]
+    ids: tuple[int, ...] = ()  # the ids of its context: its prompt's and its output's
 
 
 class ResponseStore:
@@ -322,7 +324,8 @@ class Reply:
         body = self._response(status, self._output(outcome), _usage(result))
         if self.req.store is not False:
             messages = [*self.conversation, _assistant(outcome)]
-            self.server.responses.put(self.id, Stored(self.caller.owner, messages, self.session, body))
+            ids = (*result.prompt_ids, *result.tokens)
+            self.server.responses.put(self.id, Stored(self.caller.owner, messages, self.session, body, ids))
         return body
 
     def body(self, result: Result, outcome: Outcome, entries: Sequence[Any] | None) -> dict[str, Any]:
@@ -437,6 +440,15 @@ class Reply:
         ]
 
 
+def _chain_session(server: Server, caller: Caller, ids: tuple[int, ...]) -> Session:
+    """A session for a chain of responses (from its second on; its first ran stateless, so its context is
+    where any request can find it), salted as the caller's sessions are, continuing the context `ids` (so a
+    reply that would re-tokenize differently keeps the ids it was generated as)."""
+    salt, per_id = server.session_salt(caller)
+    name = f"resp-{secrets.token_hex(4)}"
+    return server.model.session(name, salt=secrets.token_hex(16) if per_id else salt, history=ids)
+
+
 def add_routes(app: Any, server: Server) -> None:
     """`POST /v1/responses`, `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`."""
     from onnxgen.serve.routes import read_body, respond
@@ -460,12 +472,11 @@ def add_routes(app: Any, server: Server) -> None:
                     code="response_not_found",
                 )
             history = prev.messages
-            if session is None and prev.session is not None and not prev.session.closed:
-                session = prev.session  # NOTE: the conversation's KV: only the new items are prefilled
-        if session is None and req.store is not False:
-            salt, per_id = server.session_salt(caller)
-            name = f"resp-{secrets.token_hex(4)}"
-            session = server.model.session(name, salt=secrets.token_hex(16) if per_id else salt)
+            if session is None:  # NOTE: the conversation's KV, so only the new items are prefilled
+                session = prev.session
+                if session is None or session.closed:  # the chain's second response: it gets a session
+                    session = _chain_session(server, caller, prev.ids)
+                    prev.session = session
         call, conversation = await server.run_off_loop(prepare, server, req, history)
         family = Reply(server, req, caller, conversation, session)
         return await respond(server, request, call, family, session or caller, prompt_field="input")
