@@ -26,7 +26,18 @@ from onnxgen.errors import APIError
 from onnxgen.serve import openai
 from onnxgen.serve.errors import anthropic_error_body
 from onnxgen.serve.schemas import CountTokensRequest, MessagesRequest
-from onnxgen.serve.streaming import Call, Event, Outcome, Text, ToolArgs, ToolEnd, ToolStart, sse
+from onnxgen.serve.streaming import (
+    Call,
+    Event,
+    Outcome,
+    Text,
+    ToolArgs,
+    ToolEnd,
+    ToolStart,
+    read_body,
+    respond,
+    sse,
+)
 
 if TYPE_CHECKING:
     from onnxgen import Model, Result
@@ -265,7 +276,6 @@ class Reply:
 
 def add_routes(app: Any, server: Server) -> None:
     """`POST /v1/messages` and `POST /v1/messages/count_tokens`."""
-    from onnxgen.serve.routes import read_body, respond
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

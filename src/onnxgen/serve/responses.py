@@ -34,7 +34,19 @@ from fastapi.responses import Response
 from onnxgen.errors import APIError, GrammarError
 from onnxgen.serve import openai
 from onnxgen.serve.schemas import ResponsesRequest
-from onnxgen.serve.streaming import Call, Event, FnCall, Outcome, Text, ToolArgs, ToolEnd, ToolStart, sse
+from onnxgen.serve.streaming import (
+    Call,
+    Event,
+    FnCall,
+    Outcome,
+    Text,
+    ToolArgs,
+    ToolEnd,
+    ToolStart,
+    read_body,
+    respond,
+    sse,
+)
 
 if TYPE_CHECKING:
     from onnxgen import Result, Session
@@ -451,8 +463,6 @@ def _chain_session(server: Server, caller: Caller, ids: tuple[int, ...]) -> Sess
 
 def add_routes(app: Any, server: Server) -> None:
     """`POST /v1/responses`, `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`."""
-    from onnxgen.serve.routes import read_body, respond
-
     server.responses = ResponseStore(server.config.max_stored_responses)
 
     @app.post("/v1/responses")

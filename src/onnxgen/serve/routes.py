@@ -1,5 +1,5 @@
 """The HTTP routes, thin: authenticate → read the body → map (openai.py, anthropic.py, responses.py) → one
-path for every family (`respond`: submit → a whole response, or streaming.py's event stream).
+path for every family (`streaming.respond`: submit → a whole response, or the family's event stream).
 
     GET /health · GET /metrics · GET /v1/models · GET /v1/models/{id}
     POST /v1/chat/completions · POST /v1/completions                     OpenAI (openai.py)
@@ -10,7 +10,6 @@ path for every family (`respond`: submit → a whole response, or streaming.py's
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,16 +18,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from onnxgen.errors import APIError
-from onnxgen.serve import openai
-from onnxgen.serve.bodies import read_json
+from onnxgen.serve import anthropic, openai, responses
 from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
 from onnxgen.serve.sessions import SESSION_HEADER
-from onnxgen.serve.streaming import assemble, engine_finish, stream_response
+from onnxgen.serve.streaming import read_body, respond
 
 if TYPE_CHECKING:
-    from onnxgen import Handle, Result, Session
-    from onnxgen.serve.server import Caller, Server
-    from onnxgen.serve.streaming import Call, Family
+    from onnxgen.serve.server import Server
 
 ROUTES = (
     "/health",
@@ -53,45 +49,8 @@ def route_label(path: str) -> str:
     return "other"
 
 
-async def read_body(server: Server, request: Request, schema: Any) -> Any:
-    """The request's body as `schema` (size, time, depth, strict JSON, types; see bodies.py)."""
-    cfg = server.config
-    return await read_json(request, schema, cfg.max_body_bytes, cfg.body_timeout_s)
-
-
-async def respond(
-    server: Server,
-    request: Request,
-    call: Call,
-    family: Family,
-    target: Session | Caller | None,
-    headers: dict[str, str] | None = None,
-    prompt_field: str = "messages",
-) -> Response:
-    """The one response path of every family: queue `call` on `target` (a session, or stateless for a caller)
-    and answer with `family`'s whole body, or its event stream when the call streams."""
-    headers = dict(headers or {})
-    sid = request.headers.get(SESSION_HEADER)
-    if sid:
-        headers[SESSION_HEADER] = sid.strip()
-    if call.stream:
-        return stream_response(server, call, family, target, headers)
-    handle = server.submit(target, call)
-    try:
-        result = await _await_handle(request, handle, server)
-    except APIError:
-        raise
-    except Exception as exc:
-        raise server.failure(handle, exc, prompt_field) from None
-    server.record(result)
-    entries = server.logprobs.visible(call.recorder.finish(result.tokens), result) if call.recorder else None
-    outcome = assemble(result.text, call.prepared.tool_marker, engine_finish(result), family.call_prefix)
-    return JSONResponse(family.body(result, outcome, entries), headers=headers)
-
-
 def add_routes(app: Any, server: Server) -> None:
     """Register every route of the server on the FastAPI `app`."""
-    from onnxgen.serve import anthropic, responses
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -176,28 +135,3 @@ def add_routes(app: Any, server: Server) -> None:
 
     anthropic.add_routes(app, server)
     responses.add_routes(app, server)
-
-
-async def _await_handle(request: Request, handle: Handle, server: Server) -> Result:
-    """The request's result; cancels it if the client disconnects (or the handler is cancelled)."""
-    fut = asyncio.wrap_future(handle.future)
-    try:
-        while True:
-            done, _ = await asyncio.wait({fut}, timeout=0.25)
-            if done:
-                return fut.result()
-            if await request.is_disconnected():
-                handle.cancel()
-                server.metrics.cancel()
-                fut.add_done_callback(_consume)
-                raise APIError(499, "the client disconnected", code="cancelled")
-    except asyncio.CancelledError:
-        handle.cancel()
-        fut.add_done_callback(_consume)
-        raise
-
-
-def _consume(fut: Any) -> None:
-    """Retrieve an abandoned future's outcome (asyncio would log an exception nobody retrieved)."""
-    if not fut.cancelled():
-        fut.exception()

@@ -31,8 +31,11 @@ from onnxgen.errors import APIError
 from onnxgen.serve.errors import from_engine_error
 
 if TYPE_CHECKING:
-    from onnxgen import Result
-    from onnxgen.serve.server import Server
+    from fastapi import Request
+    from fastapi.responses import Response
+
+    from onnxgen import Handle, Result, Session
+    from onnxgen.serve.server import Caller, Server
 
 
 def sse(obj: Any, event: str | None = None) -> str:
@@ -404,3 +407,73 @@ def stream_response(server: Server, call: Call, family: Family, target: Any, hea
 def engine_error(exc: BaseException, prompt_field: str = "messages") -> APIError:
     """`exc` as the APIError a response reports."""
     return from_engine_error(exc, prompt_field=prompt_field)
+
+
+# --- the one response path ---------------------------------------------------------------------------
+
+
+async def read_body(server: Server, request: Request, schema: Any) -> Any:
+    """The request's body as `schema` (size, time, depth, strict JSON, types; see bodies.py)."""
+    cfg = server.config
+    from onnxgen.serve.bodies import read_json
+
+    return await read_json(request, schema, cfg.max_body_bytes, cfg.body_timeout_s)
+
+
+async def respond(
+    server: Server,
+    request: Request,
+    call: Call,
+    family: Family,
+    target: Session | Caller | None,
+    headers: dict[str, str] | None = None,
+    prompt_field: str = "messages",
+) -> Response:
+    """The one response path of every family: queue `call` on `target` (a session, or stateless for a caller)
+    and answer with `family`'s whole body, or its event stream when the call streams."""
+    from fastapi.responses import JSONResponse
+
+    from onnxgen.serve.sessions import SESSION_HEADER
+
+    headers = dict(headers or {})
+    sid = request.headers.get(SESSION_HEADER)
+    if sid:
+        headers[SESSION_HEADER] = sid.strip()
+    if call.stream:
+        return stream_response(server, call, family, target, headers)
+    handle = server.submit(target, call)
+    try:
+        result = await _await_handle(request, handle, server)
+    except APIError:
+        raise
+    except Exception as exc:
+        raise server.failure(handle, exc, prompt_field) from None
+    server.record(result)
+    entries = server.logprobs.visible(call.recorder.finish(result.tokens), result) if call.recorder else None
+    outcome = assemble(result.text, call.prepared.tool_marker, engine_finish(result), family.call_prefix)
+    return JSONResponse(family.body(result, outcome, entries), headers=headers)
+
+
+async def _await_handle(request: Request, handle: Handle, server: Server) -> Result:
+    """The request's result; cancels it if the client disconnects (or the handler is cancelled)."""
+    fut = asyncio.wrap_future(handle.future)
+    try:
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=0.25)
+            if done:
+                return fut.result()
+            if await request.is_disconnected():
+                handle.cancel()
+                server.metrics.cancel()
+                fut.add_done_callback(_consume)
+                raise APIError(499, "the client disconnected", code="cancelled")
+    except asyncio.CancelledError:
+        handle.cancel()
+        fut.add_done_callback(_consume)
+        raise
+
+
+def _consume(fut: Any) -> None:
+    """Retrieve an abandoned future's outcome (asyncio would log an exception nobody retrieved)."""
+    if not fut.cancelled():
+        fut.exception()
