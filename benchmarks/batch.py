@@ -424,7 +424,9 @@ def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
     import httpx
 
     data, rows = {}, []
-    http = httpx.Client(base_url=args.url, timeout=3600, limits=httpx.Limits(max_connections=args.agents + 4))
+    # NOTE: a connection per request, for every server alike (llama-server drops reused ones at times)
+    limits = httpx.Limits(max_connections=args.agents + 4, max_keepalive_connections=0)
+    http = httpx.Client(base_url=args.url, timeout=3600, limits=limits)
     model = http.get("/v1/models").json()["data"][0]["id"]
     bias = {str(t): -100 for t in u.ints(args.eos)}
     for mode in args.sessions.split(","):

@@ -203,6 +203,7 @@ def prepare_call(
         stream=stream,
         include_usage=include_usage,
         stops=tuple(stop),
+        prompt_field=prompt_field,
     )
 
 

@@ -489,7 +489,7 @@ def add_routes(app: Any, server: Server) -> None:
                     prev.session = session
         call, conversation = await server.run_off_loop(prepare, server, req, history)
         family = Reply(server, req, caller, conversation, session)
-        return await respond(server, request, call, family, session or caller, prompt_field="input")
+        return await respond(server, request, call, family, session or caller)
 
     @app.get("/v1/responses/{rid}")
     async def retrieve(rid: str, request: Request) -> dict[str, Any]:

@@ -131,7 +131,7 @@ def add_routes(app: Any, server: Server) -> None:
             cap=server.config.max_tokens_cap,
         )
         family = openai.Reply(kind, server.model_id, server.logprobs, call.include_usage)
-        return await respond(server, request, call, family, session or caller, prompt_field=kind.prompt_field)
+        return await respond(server, request, call, family, session or caller)
 
     anthropic.add_routes(app, server)
     responses.add_routes(app, server)

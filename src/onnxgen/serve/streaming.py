@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from onnxgen.errors import APIError
-from onnxgen.serve.errors import from_engine_error
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -97,6 +96,7 @@ class Call:
     stream: bool = False
     include_usage: bool = False
     stops: tuple[str, ...] = ()
+    prompt_field: str = "messages"  # the request field an error about the prompt names
 
 
 @dataclass(frozen=True)
@@ -371,7 +371,7 @@ async def events(server: Server, call: Call, family: Family, handle: Any, feed: 
                 continue
             exc = payload.exception()
             if exc is not None:
-                err = server.failure(handle, exc)
+                err = server.failure(handle, exc, call.prompt_field)
                 for s in family.error(err):
                     yield s
                 break
@@ -404,11 +404,6 @@ def stream_response(server: Server, call: Call, family: Family, target: Any, hea
     )
 
 
-def engine_error(exc: BaseException, prompt_field: str = "messages") -> APIError:
-    """`exc` as the APIError a response reports."""
-    return from_engine_error(exc, prompt_field=prompt_field)
-
-
 # --- the one response path ---------------------------------------------------------------------------
 
 
@@ -427,7 +422,6 @@ async def respond(
     family: Family,
     target: Session | Caller | None,
     headers: dict[str, str] | None = None,
-    prompt_field: str = "messages",
 ) -> Response:
     """The one response path of every family: queue `call` on `target` (a session, or stateless for a caller)
     and answer with `family`'s whole body, or its event stream when the call streams."""
@@ -447,7 +441,7 @@ async def respond(
     except APIError:
         raise
     except Exception as exc:
-        raise server.failure(handle, exc, prompt_field) from None
+        raise server.failure(handle, exc, call.prompt_field) from None
     server.record(result)
     entries = server.logprobs.visible(call.recorder.finish(result.tokens), result) if call.recorder else None
     outcome = assemble(result.text, call.prepared.tool_marker, engine_finish(result), family.call_prefix)
