@@ -68,7 +68,8 @@ def test_callbacks_run_on_the_loop_thread_never_on_another_callers(paged) -> Non
 def test_sixty_four_streams_on_a_handful_of_threads(paged) -> None:
     """64 concurrent streamed chat completions (one asyncio client, so every thread counted is the server's
     or the test's main one): all complete with their own text, and the process never runs more than
-    `MOST_THREADS` threads meanwhile."""
+    `MOST_THREADS` threads meanwhile (besides those earlier tests left running)."""
+    leftover = threading.active_count() - 1  # threads other tests left behind (the main one aside)
     app = create_app(paged, ServerConfig(max_queue=STREAMS))
     peak = {"threads": 0}
     with RunningServer(app) as srv:
@@ -105,4 +106,4 @@ def test_sixty_four_streams_on_a_handful_of_threads(paged) -> None:
             [{"role": "user", "content": f"stream number {i}"}], max_new_tokens=24, temperature=0, reuse=False
         )
         assert got[i] == alone.text
-    assert peak["threads"] <= MOST_THREADS, (before, peak)
+    assert peak["threads"] - leftover <= MOST_THREADS, (leftover, before, peak)
