@@ -1,5 +1,6 @@
 """Requests at once on one engine, on the CPU or CUDA, through the Python API or the OpenAI-compatible
-server: throughput against concurrency, a shared system prompt, agents that keep sessions.
+server: throughput against concurrency, a shared system prompt, agents that keep sessions; and one multi-turn
+trace replayed against any OpenAI-compatible server (onnxgen serve, llama.cpp's llama-server, ...).
 
     python benchmarks/batch.py --model builder:8b16k --device cuda --concurrency 1,8,32,64,128
     python benchmarks/batch.py --chat --concurrency 8 --new 64 --engine backend=native,max_running=8 \\
@@ -7,6 +8,7 @@ server: throughput against concurrency, a shared system prompt, agents that keep
     python benchmarks/batch.py --concurrency 1 --new 64 --api python,http,http-stream      (server overhead)
     python benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --engine "" \\
         --engine paged=false,max_running=1,label=serial
+    python benchmarks/batch.py --sections trace --url http://127.0.0.1:8000 --label onnxgen --sessions on,off
 
 Sections (contenders interleaved, the order reversed every other round, median of --runs):
   sweep   for each --concurrency B: B requests with distinct --prompt-token prompts (random ids; --chat:
@@ -24,6 +26,12 @@ Sections (contenders interleaved, the order reversed every other round, median o
           (64-token user turns, up to 128 tokens answered), all arriving at once, one run per engine: tok/s, TTFT and
           inter-token latency p50 / p99, KV pages held against one system prompt plus every session's own
           turns, prefix hit rate (`Model.kv_stats`; paged engines)
+  trace   against the server at --url (started on its own: one server at a time), --agents conversations
+          at once, --turns turns each, a --system-token system prompt (about; unique to the run, shared by
+          its conversations), --new tokens a turn (EOS suppressed), streamed chat completions, each turn sent
+          with the whole conversation as a stateless client does (--sessions on: onnxgen's X-Session-Id, a
+          session per conversation): TTFT of turn 1 and of later turns (p50 / p99), wall time, prompt
+          tokens the server reported cached on later turns
 Greedy; `speculative` as --speculative ("off": plain decoding; "default": the engine's choice).
 """
 
@@ -361,6 +369,139 @@ def agents(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
     return f"agents: a {args.system}-token system prompt shared under one salt", u.table(rows, header), data
 
 
+RULES = [
+    "Answer in plain English.",
+    "Keep answers short and concrete.",
+    "Never invent facts; say when you are unsure.",
+    "Prefer lists when they help.",
+    "Use metric units and quote prices in euros.",
+    "Ask a follow-up question when the request is vague.",
+    "Do not use emoji.",
+    "Be polite but brief.",
+]
+
+
+def system_prompt(tokens: int, nonce: int) -> str:
+    """About `tokens` tokens of a travel agent's instructions, unique to `nonce` (no reuse across runs)."""
+    text = (
+        f"Session {nonce}. You are Atlas, the assistant of a small travel agency in Lyon. You help customers "
+    )
+    text += "plan trips, compare destinations, estimate budgets and prepare packing lists."
+    i = 0
+    while len(text) < tokens * 4.2:
+        text += f" Rule {i + 1}: {RULES[i % len(RULES)]}"
+        i += 1
+    return text
+
+
+def _turn(http: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    """One streamed chat completion: TTFT (the first content), its text, usage (cached tokens)."""
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            for ch in ev.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(piece)
+            if ev.get("usage"):
+                usage = ev["usage"]
+            if ev.get("timings"):  # llama-server's: the prompt tokens its cache supplied
+                usage = {**usage, "cache_n": ev["timings"].get("cache_n")}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        cached = usage.get("cache_n") or 0
+    return {"ttft": ttft, "text": "".join(text), "prompt": usage.get("prompt_tokens", 0), "cached": cached}
+
+
+def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
+    """The multi-turn trace against --url (see the module docstring), once per --sessions mode."""
+    import httpx
+
+    data, rows = {}, []
+    # NOTE: a connection per request, for every server alike (llama-server drops reused ones at times)
+    limits = httpx.Limits(max_connections=args.agents + 4, max_keepalive_connections=0)
+    http = httpx.Client(base_url=args.url, timeout=3600, limits=limits)
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    bias = {str(t): -100 for t in u.ints(args.eos)}
+    for mode in args.sessions.split(","):
+        runs = []
+        for run in range(args.runs):
+            system = system_prompt(args.system, nonce=hash((mode, run, time.time())) % 100000)
+
+            def conversation(c: int, system: str = system, mode: str = mode) -> list[dict[str, Any]]:
+                headers = {}
+                if mode == "on":
+                    sid = http.post("/v1/sessions").json()["id"]
+                    headers["X-Session-Id"] = sid
+                msgs = [{"role": "system", "content": system}]
+                turns = []
+                for t in range(args.turns):
+                    msgs.append({"role": "user", "content": QUESTIONS[(c * args.turns + t) % len(QUESTIONS)]})
+                    body = {
+                        "model": model,
+                        "messages": msgs,
+                        "max_tokens": args.new,
+                        "temperature": 0,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                        "logit_bias": bias,
+                        "ignore_eos": True,  # llama-server's; onnxgen ignores it (the logit bias does it there)
+                    }
+                    turns.append(_turn(http, body, headers))
+                    msgs.append({"role": "assistant", "content": turns[-1]["text"]})
+                return turns
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(args.agents) as ex:
+                convs = list(ex.map(conversation, range(args.agents)))
+            wall = time.perf_counter() - t0
+            first = [c[0]["ttft"] for c in convs]
+            later = [t["ttft"] for c in convs for t in c[1:]]
+            runs.append(
+                {
+                    "wall_s": wall,
+                    "turn1_ttft_p50": u.median(first),
+                    "later_ttft_p50": u.median(later),
+                    "later_ttft_p99": u.p99(later),
+                    "later_cached": sum(t["cached"] for c in convs for t in c[1:]),
+                    "later_prompt": sum(t["prompt"] for c in convs for t in c[1:]),
+                    "turn1_prompt": convs[0][0]["prompt"],
+                }
+            )
+        med = {k: u.median(r[k] for r in runs) for k in runs[0]}
+        data[mode] = {"runs": runs, "median": med}
+        rows.append(
+            [
+                f"{args.label} (session ids {mode})",
+                f"{med['turn1_ttft_p50'] * 1000:.0f}",
+                f"{med['later_ttft_p50'] * 1000:.0f}",
+                f"{med['later_ttft_p99'] * 1000:.0f}",
+                f"{med['wall_s']:.1f}",
+                f"{med['later_cached']:.0f} / {med['later_prompt']:.0f}",
+            ]
+        )
+    http.close()
+    header = [
+        "server",
+        "turn 1 TTFT p50 ms",
+        "later TTFT p50 ms",
+        "later p99 ms",
+        "wall s",
+        "later cached / prompt",
+    ]
+    title = (
+        f"trace: {args.agents} conversations x {args.turns} turns at once, ~{args.system}-token system prompt, "
+        f"{args.new} new tokens a turn, streamed (median of {args.runs})"
+    )
+    return title, u.table(rows, header), data
+
+
 def main() -> int:
     ap = u.parser(__doc__)
     ap.add_argument("--sections", default="sweep")
@@ -376,9 +517,22 @@ def main() -> int:
     ap.add_argument("--system", type=int, default=600, help="system prompt tokens (shared: about)")
     ap.add_argument("--agents", type=int, default=32)
     ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--url", default=None, help="trace: the server to replay the trace against")
+    ap.add_argument("--label", default="server", help="trace: the server's name in the table")
+    ap.add_argument("--sessions", default="off", help="trace: on (onnxgen's X-Session-Id), off, or both")
+    ap.add_argument("--eos", default="2", help="trace: EOS ids to suppress, comma-separated")
     args = ap.parse_args()
     if set(args.sections.split(",")) <= {"agents"}:
         args.dry_run = True  # one run: --runs does not apply
+    if args.sections == "trace":
+        if args.url is None:
+            ap.error("--sections trace needs --url")
+        args.dry_run = True  # each run is a whole trace: --runs 1 is a measurement
+        title, text, d = trace(args, {})
+        u.report(
+            f"server: {args.url}; {u.describe('cpu', None)}; greedy", [(title, text)], args, {"trace": d}
+        )
+        return 0
     u.check_args(ap, args)
     u.require_cuda(args.device, "batch.py")
     u.set_threads(args.threads)

@@ -382,6 +382,7 @@ MODEL_API = {
     "eos_token_ids",
     "from_spec",
     "generate",
+    "kv_snapshot",
     "kv_stats",
     "max_running",
     "paged",

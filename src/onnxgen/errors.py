@@ -105,6 +105,11 @@ class GrammarError(InvalidRequest):
     """A structured-output constraint (JSON schema, regex, grammar) is invalid."""
 
 
+class GrammarFailed(GrammarError):
+    """A constraint that compiled could not go on mid-generation (llguidance hit one of its limits, or the
+    grammar admits no continuation): the request fails rather than end with output that breaks it."""
+
+
 # --- backends -------------------------------------------------------------------------------
 
 

@@ -171,10 +171,14 @@ def test_close_frees_every_cache_and_sessions_stay_usable(tiny_dir, backend):
     first = s.generate(prompt, max_new_tokens=4)
     m.generate(prompt, max_new_tokens=4)
     m.generate(prompt, max_new_tokens=4, reuse=False)  # leaves an idle decoder (with its buffers) in the pool
-    assert s.kv_bytes() > 0 and m.default_session.kv_bytes() > 0
+    assert s.kv_bytes() > 0 and m.kv_stats()["stateless_kv_bytes"] > 0  # the stateless request's context
     assert engine.pool.idle >= 1 and engine.pool.kv_bytes() > 0
     m.close()
-    assert s.kv_bytes() == 0 and m.default_session.kv_bytes() == 0 and engine.registry.total_kv_bytes() == 0
+    assert (
+        s.kv_bytes() == 0
+        and m.kv_stats()["stateless_kv_bytes"] == 0
+        and engine.registry.total_kv_bytes() == 0
+    )
     assert engine.pool.idle == 0 and engine.pool.kv_bytes() == 0
     again = s.generate(prompt, max_new_tokens=4)  # nothing retained: computed from scratch, same tokens
     assert again.stats.reused_tokens == 0 and again.tokens == first.tokens

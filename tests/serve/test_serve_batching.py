@@ -46,7 +46,7 @@ def chat(http, model_id: str, text: str, key: str, n: int = 6) -> httpx.Response
 
 def test_concurrent_clients_equal_serial_runs_and_no_5xx(paged_engine) -> None:
     engine, paged_model = paged_engine
-    app = create_app(paged_model, ServerConfig(api_keys=(KEY_A, KEY_B)))
+    app = create_app(paged_model, ServerConfig(api_keys=(KEY_A, KEY_B), metrics_keys=(KEY_A,)))
     steps = {"n": 0, "batched": 0}
     original = engine.executor.run
 

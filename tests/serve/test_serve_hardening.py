@@ -199,16 +199,33 @@ def _cached(
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_keyless_requests_share_no_kv_unless_they_name_a_session(keyless, model_id):
+def test_keyless_requests_share_prefixes_unless_isolated(keyless, tiny_model, model_id):
+    """A keyless server is one operator's: every request reuses any cached prefix (as llama.cpp and vLLM do);
+    a `cache_salt` (body field or header) isolates a request; `isolate_keyless` isolates every unnamed one."""
     secret = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
-    assert _cached(keyless, model_id, secret) == 0  # client A
-    assert _cached(keyless, model_id, [*secret[:-1], 99]) == 0  # client B's guess: no oracle
-    assert (
-        _cached(keyless, model_id, secret) == 0
-    )  # not even A's own repeat: unnamed requests are contexts of their own
-    sid = httpx.post(keyless.url + "/v1/sessions").json()["id"]
-    assert _cached(keyless, model_id, secret, sid=sid) == 0
-    assert _cached(keyless, model_id, [*secret, 20, 21], sid=sid) > 0  # a named session reuses
+    _cached(keyless, model_id, secret)
+    assert _cached(keyless, model_id, [*secret, 20]) == len(secret)  # a stateless follow-up reuses
+    salted = [*secret, 21]
+    r = httpx.post(
+        keyless.url + "/v1/completions",
+        json={"model": model_id, "prompt": salted, "max_tokens": 2, "cache_salt": "mine"},
+        timeout=60,
+    )
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its own salt: nothing shared
+    again = httpx.post(
+        keyless.url + "/v1/completions",
+        json={"model": model_id, "prompt": [*salted, 22], "max_tokens": 2},
+        headers={"X-Cache-Salt": "mine"},
+        timeout=60,
+    )
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(salted)  # the same salt
+    with RunningServer(create_app(tiny_model, ServerConfig(isolate_keyless=True))) as isolated:
+        pin = [40, 41, 42, 43, 44, 45, 46, 47]
+        assert _cached(isolated, model_id, pin) == 0
+        assert _cached(isolated, model_id, [*pin, 48]) == 0  # unnamed requests are contexts of their own
+        sid = httpx.post(isolated.url + "/v1/sessions").json()["id"]
+        assert _cached(isolated, model_id, pin, sid=sid) == 0
+        assert _cached(isolated, model_id, [*pin, 49], sid=sid) == len(pin)  # a named session reuses
 
 
 def test_cached_tokens_never_reflect_another_key(keyed, model_id):
@@ -218,11 +235,18 @@ def test_cached_tokens_never_reflect_another_key(keyed, model_id):
     assert _cached(keyed, model_id, [*pin, 40], KEY_A) == len(pin)  # while A's own follow-up reuses
 
 
-def test_metrics_need_a_key_when_keys_are_set(keyed, keyless):
+def test_metrics_need_a_metrics_key_when_keys_are_set(tiny_model, keyed, keyless):
+    """/metrics shows every tenant's traffic: with API keys only a metrics key reads it; /health tells nothing
+    about anyone's traffic."""
     _check_error(httpx.get(keyed.url + "/metrics"), 401)
     _check_error(httpx.get(keyed.url + "/metrics", headers={"Authorization": "Bearer wrong"}), 401)
-    assert httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).status_code == 200
+    _check_error(httpx.get(keyed.url + "/metrics", headers={"Authorization": f"Bearer {KEY_A}"}), 403)
     assert httpx.get(keyless.url + "/metrics").status_code == 200
+    assert httpx.get(keyed.url + "/health").json() == {"status": "ok"}
+    config = ServerConfig(api_keys=(KEY_A,), metrics_keys=("ops-key",))
+    with RunningServer(create_app(tiny_model, config)) as srv:
+        assert httpx.get(srv.url + "/metrics", headers={"x-api-key": "ops-key"}).status_code == 200
+        _check_error(httpx.get(srv.url + "/metrics", headers={"x-api-key": KEY_A}), 403)
 
 
 # --- resource limits -------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`onnxgen serve`: the OpenAI-compatible HTTP server (see onnxgen.serve)."""
+"""`onnxgen serve`: the HTTP server (OpenAI chat completions, completions and responses; Anthropic messages;
+see onnxgen.serve)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ from typing import Any
 from onnxgen.cli.options import add_model_args, load_model
 from onnxgen.errors import InvalidRequest
 
+PREFILL_CHUNK = 512  # the server's prefill chunk unless --prefill-chunk sets one
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve the model over an OpenAI-compatible HTTP API",
-        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions, /health and /metrics. "
-        "Binds 127.0.0.1 unless --host says otherwise. Conversations reuse their KV across requests: name a "
-        "session with the X-Session-Id header (POST /v1/sessions creates one), or rely on the per-key default.",
+        help="serve the model over OpenAI- and Anthropic-compatible HTTP APIs",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, "
+        "/v1/sessions, /health and /metrics. Binds 127.0.0.1 unless --host says otherwise. Every request reuses "
+        "cached prefixes (within its API key's tenancy); a session (X-Session-Id, POST /v1/sessions) keeps one "
+        "conversation's KV, and a stored response keeps its conversation's for previous_response_id.",
     )
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
@@ -61,6 +65,33 @@ def register(sub: Any) -> None:
         help="most tokens one request may generate; also the default max_tokens (default: 2048)",
     )
     p.add_argument(
+        "--metrics-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="with API keys: a key that may read /metrics, which shows every tenant's traffic (repeatable)",
+    )
+    p.add_argument(
+        "--isolate-keyless",
+        action="store_true",
+        help="without API keys: requests share no cached prefix unless they name a session or a cache_salt "
+        "(for keyless multi-tenant deployments; reuse is otherwise observable through timing)",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="seconds a session may go unused before it expires (default: 3600)",
+    )
+    p.add_argument(
+        "--sessions-per-client",
+        type=int,
+        default=64,
+        metavar="N",
+        help="without API keys: sessions one client address may hold (default: 64)",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -89,20 +120,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from onnxgen.serve.app import ServerConfig, create_app
+        from onnxgen.serve.app import UVICORN_OPTIONS, ServerConfig, create_app
     except ImportError as exc:
         raise InvalidRequest(
             f"the server needs the serve extra: pip install 'onnxgen[serve]' ({exc})"
         ) from exc
-    if args.max_sessions < 1 or args.max_queue < 1 or args.max_tokens_cap < 1:
+    if min(args.max_sessions, args.max_queue, args.max_tokens_cap, args.sessions_per_client) < 1:
         raise InvalidRequest(
-            "--max-sessions, --max-queue and --max-tokens-cap must be >= 1", field="max_sessions"
+            "--max-sessions, --max-queue, --max-tokens-cap and --sessions-per-client must be >= 1",
+            field="max_sessions",
         )
+    if not args.session_ttl > 0:
+        raise InvalidRequest(f"--session-ttl must be > 0, got {args.session_ttl}", field="session_ttl")
     if not args.request_timeout > 0:
         raise InvalidRequest(
             f"--request-timeout must be > 0, got {args.request_timeout}", field="request_timeout"
         )
     keys = read_keys(args)
+    if args.prefill_chunk is None:  # the loop checks cancellation and timeouts between chunks
+        args.prefill_chunk = PREFILL_CHUNK
     model = load_model(args, max_sessions=args.max_sessions)
     app = create_app(
         model,
@@ -112,18 +148,27 @@ def run(args: argparse.Namespace) -> int:
             model_id=args.model_id,
             max_tokens_cap=args.max_tokens_cap,
             request_timeout_s=args.request_timeout,
+            metrics_keys=tuple(args.metrics_key or ()),
+            isolate_keyless=args.isolate_keyless,
+            session_ttl_s=args.session_ttl,
+            max_sessions_per_client=args.sessions_per_client,
         ),
     )
     auth = (
         f"{len(keys)} API key(s)"
         if keys
-        else "no API key (anyone who can reach the port can use it; unnamed requests share no KV)"
+        else "no API key (anyone who can reach the port can use it"
+        + (
+            "; requests share no KV unless they name a session)"
+            if args.isolate_keyless
+            else "; requests share cached prefixes)"
+        )
     )
     print(
         f"onnxgen: serving {app.state.server.model_id!r} on http://{args.host}:{args.port}/v1 · "
         f"{model.backend}/{model.device} · {auth}",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, **UVICORN_OPTIONS)
     app.state.server.close()
     return 0

@@ -96,7 +96,8 @@ class Engine:
             self.pool = DecoderPool(self._new_decoder)
             # NOTE: the prototype is an ordinary decoder too; a closed decoder stays usable and still forks
             self.pool.release(self._prototype)
-            self.executor = SlotKV(self.pool)
+            # stateless requests' contexts, matched by longest prefix: as many as sessions may retain
+            self.executor = SlotKV(self.pool, stateless=config.cache.max_sessions)
         self.paged: bool = self.executor.paged
         dec = config.decoding
         self.policy = RunPolicy(
@@ -119,8 +120,10 @@ class Engine:
         cache = config.cache
         self.registry = SessionRegistry(max_sessions=cache.max_sessions, max_kv_bytes=cache.max_kv_bytes)
         self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
+        self._snapshot: dict[str, Any] = {}  # the last `kv_stats`, for `kv_snapshot` while a step runs
         self._stuck = 0
         self.notify: Callable[[], None] = lambda: None  # the loop's wake-up (set by `EngineLoop`)
+        self._snapshot = self.kv_stats()
 
     @property
     def max_running(self) -> int:
@@ -388,6 +391,19 @@ class Engine:
             out.update(self.executor.stats())
         out["retained_kv_bytes"] = self.registry.total_kv_bytes()
         return out
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """`kv_stats` if the step's lock is free now, else the last numbers computed (never waits for a step;
+        the running and waiting counts are read live). Any thread."""
+        if self._kv_lock.acquire(blocking=False):
+            try:
+                self._snapshot = self.kv_stats()
+            finally:
+                self._kv_lock.release()
+        snap = dict(self._snapshot)
+        snap["running"] = len(self.scheduler.running)
+        snap["waiting"] = self.scheduler.num_waiting()
+        return snap
 
     def close(self) -> None:
         """Free the device memory of every cache: retained sessions (they stay usable and reuse nothing next

@@ -156,8 +156,8 @@ class Model:
         """Generate and wait for the `Result`. `prompt`: raw text, a list of `{"role", "content"}` messages
         (rendered by the chat template) or token ids, or a `Prepared` request. `on_token(text)`: each piece of
         text as it is generated (on the model's loop thread). `cancel`: set it to stop the request (`Cancelled`).
-        Stateless callers reuse too: with paged KV through the prefix index, else on the model's default
-        session. Raises `InvalidRequest` for bad options, and what the request failed with."""
+        Stateless callers reuse too: with paged KV through the prefix index, else through the retained contexts
+        of recent stateless requests (matched by longest prefix). Raises `InvalidRequest` for bad options, and what the request failed with."""
         return self.submit(prompt, on_token=on_token, cancel=cancel, **options).result()
 
     def submit(
@@ -168,10 +168,10 @@ class Model:
         cancel: threading.Event | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Handle:
-        """Queue a request and return its `Handle` at once (`generate` without the wait)."""
+        """Queue a request and return its `Handle` at once (`generate` without the wait). Stateless requests run
+        concurrently and reuse cached prefixes under their identity (salt included): with paged KV through the
+        prefix index, else through the contexts of recent stateless requests, matched by longest prefix."""
         engine = self._engine
-        if not engine.paged:
-            return self._default.submit(prompt, on_token=on_token, cancel=cancel, **options)
         if isinstance(prompt, Prepared):
             if options:
                 raise InvalidRequest("a prepared request takes no options", field=next(iter(options)))
@@ -189,23 +189,33 @@ class Model:
         engine.submit(prepared, on_token=on_token, cancel=handle.cancel_event, on_done=done)
         return handle
 
-    def session(self, name: str | None = None, *, salt: str | None = None) -> Session:
+    def session(
+        self, name: str | None = None, *, salt: str | None = None, history: Sequence[int] = ()
+    ) -> Session:
         """A new conversation whose KV is kept between its requests. `salt`: part of every identity of its
         requests; requests under different salts never share KV (a server gives each tenant its own). With
-        paged KV, sessions under the same salt share the pages of common prefixes."""
-        return Session(self._engine, name, salt=salt)
+        paged KV, sessions under the same salt share the pages of common prefixes. `history`: the ids of a
+        context the conversation continues (a stateless request's `prompt_ids` + `tokens`): its first chat
+        prompt keeps them where its text spells them, so that context's cached KV is found whole."""
+        return Session(self._engine, name, salt=salt, history=history)
 
     @property
     def default_session(self) -> Session:
-        """The session stateless `generate` calls run on when the KV is not paged."""
+        """A session made with the model, for callers that want one conversation without making their own
+        (stateless `generate` calls do not use it: they run concurrently, see `submit`)."""
         return self._default
 
     # --- state -------------------------------------------------------------------------------------------
 
     def kv_stats(self) -> dict[str, Any]:
         """KV and scheduling numbers now: running and waiting requests, preemptions, `retained_kv_bytes` (what
-        sessions keep), and with paged KV the pool's pages and prefix-cache hits."""
+        sessions keep), and with paged KV the pool's pages and prefix-cache hits. Waits for the step running."""
         return self._engine.kv_stats()
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """`kv_stats` without waiting: computed now if no step is running, else the last numbers computed
+        (a metrics endpoint reads this, so it never waits for a long prefill)."""
+        return self._engine.kv_snapshot()
 
     def settle(self) -> None:
         """Wait for device work launched past requests that already finished (a benchmark calls it before

@@ -76,7 +76,9 @@ class Result:
 def result_of(req: Request, *, backend: str, device: str, chunk_size: int | None, tool_format: Any) -> Result:
     """The `Result` of a finished request (`req.error is None`). Its prepared tools (unless `tool_choice`
     is "none") are parsed out of the text by `tool_format`: with calls, `finish_reason` is "tool_calls"
-    and `content` the text around them."""
+    (unless `max_new_tokens` cut the output short: "length", the complete calls kept) and `content` the text
+    around them; output that starts a call (the tool grammar's call region) has no content, so a call cut
+    short leaves no markup in it."""
     n = len(req.output)
     decode_s = req.t_done - req.t_first
     t0 = req.t_submit
@@ -99,7 +101,9 @@ def result_of(req: Request, *, backend: str, device: str, chunk_size: int | None
     finish = req.finish_reason or "stop"
     if req.tools and req.tool_choice != "none":
         content, calls = tool_format.parse(req.text)
-        if calls:
+        if req.text[:1] == tool_format.marker[:1]:  # the grammar's call region: all of it is call markup
+            content = None
+        if calls and finish == "stop":
             finish = "tool_calls"
     return Result(
         text=req.text,

@@ -73,13 +73,16 @@ class Session:
 
     _ids = itertools.count(1)
 
-    def __init__(self, engine: Runner, name: str | None = None, *, salt: str | None = None) -> None:
+    def __init__(
+        self, engine: Runner, name: str | None = None, *, salt: str | None = None, history: Any = ()
+    ) -> None:
         self.engine = engine
         self.name = name or f"session-{next(self._ids)}"
         self.salt = salt
         self._state_lock = threading.Lock()
         self._retained: Any = None  # the engine's state: a retained decoder, or a pin on the paged index
-        self._history: tuple[int, ...] = ()  # the ids of the last context, kept when its KV is evicted
+        # the ids of the last context (kept when its KV is evicted); at first, those of a context it continues
+        self._history: tuple[int, ...] = tuple(history)
         self._queue: deque[tuple[Prepared, Handle, Any]] = deque()
         self._busy = False  # a request of this session is in the engine
         self._idle = threading.Condition()

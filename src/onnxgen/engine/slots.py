@@ -5,13 +5,16 @@ Each running request owns a `Decoder` (its own contiguous KV). A session keeps i
 requests as `Retained(decoder, identity)` — one value, so the KV and the description of what it holds
 never diverge (docs/reuse.md, invariant 1). Admission takes the session's decoder (or an empty one from
 the pool) and applies the one reuse policy (`engine/reuse.py`: Reset | Keep | Rewind) against what it
-holds; this is the prefix index of a single slot: the only context a request can match is its own
-session's. A step runs each scheduled chunk on its request's decoder, one after another.
+holds. A request that holds nothing (a stateless request, or a session's first turn) looks among the
+`Stash`: the contexts of recent requests nobody keeps (a few decoders, matched by longest prefix under the
+same identity digest, as llama.cpp's slots are), so stateless clients reuse a conversation's prefix too.
+A step runs each scheduled chunk on its request's decoder, one after another.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,24 +92,76 @@ class DecoderPool:
         decoder.close()
 
 
+class Stash:
+    """The retained contexts of finished requests that no session keeps (stateless requests), at most `keep`
+    (least recently stored dropped first, their decoders back to the pool). `take(identity)` removes and
+    returns the entry sharing the longest prefix with `identity` (same digest; at least one token), so an
+    entry is only ever used by one request (docs/reuse.md, invariant 2). Thread-safe."""
+
+    def __init__(self, pool: DecoderPool, keep: int) -> None:
+        self.pool = pool
+        self.keep = keep
+        self._entries: OrderedDict[int, Retained] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, new: Identity) -> Retained | None:
+        """The entry whose context shares the most tokens with `new` (None: none shares any), removed."""
+        with self._lock:
+            best, best_n = None, 0
+            for key, entry in self._entries.items():
+                n = reuse.shared_prefix(entry.identity, new)
+                if n > best_n:
+                    best, best_n = key, n
+            return self._entries.pop(best) if best is not None else None
+
+    def put(self, entry: Retained) -> None:
+        """Keep `entry` (the most recent); beyond `keep` entries the oldest decoder goes back to the pool."""
+        with self._lock:
+            self._entries[id(entry)] = entry
+            out = []
+            while len(self._entries) > self.keep:
+                out.append(self._entries.popitem(last=False)[1])
+        for old in out:
+            self.pool.release(old.decoder)
+
+    def clear(self) -> None:
+        """Drop every entry (decoders back to the pool)."""
+        with self._lock:
+            out, self._entries = list(self._entries.values()), OrderedDict()
+        for old in out:
+            self.pool.release(old.decoder)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def kv_bytes(self) -> int:
+        with self._lock:
+            return sum(e.decoder.kv_bytes() for e in self._entries.values())
+
+
 class SlotKV:
-    """The scheduler's KV adapter and the step's executor for per-request decoders."""
+    """The scheduler's KV adapter and the step's executor for per-request decoders. `stateless`: how many
+    contexts of requests nobody keeps are retained for later requests to match (`Stash`; 0: none)."""
 
     paged = False
     verify_sizes: tuple[int, ...] = ()  # a decoder's verify step costs what its positions do
 
-    def __init__(self, pool: DecoderPool) -> None:
+    def __init__(self, pool: DecoderPool, stateless: int = 0) -> None:
         self.pool = pool
+        self.stash = Stash(pool, stateless)
 
     # --- the scheduler's calls ---------------------------------------------------------------------
 
     def admit(self, req: Request) -> bool:
         held: Retained | None = req.held
         req.held = None  # NOTE: the retained decoder now belongs to the request (invariant 2)
+        new = Identity(tuple(req.tokens), req.digest)
+        if held is None and req.reuse and req.digest is not None and self.stash.keep:
+            held = self.stash.take(new)  # NOTE: taken out of the stash: this request's alone
         decoder = held.decoder if held is not None else self.pool.acquire()
         known = held.identity if held is not None and req.reuse else None
         req.kv = decoder
-        req.computed = reuse.prepare(decoder, known, Identity(tuple(req.tokens), req.digest))
+        req.computed = reuse.prepare(decoder, known, new)
         if not decoder.can_rewind:
             req.drafts = None  # rejected drafts could not be taken back out of the cache
         return True
@@ -148,11 +203,16 @@ class SlotKV:
         reuse.discard(req.kv, keep)
 
     def finish(self, req: Request) -> Retained | None:
-        """After success: what the request's session keeps (its decoder and the fed tokens), or None
-        (nobody keeps it: the decoder goes back to the pool)."""
+        """After success: what the request's session keeps (its decoder and the fed tokens), or None: nobody
+        keeps it, and its context goes to the stash (a request with `reuse`) or its decoder to the pool."""
         decoder, req.kv = req.kv, None
-        if req.owner is not None and req.reuse and req.digest is not None:
-            return Retained(decoder, Identity(tuple(req.fed), req.digest))
+        if req.reuse and req.digest is not None:
+            kept = Retained(decoder, Identity(tuple(req.fed), req.digest))
+            if req.owner is not None:
+                return kept
+            if self.stash.keep:
+                self.stash.put(kept)
+                return None
         self.pool.release(decoder)
         return None
 
@@ -165,7 +225,13 @@ class SlotKV:
         return state.decoder.kv_bytes() if state is not None else 0
 
     def stats(self) -> dict[str, int]:
-        return {"idle_decoders": self.pool.idle, "idle_kv_bytes": self.pool.kv_bytes()}
+        return {
+            "idle_decoders": self.pool.idle,
+            "idle_kv_bytes": self.pool.kv_bytes(),
+            "stateless_contexts": len(self.stash),
+            "stateless_kv_bytes": self.stash.kv_bytes(),
+        }
 
     def close(self) -> None:
+        self.stash.clear()
         self.pool.close()

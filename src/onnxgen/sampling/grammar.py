@@ -12,7 +12,10 @@ Per step the processor (1) feeds the matcher the token sampled at the previous s
 the token bitmask (llguidance drops the GIL while doing so) and (3) sets disallowed logits to -inf,
 on the logits' own device for torch tensors. When the grammar is complete and cannot be extended
 (a closed JSON object), llguidance allows only EOS, so generation ends with `finish_reason ==
-"stop"` instead of running on to `max_new_tokens`.
+"stop"` instead of running on to `max_new_tokens`. A grammar that admits no first token is rejected when
+the processor is made (`GrammarError`, before generation); one that cannot go on mid-generation (an
+llguidance limit, a dead end) raises `GrammarFailed` and fails the request: the output never ends early with
+text that breaks the constraint.
 
 The `LLTokenizer` (built from the model's tokenizer.json, ~0.5 s) is cached per tokenizer in a
 `GrammarCompiler`; that cache holds no request state. A `GrammarProcessor` holds one request's
@@ -30,7 +33,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from onnxgen.errors import GrammarError
+from onnxgen.errors import GrammarError, GrammarFailed
 
 KINDS = ("json_object", "json_schema", "regex", "lark")
 
@@ -153,6 +156,13 @@ class GrammarProcessor:
         self._bits = np.zeros(n_words, dtype=np.int32)
         self._fed = 0
         self._torch_eos: Any = None
+        self._first: np.ndarray | None = None
+        try:
+            self._first = self.allowed()
+        except GrammarFailed as exc:
+            raise GrammarError(str(exc), field="response_format") from None
+        if not self._first.any():
+            raise GrammarError("the grammar admits no output", field="response_format")
 
     @property
     def finished(self) -> bool:
@@ -166,17 +176,31 @@ class GrammarProcessor:
             self.matcher.consume_token(int(tok))  # never raises; an error state is handled below
         self._fed = len(generated)
 
+    def _failed(self) -> GrammarFailed:
+        first = (self.matcher.get_error() or "no token is allowed").strip().splitlines()[0]
+        return GrammarFailed(
+            f"structured output could not go on after {self._fed} tokens (llguidance: {first})",
+            field="response_format",
+        )
+
     def allowed(self, generated: Sequence[int] = ()) -> np.ndarray:
-        """Boolean mask [vocab_size] of the tokens allowed after `generated` (advances the matcher)."""
+        """Boolean mask [vocab_size] of the tokens allowed after `generated` (advances the matcher). Raises
+        `GrammarFailed` when the matcher cannot go on (an llguidance limit, or no token allowed)."""
+        if not generated and self._fed == 0 and self._first is not None:
+            first, self._first = self._first, None  # computed when the processor was made
+            return first
         self._sync(generated)
         m = self.matcher
         if m.is_error():
-            allowed = np.zeros(self.compiler.vocab_size, dtype=bool)
-            allowed[list(self.compiler.eos_ids)] = True  # end cleanly rather than emit garbage
-            return allowed
+            raise self._failed()
         m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if m.is_error():
+            raise self._failed()
         bits = np.unpackbits(self._bits.view(np.uint8), count=self.compiler.vocab_size, bitorder="little")
-        return bits.view(bool)
+        allowed = bits.view(bool)
+        if not allowed.any():
+            raise self._failed()
+        return allowed
 
     def __call__(self, logits: Any, generated: Sequence[int]) -> Any:
         allowed = self.allowed(generated)

@@ -1,27 +1,31 @@
-"""The OpenAI-compatible HTTP server: `create_app` wires the parts together.
+"""The HTTP server: `create_app` wires the parts together.
 
     app = create_app(onnxgen.load(path), ServerConfig(api_keys=("secret",)))
-    uvicorn.run(app, host="127.0.0.1", port=8000)      # or: with RunningServer(app) as srv: ... srv.url
+    uvicorn.run(app, host="127.0.0.1", port=8000, **UVICORN_OPTIONS)   # or: with RunningServer(app) as srv: ...
 
-    routes.py      the routes, thin: authenticate → read the body (bodies.py) → map → submit → respond
-    openai.py      the OpenAI mapping: request → `Session.generate` arguments; result → response bodies
-    streaming.py   SSE, one path for chat completions and completions
+    routes.py      the routes, thin: authenticate → read the body (bodies.py) → map → `respond`
+    openai.py      OpenAI chat completions and completions; the preparation every family ends in
+    anthropic.py   Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`)
+    responses.py   OpenAI Responses (`/v1/responses`, stored responses, `previous_response_id`)
+    streaming.py   one response path for all three: tool calls assembled as generated, SSE per family
     server.py      `ServerConfig`; `Server`, the state behind one app (model, sessions, metrics, auth,
-                   requests in flight)
+                   tenancy, requests in flight)
     app.py         `create_app`; `RunningServer`
 
 A request is validated and prepared once before it is queued (JSON, schema types, model name; then
-`Model.prepare`: the prompt encoded, sampling ranges checked, grammars compiled), submitted to its session
-(`Session.submit`) and awaited on the event loop: the model's one loop thread runs every request, batched into
-the same engine steps; no thread waits per request. Generation, reuse and sampling live in the engine; this
-package uses only the public `Model` / `Session` API.
+`Model.prepare`: the prompt encoded, sampling ranges checked, grammars compiled), submitted stateless
+(`Model.submit`) or to its session (`Session.submit`) and awaited on the event loop: the model's one loop
+thread runs every request, batched into the same engine steps; no thread waits per request. Generation, reuse
+and sampling live in the engine; this package uses only the public `Model` / `Session` API.
 
-Sessions: `POST /v1/sessions` returns an id; a request names it in `X-Session-Id`; requests without
-one use their API key's default session. Sessions and their KV are scoped to the API key (its salt).
+Every error is a JSON body in the family's shape with its status: 4xx for what the request got wrong (404/405
+for unknown routes and methods, never a redirect; 431 for headers over `MAX_HEADER_BYTES`), 5xx only for
+the server's own failures, each logged with its traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -32,39 +36,78 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onnxgen.errors import APIError
-from onnxgen.serve.errors import error_body, from_engine_error
+from onnxgen.serve.errors import anthropic_error_body, error_body, from_engine_error
 from onnxgen.serve.metrics import CountRequests
 from onnxgen.serve.routes import add_routes, route_label
 from onnxgen.serve.server import Server, ServerConfig
 from onnxgen.serve.sessions import SESSION_HEADER
 
-__all__ = ["SESSION_HEADER", "RunningServer", "Server", "ServerConfig", "create_app"]
+__all__ = ["SESSION_HEADER", "UVICORN_OPTIONS", "RunningServer", "Server", "ServerConfig", "create_app"]
 
 if TYPE_CHECKING:
     from onnxgen import Model
+
+log = logging.getLogger("onnxgen.serve")
+
+MAX_HEADER_BYTES = 64 * 1024  # request headers together; more is a 431
+# NOTE: h11 must read headers past MAX_HEADER_BYTES for the app to answer 431 (past this it answers 400 itself)
+UVICORN_OPTIONS: dict[str, Any] = {"h11_max_incomplete_event_size": 1024 * 1024, "http": "h11"}
+
+
+def _body(path: str, err: APIError) -> dict[str, Any]:
+    """The error body in the shape of the family `path` belongs to."""
+    return anthropic_error_body(err) if path.startswith("/v1/messages") else error_body(err)
+
+
+class LimitHeaders:
+    """Pure ASGI middleware: a request whose headers total more than `limit` bytes gets 431."""
+
+    def __init__(self, app: Any, limit: int = MAX_HEADER_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) for k, v in scope.get("headers", ()))
+            if size > self.limit:
+                err = APIError(
+                    431, f"the request headers total {size} bytes; at most {self.limit} are accepted"
+                )
+                resp = JSONResponse(
+                    _body(scope.get("path", ""), err), status_code=431, headers={"Connection": "close"}
+                )
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(model: Model, config: ServerConfig | None = None) -> Any:
     """A FastAPI app serving `model` (an `onnxgen.Model`). See the module docstring."""
     server = Server(model, config or ServerConfig())
-    app = FastAPI(title="onnxgen", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="onnxgen", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.server = server
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.status, headers=exc.headers)
+        if exc.status >= 500:
+            log.error("%s %s: %s", request.method, request.url.path, exc.message, exc_info=exc.__cause__)
+        return JSONResponse(_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(error_body(err), status_code=exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        err = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(_body(request.url.path, err), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         err = from_engine_error(exc)
-        return JSONResponse(error_body(err), status_code=err.status)
+        if err.status >= 500:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(_body(request.url.path, err), status_code=err.status)
 
     app.add_middleware(CountRequests, metrics=server.metrics, label=route_label)
+    app.add_middleware(LimitHeaders)
     add_routes(app, server)
     return app
 
@@ -86,7 +129,7 @@ class RunningServer:
         self.url = f"http://{self.host}:{self.port}"
         self.app = app
         self.server = uvicorn.Server(
-            uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False)
+            uvicorn.Config(app, log_level=log_level, lifespan="off", access_log=False, **UVICORN_OPTIONS)
         )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()

@@ -1,4 +1,6 @@
-"""HTTP errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`."""
+"""HTTP errors in each family's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}` (chat
+completions, completions, responses and the server's own routes) and Anthropic's
+`{"type": "error", "error": {"type", "message"}}` (messages)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,25 @@ from onnxgen.errors import APIError, Cancelled, ContextOverflow, InvalidRequest,
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     499: "cancelled",
     500: "server_error",
     503: "server_error",
+    504: "timeout_error",
+}
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
 }
 
 
@@ -28,6 +43,14 @@ def error_body(exc: APIError) -> dict[str, Any]:
             "code": exc.code,
         }
     }
+
+
+def anthropic_error_body(exc: APIError) -> dict[str, Any]:
+    """The JSON body of an error response of the Anthropic Messages API."""
+    kind = _ANTHROPIC_TYPES.get(exc.status)
+    if kind is None:
+        kind = "api_error" if exc.status >= 500 else "invalid_request_error"
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
 
 
 def from_engine_error(exc: BaseException, *, prompt_field: str = "messages") -> APIError:

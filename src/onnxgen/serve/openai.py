@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from onnxgen.errors import APIError, GrammarError, InvalidRequest
-from onnxgen.serve.errors import from_engine_error
+from onnxgen.serve.errors import error_body, from_engine_error
+from onnxgen.serve.streaming import Call, Event, Outcome, Text, ToolArgs, ToolStart, sse
 
 if TYPE_CHECKING:
-    from onnxgen import Model, Prepared, Result
+    from onnxgen import Model, Result
 
 MAX_STOP = 16  # OpenAI's limit is 4; more is harmless, but a bound keeps stop matching cheap
 
@@ -43,28 +44,12 @@ CHAT = Kind(True, "messages", "chatcmpl-", "chat.completion", "chat.completion.c
 COMPLETION = Kind(False, "prompt", "cmpl-", "text_completion", "text_completion")
 
 
-@dataclass(frozen=True)
-class Call:
-    """A request validated and prepared, ready to queue: `prepared` is what `Session.submit` takes (the
-    prompt encoded once, grammars compiled), with what the response needs (the logprobs recorder, streaming,
-    usage in the stream)."""
-
-    prepared: Prepared
-    recorder: Any  # LogprobsRecorder | None
-    stream: bool
-    include_usage: bool
-
-    @property
-    def tool_marker(self) -> str:
-        """How a tool call starts ("" without tools), for a stream to hold such text back."""
-        return self.prepared.tool_marker
-
-
 # --- request → prompt ---------------------------------------------------------------------------------
 
 
 def chat_messages(req: Any) -> list[dict[str, Any]]:
-    """The chat template's messages (`developer` is `system`; text content parts joined by newlines)."""
+    """The chat template's messages (`developer` is `system`; text content parts joined by newlines),
+    checked by `check_messages`."""
     messages = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
@@ -78,6 +63,50 @@ def chat_messages(req: Any) -> list[dict[str, Any]]:
         if m.name is not None:
             msg["name"] = m.name
         messages.append(msg)
+    return check_messages(messages, "messages")
+
+
+def check_messages(messages: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:
+    """Check a conversation's tool turns (every family's messages come here): `tool_calls` only on assistant
+    messages, each call's `arguments` JSON text checked like a body (`bodies.check_json_text`: depth, strict
+    JSON, no lone surrogates), and every `tool` message answering a call made earlier by its `tool_call_id`.
+    Returns `messages`; raises APIError 400 naming the message."""
+    from onnxgen.serve.bodies import check_json_text
+
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls:
+            if m["role"] != "assistant":
+                raise APIError(
+                    400,
+                    f"{field}[{i}]: only assistant messages carry tool_calls (this one is {m['role']!r})",
+                    param=f"{field}.{i}.tool_calls",
+                    code="invalid_value",
+                )
+            for j, c in enumerate(calls):
+                fn = c.get("function") or {}
+                args = fn.get("arguments")
+                if isinstance(args, str) and args.strip():
+                    check_json_text(args, f"{field}.{i}.tool_calls.{j}.function.arguments")
+                if c.get("id"):
+                    called.add(c["id"])
+        if m["role"] == "tool":
+            tid = m.get("tool_call_id")
+            if not tid:
+                raise APIError(
+                    400,
+                    f"{field}[{i}]: a tool message needs the tool_call_id of the call it answers",
+                    param=f"{field}.{i}.tool_call_id",
+                    code="invalid_value",
+                )
+            if tid not in called:
+                raise APIError(
+                    400,
+                    f"{field}[{i}]: tool_call_id {tid!r} answers no tool call made earlier in the conversation",
+                    param=f"{field}.{i}.tool_call_id",
+                    code="invalid_value",
+                )
     return messages
 
 
@@ -114,30 +143,82 @@ def _flatten_content(content: Any, i: int) -> str:
 # --- request → generate keyword arguments -------------------------------------------------------------
 
 
+def check_model(name: Any, model_names: Collection[str], model_id: str) -> None:
+    """400 unless `name` is one of the names this server answers to."""
+    if name not in model_names:
+        raise APIError(
+            400,
+            f"unknown model {name!r}; this server serves {model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_stops(stop: Any, field: str = "stop") -> tuple[str, ...]:
+    """The stop strings of a request (a string or a list of at most `MAX_STOP` non-empty strings)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP or not all(stops):
+        raise APIError(
+            400, f"{field} must be at most {MAX_STOP} non-empty strings", param=field, code="invalid_value"
+        )
+    return tuple(stops)
+
+
+def prepare_call(
+    model: Model,
+    prompt: Any,
+    *,
+    prompt_field: str,
+    max_tokens: tuple[str, int | None],
+    cap: int,
+    stop: Sequence[str] = (),
+    sampling: dict[str, Any] | None = None,
+    tools: dict[str, Any] | None = None,
+    processors: Sequence[Any] = (),
+    recorder: Any = None,
+    speculative: Any = None,
+    stream: bool = False,
+    include_usage: bool = False,
+) -> Call:
+    """The one preparation every family ends in: `Model.prepare` (the prompt encoded, the tool and format
+    grammars compiled; a grammar that cannot be compiled or admits no output is a 400 here), then the token
+    limit checked (`max_tokens`: the field's name and value). Encodes the prompt (milliseconds for a long
+    one: call it off the event loop). Raises APIError naming the field."""
+    try:
+        prepared = model.prepare(
+            prompt,
+            stop=list(stop) or None,
+            processors=[p for p in (recorder, *processors) if p is not None],
+            speculative=speculative,
+            **(sampling or {}),
+            **(tools or {}),
+        )
+    except Exception as exc:
+        raise from_engine_error(exc, prompt_field=prompt_field) from None
+    field, n = max_tokens
+    max_new = _max_new_tokens(field, n, len(prepared.ids), model.spec.context_length, cap)
+    return Call(
+        dataclasses.replace(prepared, max_new_tokens=max_new),
+        recorder=recorder,
+        stream=stream,
+        include_usage=include_usage,
+        stops=tuple(stop),
+        prompt_field=prompt_field,
+    )
+
+
 def prepare(
     model: Model, req: Any, prompt: Any, kind: Kind, *, model_id: str, model_names: Collection[str], cap: int
 ) -> Call:
     """Validate everything that can be validated before the request is queued (so every problem is a 400,
-    for streams too) and prepare it once (`Model.prepare`: the prompt encoded, the tool and format grammars
-    compiled), for `Session.submit`. Encodes the prompt (milliseconds for a long one: call it off the event
-    loop). Raises APIError naming the field."""
+    for streams too) and prepare it once (`prepare_call`). Raises APIError naming the field."""
     from onnxgen.sampling.processors import LogprobsRecorder
 
     field = kind.prompt_field
-    if req.model not in model_names:
-        raise APIError(
-            400,
-            f"unknown model {req.model!r}; this server serves {model_id!r}",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(req.model, model_names, model_id)
     if req.n not in (None, 1):
         raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
-    stop = req.stop
-    if isinstance(stop, list) and (len(stop) > MAX_STOP or not all(stop)):
-        raise APIError(
-            400, f"stop must be at most {MAX_STOP} non-empty strings", param="stop", code="invalid_value"
-        )
+    stop = check_stops(req.stop)
     sampling = {
         "temperature": req.temperature,
         "top_k": req.top_k,
@@ -150,8 +231,11 @@ def prepare(
     }
     tools: dict[str, Any] = {}
     recorder = None
+    limit: tuple[str, int | None] = ("max_tokens", req.max_tokens)
     try:
         if kind.chat:
+            if req.max_completion_tokens is not None:
+                limit = ("max_completion_tokens", req.max_completion_tokens)
             if req.tools or req.tool_choice is not None:
                 parallel = req.parallel_tool_calls is not False
                 tools = {"tools": req.tools, "tool_choice": req.tool_choice, "parallel_tool_calls": parallel}
@@ -177,39 +261,28 @@ def prepare(
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
         raise APIError(400, "stream_options needs stream=true", param="stream_options", code="invalid_value")
-    processors = [
-        p
-        for p in (recorder, _logit_bias(model, req.logit_bias), _response_format(model, req.response_format))
-        if p is not None
-    ]
-    try:
-        prepared = model.prepare(
-            prompt,
-            stop=stop or None,
-            processors=processors,
-            speculative=req.speculative,
-            **sampling,
-            **tools,
-        )
-    except Exception as exc:
-        raise from_engine_error(exc, prompt_field=field) from None
-    max_new_tokens = _max_new_tokens(req, kind, len(prepared.ids), model.spec.context_length, cap)
-    return Call(
-        dataclasses.replace(prepared, max_new_tokens=max_new_tokens),
-        recorder,
-        stream,
-        bool(req.stream_options and req.stream_options.include_usage),
+    return prepare_call(
+        model,
+        prompt,
+        prompt_field=field,
+        max_tokens=limit,
+        cap=cap,
+        stop=stop,
+        sampling=sampling,
+        tools=tools,
+        processors=[_logit_bias(model, req.logit_bias), response_format(model, req.response_format)],
+        recorder=recorder,
+        speculative=req.speculative,
+        stream=stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
     )
 
 
-def _max_new_tokens(req: Any, kind: Kind, prompt_tokens: int, context_length: int, cap: int) -> int:
-    """`max_tokens` (chat: `max_completion_tokens` when given), checked here once. NOTE: the engine checks
+def _max_new_tokens(field: str, n: int | None, prompt_tokens: int, context_length: int, cap: int) -> int:
+    """The request's token limit `n` (sent as `field`), checked here once. NOTE: the engine checks
     `max_new_tokens >= 1` too, but only once the request runs (a stream has answered 200 by then) and in
     the Python API's name; this range check answers before queueing and names the field the client sent,
     and the cap and the context room are limits of the server. Omitted: as many as fit, up to the cap."""
-    field, n = "max_tokens", req.max_tokens
-    if kind.chat and req.max_completion_tokens is not None:
-        field, n = "max_completion_tokens", req.max_completion_tokens
     room = context_length - prompt_tokens
     if n is None:
         return min(cap, room)
@@ -251,8 +324,8 @@ def _logit_bias(model: Model, bias: dict[str, float] | None) -> Any:
         raise APIError(400, f"logit_bias: {exc}", param="logit_bias", code="invalid_value") from None
 
 
-def _response_format(model: Model, rf: Any) -> Any:
-    """The llguidance processor of `response_format` (None for text)."""
+def response_format(model: Model, rf: Any, param: str = "response_format") -> Any:
+    """The llguidance processor of a `response_format` (None for text); 400 naming `param` when invalid."""
     if rf is None or rf.type == "text":
         return None
     from onnxgen.sampling.grammar import grammar_processor
@@ -264,8 +337,8 @@ def _response_format(model: Model, rf: Any) -> Any:
             if rf.json_schema is None:
                 raise APIError(
                     400,
-                    "response_format.json_schema is required for type json_schema",
-                    param="response_format.json_schema",
+                    f"{param}.json_schema is required for type json_schema",
+                    param=f"{param}.json_schema",
                     code="invalid_value",
                 )
             return grammar_processor(model, "json_schema", rf.json_schema.schema_)
@@ -273,18 +346,10 @@ def _response_format(model: Model, rf: Any) -> Any:
             return grammar_processor(model, "regex", rf.regex)
         return grammar_processor(model, "lark", rf.grammar)
     except GrammarError as exc:
-        raise APIError(400, str(exc), param="response_format", code="invalid_response_format") from None
+        raise APIError(400, str(exc), param=param, code="invalid_response_format") from None
 
 
 # --- result → response bodies -------------------------------------------------------------------------
-
-
-def message(result: Result) -> dict[str, Any]:
-    """The assistant message of a chat result: its content and, if it called tools, the calls."""
-    msg: dict[str, Any] = {"role": "assistant", "content": result.content}
-    if result.tool_calls:
-        msg["tool_calls"] = [c.openai() for c in result.tool_calls]
-    return msg
 
 
 def usage(result: Result) -> dict[str, Any]:
@@ -340,8 +405,11 @@ class Logprobs:
 
 
 class Reply:
-    """The response bodies of one request, in its kind's shape: `body` for a plain response; `opening`,
-    `chunk` and `usage_chunk` for a stream (`chunk` tracks a completion's text offset, so call it in order)."""
+    """One request's answer in its kind's shape (`streaming.Family`): `body` for a plain response; `opening`,
+    `event`, `finish` and `error` for a stream (a completion's text offset is tracked, so call them in order).
+    Tool calls stream as OpenAI's do: the call's id and name first, then its arguments in fragments."""
+
+    call_prefix = "call_"
 
     def __init__(self, kind: Kind, model_id: str, logprobs: Logprobs, include_usage: bool = False) -> None:
         self.kind = kind
@@ -349,6 +417,7 @@ class Reply:
         self.id = kind.id_prefix + secrets.token_hex(12)
         self.created = int(time.time())
         self.model_id = model_id
+        self.include_usage = include_usage
         self._usage_null = {"usage": None} if include_usage else {}
         self._offset = 0  # characters streamed so far (completions' text_offset)
 
@@ -366,57 +435,70 @@ class Reply:
             return None
         return self.logprobs.chat(entries) if self.kind.chat else self.logprobs.completion(entries, offset)
 
-    def body(self, result: Result, entries: Sequence[Any] | None) -> dict[str, Any]:
+    def body(self, result: Result, outcome: Outcome, entries: Sequence[Any] | None) -> dict[str, Any]:
         """The whole response of a finished request (`entries`: its visible logprob entries, or None)."""
-        output = {"message": message(result)} if self.kind.chat else {"text": result.text}
-        choice = {
-            "index": 0,
-            **output,
-            "logprobs": self._logprobs(entries),
-            "finish_reason": result.finish_reason,
-        }
+        if self.kind.chat:
+            msg: dict[str, Any] = {"role": "assistant", "content": outcome.content}
+            if outcome.calls:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in outcome.calls
+                ]
+            output: dict[str, Any] = {"message": msg}
+        else:
+            output = {"text": result.text}
+        choice = {"index": 0, **output, "logprobs": self._logprobs(entries), "finish_reason": outcome.finish}
         return {**self._head(self.kind.object), "choices": [choice], "usage": usage(result)}
 
-    def opening(self) -> list[dict[str, Any]]:
-        """The chunks a stream starts with: chat announces the assistant's role; completions, nothing."""
-        if not self.kind.chat:
-            return []
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [{**self._head(self.kind.chunk_object), "choices": [choice], **self._usage_null}]
-
-    def chunk(
-        self,
-        piece: str | None,
-        finish: str | None = None,
-        entries: Sequence[Any] | None = None,
-        tool_calls: Sequence[Any] = (),
-    ) -> dict[str, Any]:
-        """A stream chunk carrying `piece` of text (None: none), the logprobs of its tokens, the finish
-        reason on the last one, and (chat) tool calls."""
+    def _chunk(
+        self, delta: dict[str, Any] | None, entries: Sequence[Any] | None = None, finish: str | None = None
+    ) -> str:
         if self.kind.chat:
-            delta: dict[str, Any] = {} if piece is None else {"content": piece}
-            if tool_calls:
-                delta["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(tool_calls)]
             choice = {
                 "index": 0,
-                "delta": delta,
+                "delta": delta or {},
                 "logprobs": self._logprobs(entries),
                 "finish_reason": finish,
             }
         else:
+            piece = (delta or {}).get("content") or ""
             choice = {
                 "index": 0,
-                "text": piece or "",
+                "text": piece,
                 "logprobs": self._logprobs(entries, self._offset),
                 "finish_reason": finish,
             }
-            self._offset += len(piece or "")
-        return {**self._head(self.kind.chunk_object), "choices": [choice], **self._usage_null}
+            self._offset += len(piece)
+        return sse({**self._head(self.kind.chunk_object), "choices": [choice], **self._usage_null})
 
-    def usage_chunk(self, result: Result) -> dict[str, Any]:
-        return {**self._head(self.kind.chunk_object), "choices": [], "usage": usage(result)}
+    def opening(self) -> list[str]:
+        """Chat announces the assistant's role; completions, nothing."""
+        return [self._chunk({"role": "assistant", "content": ""})] if self.kind.chat else []
+
+    def event(self, e: Event) -> list[str]:
+        if isinstance(e, Text):
+            return [self._chunk({"content": e.text}, e.entries)]
+        if isinstance(e, ToolStart):
+            call = {
+                "index": e.index,
+                "id": e.id,
+                "type": "function",
+                "function": {"name": e.name, "arguments": ""},
+            }
+            return [self._chunk({"tool_calls": [call]}, e.entries)]
+        if isinstance(e, ToolArgs):
+            return [
+                self._chunk(
+                    {"tool_calls": [{"index": e.index, "function": {"arguments": e.fragment}}]}, e.entries
+                )
+            ]
+        return [self._chunk({}, e.entries)] if e.entries else []
+
+    def finish(self, result: Result, outcome: Outcome, entries: Sequence[Any] | None) -> list[str]:
+        out = [self._chunk(None, entries, outcome.finish)]
+        if self.include_usage:
+            out.append(sse({**self._head(self.kind.chunk_object), "choices": [], "usage": usage(result)}))
+        return [*out, "data: [DONE]\n\n"]
+
+    def error(self, err: APIError) -> list[str]:
+        return [sse(error_body(err)), "data: [DONE]\n\n"]

@@ -1,13 +1,15 @@
-"""The HTTP routes, thin: authenticate → read the body → map (openai.py) → submit → respond (here, or
-streaming.py for `stream: true`).
+"""The HTTP routes, thin: authenticate → read the body → map (openai.py, anthropic.py, responses.py) → one
+path for every family (`streaming.respond`: submit → a whole response, or the family's event stream).
 
     GET /health · GET /metrics · GET /v1/models · GET /v1/models/{id}
-    POST /v1/chat/completions · POST /v1/completions · POST /v1/sessions · DELETE /v1/sessions/{id}
+    POST /v1/chat/completions · POST /v1/completions                     OpenAI (openai.py)
+    POST /v1/messages · POST /v1/messages/count_tokens                    Anthropic (anthropic.py)
+    POST /v1/responses · GET|DELETE /v1/responses/{id}                    OpenAI Responses (responses.py)
+    POST /v1/sessions · DELETE /v1/sessions/{id}
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -15,25 +17,36 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from onnxgen.errors import APIError, Cancelled, SessionLimit
-from onnxgen.serve import openai, streaming
-from onnxgen.serve.bodies import read_json
-from onnxgen.serve.errors import from_engine_error
+from onnxgen.errors import APIError
+from onnxgen.serve import anthropic, openai, responses
 from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
 from onnxgen.serve.sessions import SESSION_HEADER
+from onnxgen.serve.streaming import read_body, respond
 
 if TYPE_CHECKING:
-    from onnxgen import Handle, Result
     from onnxgen.serve.server import Server
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/sessions")
+ROUTES = (
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/sessions",
+)
 
 
 def route_label(path: str) -> str:
     """The route a request path is counted under in /metrics (ids folded, unknown paths "other")."""
     if path in ROUTES:
         return path
-    return "/v1/sessions/{id}" if path.startswith("/v1/sessions/") else "other"
+    for prefix in ("/v1/sessions/", "/v1/responses/", "/v1/models/"):
+        if path.startswith(prefix):
+            return prefix + "{id}"
+    return "other"
 
 
 def add_routes(app: Any, server: Server) -> None:
@@ -41,11 +54,11 @@ def add_routes(app: Any, server: Server) -> None:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": server.model_id, "queue_depth": server.depth}
+        return {"status": "ok"}  # NOTE: nothing about other callers' traffic (that is /metrics')
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:
-        server.authenticate(request)
+        server.authorize_metrics(request)
         return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -72,15 +85,9 @@ def add_routes(app: Any, server: Server) -> None:
 
     @app.post("/v1/sessions")
     async def create_session(request: Request) -> JSONResponse:
-        owner = server.authenticate(request)
-        try:
-            sid = server.store.create(owner)
-        except SessionLimit:
-            raise APIError(
-                429,
-                f"this key holds {server.config.max_sessions_per_key} sessions; delete some first",
-                code="too_many_sessions",
-            ) from None
+        caller = server.caller(request)
+        await server.close_expired()
+        sid = server.create_session(caller)
         return JSONResponse(
             {"id": sid, "object": "session", "created": int(time.time())}, headers={SESSION_HEADER: sid}
         )
@@ -108,9 +115,10 @@ def add_routes(app: Any, server: Server) -> None:
     async def complete(
         request: Request, kind: openai.Kind, schema: Any, prompt_of: Callable[[Any], Any]
     ) -> Response:
-        owner = server.authenticate(request)
-        req = await read_json(request, schema, server.config.max_body_bytes)
-        session = server.resolve_session(request, owner)
+        server.authenticate(request)
+        req = await read_body(server, request, schema)
+        caller = server.caller(request, req.cache_salt)
+        session = server.resolve_session(request, caller)
         prompt = prompt_of(req)
         call = await server.run_off_loop(
             openai.prepare,
@@ -122,47 +130,8 @@ def add_routes(app: Any, server: Server) -> None:
             model_names=server.model_names,
             cap=server.config.max_tokens_cap,
         )
-        reply = openai.Reply(kind, server.model_id, server.logprobs, call.include_usage)
-        headers = {}
-        if request.headers.get(SESSION_HEADER):
-            headers[SESSION_HEADER] = request.headers[SESSION_HEADER].strip()
-        if call.stream:
-            return streaming.respond(server, session, call, reply, headers)
-        handle = server.submit(session, call)
-        try:
-            result = await _await_handle(request, handle, server)
-        except Exception as exc:
-            exc = server.outcome(handle, exc)
-            if isinstance(exc, Cancelled):
-                raise APIError(499, "the request was cancelled", code="cancelled") from None
-            raise from_engine_error(exc) from None
-        server.record(result)
-        entries = (
-            server.logprobs.visible(call.recorder.finish(result.tokens), result) if call.recorder else None
-        )
-        return JSONResponse(reply.body(result, entries), headers=headers)
+        family = openai.Reply(kind, server.model_id, server.logprobs, call.include_usage)
+        return await respond(server, request, call, family, session or caller)
 
-
-async def _await_handle(request: Request, handle: Handle, server: Server) -> Result:
-    """The request's result; cancels it if the client disconnects (or the handler is cancelled)."""
-    fut = asyncio.wrap_future(handle.future)
-    try:
-        while True:
-            done, _ = await asyncio.wait({fut}, timeout=0.25)
-            if done:
-                return fut.result()
-            if await request.is_disconnected():
-                handle.cancel()
-                server.metrics.cancel()
-                fut.add_done_callback(_consume)
-                raise APIError(499, "the client disconnected", code="cancelled")
-    except asyncio.CancelledError:
-        handle.cancel()
-        fut.add_done_callback(_consume)
-        raise
-
-
-def _consume(fut: Any) -> None:
-    """Retrieve an abandoned future's outcome (asyncio would log an exception nobody retrieved)."""
-    if not fut.cancelled():
-        fut.exception()
+    anthropic.add_routes(app, server)
+    responses.add_routes(app, server)

@@ -88,6 +88,7 @@ class _Sampling(_Model):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: requests share cached prefixes only under the same salt
 
 
 class ChatCompletionRequest(_Sampling):
@@ -106,3 +107,101 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+# --- Anthropic Messages ------------------------------------------------------------------------------
+
+
+class AnthropicBlock(_Model):
+    """A content block: text, tool_use (id, name, input), tool_result (tool_use_id, content), thinking."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[AnthropicBlock] | None = None
+    is_error: bool | None = None
+
+
+class AnthropicMessage(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[AnthropicBlock]
+
+
+class AnthropicTool(_Model):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class CountTokensRequest(_Model):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[AnthropicBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: dict[str, Any] | None = None
+    cache_salt: str | None = None  # onnxgen's (as vLLM's): share cached prefixes only under the same salt
+
+
+# --- OpenAI Responses --------------------------------------------------------------------------------
+
+
+class ResponseItem(_Model):
+    """An input item: a message (role, content: text or input_text / output_text parts), a function_call
+    (call_id, name, arguments) or a function_call_output (call_id, output); reasoning items are ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str | None = None
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[dict[str, Any]] | None = None
+    id: str | None = None
+
+
+class TextFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Model):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Model):
+    model: str
+    input: str | list[ResponseItem]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    cache_salt: str | None = None  # onnxgen's (as vLLM's): share cached prefixes only under the same salt

@@ -1,16 +1,28 @@
 """The state behind one server app: its configuration (`ServerConfig`) and `Server` (the model, the session
-store, metrics, authentication, and the requests in flight, so they can be bounded and cancelled). Routes and
-streaming read it; `app.py` builds it.
+store, metrics, authentication, tenancy, and the requests in flight, so they can be bounded and cancelled).
+Routes and streaming read it; `app.py` builds it.
 
-No thread runs per request: a route submits its prepared request to a session (`Session.submit`, which returns
-a `Handle` at once) and awaits the handle's future on the event loop; the model's one loop thread runs every
-request and calls back through the loop (`asyncio.wrap_future`, `call_soon_threadsafe`)."""
+No thread runs per request: a route submits its prepared request (`Model.submit` for a stateless request,
+`Session.submit` for a named session; both return a `Handle` at once) and awaits the handle's future on the
+event loop; the model's one loop thread runs every request and calls back through the loop
+(`asyncio.wrap_future`, `call_soon_threadsafe`). Nothing here waits on the engine: metrics read
+`Model.kv_snapshot`.
+
+Tenancy (what may reuse whose KV; every reuse is by identity, the salt part of it):
+- with API keys, each key is a tenant: its requests and sessions are salted with the key's id, and a
+  request's `cache_salt` (body field or `X-Cache-Salt` header) narrows that further;
+- without keys (one operator's server, loopback by default) every request may reuse any cached prefix, as
+  llama.cpp and vLLM do; a request's `cache_salt` isolates it, and `isolate_keyless` makes every unnamed
+  keyless request a context of its own (for keyless multi-tenant deployments: reuse is observable through
+  timing and `cached_tokens`, a side channel between callers who share a salt).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import hashlib
+import logging
 import secrets
 import threading
 import time
@@ -18,22 +30,35 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from onnxgen.errors import APIError, Cancelled
+from onnxgen.errors import APIError, Cancelled, SessionLimit
+from onnxgen.serve.errors import from_engine_error
 from onnxgen.serve.metrics import Metrics
-from onnxgen.serve.openai import Call, Logprobs
+from onnxgen.serve.openai import Logprobs
 from onnxgen.serve.sessions import SESSION_HEADER, SessionStore
 
 if TYPE_CHECKING:
     from onnxgen import Handle, Model, Result, Session
+    from onnxgen.serve.streaming import Call
+
+log = logging.getLogger("onnxgen.serve")
+
+SALT_HEADER = "X-Cache-Salt"
+MAX_SALT = 256
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """api_keys: accepted bearer keys (empty: no auth). max_queue: requests that may wait beyond those the
-    engine runs at once (`Model.max_running`) before new ones get 429. max_body_bytes: larger bodies get 413. model_id: the
-    name clients pass as `model` (default: the package folder's name). max_tokens_cap: the most tokens
-    one request may generate (also the default when it names none; more is a 400).
-    request_timeout_s: wall time a request may run; past it, it is cancelled and answered 504."""
+    """api_keys: accepted keys (`Authorization: Bearer KEY` or `x-api-key: KEY`; empty: no auth). max_queue:
+    requests that may wait beyond those the engine runs at once (`Model.max_running`) before new ones get 429.
+    max_body_bytes: larger bodies get 413. model_id: the name clients pass as `model` (default: the package
+    folder's name). max_tokens_cap: the most tokens one request may generate (also the default when it names
+    none; more is a 400). request_timeout_s: wall time a request may run; past it, it is cancelled and
+    answered 504. body_timeout_s: time to receive a request's body (408 past it). max_sessions_per_key:
+    sessions one key (or, without keys, everyone) may hold; max_sessions_per_client: without keys, sessions
+    one client address may hold; session_ttl_s: idle time after which a session expires. isolate_keyless:
+    without keys, unnamed requests share no KV (see the module docstring). metrics_keys: with API keys, the
+    keys that may read /metrics (server-wide numbers; none: nobody). max_stored_responses: responses kept for
+    `previous_response_id` and GET (least recently stored dropped first)."""
 
     api_keys: tuple[str, ...] = ()
     max_queue: int = 64
@@ -41,15 +66,34 @@ class ServerConfig:
     model_id: str | None = None
     retry_after_s: int = 1
     max_sessions_per_key: int = 1024
+    max_sessions_per_client: int = 64
+    session_ttl_s: float = 3600.0
     aliases: tuple[str, ...] = field(default=())
     max_tokens_cap: int = 2048
     request_timeout_s: float = 600.0
+    body_timeout_s: float = 30.0
+    isolate_keyless: bool = False
+    metrics_keys: tuple[str, ...] = ()
+    max_stored_responses: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for name in ("request_timeout_s", "body_timeout_s", "session_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: `owner` (the key's id, or "anonymous"), `client` (what session creation is counted
+    against: the key's id, or the client's address without keys) and the `salt` of its stateless requests
+    (None: shared with every unsalted caller; `private`: a context of its own, nothing reused)."""
+
+    owner: str
+    client: str
+    salt: str | None
+    private: bool = False
 
 
 def _hit_rate(stats: dict[str, Any]) -> float:
@@ -71,56 +115,65 @@ class Server:
         self.model_id = config.model_id or model.spec.path.name
         self.model_names = {self.model_id, *config.aliases}
         self.keys = {_key_id(k): k for k in config.api_keys}
+        self.metrics_keys = {_key_id(k): k for k in config.metrics_keys}
         self.capacity = model.max_running + config.max_queue  # requests in flight before a 429
-        self.store = SessionStore(model, config.max_sessions_per_key, keyed=bool(config.api_keys))
+        self.store = SessionStore(
+            model, config.max_sessions_per_key, config.max_sessions_per_client, config.session_ttl_s
+        )
         self.logprobs = Logprobs(model)
         self.metrics = Metrics()
         self.created = int(time.time())
+        self.responses: Any = None  # the Responses API's store (responses.py sets it)
         self._inflight: dict[int, set[Handle]] = {}  # id(session) -> handles queued or running on it
         self._count = 0
         self._timed_out: set[int] = set()  # ids of handles cancelled for running past the timeout
         self._lock = threading.Lock()
         # request preparation (encoding, grammar compilation) runs off the event loop on these few threads
         self.prepare_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="onnxgen-prepare")
-        self.metrics.gauge(
+        self._gauges()
+
+    def _gauges(self) -> None:
+        m, kv = self.metrics, self.model.kv_snapshot  # NOTE: never waits for the engine's step
+        m.gauge(
             "onnxgen_queue_depth",
             "Requests in flight (running or waiting for the engine).",
             lambda: self.depth,
         )
-        self.metrics.gauge(
-            "onnxgen_sessions", "Open sessions (including per-key default sessions).", lambda: len(self.store)
-        )
-        kv = model.kv_stats
-        self.metrics.gauge(
+        m.gauge("onnxgen_sessions", "Open sessions.", lambda: len(self.store))
+        m.gauge(
             "onnxgen_retained_kv_bytes",
             "Bytes of KV retained by sessions.",
             lambda: kv()["retained_kv_bytes"],
         )
-        self.metrics.gauge(
-            "onnxgen_requests_running", "Requests the engine is running now.", lambda: kv()["running"]
-        )
-        self.metrics.gauge(
+        m.gauge("onnxgen_requests_running", "Requests the engine is running now.", lambda: kv()["running"])
+        m.gauge(
             "onnxgen_requests_waiting",
             "Requests waiting for the engine (in a session's queue or the engine's).",
             lambda: max(self.depth - kv()["running"], 0),
         )
-        self.metrics.gauge(
+        m.gauge(
             "onnxgen_preemptions",
             "Running requests preempted (KV dropped, recomputed) since start.",
-            lambda: kv()["preemptions"],
+            lambda: kv().get("preemptions", 0),
         )
-        if model.paged:
-            self.metrics.gauge("onnxgen_kv_pages_used", "KV pool pages in use.", lambda: kv()["pages_used"])
-            self.metrics.gauge("onnxgen_kv_pages_free", "KV pool pages free.", lambda: kv()["pages_free"])
-            self.metrics.gauge(
+        if self.model.paged:
+            m.gauge("onnxgen_kv_pages_used", "KV pool pages in use.", lambda: kv().get("pages_used", 0))
+            m.gauge("onnxgen_kv_pages_free", "KV pool pages free.", lambda: kv().get("pages_free", 0))
+            m.gauge(
                 "onnxgen_kv_pages_shared",
                 "KV pool pages held by more than one request or session.",
-                lambda: kv()["pages_shared"],
+                lambda: kv().get("pages_shared", 0),
             )
-            self.metrics.gauge(
+            m.gauge(
                 "onnxgen_prefix_hit_rate",
                 "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
                 lambda: _hit_rate(kv()),
+            )
+        else:
+            m.gauge(
+                "onnxgen_stateless_contexts",
+                "Contexts of stateless requests retained for reuse (matched by longest prefix).",
+                lambda: kv().get("stateless_contexts", 0),
             )
 
     @property
@@ -128,29 +181,87 @@ class Server:
         """Requests in flight: submitted and not yet finished."""
         return self._count
 
-    def authenticate(self, request: Any) -> str:
-        """The caller's key id (sha256 of the key), or "anonymous" when the server has no keys."""
-        if not self.keys:
-            return "anonymous"
+    # --- who is calling ------------------------------------------------------------------------------
+
+    def _presented_key(self, request: Any) -> str | None:
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        token = token.strip()
-        if scheme.lower() == "bearer" and token:
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+        key = request.headers.get("x-api-key", "").strip()
+        return key or None
+
+    def authenticate(self, request: Any) -> str:
+        """The caller's key id (sha256 of the key), or "anonymous" when the server has no keys. Raises 401."""
+        if not self.keys:
+            return "anonymous"
+        token = self._presented_key(request)
+        if token is not None:
             for known_id, key in self.keys.items():
                 if secrets.compare_digest(token.encode(), key.encode()):
                     return known_id
         raise APIError(
-            401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            code="invalid_api_key",
         )
 
-    def resolve_session(self, request: Any, owner: str) -> Session | None:
-        """The session a request runs on: the one named by `X-Session-Id` (scoped to the key), else the
-        key's default session. Without API keys nobody is known, so a request that names no session is its
-        own context: None (it runs with `reuse=False` on a throwaway session and shares no KV)."""
+    def authorize_metrics(self, request: Any) -> None:
+        """/metrics shows every tenant's traffic: with API keys only `metrics_keys` may read it (401/403)."""
+        if not self.keys:
+            return
+        token = self._presented_key(request)
+        if token is not None:
+            for key in self.metrics_keys.values():
+                if secrets.compare_digest(token.encode(), key.encode()):
+                    return
+        self.authenticate(request)  # 401 for no or an unknown key
+        raise APIError(
+            403,
+            "/metrics shows every tenant's traffic: it needs a metrics key (onnxgen serve --metrics-key)",
+            code="forbidden",
+        )
+
+    def caller(self, request: Any, body_salt: str | None = None) -> Caller:
+        """Who sent `request` and the salt its stateless requests run under (see the module docstring).
+        `body_salt`: the request body's `cache_salt` (else the `X-Cache-Salt` header). Raises 401, 400."""
+        owner = self.authenticate(request)
+        salt = body_salt if body_salt is not None else request.headers.get(SALT_HEADER)
+        if salt is not None and not (0 < len(salt) <= MAX_SALT):
+            raise APIError(
+                400,
+                f"cache_salt must be 1 to {MAX_SALT} characters",
+                param="cache_salt",
+                code="invalid_value",
+            )
+        if self.keys:
+            return Caller(owner, owner, owner if salt is None else f"{owner}|{salt}")
+        client = request.client.host if request.client is not None else "unknown"
+        if salt is not None:
+            return Caller(owner, f"client:{client}", f"salt:{salt}")
+        return Caller(owner, f"client:{client}", None, private=self.config.isolate_keyless)
+
+    def session_salt(self, caller: Caller) -> tuple[str | None, bool]:
+        """(salt, per-id) of a session `caller` creates: the key's id; without keys none (shared), or the
+        session's own id when keyless callers are isolated."""
+        if self.keys:
+            return caller.owner, False
+        return None, self.config.isolate_keyless
+
+    def create_session(self, caller: Caller) -> str:
+        """A new session id for `caller`. Raises APIError 429 at the owner's or client's bound."""
+        salt, per_id = self.session_salt(caller)
+        try:
+            return self.store.create(caller.owner, caller.client, salt, per_id_salt=per_id)
+        except SessionLimit as exc:
+            raise APIError(429, str(exc), code="too_many_sessions") from None
+
+    def resolve_session(self, request: Any, caller: Caller) -> Session | None:
+        """The session named by `X-Session-Id` (scoped to the key), or None: a stateless request."""
         sid = request.headers.get(SESSION_HEADER)
         if sid is None:
-            return self.store.default(owner) if self.keys else None
-        session = self.store.get(owner, sid.strip())
+            return None
+        session = self.store.get(caller.owner, sid.strip())
         if session is None:
             raise APIError(
                 404,
@@ -160,15 +271,23 @@ class Server:
             )
         return session
 
-    def submit(self, session: Session | None, call: Call, on_token: Any = None) -> Handle:
-        """Queue a prepared request on `session` (call from the event loop). Raises APIError 429 when
-        `capacity` requests are in flight, 404 when the session was deleted. While in flight it is registered
-        under its session (so `DELETE /v1/sessions/{id}` can cancel it); past `request_timeout_s` it is
-        cancelled (`timed_out`, answered 504)."""
+    # --- requests in flight --------------------------------------------------------------------------
+
+    def submit(self, target: Session | Caller | None, call: Call, on_token: Any = None) -> Handle:
+        """Queue a prepared request (call from the event loop) on a session, or stateless for a `Caller` (under
+        its salt; a private caller reuses nothing). Raises APIError 429 when `capacity` requests are in
+        flight, 404 when the session was deleted. While in flight it is registered under its session (so
+        `DELETE /v1/sessions/{id}` can cancel it); past `request_timeout_s` it is cancelled (answered 504)."""
+        from onnxgen import Session
+
         prepared = call.prepared
-        if session is None:  # keyless and unnamed: its own context, nothing retained
-            session = self.model.session(name="anonymous")
-            prepared = dataclasses.replace(prepared, reuse=False)
+        session = target if isinstance(target, Session) else None
+        if session is None:
+            caller = target if isinstance(target, Caller) else None
+            if caller is not None and caller.private:
+                prepared = dataclasses.replace(prepared, reuse=False)
+            elif caller is not None:
+                prepared = dataclasses.replace(prepared, salt=caller.salt)
         elif session.closed:
             raise APIError(404, "the session was deleted", param=SESSION_HEADER, code="session_not_found")
         with self._lock:
@@ -181,12 +300,15 @@ class Server:
                 )
             self._count += 1
         try:
-            handle = session.submit(prepared, on_token=on_token)
+            if session is None:
+                handle = self.model.submit(prepared, on_token=on_token)
+            else:
+                handle = session.submit(prepared, on_token=on_token)
         except BaseException:
             with self._lock:
                 self._count -= 1
             raise
-        key = id(session)
+        key = id(session) if session is not None else 0
         with self._lock:
             self._inflight.setdefault(key, set()).add(handle)
         loop = asyncio.get_running_loop()
@@ -210,21 +332,26 @@ class Server:
             self._timed_out.add(id(handle))
         handle.cancel()
 
-    def outcome(self, handle: Handle, exc: BaseException) -> BaseException:
-        """What a failed request answers: a timeout's 504 for a request this server cancelled for running too
-        long, else `exc` as it is."""
+    def failure(self, handle: Handle, exc: BaseException, prompt_field: str = "messages") -> APIError:
+        """What a failed request answers: 504 for a request this server cancelled for running too long, 499
+        for another cancellation, else the engine's error mapped (bad input 400; 5xx logged)."""
         with self._lock:
             timed_out = id(handle) in self._timed_out
             self._timed_out.discard(id(handle))
-        if isinstance(exc, Cancelled) and timed_out:
-            timeout = self.config.request_timeout_s
-            return APIError(
-                504,
-                f"the request ran longer than this server's limit of {timeout:g} s and was cancelled; ask for "
-                "fewer tokens",
-                code="timeout",
-            )
-        return exc
+        if isinstance(exc, Cancelled):
+            if timed_out:
+                timeout = self.config.request_timeout_s
+                return APIError(
+                    504,
+                    f"the request ran longer than this server's limit of {timeout:g} s and was cancelled; ask "
+                    "for fewer tokens",
+                    code="timeout",
+                )
+            return APIError(499, "the request was cancelled", code="cancelled")
+        err = from_engine_error(exc, prompt_field=prompt_field)
+        if err.status >= 500:
+            log.error("a request failed: %s", err.message, exc_info=exc)
+        return err
 
     def cancel_running(self, session: Session) -> bool:
         """Cancel the requests queued or running on `session` (they stop at their next step); True if any."""
@@ -233,6 +360,12 @@ class Server:
         for h in handles:
             h.cancel()
         return bool(handles)
+
+    async def close_expired(self) -> None:
+        """Close the sessions that expired (their requests cancelled, their KV freed), off the event loop."""
+        for session in self.store.expired():
+            self.cancel_running(session)
+            await self.run_off_loop(session.close)
 
     def record(self, result: Result) -> None:
         """Count a finished generation in the metrics."""

@@ -1,18 +1,22 @@
-"""The server's session registry: session ids → engine sessions, scoped to API keys.
+"""The server's session registry: session ids → engine sessions, scoped to API keys, bounded and expiring.
 
-Ids are random 128-bit values (`secrets.token_hex(16)`). A session is visible only to the key that
-created it; each key has its own default session (for requests without `X-Session-Id`). Every session's
-identity is salted with its key (`Session.salt`), so KV, and therefore prefix reuse and `cached_tokens`,
-never crosses keys: sessions of one key share the pages of common prefixes (one system prompt, many
-agents), sessions of different keys share nothing. Without keys every caller is "anonymous" and nobody
-can be told apart, so each session gets a salt of its own (its id): keyless sessions share nothing. A
-request names its session in the `X-Session-Id` header (`SESSION_HEADER`).
+Ids are random 128-bit values (`secrets.token_hex(16)`). A session is visible only to the key that created
+it (without keys, to anyone who knows its id). Its KV identity is salted with its tenant's salt
+(`Session.salt`, chosen by the server: the key's id; without keys, none unless the server isolates keyless
+callers, then the session's own id), so prefix reuse and `cached_tokens` never cross tenants.
+
+Bounds: at most `max_per_owner` sessions per key, and without keys at most `max_per_client` per client
+address, so one anonymous client cannot take every session; a session unused for `ttl_s` seconds expires
+(swept when sessions are created or looked up: no thread). A request names its session in the
+`X-Session-Id` header (`SESSION_HEADER`).
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from onnxgen.errors import SessionLimit
@@ -23,56 +27,90 @@ if TYPE_CHECKING:
     from onnxgen import Model, Session
 
 
-class SessionStore:
-    def __init__(self, model: Model, max_per_key: int = 1024, keyed: bool = True) -> None:
-        """`keyed`: callers are told apart by API keys (sessions are salted with their key), else every
-        session is salted with its own id."""
-        self.model = model
-        self.keyed = keyed
-        self.max_per_key = max_per_key
-        self._lock = threading.Lock()
-        self._sessions: dict[str, tuple[str, Session]] = {}  # id -> (owner key id, Session)
-        self._defaults: dict[str, Session] = {}  # owner key id -> Session
-        self._per_key: dict[str, int] = {}
+@dataclass
+class _Entry:
+    owner: str  # the key id ("anonymous" without keys)
+    client: str  # what the creation is counted against: the key id, or the client's address without keys
+    session: Session
+    used: float  # time.monotonic() of the last lookup
 
-    def create(self, owner: str) -> str:
+
+class SessionStore:
+    """Thread-safe. `create(owner, client, salt)` → id; `get(owner, id)`; `remove(owner, id)`; `expired()`."""
+
+    def __init__(
+        self, model: Model, max_per_owner: int = 1024, max_per_client: int = 64, ttl_s: float = 3600.0
+    ) -> None:
+        self.model = model
+        self.max_per_owner = max_per_owner
+        self.max_per_client = max_per_client
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._sessions: dict[str, _Entry] = {}
+        self._expired: list[Session] = []  # swept out, to be closed off the event loop (`expired`)
+
+    def create(self, owner: str, client: str, salt: str | None, *, per_id_salt: bool = False) -> str:
+        """A new session for `owner`, counted against `client`; its identity salt is `salt` (or its own id
+        when `per_id_salt`). Raises `SessionLimit` (its message names the bound) when the owner or the client
+        holds as many sessions as allowed."""
         with self._lock:
-            if self._per_key.get(owner, 0) >= self.max_per_key:
-                raise SessionLimit()
+            self._sweep()
+            owned = sum(1 for e in self._sessions.values() if e.owner == owner)
+            if owned >= self.max_per_owner:
+                raise SessionLimit(f"this key holds {self.max_per_owner} sessions; delete some first")
+            if client != owner and sum(1 for e in self._sessions.values() if e.client == client) >= (
+                self.max_per_client
+            ):
+                raise SessionLimit(
+                    f"this client holds {self.max_per_client} sessions; delete some, or let them expire "
+                    f"({self.ttl_s:g} s unused)"
+                )
             sid = secrets.token_hex(16)
-            salt = owner if self.keyed else sid
-            self._sessions[sid] = (owner, self.model.session(name=f"http-{sid[:8]}", salt=salt))
-            self._per_key[owner] = self._per_key.get(owner, 0) + 1
+            session = self.model.session(name=f"http-{sid[:8]}", salt=sid if per_id_salt else salt)
+            self._sessions[sid] = _Entry(owner, client, session, time.monotonic())
             return sid
 
-    def _owned(self, owner: str, sid: str) -> Session | None:
-        """The session `sid` if it exists and belongs to `owner`; call with `_lock` held."""
+    def _owned(self, owner: str, sid: str) -> _Entry | None:
+        """The entry of `sid` if it exists, has not expired and belongs to `owner`; call with `_lock` held."""
         hit = self._sessions.get(sid)
-        if hit is None or not secrets.compare_digest(hit[0], owner):
+        if hit is None or not secrets.compare_digest(hit.owner, owner):
             return None
-        return hit[1]
+        if time.monotonic() - hit.used > self.ttl_s:
+            del self._sessions[sid]
+            self._expired.append(hit.session)
+            return None
+        return hit
 
     def get(self, owner: str, sid: str) -> Session | None:
-        """The session `sid` if it exists and belongs to `owner` (else None: indistinguishable)."""
+        """The session `sid` if it exists and belongs to `owner` (else None: indistinguishable); marks it used."""
         with self._lock:
-            return self._owned(owner, sid)
-
-    def default(self, owner: str) -> Session:
-        with self._lock:
-            s = self._defaults.get(owner)
-            if s is None:
-                s = self._defaults[owner] = self.model.session(name=f"default-{owner[:8]}", salt=owner)
-            return s
+            hit = self._owned(owner, sid)
+            if hit is None:
+                return None
+            hit.used = time.monotonic()
+            return hit.session
 
     def remove(self, owner: str, sid: str) -> Session | None:
         """Forget `sid` (if `owner` holds it) and return its Session for closing, else None."""
         with self._lock:
-            session = self._owned(owner, sid)
-            if session is not None:
-                del self._sessions[sid]
-                self._per_key[owner] -= 1
-            return session
+            hit = self._owned(owner, sid)
+            if hit is None:
+                return None
+            del self._sessions[sid]
+            return hit.session
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for sid in [s for s, e in self._sessions.items() if now - e.used > self.ttl_s]:
+            self._expired.append(self._sessions.pop(sid).session)
+
+    def expired(self) -> list[Session]:
+        """The sessions that expired since the last call (forgotten already; the caller closes them)."""
+        with self._lock:
+            self._sweep()
+            out, self._expired = self._expired, []
+            return out
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._sessions) + len(self._defaults)
+            return len(self._sessions)

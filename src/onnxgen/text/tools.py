@@ -93,6 +93,37 @@ def function_specs(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, 
     return out
 
 
+def scoped(schema: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A copy of a tool's parameter schema for use as the property `key` of a wrapper schema: its local
+    references (`#`, `#/$defs/...`, `#/definitions/...`, any `#/...` pointer) resolved in its own scope, i.e.
+    rewritten to `#/properties/<key>/...`. Walks the schema with an explicit stack (no recursion, whatever its
+    depth). Raises InvalidRequest for a reference outside the schema (a URL or another document)."""
+    prefix = f"#/properties/{key}"
+    root: dict[str, Any] = {}
+    stack: list[tuple[Any, Any]] = [(schema, root)]  # (a source object or array, its copy)
+    while stack:
+        src, dst = stack.pop()
+        items = src.items() if isinstance(src, Mapping) else enumerate(src)
+        for name, v in items:
+            if name == "$ref" and isinstance(src, Mapping) and isinstance(v, str):
+                if not v.startswith("#"):
+                    raise InvalidRequest(
+                        f"tool parameter schemas may only use local references ('#/$defs/...'), got {v!r}",
+                        field="tools",
+                    )
+                v = prefix + v[1:]
+            if isinstance(v, Mapping):
+                child: Any = {}
+            elif isinstance(v, list):
+                child = [None] * len(v)
+            else:
+                child = v
+            dst[name] = child
+            if isinstance(v, Mapping | list):
+                stack.append((v, child))
+    return root
+
+
 class ToolFormat:
     name = ""
     marker = ""  # how a call starts; streamed text that may begin one is held back
@@ -106,7 +137,7 @@ class ToolFormat:
     def _call_schema(self, f: Mapping[str, Any], args_key: str = "arguments") -> dict[str, Any]:
         return {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
+            "properties": {"name": {"const": f["name"]}, args_key: scoped(f["parameters"], args_key)},
             "required": ["name", args_key],
             "additionalProperties": False,
             "x-guidance": _LAYOUT,
