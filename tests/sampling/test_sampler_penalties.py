@@ -53,27 +53,6 @@ def test_min_p_never_samples_below_the_threshold(as_torch):
     assert seen == {0, 1, 2}
 
 
-def test_top_p_on_a_flat_distribution_bisects_to_the_same_set_as_sorting():
-    from onnxgen.sampling import sampler
-
-    _top_p_numpy = getattr(sampler, "_top_p_numpy", None)
-    if _top_p_numpy is None:
-        pytest.skip(
-            "the sampler has no windowed top-p helper (one choice per step since the batched sampler)"
-        )
-    rng = np.random.default_rng(0)
-    probs = rng.uniform(0.9, 1.1, size=4096)  # the top 256 hold ~6 % of the mass: the bisection path
-    probs /= probs.sum()
-    for top_p in (0.3, 0.9):
-        kept = _top_p_numpy(probs, top_p)
-        order = np.argsort(-probs, kind="stable")
-        cum = np.cumsum(probs[order])
-        exact = set(order[: int(np.searchsorted(cum, top_p * probs.sum())) + 1].tolist())
-        got = set(np.flatnonzero(kept).tolist())
-        assert exact <= got and len(got) - len(exact) <= 2  # up to ties at the threshold
-        np.testing.assert_array_equal(kept[kept > 0], probs[kept > 0])
-
-
 def test_processors_see_each_choice_through_accept():
     class Watch:
         def __init__(self):

@@ -61,6 +61,9 @@ def user(text: str) -> list[dict[str, Any]]:
 # --- item 5: nothing waits on the engine ------------------------------------------------------------------
 
 
+STEP_S = 4.0
+
+
 def test_health_and_metrics_answer_while_a_long_step_holds_the_engine(tiny, srv, mid):
     engine = tiny[0]
     run = engine.executor.run
@@ -68,7 +71,7 @@ def test_health_and_metrics_answer_while_a_long_step_holds_the_engine(tiny, srv,
 
     def slow(chunks):  # a long prefill: the step holds the engine's lock all along
         entered.set()
-        time.sleep(3)
+        time.sleep(STEP_S)
         return run(chunks)
 
     engine.executor.run = slow
@@ -82,7 +85,9 @@ def test_health_and_metrics_answer_while_a_long_step_holds_the_engine(tiny, srv,
             t0 = time.perf_counter()
             r = http.get(path)
             took = time.perf_counter() - t0
-            assert r.status_code == 200 and took < 0.1, (path, took)
+            # answered while the step still runs (a waiting handler would take the rest of STEP_S); the
+            # margin is for a loaded two-core CI host, where the event loop itself gets the CPU late
+            assert r.status_code == 200 and took < STEP_S / 4, (path, took)
         assert "onnxgen_requests_running" in http.get("/metrics").text
     finally:
         engine.executor.run = run
