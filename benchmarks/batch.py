@@ -17,7 +17,9 @@ Sections (contenders interleaved, the order reversed every other round, median o
           (all generated tokens over the wall time, prefill included), decode tok/s (the requests' own
           decode rates summed: the batch's throughput while all decode; serial: one request's), ms per
           decode step (one request's), ms per token of one request (its wall time over its tokens, prefill
-          included), TTFT p50 / p99 (http: not seen; http-stream: the first streamed token). A warm-up
+          included), TTFT p50 / p99 (http: not seen; http-stream: the first streamed token), the most
+          Python threads alive at once outside the B request threads (the main thread, the engine's loop,
+          the server's event loop on the http paths: the server runs no thread per request). A warm-up
           round per size comes first (--no-warmup: none; with --runs 1, a fresh engine's first batch)
   shared  --clients requests at once, each a --system-token system prompt and its own question: one system
           prompt for all against a distinct one each (a fresh salt every round: only sharing within the
@@ -120,20 +122,46 @@ class Client:
         return {"n": n, "ttft": (first - t0) if first else None, "tok_s": tok_s, "wall": wall}
 
 
+class ThreadPeak:
+    """The most Python threads alive at once while it runs, the benchmark's request threads
+    (`ThreadPoolExecutor-*`) and itself not counted: the main thread plus whatever serves the requests
+    (the engine's loop; the server's event loop on the HTTP paths)."""
+
+    def __init__(self) -> None:
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="bench-thread-peak", daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.002):
+            alive = [
+                t for t in threading.enumerate() if not t.name.startswith(("ThreadPoolExecutor", "bench-"))
+            ]
+            self.peak = max(self.peak, len(alive))
+
+    def __enter__(self) -> ThreadPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def at_once(fn: Callable[[Any], dict[str, Any]], prompts: list[Any], serial: bool) -> dict[str, Any]:
     """Run `fn` on every prompt, from one thread each released together (or one after another)."""
     t0 = time.perf_counter()
-    if serial:
-        outs = [fn(p) for p in prompts]
-    else:
-        barrier = threading.Barrier(len(prompts))
+    with ThreadPeak() as threads:
+        if serial:
+            outs = [fn(p) for p in prompts]
+        else:
+            barrier = threading.Barrier(len(prompts))
 
-        def go(p: Any) -> dict[str, Any]:
-            barrier.wait()
-            return fn(p)
+            def go(p: Any) -> dict[str, Any]:
+                barrier.wait()
+                return fn(p)
 
-        with ThreadPoolExecutor(len(prompts)) as ex:
-            outs = list(ex.map(go, prompts))
+            with ThreadPoolExecutor(len(prompts)) as ex:
+                outs = list(ex.map(go, prompts))
     wall = time.perf_counter() - t0
     gen = sum(o["n"] for o in outs)
     ttft = [o["ttft"] * 1e3 for o in outs if o["ttft"] is not None]
@@ -146,6 +174,7 @@ def at_once(fn: Callable[[Any], dict[str, Any]], prompts: list[Any], serial: boo
         "ttft_p50": u.median(ttft) if ttft else None,
         "ttft_p99": u.p99(ttft) if ttft else None,
         "tokens": gen,
+        "threads": threads.peak,
         "outs": outs,
     }
 
@@ -199,6 +228,7 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                     m: _med(x[m] for x in v)
                     for m in ("agg_tok_s", "decode_tok_s", "ms_step", "ms_token", "ttft_p50", "ttft_p99")
                 }
+                med["threads"] = max(x["threads"] for x in v)
                 base = base or med["agg_tok_s"]
                 data.append({"concurrency": b, "contender": label, **med})
                 rows.append(
@@ -211,6 +241,7 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                         u.fmt(med["ms_token"], 2),
                         u.fmt(med["ttft_p50"]),
                         u.fmt(med["ttft_p99"]),
+                        str(med["threads"]),
                         u.ratio(med["agg_tok_s"], base),
                     ]
                 )
@@ -226,6 +257,7 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
         "ms/token",
         "TTFT p50 ms",
         "TTFT p99 ms",
+        "threads",
         "vs first",
     ]
     p = "chat questions" if args.chat else f"{args.prompt}-token prompts"

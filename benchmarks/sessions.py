@@ -10,6 +10,9 @@ Sections (contenders interleaved, the order reversed every other round, median o
               one onnxruntime-genai Generator kept across turns with each turn's new ids appended
   retained    a --turn-token turn on a retained --context-token context (random ids): TTFT with the session,
               against the same prompt prefilled fresh; decode tok/s at that context
+  resume      a --turn-token turn on a --context-token conversation: TTFT kept in its session, restored from
+              its session file (the restore included; a second model of the same engine, its caches emptied
+              after each run, the file dropped from the page cache), and prefilled fresh; the file's size
   growing     one session from --grow START,END,STEP: STEP-token turns, --new tokens answered each: TTFT
               p50 / p99 and decode tok/s over the turns (--profile: one more turn under torch.profiler)
   retokenize  six two-turn chats whose replies are resent as text: the tokens turn 1 retained, how many turn 2
@@ -179,6 +182,102 @@ def retained(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
     )
 
 
+def resume(
+    args: Any, models: dict[str, Any], pkg: u.Package, specs: dict[str, dict[str, Any]]
+) -> tuple[str, str, Any]:
+    """A --turn-token turn on a --context-token conversation three ways: retained in the session, restored from
+    its session file (`Model.restore_session` on a second model of the same engine whose caches are emptied
+    after each run, the file dropped from the OS page cache first: read from the disk), and prefilled fresh."""
+    import os
+    import tempfile
+
+    vocab = next(iter(models.values())).spec.vocab_size
+    ctx = u.random_ids(args.context, vocab, 1)
+    turn = u.random_ids(args.turn, vocab, 2)
+    folder = Path(tempfile.mkdtemp(prefix="onnxgen-resume-"))
+    sessions, files, sizes = {}, {}, {}
+    restorers = {k: u.load(pkg, args.device, specs[k], args.threads) for k in models}
+    for k, m in models.items():
+        sessions[k] = m.session()
+        sessions[k].generate(ctx, max_new_tokens=1, **GREEDY)
+        files[k] = folder / f"{len(files)}.onnxgen"
+        sizes[k] = sessions[k].save(files[k])
+        restorers[k].generate(ctx[:64], max_new_tokens=1, reuse=False, **GREEDY)  # warm-up
+
+    def retained(k: str) -> dict[str, float]:
+        sessions[k].generate(ctx, max_new_tokens=1, **GREEDY)  # back to the context: the same turn each time
+        r = sessions[k].generate(ctx + turn, max_new_tokens=1, **GREEDY)
+        return {"ttft_ms": r.stats.ttft_s * 1e3, "reused": r.stats.reused_tokens}
+
+    def restored(k: str) -> dict[str, float]:
+        m = restorers[k]
+        fd = os.open(files[k], os.O_RDONLY)
+        try:  # NOTE: the file's pages leave the page cache: the restore reads the disk
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        m.settle()
+        t0 = time.perf_counter()
+        s = m.restore_session(files[k])
+        t1 = time.perf_counter()
+        r = s.generate(ctx + turn, max_new_tokens=1, **GREEDY)
+        s.close()
+        m.close()  # the restored pages leave the pool: the next run restores them again
+        return {
+            "ttft_ms": (t1 - t0 + r.stats.ttft_s) * 1e3,
+            "restore_ms": (t1 - t0) * 1e3,
+            "reused": r.stats.reused_tokens,
+        }
+
+    def fresh(k: str) -> dict[str, float]:
+        models[k].settle()
+        r = models[k].generate(ctx + turn, max_new_tokens=1, reuse=False, **GREEDY)
+        return {"ttft_ms": r.stats.ttft_s * 1e3}
+
+    contenders = {}
+    for k in models:
+        for name, fn in (("retained", retained), ("restored", restored), ("fresh", fresh)):
+            contenders[f"{k}|{name}"] = lambda k=k, fn=fn: fn(k)
+    for fn in contenders.values():
+        fn()
+    runs = u.interleave(args.runs, contenders)
+    rows, data = [], {}
+    for k in models:
+        med = {n: u.median(x["ttft_ms"] for x in runs[f"{k}|{n}"]) for n in ("retained", "restored", "fresh")}
+        restore_ms = u.median(x["restore_ms"] for x in runs[f"{k}|restored"])
+        reused = runs[f"{k}|restored"][-1]["reused"]
+        data[k] = {**med, "restore_ms": restore_ms, "reused": reused, "file_bytes": sizes[k]}
+        rows.append(
+            [
+                k,
+                f"{med['retained']:,.1f}",
+                f"{med['restored']:,.1f} ({restore_ms:,.0f} restore)",
+                f"{med['fresh']:,.1f}",
+                f"{med['restored'] / med['fresh']:.3f}",
+                f"{med['fresh'] / med['restored']:.1f}x",
+                f"{sizes[k] / 2**20:,.0f} MiB",
+                reused,
+            ]
+        )
+        sessions[k].close()
+        restorers[k].close()
+    for f in files.values():
+        f.unlink(missing_ok=True)
+    folder.rmdir()
+    header = [
+        "engine",
+        "retained TTFT ms",
+        "restored from file TTFT ms",
+        "fresh prefill TTFT ms",
+        "restored / fresh",
+        "speedup",
+        "file",
+        "reused",
+    ]
+    title = f"resume: a {args.turn}-token turn on a {args.context}-token conversation: kept, restored from its file, recomputed"
+    return title, u.table(rows, header), data
+
+
 def growing(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
     start, end, step = u.ints(args.grow)
     rows, data = [], {}
@@ -337,6 +436,8 @@ def main() -> int:
             out = retained(args, loaded)
         elif name == "growing":
             out = growing(args, loaded)
+        elif name == "resume":
+            out = resume(args, loaded, pkg, specs)
         elif name == "retokenize":
             out = retokenize(args, loaded)
         elif name == "chunks":

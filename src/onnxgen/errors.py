@@ -180,3 +180,14 @@ class QueueFull(OnnxgenError):
 
 class SessionLimit(OnnxgenError):
     """An API key already holds the maximum number of server sessions."""
+
+
+class SessionFileError(OnnxgenError):
+    """A session file cannot be restored (`Model.restore_session`): `reason` names why ("unreadable",
+    "format", "truncated", "checksum", "package", "backend", "dtype", "shape", "salt", "tokens"), `path` the
+    file. Nothing of it was attached; the conversation can go on by recomputing its context."""
+
+    def __init__(self, message: str, reason: str, path: Path | str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.path = Path(path) if path is not None else None

@@ -131,22 +131,28 @@ def test_verify_steps_and_only_they_are_computed_rowwise(monkeypatch: pytest.Mon
     (draft verification, alone or beside decodes), within `kernels.linear.ROWWISE_ROWS` rows; never for
     decodes or prefill chunks, nor with ONNXGEN_ROWWISE=0 (read by the runner at load)."""
     from onnxgen import envs
-    from onnxgen.backends.native import runner as rmod
+    from onnxgen.backends.native import batching
     from onnxgen.backends.native.kernels.linear import ROWWISE_ROWS
 
     verify = SeqChunk([1, 2, 3], 10, [0], 3)
     decode = SeqChunk([4], 20, [1], 1)
-    assert rmod._rowwise(BatchStep((verify,))) and rmod._rowwise(BatchStep((verify, decode)))
-    assert not rmod._rowwise(BatchStep((decode,))) and not rmod._rowwise(
+    assert batching.computes_rowwise(BatchStep((verify,))) and batching.computes_rowwise(
+        BatchStep((verify, decode))
+    )
+    assert not batching.computes_rowwise(BatchStep((decode,))) and not batching.computes_rowwise(
         BatchStep((decode, SeqChunk([5], 3, [2])))
     )
-    assert not rmod._rowwise(BatchStep((SeqChunk([1, 2, 3], 0, [0], 1),)))  # a prefill chunk
-    assert not rmod._rowwise(BatchStep((verify, SeqChunk([1, 2], 0, [3], 1))))  # beside a prefill chunk
+    assert not batching.computes_rowwise(BatchStep((SeqChunk([1, 2, 3], 0, [0], 1),)))  # a prefill chunk
+    assert not batching.computes_rowwise(
+        BatchStep((verify, SeqChunk([1, 2], 0, [3], 1)))
+    )  # beside a prefill chunk
     n = ROWWISE_ROWS
-    assert rmod._rowwise(BatchStep((SeqChunk(list(range(n)), 0, [0, 1, 2, 3], n),)))
-    assert not rmod._rowwise(BatchStep((SeqChunk(list(range(n + 1)), 0, [0, 1, 2, 3, 4], n + 1),)))
+    assert batching.computes_rowwise(BatchStep((SeqChunk(list(range(n)), 0, [0, 1, 2, 3], n),)))
+    assert not batching.computes_rowwise(
+        BatchStep((SeqChunk(list(range(n + 1)), 0, [0, 1, 2, 3, 4], n + 1),))
+    )
     monkeypatch.setenv("ONNXGEN_ROWWISE", "0")
-    assert not rmod._rowwise(BatchStep((verify,)), envs.ROWWISE)
+    assert not batching.computes_rowwise(BatchStep((verify,)), envs.ROWWISE)
 
 
 def test_decode_runs_replay_the_short_context_graph_while_they_stay_within_its_keys(tmp_path: Path) -> None:

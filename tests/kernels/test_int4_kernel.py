@@ -178,7 +178,7 @@ def test_dequant_kernel_writes_the_dense_weight_k_major(
 
 @pytest.mark.parametrize("silu", [False, True])
 def test_rowwise_packed_products_give_every_row_its_one_row_bits(silu: bool) -> None:
-    """A verify step's rows (`rowwise`) through `ops.quant._packed_product`: more rows than `GEMV_ROWS` still
+    """A verify step's rows (`rowwise`) through `ops.quant.packed_product`: more rows than `GEMV_ROWS` still
     run the packed GEMV, each row the bits of the same row alone (a decode step's product) — without
     `rowwise` such a step dequantizes and multiplies, which need not round alike."""
     from onnxgen.backends.native.ops import quant
@@ -188,7 +188,7 @@ def test_rowwise_packed_products_give_every_row_its_one_row_bits(silu: bool) -> 
     packed, scales, z = _weights(cols, k, block, "packed", seed=4)
     words, st, zt = kmajor(packed.to(DEVICE), scales.to(DEVICE), z.to(DEVICE), k, cols, block)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
-    got = quant._packed_product(x, words, st.to(torch.bfloat16), zt, k, n, block, silu, rowwise=True)
+    got = quant.packed_product(x, words, st.to(torch.bfloat16), zt, k, n, block, silu, rowwise=True)
     for i in range(rows):
-        one = quant._packed_product(x[i : i + 1], words, st.to(torch.bfloat16), zt, k, n, block, silu)
+        one = quant.packed_product(x[i : i + 1], words, st.to(torch.bfloat16), zt, k, n, block, silu)
         assert torch.equal(got[i : i + 1], one), i

@@ -81,13 +81,19 @@ def test_health_and_metrics_answer_while_a_long_step_holds_the_engine(tiny, srv,
     try:
         t.start()
         assert entered.wait(30)
-        for path in ("/health", "/metrics", "/health"):
-            t0 = time.perf_counter()
-            r = http.get(path)
-            took = time.perf_counter() - t0
-            # answered while the step still runs (a waiting handler would take the rest of STEP_S); the
-            # margin is for a loaded two-core CI host, where the event loop itself gets the CPU late
-            assert r.status_code == 200 and took < STEP_S / 4, (path, took)
+        t_start = time.perf_counter()
+        for path in ("/health", "/metrics"):
+            took = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                r = http.get(path)
+                took.append(time.perf_counter() - t0)
+                assert r.status_code == 200
+            # within 100 ms while the step runs (a handler that waited would take the rest of STEP_S); the
+            # median of five, so that one pause of the whole process (a garbage collection late in a long
+            # test run on a two-core host) is not taken for the server waiting
+            assert sorted(took)[2] < 0.1, (path, took)
+        assert time.perf_counter() - t_start < STEP_S  # all of it while the step held the engine
         assert "onnxgen_requests_running" in http.get("/metrics").text
     finally:
         engine.executor.run = run

@@ -46,6 +46,13 @@ The KV seam (only the reuse policy, `onnxgen.engine.reuse`, calls these three; a
   new prompt costs nothing and CUDA graphs captured on the buffers stay valid. KV sized by its length
   (ort's concat mode) has nothing to keep and goes.
 
+Saved KV (session files, `onnxgen.kv.files`; called by the slot executor only, between requests):
+- `export_kv()`: copies of the cache's `kv_len()` positions on the host, per layer `(k, v)` numpy arrays
+  `[kv_heads, kv_len(), head_size]` of the KV dtype (bfloat16 as its raw uint16: `kv.storage.to_host`).
+- `import_kv(tokens, layers)`: replace the cache by `layers` (as `export_kv` gives) holding the KV of
+  `tokens` (`kv_len()` becomes `len(tokens)`); `tokens` are what the cache was computed from (LongRoPE
+  decoders keep them to recompute at the switch). Raises `DeviceOutOfMemory` with the cache left empty.
+
 Memory and lifetime:
 - `kv_bytes()`: the device memory the cache holds now, in bytes (allocated capacity, not the length).
 - `close()`: empty the cache AND free its memory (`kv_bytes()` becomes 0) and the decoder's other
@@ -88,6 +95,10 @@ class Decoder(Protocol):
     def reset(self) -> None: ...
 
     def kv_bytes(self) -> int: ...
+
+    def export_kv(self) -> list[tuple[Any, Any]]: ...
+
+    def import_kv(self, tokens: Sequence[int], layers: Sequence[tuple[Any, Any]]) -> None: ...
 
     def close(self) -> None: ...
 

@@ -4,13 +4,16 @@ Each turn re-renders the whole history through the chat template, so the session
 what keeps turns fast: only the new suffix is prefilled. On a terminal a stats line follows each
 reply on stderr; with piped stdin/stdout it is a plain line loop (one line in, the reply out).
 Ctrl-C stops the current reply; the partial reply stays in the history and the session simply
-recomputes what it no longer holds.
+recomputes what it no longer holds. `--save FILE` writes the conversation (messages and KV, a session file)
+on exit; `--resume FILE` continues it, its KV reused.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 from onnxgen.cli.options import add_model_args, add_sampling_args, load_model, sampling_kwargs
@@ -33,6 +36,15 @@ def register(sub: Any) -> None:
     )
     add_model_args(p)
     p.add_argument("--system", help="a system message for the conversation")
+    p.add_argument(
+        "--save", type=Path, metavar="FILE", help="save the conversation and its KV to FILE on exit"
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        metavar="FILE",
+        help="continue the conversation a --save wrote to FILE (its KV reused)",
+    )
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -57,6 +69,21 @@ class Repl:
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.interactive = stdin.isatty() and stdout.isatty()
         self.last: Any = None
+
+    def resume(self, path: Path) -> None:
+        """Continue the conversation `save` wrote to `path`: its messages, and its KV (`Model.restore_session`).
+        Raises `SessionFileError` (then nothing changed)."""
+        session = self.model.restore_session(path, "chat")
+        saved = json.loads(session.note or "{}")
+        self.session.close()
+        self.session = session
+        self.system = saved.get("system", self.system)
+        self.history = list(saved.get("history", []))
+
+    def save(self, path: Path) -> int:
+        """Save the conversation's messages and KV to `path` (a session file); returns its size."""
+        note = json.dumps({"system": self.system, "history": self.history})
+        return self.session.save(path, note=note)
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -143,4 +170,15 @@ class Repl:
 
 def run(args: argparse.Namespace) -> int:
     model = load_model(args)
-    return Repl(model, sampling_kwargs(args), args.system, sys.stdin, sys.stdout, sys.stderr).loop()
+    repl = Repl(model, sampling_kwargs(args), args.system, sys.stdin, sys.stdout, sys.stderr)
+    if args.resume is not None:
+        repl.resume(args.resume)
+        print(
+            f"[ resumed {len(repl.history)} messages, {repl.session.retained_tokens} tokens of KV ]",
+            file=sys.stderr,
+        )
+    code = repl.loop()
+    if args.save is not None and repl.session.retained_tokens:
+        size = repl.save(args.save)
+        print(f"[ saved the conversation to {args.save} ({size / 2**20:.1f} MiB) ]", file=sys.stderr)
+    return code

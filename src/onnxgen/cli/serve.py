@@ -92,6 +92,11 @@ def register(sub: Any) -> None:
         help="without API keys: sessions one client address may hold (default: 64)",
     )
     p.add_argument(
+        "--kv-dir",
+        metavar="DIR",
+        help="save sessions here (POST /v1/sessions/{id}/save, and all at shutdown) and restore them by id",
+    )
+    p.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -152,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             isolate_keyless=args.isolate_keyless,
             session_ttl_s=args.session_ttl,
             max_sessions_per_client=args.sessions_per_client,
+            kv_dir=args.kv_dir,
         ),
     )
     auth = (

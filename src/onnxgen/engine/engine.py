@@ -19,21 +19,22 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from onnxgen.backends import create_decoder, create_runner
-from onnxgen.backends.base import Decoder
 from onnxgen.config import Config
+from onnxgen.engine import persist
 from onnxgen.engine.drafts import DraftControl, draft_control
+from onnxgen.engine.executors import build_executor
 from onnxgen.engine.input import InputProcessor, Prepared
 from onnxgen.engine.output import Result, result_of
 from onnxgen.engine.pipeline import DecodePipeline, RunPolicy
 from onnxgen.engine.request import Request, Status, sample_chunks
 from onnxgen.engine.scheduler import Chunk, Scheduler
 from onnxgen.engine.session import SessionRegistry
-from onnxgen.engine.slots import DecoderPool, SlotKV
-from onnxgen.errors import BackendUnavailable, Cancelled, DeviceOutOfMemory
+from onnxgen.engine.slots import DecoderPool
+from onnxgen.errors import Cancelled, DeviceOutOfMemory
 from onnxgen.package.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ class Engine:
     def __init__(self, spec: ModelSpec, config: Config | None = None) -> None:
         """Builds the backend (a paged runner when it can batch the package and `cache.paged` allows, else a
         decoder pool), the scheduler and the input processor. Raises `BackendUnavailable` (the backend's
-        dependencies are missing, or `cache.paged=True` where it cannot batch) and the backend's load errors."""
+        dependencies are missing, or `cache.paged=True` where it cannot batch) and the backend's load errors
+        (`engine/executors.build_executor`)."""
         from onnxgen.text import ChatTemplate, Tokenizer
         from onnxgen.text.tools import detect_format, get_format
 
@@ -57,7 +59,6 @@ class Engine:
         self.device = config.model.device
         self.backend = config.model.resolved_backend()
         cuda = config.model.cuda
-        options = config.backend_options()
         self.tokenizer = Tokenizer.from_spec(self.spec)
         self.chat_template = ChatTemplate.from_spec(self.spec, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys((*self.spec.eos_token_ids, *self.tokenizer.eos_token_ids)))
@@ -74,30 +75,8 @@ class Engine:
             eos_ids=self.eos_token_ids,
             max_new_tokens=config.decoding.max_new_tokens,
         )
-        self.pool: DecoderPool | None = None
-        self.executor: Any = None
-        paged_running = config.scheduler.running_for(cuda, True)
-        if config.cache.paged is not False and self.backend == "native":
-            try:
-                from onnxgen.engine.paged import PagedKV
-
-                runner = create_runner(
-                    self.spec, self.backend, self.device, max_batch=paged_running, **options
-                )
-                self.executor = PagedKV(runner)
-            except BackendUnavailable:
-                if config.cache.paged:
-                    raise
-        elif config.cache.paged:
-            raise BackendUnavailable(f"paged KV needs the native backend (this engine runs {self.backend})")
-        if self.executor is None:
-            self._prototype = create_decoder(self.spec, self.backend, self.device, **options)
-            self._prototype_lock = threading.Lock()
-            self.pool = DecoderPool(self._new_decoder)
-            # NOTE: the prototype is an ordinary decoder too; a closed decoder stays usable and still forks
-            self.pool.release(self._prototype)
-            # stateless requests' contexts, matched by longest prefix: as many as sessions may retain
-            self.executor = SlotKV(self.pool, stateless=config.cache.max_sessions)
+        self.executor: Any = build_executor(self.spec, config, self.backend)
+        self.pool: DecoderPool | None = getattr(self.executor, "pool", None)  # SlotKV's decoders
         self.paged: bool = self.executor.paged
         dec = config.decoding
         self.policy = RunPolicy(
@@ -124,16 +103,6 @@ class Engine:
         self._stuck = 0
         self.notify: Callable[[], None] = lambda: None  # the loop's wake-up (set by `EngineLoop`)
         self._snapshot = self.kv_stats()
-
-    @property
-    def max_running(self) -> int:
-        """How many requests run at once (the rest wait in the scheduler's queue)."""
-        return self.scheduler.max_running
-
-    def _new_decoder(self) -> Decoder:
-        """A new empty decoder sharing the loaded weights (`Decoder.fork`)."""
-        with self._prototype_lock:
-            return self._prototype.fork()
 
     # --- requests in ---------------------------------------------------------------------------------
 
@@ -320,8 +289,6 @@ class Engine:
     def _resolve(self, req: Request) -> None:
         """The request is over: tell its owner (`on_done`, whose failure is logged, never raised into the
         step), then its waiters. With no `on_done`, the state it would keep is dropped."""
-        import time
-
         req.status = Status.FINISHED
         req.t_done = time.perf_counter()
         if req.on_done is not None:
@@ -376,6 +343,20 @@ class Engine:
 
     def state_bytes(self, state: Any) -> int:
         return self.executor.state_bytes(state) if state is not None else 0
+
+    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", note: str = "") -> int:
+        """Write a retained state to a session file (`engine/persist.py`); returns its size. Any thread."""
+        with self._kv_lock:
+            layers = self.executor.export(state)
+        return persist.write(self, state.identity.tokens, layers, path, salt, name, note)
+
+    def load_state(self, path: Any, salt: str | None) -> tuple[Any, Any]:
+        """A session file's header (`kv.files.SessionHeader`) and a retained state made from it, checked
+        against this engine and `salt` (raises `SessionFileError`, `DeviceOutOfMemory`). Any thread."""
+        header, layers = persist.read(self, path, salt)
+        identity = self.inputs.identity(header.tokens, salt)
+        with self._kv_lock:
+            return header, self.executor.restore(identity, layers)
 
     def kv_stats(self) -> dict[str, Any]:
         """KV and scheduling numbers now: running and waiting requests, preemptions, the KV sessions retain,

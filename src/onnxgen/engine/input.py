@@ -28,7 +28,7 @@ import numpy as np
 
 from onnxgen.engine import reuse as reuse_policy
 from onnxgen.engine.drafts import MODES as DRAFT_MODES
-from onnxgen.engine.identity import make_identity
+from onnxgen.engine.identity import Identity, make_identity
 from onnxgen.engine.request import Request
 from onnxgen.errors import ContextOverflow, EmptyPrompt, InvalidRequest
 from onnxgen.package.spec import ModelSpec
@@ -334,6 +334,12 @@ class InputProcessor:
 
     # --- the engine's record ------------------------------------------------------------------------------
 
+    def identity(self, ids: Sequence[int], salt: str | None, inputs: Any = None) -> Identity:
+        """The identity of a context of `ids` (with extra graph `inputs`) under `salt`: the package's key and
+        the salt digested with the inputs (`engine/identity.py`)."""
+        key = self.package_key if salt is None else f"{self.package_key}|salt={salt}"
+        return make_identity(ids, inputs, key)
+
     def request(
         self,
         prepared: Prepared,
@@ -352,8 +358,7 @@ class InputProcessor:
         salts share no KV."""
         from onnxgen.text import IncrementalDetokenizer
 
-        key = self.package_key if salt is None else f"{self.package_key}|salt={salt}"
-        digest = make_identity(ids, prepared.inputs, key).digest
+        digest = self.identity(ids, salt, prepared.inputs).digest
         return Request(
             prompt=ids,
             digest=digest,

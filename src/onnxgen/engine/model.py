@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
 from onnxgen.config import Config
@@ -108,7 +109,7 @@ class Model:
     @property
     def max_running(self) -> int:
         """How many requests run at once (the rest wait)."""
-        return self._engine.max_running
+        return self._engine.scheduler.max_running
 
     @property
     def tokenizer(self) -> Any:
@@ -198,6 +199,20 @@ class Model:
         context the conversation continues (a stateless request's `prompt_ids` + `tokens`): its first chat
         prompt keeps them where its text spells them, so that context's cached KV is found whole."""
         return Session(self._engine, name, salt=salt, history=history)
+
+    def restore_session(
+        self, path: str | Path, name: str | None = None, *, salt: str | None = None
+    ) -> Session:
+        """A session that continues the conversation `Session.save` wrote to `path`: its KV attached, so its
+        next turn prefills only what is new; its `note` is the file's. `salt`: the one it was saved under. Raises `SessionFileError`
+        naming why the file cannot be used (another package, backend or salt; truncated, corrupted or
+        edited): nothing is attached, and a new session recomputes the context. `DeviceOutOfMemory` when
+        the KV does not fit."""
+        header, state = self._engine.load_state(path, salt)
+        session = Session(self._engine, name, salt=salt, history=header.tokens)
+        session.note = header.note
+        session.adopt(state)
+        return session
 
     @property
     def default_session(self) -> Session:

@@ -39,10 +39,17 @@ from onnxgen.backends.batch import BatchRunner, BatchStep, SeqChunk
 from onnxgen.engine.identity import Identity
 from onnxgen.engine.request import Request
 from onnxgen.engine.scheduler import Chunk
+from onnxgen.errors import DeviceOutOfMemory
 from onnxgen.kv.manager import InFlight, KVManager, PageTable, common_pages
 from onnxgen.kv.pages import PageAllocator
 from onnxgen.kv.prefix import Anchor, Node, PrefixIndex
 from onnxgen.sampling.choice import RowChooser
+
+
+def _regime(digest: bytes, long: bool) -> bytes:
+    """The digest pages of a LongRoPE package are indexed under: the identity's, or for the long regime its
+    own (keys computed with the long factors are never shared with short-regime requests)."""
+    return hashlib.blake2b(digest + b"|longrope", digest_size=16).digest() if long else digest
 
 
 @dataclass(frozen=True)
@@ -101,8 +108,7 @@ class PagedKV:
         switch = self.rope_switch
         if req.digest is None or switch is None:
             return req.digest
-        long = req.num_tokens > switch if req.kv is None else req.kv_limit is None
-        return hashlib.blake2b(req.digest + b"|longrope", digest_size=16).digest() if long else req.digest
+        return _regime(req.digest, req.num_tokens > switch if req.kv is None else req.kv_limit is None)
 
     def admit(self, req: Request) -> bool:
         # LongRoPE: a request admitted at most as long as the switch computes short keys, valid up to it
@@ -294,6 +300,61 @@ class PagedKV:
         if state is None:
             return 0
         return -(-len(state.identity.tokens) // self.page_size) * self.bytes_per_page
+
+    def export(self, state: Pinned) -> list[tuple[Any, Any]]:
+        """Host copies of a pinned context's KV, per layer `(k, v)` `[kv_heads, n, head_size]`, read from the
+        pages of its indexed path, for a session file."""
+        import torch
+
+        from onnxgen.kv.storage import to_host
+
+        pages, node = [], state.node
+        while node.parent is not None:
+            pages.append(node.page)
+            node = node.parent
+        n = len(state.identity.tokens)
+        assert state.node.depth_tokens() == n, "a pinned path covers its context"
+        storage = self.runner.storage
+        table = torch.tensor(pages[::-1], dtype=torch.int64, device=storage.device)
+        out = []
+        for layer in range(storage.num_layers):
+            k, v = storage.gather(layer, table, n)
+            out.append((to_host(k), to_host(v)))
+        return out
+
+    def restore(self, identity: Identity, layers: Sequence[tuple[Any, Any]]) -> Pinned:
+        """Index `layers` (the KV of `identity.tokens`, as `export` gives) in the pool under the identity (and
+        its LongRoPE regime) and pin them for a session; pages the index already holds for a prefix of
+        them are shared, not written. Raises `DeviceOutOfMemory` when the pool cannot hold them."""
+        import torch
+
+        from onnxgen.kv.storage import from_host
+
+        assert identity.digest is not None
+        tokens, n, switch = identity.tokens, len(identity.tokens), self.rope_switch
+        digest = _regime(identity.digest, n > switch) if switch is not None else identity.digest
+        table, cached = self.kv.open(digest, tokens, whole=True)
+        if not self.kv.grow(table, n):
+            self.kv.release(table)
+            raise DeviceOutOfMemory(
+                f"the KV pool cannot hold a restored context of {n} tokens: load the model with a larger "
+                f"kv_bytes, or end other sessions"
+            )
+        storage, ps = self.runner.storage, self.page_size
+        if cached < n:
+            pos = torch.arange(cached, n)
+            pages = torch.tensor(table.pages, dtype=torch.int64)
+            slots = (pages[pos // ps] * ps + pos % ps).to(storage.device)
+            like = storage.data
+            for layer, (k, v) in enumerate(layers):
+                hk = from_host(k[:, cached:n].copy(), like).transpose(0, 1)
+                hv = from_host(v[:, cached:n].copy(), like).transpose(0, 1)
+                storage.write(layer, slots, hk, hv)
+        node = self.kv.commit(table, tokens)
+        assert node is not None
+        self.index.pin(node)
+        self.pinned_sessions += 1
+        return Pinned(node, Identity(tuple(tokens), digest), table.anchor)
 
     def stats(self) -> dict[str, int]:
         """Pool occupancy (pages in all, free, used, held by the index, shared by more than one holder),

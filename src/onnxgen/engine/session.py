@@ -64,6 +64,10 @@ class Runner(Protocol):
         """Device bytes a retained state holds."""
         ...
 
+    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", note: str = "") -> int:
+        """Write a retained state to a session file; returns its size."""
+        ...
+
 
 class Session:
     """One conversation's retained context. Thread-safe: its requests run one at a time, in submission order.
@@ -88,6 +92,7 @@ class Session:
         self._idle = threading.Condition()
         self.last_used = time.monotonic()
         self.closed = False
+        self.note = ""  # a restored session's file's note (`save`)
 
     # --- retained state: take / commit / evict (all under _state_lock) ---------------------
 
@@ -112,6 +117,11 @@ class Session:
         freed = self.engine.state_bytes(state)
         self.engine.drop_state(state)
         return freed
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        """The token ids of the session's last context (kept when its KV is evicted)."""
+        return self._history
 
     @property
     def retained_tokens(self) -> int:
@@ -142,6 +152,40 @@ class Session:
                 handle.cancel()
         self.clear()
         self.engine.registry.forget(self)
+
+    # --- session files -------------------------------------------------------------------
+
+    def save(self, path: Any, note: str = "") -> int:
+        """Write the retained context to `path` as a session file (`kv/files.py`: its KV and token ids, bound
+        to the package, the backend and this session's salt; `note`: the application's own text, given back
+        as the restored session's `note`), atomically; returns its size in bytes. Waits
+        for the session's running requests (requests submitted meanwhile wait for the save). Raises
+        `InvalidRequest` when nothing is retained (no turn yet, evicted, or closed). The session goes on."""
+        from onnxgen.errors import InvalidRequest
+
+        with self._idle:
+            self._idle.wait_for(lambda: not self._busy)
+            self._busy = True  # NOTE: requests queue behind the save (`_next` starts them)
+        try:
+            state = self._take()
+            if state is None:
+                raise InvalidRequest(
+                    f"{self.name} retains no context to save (no turn yet, or evicted)", field="path"
+                )
+            try:
+                return self.engine.save_state(state, path, self.salt, self.name, note)
+            finally:
+                self._commit(state)
+        finally:
+            self._next()
+
+    def adopt(self, state: Any) -> None:
+        """Attach a retained state made for this session (a restored session file) before its first request:
+        its history becomes the state's tokens."""
+        assert not self._busy and self._retained is None, "adopt is for a new session"
+        self._history = tuple(state.identity.tokens)
+        self._commit(state)
+        self.engine.registry.touch(self)
 
     # --- requests ------------------------------------------------------------------------
 

@@ -224,6 +224,24 @@ class SlotKV:
     def state_bytes(self, state: Retained | None) -> int:
         return state.decoder.kv_bytes() if state is not None else 0
 
+    def export(self, state: Retained) -> list[tuple[Any, Any]]:
+        """Host copies of a retained context's KV (`Decoder.export_kv`), for a session file."""
+        layers = state.decoder.export_kv()
+        assert not layers or layers[0][0].shape[1] == len(state.identity.tokens), (
+            "a retained decoder holds its context"
+        )
+        return layers
+
+    def restore(self, identity: Identity, layers: Sequence[tuple[Any, Any]]) -> Retained:
+        """A retained context holding `layers`, the KV of `identity.tokens`, on a decoder from the pool."""
+        decoder = self.pool.acquire()
+        try:
+            decoder.import_kv(identity.tokens, layers)
+        except BaseException:
+            self.pool.release(decoder)
+            raise
+        return Retained(decoder, identity)
+
     def stats(self) -> dict[str, int]:
         return {
             "idle_decoders": self.pool.idle,

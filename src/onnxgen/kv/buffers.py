@@ -150,6 +150,32 @@ class KVBuffers:
         """Views of the first `total` positions of a layer's K and V."""
         return self.keys[layer][:, :, :total], self.values[layer][:, :, :total]
 
+    def export(self) -> list[tuple[Any, Any]]:
+        """Host copies of the valid positions: per layer `(k, v)` `[kv_heads, length, head_dim]`
+        (`storage.to_host`)."""
+        from onnxgen.kv.storage import to_host
+
+        n = self.length
+        out = []
+        for k, v in zip(self.keys, self.values, strict=True):
+            hk, hv = to_host(k[0, :, :n]), to_host(v[0, :, :n])
+            out.append((hk.copy() if hk.base is not None else hk, hv.copy() if hv.base is not None else hv))
+        return out
+
+    def load(self, layers: Any) -> None:
+        """Replace the cache by `layers` (per layer `(k, v)` host arrays `[kv_heads, n, head_dim]`, as
+        `export` gives): length n. An allocation failure leaves the cache empty (`reserve`)."""
+        from onnxgen.kv.storage import from_host
+
+        assert len(layers) == self.num_layers, (len(layers), self.num_layers)
+        n = int(layers[0][0].shape[1]) if layers else 0
+        self.reset()
+        self.reserve(n)
+        for i, (k, v) in enumerate(layers):
+            self.keys[i][0, :, :n] = from_host(k, self.keys[i])
+            self.values[i][0, :, :n] = from_host(v, self.values[i])
+        self.set_length(n)
+
     def nbytes(self) -> int:
         """Device bytes the buffers hold now (allocated capacity, not only the valid length)."""
         return sum(int(t.nbytes) for t in (*self.keys, *self.values) if t is not None)

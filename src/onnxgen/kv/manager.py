@@ -125,6 +125,7 @@ class KVManager:
         tokens: Sequence[int],
         inflight: Sequence[InFlight] = (),
         start: Anchor | None = None,
+        whole: bool = False,
     ) -> tuple[PageTable, int]:
         """A page table for a request over `tokens`, sharing the longest indexed prefix of at most
         `len(tokens) - 1` tokens (at least one token is always computed). Returns the table and how many
@@ -133,8 +134,10 @@ class KVManager:
         identity; when one has computed more full pages of the same tokens than the index holds, those
         pages are shared instead (they are never written again: their holder writes past its computed
         positions, in pages of its own). `start`: an anchor of the index whose path `tokens` begin with (the
-        caller checked; a session's last context): the lookup begins there."""
-        m = self.index.match(digest, tokens, len(tokens) - 1, start)
+        caller checked; a session's last context): the lookup begins there. `whole`: all of `tokens` may be
+        shared (a restored context: nothing of it is computed)."""
+        most = len(tokens) if whole else len(tokens) - 1
+        m = self.index.match(digest, tokens, most, start)
         shared = self._inflight_share(tokens, inflight, m.length) if digest is not None else None
         table = PageTable(digest, list(shared if shared is not None else m.pages))
         if shared is None and m.node is not None:

@@ -16,6 +16,34 @@ from collections.abc import Callable
 from typing import Any
 
 
+def to_host(a: Any) -> Any:
+    """A KV tensor (torch on any device, or numpy) as a host numpy array, bfloat16 as its raw uint16 (the
+    storage type of `kv.files`)."""
+    import numpy as np
+
+    if isinstance(a, np.ndarray):
+        return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+    import torch
+
+    t = a.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def from_host(a: Any, like: Any) -> Any:
+    """`a` (a host array as `to_host` gives) as an array of `like`'s kind, dtype and device."""
+    import numpy as np
+
+    if isinstance(like, np.ndarray):
+        return a.view(like.dtype) if like.dtype.name == "bfloat16" else a.astype(like.dtype, copy=False)
+    import torch
+
+    if like.dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(like.device)
+    return torch.from_numpy(a).to(device=like.device, dtype=like.dtype)
+
+
 def page_bytes(num_layers: int, page_size: int, kv_heads: int, head_dim: int, element_size: int) -> int:
     """Bytes one page takes across all layers (keys and values)."""
     return num_layers * 2 * page_size * kv_heads * head_dim * element_size

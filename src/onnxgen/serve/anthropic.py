@@ -25,6 +25,7 @@ from fastapi.responses import Response
 from onnxgen.errors import APIError
 from onnxgen.serve import openai
 from onnxgen.serve.errors import anthropic_error_body
+from onnxgen.serve.messages import check_messages
 from onnxgen.serve.schemas import CountTokensRequest, MessagesRequest
 from onnxgen.serve.streaming import (
     Call,
@@ -104,7 +105,7 @@ def messages_of(req: Any) -> list[dict[str, Any]]:
             elif msg["content"] is None:
                 msg["content"] = ""
             out.append(msg)
-    return openai.check_messages(out, "messages")
+    return check_messages(out, "messages")
 
 
 def tools_of(req: Any) -> dict[str, Any]:
@@ -282,7 +283,7 @@ def add_routes(app: Any, server: Server) -> None:
         server.authenticate(request)
         req = await read_body(server, request, MessagesRequest)
         caller = server.caller(request, req.cache_salt)
-        session = server.resolve_session(request, caller)
+        session = await server.resolve_session(request, caller)
         call = await server.run_off_loop(prepare, server, req)
         return await respond(
             server, request, call, Reply(server.model, server.model_id, call), session or caller

@@ -33,6 +33,7 @@ from fastapi.responses import Response
 
 from onnxgen.errors import APIError, GrammarError
 from onnxgen.serve import openai
+from onnxgen.serve.messages import check_messages, items_to_messages
 from onnxgen.serve.schemas import ResponsesRequest
 from onnxgen.serve.streaming import (
     Call,
@@ -93,73 +94,6 @@ class ResponseStore:
             return True
 
 
-def _parts_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for k, p in enumerate(content):
-        if p.get("type") not in ("input_text", "output_text", "text") or not isinstance(p.get("text"), str):
-            raise APIError(
-                400,
-                f"{where}.{k}: content parts of type {p.get('type')!r} are not supported (text only)",
-                param=f"{where}.{k}.type",
-                code="unsupported",
-            )
-        texts.append(p["text"])
-    return "\n".join(texts)
-
-
-def items_to_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """The chat messages of a request's `input`: a string is one user message; message items keep their role
-    (`developer` is `system`); consecutive function_call items join the assistant message before them as its
-    tool calls; a function_call_output is a `tool` message answering its `call_id`. Reasoning items are
-    dropped; other item types are a 400."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict[str, Any]] = []
-    for i, it in enumerate(items):
-        kind = it.type or ("message" if it.role else None)
-        where = f"input.{i}"
-        if kind == "message":
-            if it.role is None:
-                raise APIError(400, f"{where}: a message item needs a role", param=f"{where}.role")
-            role = "system" if it.role == "developer" else it.role
-            out.append({"role": role, "content": _parts_text(it.content, f"{where}.content")})
-        elif kind == "function_call":
-            if not it.call_id or not it.name or it.arguments is None:
-                raise APIError(
-                    400, f"{where}: a function_call needs call_id, name and arguments", param=where
-                )
-            call = {
-                "id": it.call_id,
-                "type": "function",
-                "function": {"name": it.name, "arguments": it.arguments},
-            }
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            elif last is not None and last["role"] == "assistant":
-                last["tool_calls"] = [call]
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not it.call_id:
-                raise APIError(
-                    400, f"{where}: a function_call_output needs a call_id", param=f"{where}.call_id"
-                )
-            text = it.output if isinstance(it.output, str) else _parts_text(it.output, f"{where}.output")
-            out.append({"role": "tool", "tool_call_id": it.call_id, "content": text})
-        elif kind == "reasoning":
-            continue
-        else:
-            raise APIError(
-                400, f"{where}: input items of type {kind!r} are not supported", param=f"{where}.type"
-            )
-    return out
-
-
 def _tools(req: Any) -> dict[str, Any]:
     """Responses function tools (flat: type, name, description, parameters) as the engine's tool options."""
     if not req.tools:
@@ -215,7 +149,7 @@ def prepare(server: Server, req: Any, history: list[dict[str, Any]]) -> tuple[Ca
     if not conversation:
         raise APIError(400, "input holds no message", param="input")
     prompt = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
-    openai.check_messages(prompt, "input")
+    check_messages(prompt, "input")
     call = openai.prepare_call(
         server.model,
         prompt,
@@ -470,7 +404,7 @@ def add_routes(app: Any, server: Server) -> None:
         server.authenticate(request)
         req = await read_body(server, request, ResponsesRequest)
         caller = server.caller(request, req.cache_salt)
-        session = server.resolve_session(request, caller)
+        session = await server.resolve_session(request, caller)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = server.responses.get(caller.owner, req.previous_response_id)

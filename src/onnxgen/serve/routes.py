@@ -5,7 +5,7 @@ path for every family (`streaming.respond`: submit → a whole response, or the 
     POST /v1/chat/completions · POST /v1/completions                     OpenAI (openai.py)
     POST /v1/messages · POST /v1/messages/count_tokens                    Anthropic (anthropic.py)
     POST /v1/responses · GET|DELETE /v1/responses/{id}                    OpenAI Responses (responses.py)
-    POST /v1/sessions · DELETE /v1/sessions/{id}
+    POST /v1/sessions · POST /v1/sessions/{id}/save · DELETE /v1/sessions/{id}
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from onnxgen.errors import APIError
 from onnxgen.serve import anthropic, openai, responses
+from onnxgen.serve.messages import chat_messages, completion_prompt
 from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
 from onnxgen.serve.sessions import SESSION_HEADER
 from onnxgen.serve.streaming import read_body, respond
@@ -92,25 +93,43 @@ def add_routes(app: Any, server: Server) -> None:
             {"id": sid, "object": "session", "created": int(time.time())}, headers={SESSION_HEADER: sid}
         )
 
+    @app.post("/v1/sessions/{sid}/save")
+    async def save_session(sid: str, request: Request) -> dict[str, Any]:
+        owner = server.authenticate(request)
+        if server.store.kv_dir is None:
+            raise APIError(
+                400, "this server keeps no session files: start it with --kv-dir DIR", code="kv_dir_not_set"
+            )
+        saved = await server.run_off_loop(server.store.save, owner, sid)
+        if saved is None:
+            raise APIError(404, f"unknown session {sid!r}", param="session_id", code="session_not_found")
+        tokens, size = saved
+        return {"id": sid, "object": "session.saved", "tokens": tokens, "bytes": size}
+
     @app.delete("/v1/sessions/{sid}")
     async def delete_session(sid: str, request: Request) -> dict[str, Any]:
         owner = server.authenticate(request)
         session = server.store.remove(owner, sid)
+        path = server.store.file(owner, sid)
+        if session is None and path is not None and path.is_file():  # saved, not restored since
+            server.store.forget_file(owner, sid)
+            return {"id": sid, "object": "session.deleted", "deleted": True}
         if session is None:
             raise APIError(404, f"unknown session {sid!r}", param="session_id", code="session_not_found")
         server.cancel_running(
             session
         )  # a running request stops at its next step; close() then returns at once
         await server.run_off_loop(session.close)
+        server.store.forget_file(owner, sid)
         return {"id": sid, "object": "session.deleted", "deleted": True}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await complete(request, openai.CHAT, ChatCompletionRequest, openai.chat_messages)
+        return await complete(request, openai.CHAT, ChatCompletionRequest, chat_messages)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await complete(request, openai.COMPLETION, CompletionRequest, openai.completion_prompt)
+        return await complete(request, openai.COMPLETION, CompletionRequest, completion_prompt)
 
     async def complete(
         request: Request, kind: openai.Kind, schema: Any, prompt_of: Callable[[Any], Any]
@@ -118,7 +137,7 @@ def add_routes(app: Any, server: Server) -> None:
         server.authenticate(request)
         req = await read_body(server, request, schema)
         caller = server.caller(request, req.cache_salt)
-        session = server.resolve_session(request, caller)
+        session = await server.resolve_session(request, caller)
         prompt = prompt_of(req)
         call = await server.run_off_loop(
             openai.prepare,

@@ -58,7 +58,8 @@ class ServerConfig:
     one client address may hold; session_ttl_s: idle time after which a session expires. isolate_keyless:
     without keys, unnamed requests share no KV (see the module docstring). metrics_keys: with API keys, the
     keys that may read /metrics (server-wide numbers; none: nobody). max_stored_responses: responses kept for
-    `previous_response_id` and GET (least recently stored dropped first)."""
+    `previous_response_id` and GET (least recently stored dropped first). kv_dir: where sessions are saved
+    (`POST /v1/sessions/{id}/save`, and all at shutdown) and restored from by id (None: nowhere)."""
 
     api_keys: tuple[str, ...] = ()
     max_queue: int = 64
@@ -75,6 +76,7 @@ class ServerConfig:
     isolate_keyless: bool = False
     metrics_keys: tuple[str, ...] = ()
     max_stored_responses: int = 1024
+    kv_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1:
@@ -118,7 +120,11 @@ class Server:
         self.metrics_keys = {_key_id(k): k for k in config.metrics_keys}
         self.capacity = model.max_running + config.max_queue  # requests in flight before a 429
         self.store = SessionStore(
-            model, config.max_sessions_per_key, config.max_sessions_per_client, config.session_ttl_s
+            model,
+            config.max_sessions_per_key,
+            config.max_sessions_per_client,
+            config.session_ttl_s,
+            kv_dir=config.kv_dir,
         )
         self.logprobs = Logprobs(model)
         self.metrics = Metrics()
@@ -256,12 +262,17 @@ class Server:
         except SessionLimit as exc:
             raise APIError(429, str(exc), code="too_many_sessions") from None
 
-    def resolve_session(self, request: Any, caller: Caller) -> Session | None:
-        """The session named by `X-Session-Id` (scoped to the key), or None: a stateless request."""
+    async def resolve_session(self, request: Any, caller: Caller) -> Session | None:
+        """The session named by `X-Session-Id` (scoped to the key; with a kv_dir, restored from its file when
+        the store does not hold it), or None: a stateless request."""
         sid = request.headers.get(SESSION_HEADER)
         if sid is None:
             return None
-        session = self.store.get(caller.owner, sid.strip())
+        sid = sid.strip()
+        session = self.store.get(caller.owner, sid)
+        if session is None and self.store.file(caller.owner, sid) is not None:
+            salt, per_id = self.session_salt(caller)
+            session = await self.run_off_loop(self.store.restore, caller.owner, sid, sid if per_id else salt)
         if session is None:
             raise APIError(
                 404,
@@ -378,5 +389,9 @@ class Server:
         return await loop.run_in_executor(self.prepare_pool, lambda: fn(*args, **kwargs))
 
     def close(self) -> None:
-        """Stop the preparation threads (requests end with the model's loop)."""
+        """Save the sessions (with a kv_dir) and stop the preparation threads (requests end with the model's
+        loop)."""
+        if self.store.kv_dir is not None:
+            n = self.store.save_all()
+            log.info("saved %d session(s) to %s", n, self.store.kv_dir)
         self.prepare_pool.shutdown(wait=False, cancel_futures=True)

@@ -9,19 +9,32 @@ Bounds: at most `max_per_owner` sessions per key, and without keys at most `max_
 address, so one anonymous client cannot take every session; a session unused for `ttl_s` seconds expires
 (swept when sessions are created or looked up: no thread). A request names its session in the
 `X-Session-Id` header (`SESSION_HEADER`).
+
+With a `kv_dir`, a session's context can be saved to a session file (`save`; every session holding one at
+shutdown: `save_all`) named after its owner's hash and its id; a request naming an id the store does not hold
+restores it from its file (`restore`, off the event loop: after a restart, or after it expired), under the
+salt the server gives it, and the file goes when the session is deleted. A file that no longer fits (another
+package or backend, corrupted) is logged and the session starts empty under its id: the client's next
+request carries its conversation, which is then recomputed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import re
 import secrets
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from onnxgen.errors import SessionLimit
+from onnxgen.errors import SessionFileError, SessionLimit
 
 SESSION_HEADER = "X-Session-Id"
+_SID = re.compile(r"[0-9a-f]{32}")
+log = logging.getLogger("onnxgen.serve")
 
 if TYPE_CHECKING:
     from onnxgen import Model, Session
@@ -39,9 +52,15 @@ class SessionStore:
     """Thread-safe. `create(owner, client, salt)` → id; `get(owner, id)`; `remove(owner, id)`; `expired()`."""
 
     def __init__(
-        self, model: Model, max_per_owner: int = 1024, max_per_client: int = 64, ttl_s: float = 3600.0
+        self,
+        model: Model,
+        max_per_owner: int = 1024,
+        max_per_client: int = 64,
+        ttl_s: float = 3600.0,
+        kv_dir: str | Path | None = None,
     ) -> None:
         self.model = model
+        self.kv_dir = Path(kv_dir) if kv_dir is not None else None
         self.max_per_owner = max_per_owner
         self.max_per_client = max_per_client
         self.ttl_s = ttl_s
@@ -98,6 +117,64 @@ class SessionStore:
                 return None
             del self._sessions[sid]
             return hit.session
+
+    # --- session files ---------------------------------------------------------------------------------
+
+    def file(self, owner: str, sid: str) -> Path | None:
+        """Where `owner`'s session `sid` is saved (None without a kv_dir, or for an id this store never makes)."""
+        if self.kv_dir is None or not _SID.fullmatch(sid):
+            return None
+        return self.kv_dir / f"{hashlib.sha256(owner.encode()).hexdigest()[:16]}-{sid}.onnxgen"
+
+    def save(self, owner: str, sid: str) -> tuple[int, int] | None:
+        """Save `owner`'s session `sid` to its file: (tokens, bytes), or None when the store holds no such
+        session. Raises `InvalidRequest` when it retains no context. Blocks: call it off the event loop."""
+        path = self.file(owner, sid)
+        session = self.get(owner, sid)
+        if session is None or path is None:
+            return None
+        size = session.save(path)
+        return len(session.history), size
+
+    def save_all(self) -> int:
+        """Save every session that retains a context (at shutdown); returns how many were saved."""
+        with self._lock:
+            entries = list(self._sessions.items())
+        saved = 0
+        for sid, e in entries:
+            path = self.file(e.owner, sid)
+            if path is None or not e.session.retained_tokens:
+                continue
+            try:
+                e.session.save(path)
+                saved += 1
+            except Exception:
+                log.exception("could not save session %s", sid)
+        return saved
+
+    def restore(self, owner: str, sid: str, salt: str | None) -> Session | None:
+        """The session `sid` of `owner` from its file, registered under its id (None: no file). A file that
+        cannot be restored is logged and the session starts empty. Blocks: call it off the event loop."""
+        path = self.file(owner, sid)
+        if path is None or not path.is_file():
+            return None
+        try:
+            session = self.model.restore_session(path, name=f"http-{sid[:8]}", salt=salt)
+        except SessionFileError as exc:
+            log.warning("session %s starts empty: %s", sid, exc)
+            session = self.model.session(name=f"http-{sid[:8]}", salt=salt)
+        with self._lock:
+            hit = self._sessions.get(sid)
+            if hit is not None:  # restored meanwhile by another request: keep that one
+                session.close()
+                return hit.session if secrets.compare_digest(hit.owner, owner) else None
+            self._sessions[sid] = _Entry(owner, owner, session, time.monotonic())
+        return session
+
+    def forget_file(self, owner: str, sid: str) -> None:
+        path = self.file(owner, sid)
+        if path is not None:
+            path.unlink(missing_ok=True)
 
     def _sweep(self) -> None:
         now = time.monotonic()

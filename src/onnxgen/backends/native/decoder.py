@@ -210,6 +210,23 @@ class NativeDecoder:
             "rope_recomputes": self.rope_recomputes,
         }
 
+    def export_kv(self) -> list[tuple[Any, Any]]:
+        """`Decoder.export_kv`: host copies of the cached positions, per layer `[kv_heads, n, head_size]`."""
+        with self.device_lock:
+            return self.kv.export()
+
+    def import_kv(self, tokens: Sequence[int], layers: Sequence[tuple[Any, Any]]) -> None:
+        """`Decoder.import_kv`: the cache becomes `layers`, the KV of `tokens`."""
+        self.reset()
+        try:
+            with self.device_lock:
+                self.kv.load(layers)
+        except torch.cuda.OutOfMemoryError as exc:  # pragma: cuda
+            raise DeviceOutOfMemory(f"cannot allocate a KV cache of {len(tokens)} positions") from exc
+        self._held = list(tokens)
+        switch = self.program.rope_switch
+        self._rope_long = switch is not None and len(tokens) > switch
+
     def close(self) -> None:
         """Empty the cache, free its buffers and drop the CUDA graphs; the decoder stays usable."""
         self._graphs.clear()

@@ -15,10 +15,13 @@ import torch
 from onnxgen.backends.native.kernels.dispatch import load_switches
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.errors import BackendUnavailable
+from onnxgen.kv.storage import page_bytes
 
 log = logging.getLogger(__name__)
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_KV_BYTES = 2 << 30  # default pool on the CPU: 2 GiB of address space (pages are touched when written)
+GPU_KV_FRACTION = 0.8  # default pool on CUDA: this fraction of the device memory free after the weights
 
 
 def torch_device(device: str) -> torch.device:
@@ -140,6 +143,29 @@ def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Pro
         prog = lower(path, spec, dev, int4)
         _PROGRAMS[key] = prog
     return prog
+
+
+def pool_pages(
+    spec: Any, dev: torch.device, page_size: int, dtype: torch.dtype, kv_bytes: int | None
+) -> tuple[int, int]:
+    """A paged KV pool's size: `(kv_bytes, pages)` for `kv_bytes` (None: `CPU_KV_BYTES` on the CPU,
+    `GPU_KV_FRACTION` of the device memory free now on CUDA), at least one page. Logs a warning when the pool
+    holds less than one full context."""
+    per_page = page_bytes(spec.num_layers, page_size, spec.num_kv_heads, spec.head_size, dtype.itemsize)
+    if kv_bytes is None:
+        if dev.type == "cuda":  # pragma: cuda
+            free, _total = torch.cuda.mem_get_info(dev)
+            kv_bytes = int(free * GPU_KV_FRACTION)
+        else:
+            kv_bytes = CPU_KV_BYTES
+    pages = max(int(kv_bytes) // per_page, 1)
+    if pages * page_size < spec.context_length:
+        log.warning(
+            "the KV pool holds %d tokens, less than one full context (%d)",
+            pages * page_size,
+            spec.context_length,
+        )
+    return int(kv_bytes), pages
 
 
 def input_dtype(spec: Any, name: str | None, default: torch.dtype) -> torch.dtype:

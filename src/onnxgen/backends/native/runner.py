@@ -38,23 +38,27 @@ import torch
 import onnxgen.envs as envs
 from onnxgen.backends.batch import BatchStep, DeviceTokens, SeqChunk
 from onnxgen.backends.native import paged
-from onnxgen.backends.native.device import device_lock, input_dtype, kv_dtype, shared_program, torch_device
+from onnxgen.backends.native.batching import batchable, computes_rowwise
+from onnxgen.backends.native.device import (
+    device_lock,
+    input_dtype,
+    kv_dtype,
+    pool_pages,
+    shared_program,
+    torch_device,
+)
 from onnxgen.backends.native.graphs import Captured, GraphKey, Graphs
 from onnxgen.backends.native.kernels.advance import copy_page_prefix, greedy_advance
-from onnxgen.backends.native.kernels.linear import ROWWISE_ROWS
-from onnxgen.backends.native.lowering import Program
 from onnxgen.backends.native.ops import RunCtx
 from onnxgen.backends.native.ops.attention import layer_windows
 from onnxgen.backends.native.runs import PART_STEPS, DecodeRun, even_parts, replay_plan
 from onnxgen.backends.native.step_buffers import RUN_TOKENS, StepBuffers
 from onnxgen.errors import BackendUnavailable, DeviceOutOfMemory, InvalidRequest, NotCapturable
-from onnxgen.kv.storage import PageStorage, page_bytes
+from onnxgen.kv.storage import PageStorage
 
 log = logging.getLogger(__name__)
 
 PAGE_SIZE = 16
-CPU_KV_BYTES = 2 << 30  # default pool on the CPU: 2 GiB of address space (pages are touched when written)
-GPU_KV_FRACTION = 0.8  # default pool on CUDA: this fraction of the device memory free after the weights
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # decode steps: sequences, padded up
 # one sequence's prefill chunk: tokens, padded up (a turn of 65 tokens replays the 80-token step, not 128)
 PREFILL_GRAPH_TOKENS = (16, 32, 48, 64, 80, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -63,29 +67,6 @@ RUN_GRAPH_BATCH = 8  # decode graphs of more sequences: one step deep only (a st
 # a batch size whose attention runs unpipelined up to at least this many keys (`paged.short_keys`) gets a
 # second decode graph, replayed while its sequences stay that short
 SHORT_GRAPH_KEYS = 1024
-
-
-def _rowwise(step: BatchStep, enabled: bool = True) -> bool:
-    """Whether `step` verifies drafts and so computes every token exactly as a one-token step would
-    (`RunCtx.rowwise`): each chunk wants the logits of all its tokens, some chunk has several, and the rows
-    are few enough for rowwise products (`kernels.linear.ROWWISE_ROWS`). Such rows are the same bits as plain
-    decoding's on a Triton device, so speculative decoding returns plain greedy decoding's tokens there.
-    `enabled`: the runner's `ONNXGEN_ROWWISE` (off: verify steps run as ordinary chunks)."""
-    n = step.num_tokens
-    return (
-        enabled and len(step.seqs) < n <= ROWWISE_ROWS and all(s.logits == len(s.tokens) for s in step.seqs)
-    )
-
-
-def batchable(program: Program, spec: Any) -> str | None:
-    """None when the package can run ragged batches over a paged pool, else the reason it cannot."""
-    if not program.static_ok:
-        return "its attention is not one fused op per layer (KV concatenated in the graph)"
-    if program.uses_attention_mask:
-        return "the graph reads its attention mask beyond the KV lengths"
-    if spec.extra_inputs:
-        return f"the graph takes extra inputs ({', '.join(i.name for i in spec.extra_inputs)})"
-    return None
 
 
 class NativeRunner:
@@ -106,15 +87,14 @@ class NativeRunner:
         part_steps: int = PART_STEPS,
         first_multi: bool = True,
     ) -> None:
-        """`kv_bytes`: the pool's size in bytes (default: `CPU_KV_BYTES` on the CPU, `GPU_KV_FRACTION` of the
-        free device memory on CUDA). `cuda_graphs`: replay decode steps of up to `max_batch` sequences from
+        """`kv_bytes`: the pool's size in bytes (default: `device.pool_pages`'s share of the device). `cuda_graphs`: replay decode steps of up to `max_batch` sequences from
         CUDA graphs (captured at load). `int4`: MatMulNBits weights "dense" (dequantized at load) or "packed"
         (kept packed, `ops.quant`'s Int4Linear); None: `device.int4_mode`'s default (dense). `part_steps`: a
         run's tokens go to the host every this many steps and at its end, each part behind its own event, so
         the host can take a run's first steps while the device computes the rest (0: one part a run).
         `first_multi`: a run's first replay is the several-step graph too where it fits. Read from the
         environment here (`onnxgen.envs`): RUN_GRAPH_STEPS (decode graphs of up to `RUN_GRAPH_BATCH`
-        sequences also captured that many steps deep, for greedy runs; 1: off) and ROWWISE (`_rowwise`).
+        sequences also captured that many steps deep, for greedy runs; 1: off) and ROWWISE (`computes_rowwise`).
         Raises `BackendUnavailable` when the package cannot be batched, `DeviceOutOfMemory` when the pool
         cannot be allocated, `InvalidRequest` for a bad `part_steps`."""
         t0 = time.perf_counter()
@@ -137,20 +117,7 @@ class NativeRunner:
         # within (0 when some layer reads the whole context), below which a sequence's pages are never read
         self.windows = layer_windows((st.node for st in self.program.steps), spec.num_layers)
         self.kv_window = max(self.windows) if min(self.windows, default=0) > 0 else 0
-        per_page = page_bytes(spec.num_layers, page_size, spec.num_kv_heads, spec.head_size, dtype.itemsize)
-        if kv_bytes is None:
-            if self._dev.type == "cuda":  # pragma: cuda
-                free, _total = torch.cuda.mem_get_info(self._dev)
-                kv_bytes = int(free * GPU_KV_FRACTION)
-            else:
-                kv_bytes = CPU_KV_BYTES
-        num_pages = max(int(kv_bytes) // per_page, 1)
-        if num_pages * page_size < spec.context_length:
-            log.warning(
-                "the KV pool holds %d tokens, less than one full context (%d)",
-                num_pages * page_size,
-                spec.context_length,
-            )
+        kv_bytes, num_pages = pool_pages(spec, self._dev, page_size, dtype, kv_bytes)
         try:  # one page more than the pool: the scratch page padding rows of graph steps write into
             self.storage = PageStorage(
                 spec.num_layers,
@@ -385,7 +352,7 @@ class NativeRunner:
         """`ids_t`: the step's token ids as a device tensor (they replace the chunks' `tokens`)."""
         t = step.num_tokens
         ps = paged.build_step(step, self.storage, self.page_size, self._dev)
-        rowwise = _rowwise(step, self._rowwise_on)
+        rowwise = computes_rowwise(step, self._rowwise_on)
         if rowwise or t == len(
             step.seqs
         ):  # verify rows or decodes: key splits planned as a captured decode's

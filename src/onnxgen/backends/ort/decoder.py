@@ -16,7 +16,7 @@ Two KV modes, chosen from the graph at load:
 KV never leaves the session's device between steps: on CPU the buffers are host arrays that the
 OrtValues wrap without copying.
 
-Two facts read from the graph at load (`GraphFacts`):
+Two facts read from the graph at load (`GraphFacts`, `backends/ort/graph.py`):
 
 - **Sliding windows**: GroupQueryAttention with `sliding_window_cache` (builder 0.18's windowed layers)
   needs every KV buffer to hold at least `local_window_size` positions, so the smallest capacity bucket
@@ -33,11 +33,11 @@ Two facts read from the graph at load (`GraphFacts`):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from onnxgen.backends.ort.graph import LOGITS_FROM, GraphFacts, open_session
 from onnxgen.errors import (
     BackendUnavailable,
     ContextOverflow,
@@ -46,6 +46,7 @@ from onnxgen.errors import (
     MissingRequiredInput,
 )
 from onnxgen.kv.buffers import KVBuffers, capacity_bucket
+from onnxgen.kv.storage import from_host, to_host
 from onnxgen.package.spec import ModelSpec
 
 _NP_DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16}
@@ -59,119 +60,6 @@ def _np_dtype(name: str) -> Any:
 
         return ml_dtypes.bfloat16
     raise BackendUnavailable(f"the ort backend cannot hold KV of dtype {name!r}")
-
-
-LOGITS_FROM = "onnxgen_logits_from"  # the input _last_position_graph adds: -(rows of logits wanted)
-
-
-def _last_position_graph(model: Any, logits_name: str) -> bool:
-    """Rewrite `model` (in place) so the lm_head sees only the last positions: a Slice of the hidden
-    states before the MatMul that produces the logits (possibly through a Cast), from the new input
-    `LOGITS_FROM` (`[-rows]`: one row for a step, more to verify drafts). Prefill then never computes a
-    `[seq, vocab]` product. Returns False (model untouched) if the pattern is not found."""
-    from onnx import TensorProto, helper
-
-    graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    node = producer.get(logits_name)
-    if node is not None and node.op_type == "Cast":
-        node = producer.get(node.input[0])
-    if node is None or node.op_type not in ("MatMul", "MatMulNBits", "Gemm"):
-        return False
-    hidden = node.input[0]
-    prefix = "/onnxgen/last_position"
-    graph.input.append(helper.make_tensor_value_info(LOGITS_FROM, TensorProto.INT64, [1]))
-    graph.initializer.extend(
-        [
-            helper.make_tensor(f"{prefix}/ends", TensorProto.INT64, [1], [2**62]),
-            helper.make_tensor(f"{prefix}/axes", TensorProto.INT64, [1], [1]),
-        ]
-    )
-    sliced = f"{prefix}/output"
-    at = list(graph.node).index(node)
-    graph.node.insert(
-        at,
-        helper.make_node(
-            "Slice", [hidden, LOGITS_FROM, f"{prefix}/ends", f"{prefix}/axes"], [sliced], name=prefix
-        ),
-    )
-    node.input[0] = sliced
-    return True
-
-
-@dataclass(frozen=True)
-class GraphFacts:
-    """What the decoder needs to know about its graph beyond the spec.
-
-    gqa: attention is GroupQueryAttention. window: the largest `local_window_size` of a GroupQueryAttention
-    node (0: none); every KV buffer must hold at least that many positions. rope_switch: LongRoPE's
-    threshold (the graph uses the long rotary caches when the total length exceeds it; None: no switch).
-    """
-
-    gqa: bool = False
-    window: int = 0
-    rope_switch: int | None = None
-
-
-def graph_facts(graph: Any) -> GraphFacts:
-    """Read `GraphFacts` from an onnx GraphProto (weights not needed)."""
-    from onnx import helper, numpy_helper
-
-    producer = {o: n for n in graph.node for o in n.output}
-    consts = {i.name: i for i in graph.initializer}
-    gqa, window = False, 0
-    for node in graph.node:
-        if node.op_type == "GroupQueryAttention":
-            gqa = True
-            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            window = max(window, int(attrs.get("local_window_size", -1)))
-
-    def constant(name: str) -> int | None:
-        if name in consts:
-            v = numpy_helper.to_array(consts[name])
-        else:
-            n = producer.get(name)
-            if n is None or n.op_type != "Constant" or not n.attribute:
-                return None
-            v = numpy_helper.to_array(n.attribute[0].t)
-        return int(v.reshape(-1)[0]) if v.size == 1 else None
-
-    def from_mask_length(name: str) -> bool:
-        """`name` is Gather(Shape(attention_mask), 1) (possibly through a Cast)."""
-        n = producer.get(name)
-        if n is not None and n.op_type == "Cast":
-            n = producer.get(n.input[0])
-        if n is None or n.op_type != "Gather" or constant(n.input[1]) != 1:
-            return False
-        shape = producer.get(n.input[0])
-        return shape is not None and shape.op_type == "Shape" and shape.input[0] == "attention_mask"
-
-    switch = None
-    for node in graph.node:
-        if node.op_type != "If" or not any("cos_cache" in o for o in node.output):
-            continue
-        cond = producer.get(node.input[0])
-        if cond is not None and cond.op_type == "Greater" and from_mask_length(cond.input[0]):
-            switch = constant(cond.input[1])
-    return GraphFacts(gqa=gqa, window=max(window, 0), rope_switch=switch)
-
-
-def _open_session(
-    spec: ModelSpec, opts: Any, providers: list[str], last_logits: bool
-) -> tuple[Any, GraphFacts, bool]:
-    """Create the InferenceSession; returns (session, facts about its graph, last-position logits)."""
-    import onnx
-    import onnxruntime as ort
-
-    model = onnx.load(str(spec.decoder_path), load_external_data=False)
-    facts = graph_facts(model.graph)
-    if last_logits and _last_position_graph(model, spec.logits_name):
-        # the graph comes from memory; its external weights stay in the package folder
-        opts.add_session_config_entry(
-            "session.model_external_initializers_file_folder_path", str(spec.decoder_path.parent)
-        )
-        return ort.InferenceSession(model.SerializeToString(), opts, providers=providers), facts, True
-    return ort.InferenceSession(str(spec.decoder_path), opts, providers=providers), facts, False
 
 
 class OrtDecoder:
@@ -233,7 +121,7 @@ class OrtDecoder:
             # (dynamic_block_base) let a descheduled thread's share be taken by the others.
             opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
             opts.add_session_config_entry("session.dynamic_block_base", "4")
-            self._session, self.facts, self.last_logits = _open_session(spec, opts, providers, last_logits)
+            self._session, self.facts, self.last_logits = open_session(spec, opts, providers, last_logits)
             if kv_mode is None:
                 kv_mode = "shared" if device == "cpu" and self.facts.gqa else "concat"
         self._dtype = _np_dtype(spec.kv_dtype)
@@ -312,6 +200,34 @@ class OrtDecoder:
         if self._kv is not None:
             return self._kv.nbytes()
         return sum(int(ov.tensor_size_in_bytes()) for ov in self._concat_ov) if self._concat_len else 0
+
+    def export_kv(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`Decoder.export_kv`: host copies of the cached positions, per layer `[kv_heads, n, head_size]`."""
+        if self._kv is not None:
+            return self._kv.export()
+        n, ovs = self._concat_len, self._concat_ov
+        layers = [
+            (to_host(ovs[2 * i].numpy()[0, :, :n]), to_host(ovs[2 * i + 1].numpy()[0, :, :n]))
+            for i in range(self.spec.num_layers)
+        ]
+        return [(k.copy(), v.copy()) for k, v in layers]
+
+    def import_kv(self, tokens: Sequence[int], layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """`Decoder.import_kv`: the cache becomes `layers`, the KV of `tokens`."""
+        n = len(tokens)
+        self.reset()
+        if self._kv is not None:
+            try:
+                self._kv.load(layers)
+            except MemoryError as exc:
+                raise DeviceOutOfMemory(f"cannot allocate a KV cache of {n} positions: {exc}") from exc
+        else:
+            like = np.empty(0, dtype=self._dtype)
+            arrays = [np.ascontiguousarray(from_host(a, like)[None]) for kv in layers for a in kv]
+            self._set_concat_kv(arrays, n)
+        self._held = list(tokens)
+        switch = self.facts.rope_switch
+        self._rope_long = switch is not None and n > switch
 
     @property
     def info(self) -> dict[str, Any]:

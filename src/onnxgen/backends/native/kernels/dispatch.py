@@ -96,7 +96,7 @@ def build() -> None:  # pragma: cuda (Triton only)
     """Import the Triton device code and fill `KERNELS` (once; raises when Triton is missing or broken)."""
     if KERNELS:
         return
-    from onnxgen.backends.native.kernels.triton import core, gemv, skinny
+    from onnxgen.backends.native.kernels.triton import advance, core, gemv, skinny
 
     KERNELS.update(
         {
@@ -106,11 +106,11 @@ def build() -> None:  # pragma: cuda (Triton only)
             "attn_combine": core.attn_combine_kernel,
             "rope_qkv": core.rope_qkv_kernel,
             "gemv": gemv.gemv_kernel,
-            "argmax_part": core.argmax_part_kernel,
+            "argmax_part": advance.argmax_part_kernel,
             "silu_halves": gemv.silu_mul_halves_kernel,
-            "decode_advance": core.decode_advance_kernel,
+            "decode_advance": advance.decode_advance_kernel,
             "skinny": skinny.skinny_kernel,
-            "copy_prefix": core.copy_prefix_kernel,
+            "copy_prefix": advance.copy_prefix_kernel,
             "embedding": core.embedding_kernel,
         }
     )

@@ -205,7 +205,7 @@ def _int4_fold_choice(
     return bool(autotune.fastest(key, [(False, apart), (True, fold)], len(copies)))
 
 
-def _packed_product(
+def packed_product(
     x: Any,
     words: Any,
     scales: Any,
@@ -243,7 +243,7 @@ def _packed_product(
             )
     if norm is not None:
         h, total = rms_norm(x, *norm)
-        return _packed_product(h, words, scales, zp, k, n, block, silu, rowwise=rowwise), total
+        return packed_product(h, words, scales, zp, k, n, block, silu, rowwise=rowwise), total
     cols = 2 * n if silu else n
     if use_triton(x):  # one pass into a K-major dense weight, then one product
         from onnxgen.backends.native.kernels.triton.int4 import int4_dequant
@@ -271,7 +271,7 @@ def _int4_linear(node: Node) -> Fn:
         ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None, bias: Any = None, residual: Any = None
     ) -> tuple[Any, ...]:
         assert bias is None or residual is None
-        y = _packed_product(
+        y = packed_product(
             x, words, scales, zp, k, n, block, False, residual=residual, rowwise=is_rowwise(ctx)
         )
         return (y if bias is None else y + bias,)
@@ -288,7 +288,7 @@ def _int4_linear_silu_mul(node: Node) -> Fn:
     block = int(node.attr("block_size"))
 
     def f(ctx: RunCtx, x: Any, words: Any, scales: Any, zp: Any = None) -> tuple[Any, ...]:
-        return (_packed_product(x, words, scales, zp, k, n, block, True, rowwise=is_rowwise(ctx)),)
+        return (packed_product(x, words, scales, zp, k, n, block, True, rowwise=is_rowwise(ctx)),)
 
     return f
 
@@ -310,7 +310,7 @@ def _rms_int4_linear(node: Node) -> Fn:
     def f(
         ctx: RunCtx, x: Any, skip: Any, nw: Any, words: Any, scales: Any, zp: Any = None
     ) -> tuple[Any, ...]:
-        return _packed_product(
+        return packed_product(
             x, words, scales, zp, k, n, block, silu, (skip, nw, eps), rowwise=is_rowwise(ctx)
         )
 

@@ -1,0 +1,47 @@
+"""Which KV executor an engine gets: the paged pool (`engine/paged.PagedKV`, the native backend on packages
+it can batch) or one decoder per request (`engine/slots.SlotKV`: ort, and native packages it cannot batch).
+
+Both answer the same calls from the scheduler and the step (`admit`, `run`, `finish`, `release`, `drop`,
+`stats` ...); the engine does not ask which one it holds except through `executor.paged`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from onnxgen.backends import create_decoder, create_runner
+from onnxgen.config import Config
+from onnxgen.engine.slots import DecoderPool, SlotKV
+from onnxgen.errors import BackendUnavailable
+from onnxgen.package.spec import ModelSpec
+
+
+def build_executor(spec: ModelSpec, config: Config, backend: str) -> Any:
+    """The paged pool when the backend is native, `cache.paged` is not False and the backend can batch the
+    package; otherwise a `SlotKV` over a pool of decoders forked from one loaded prototype (which shares the
+    weights). Raises `BackendUnavailable` (the backend's dependencies are missing, or `cache.paged=True`
+    where it cannot batch) and the backend's load errors."""
+    device, options = config.model.device, config.backend_options()
+    if config.cache.paged is not False and backend == "native":
+        try:
+            from onnxgen.engine.paged import PagedKV
+
+            max_batch = config.scheduler.running_for(config.model.cuda, True)
+            return PagedKV(create_runner(spec, backend, device, max_batch=max_batch, **options))
+        except BackendUnavailable:
+            if config.cache.paged:
+                raise
+    elif config.cache.paged:
+        raise BackendUnavailable(f"paged KV needs the native backend (this engine runs {backend})")
+    prototype = create_decoder(spec, backend, device, **options)
+    lock = threading.Lock()
+
+    def fork() -> Any:
+        with lock:  # NOTE: a closed decoder stays usable and still forks
+            return prototype.fork()
+
+    pool = DecoderPool(fork)
+    pool.release(prototype)  # the prototype is an ordinary decoder too
+    # stateless requests' contexts, matched by longest prefix: as many as sessions may retain
+    return SlotKV(pool, stateless=config.cache.max_sessions)

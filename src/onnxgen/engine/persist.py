@@ -1,0 +1,59 @@
+"""Session files for an engine: what its retained states become on disk, and back (`kv/files.py`'s format).
+
+    Engine.save_state(state, path, salt, name)  -> bytes written      (Session.save)
+    Engine.load_state(path, salt)               -> (tokens, state)    (Model.restore_session)
+
+A file is bound to the package (`package.fingerprint`), the backend and the salt; `read` checks all of it
+against the engine before any KV is attached (`kv.files.read_session`), so a file of another package, backend
+or tenant is a `SessionFileError` and the session simply starts empty. Contexts that depend on extra graph
+inputs (their identity digests the inputs, which a file does not keep) are not saved.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from onnxgen.errors import InvalidRequest
+from onnxgen.kv.files import Expected, SessionHeader, read_session, salt_tag, write_session
+from onnxgen.package.fingerprint import package_fingerprint
+
+
+def _shape(engine: Any) -> dict[str, Any]:
+    spec = engine.spec
+    return {
+        "fingerprint": package_fingerprint(spec),
+        "backend": engine.backend,
+        "kv_dtype": spec.kv_dtype,
+        "num_layers": spec.num_layers,
+        "kv_heads": spec.num_kv_heads,
+        "head_size": spec.head_size,
+    }
+
+
+def write(
+    engine: Any,
+    tokens: tuple[int, ...],
+    layers: Any,
+    path: str | Path,
+    salt: str | None,
+    name: str,
+    note: str,
+) -> int:
+    """Write `layers` (the KV of `tokens`, as the executor exports it) as a session file; returns its size."""
+    if engine.spec.extra_inputs:
+        names = ", ".join(i.name for i in engine.spec.extra_inputs)
+        raise InvalidRequest(
+            f"contexts that depend on extra graph inputs ({names}) cannot be saved", field="path"
+        )
+    header = SessionHeader(**_shape(engine), tokens=tuple(tokens), salt=salt_tag(salt), name=name, note=note)
+    return write_session(path, header, layers)
+
+
+def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader, Any]:
+    """A session file's header and KV, checked against `engine` and `salt` (raises `SessionFileError`)."""
+    spec = engine.spec
+    expect = Expected(
+        **_shape(engine), vocab_size=spec.vocab_size, context_length=spec.context_length, salt=salt_tag(salt)
+    )
+    return read_session(path, expect)

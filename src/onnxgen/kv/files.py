@@ -1,0 +1,237 @@
+"""Session files: one conversation's KV and what it was computed from, on disk (`Session.save`,
+`Model.restore_session`).
+
+The file is a safetensors file (any safetensors reader opens it): an 8-byte little-endian header length, a
+JSON header naming each tensor's dtype, shape and byte range plus a `__metadata__` table of strings, then the
+tensors' bytes. Tensors: `k.{layer}` and `v.{layer}`, each `[kv_heads, tokens, head_size]` in the KV dtype
+(token-major within a head, whatever the backend's own layout: a paged pool's page size does not matter).
+Metadata (`SessionHeader`): the format tag, the package fingerprint (`package.fingerprint`), the backend,
+the KV dtype and shape, the token ids, a tag of the salt (a hash: the salt itself is a tenant's secret), the
+session's name, an application note, and `checksum`: SHA-256 over the other metadata and every tensor byte.
+
+`read_session` checks everything before anything is attached, in this order: the file can be read and
+parsed, its tensors lie inside it, the checksum matches, then that it fits the loaded package (fingerprint,
+backend, dtype, shapes, salt, token ids): each failure is a `SessionFileError` naming its `reason`.
+`write_session` writes a temporary file beside the target and renames it into place: a failed save leaves
+the previous file (or none), never half of one. numpy only (bfloat16 tensors travel as their raw uint16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onnxgen.errors import SessionFileError
+
+FORMAT = "onnxgen-session/1"
+# KV dtype -> (safetensors dtype, the numpy type its bytes are read as)
+DTYPES: dict[str, tuple[str, Any]] = {
+    "float32": ("F32", np.float32),
+    "float16": ("F16", np.float16),
+    "bfloat16": ("BF16", np.uint16),
+}
+MAX_HEADER = 64 << 20  # a header past this is not one this module wrote
+
+
+def salt_tag(salt: str | None) -> str:
+    """What a file records of a salt: "" for none, else a hash (the salt never leaves the process)."""
+    if salt is None:
+        return ""
+    return hashlib.blake2b(b"onnxgen-session-salt\x00" + salt.encode("utf-8"), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class SessionHeader:
+    """What a session file says about its KV. `layers` (K, V) pairs follow it in the file."""
+
+    fingerprint: str
+    backend: str
+    kv_dtype: str
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    tokens: tuple[int, ...]
+    salt: str  # `salt_tag` of the session's salt
+    name: str = ""
+    note: str = ""  # the application's own text (e.g. the chat CLI's messages), covered by the checksum
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "backend": self.backend,
+            "kv_dtype": self.kv_dtype,
+            "num_layers": str(self.num_layers),
+            "kv_heads": str(self.kv_heads),
+            "head_size": str(self.head_size),
+            "tokens": json.dumps(list(self.tokens), separators=(",", ":")),
+            "salt": self.salt,
+            "name": self.name,
+            "note": self.note,
+        }
+
+
+def _checksum(meta: dict[str, str], chunks: Sequence[Any]) -> str:
+    h = hashlib.sha256(
+        json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()
+    )
+    for c in chunks:
+        h.update(c)
+    return h.hexdigest()
+
+
+def write_session(path: str | Path, header: SessionHeader, layers: Sequence[tuple[Any, Any]]) -> int:
+    """Write `layers` (per layer `(k, v)`, numpy arrays `[kv_heads, tokens, head_size]` of `header.kv_dtype`'s
+    numpy type: uint16 for bfloat16) under `header` to `path`, atomically. Returns the file's size."""
+    path = Path(path)
+    code, np_type = DTYPES[header.kv_dtype]
+    n = len(header.tokens)
+    assert len(layers) == header.num_layers, (len(layers), header.num_layers)
+    entries: dict[str, Any] = {}
+    blobs: list[Any] = []
+    offset = 0
+    for i, (k, v) in enumerate(layers):
+        for name, a in ((f"k.{i}", k), (f"v.{i}", v)):
+            a = np.ascontiguousarray(a)
+            assert a.dtype == np_type and a.shape[:2] == (header.kv_heads, n), (name, a.dtype, a.shape)
+            entries[name] = {
+                "dtype": code,
+                "shape": list(a.shape),
+                "data_offsets": [offset, offset + a.nbytes],
+            }
+            offset += a.nbytes
+            blobs.append(memoryview(a).cast("B"))
+    meta = header.metadata()
+    meta["checksum"] = _checksum(meta, blobs)
+    head = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors aligns the data section to 8 bytes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(head)))
+            f.write(head)
+            for b in blobs:
+                f.write(b)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return 8 + len(head) + offset
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the restoring engine needs a file to be."""
+
+    fingerprint: str
+    backend: str
+    kv_dtype: str
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    vocab_size: int
+    context_length: int
+    salt: str  # `salt_tag` of the salt the session is restored under
+
+
+def _fail(path: Path, reason: str, why: str) -> SessionFileError:
+    return SessionFileError(f"{path}: cannot restore this session file: {why}", reason, path)
+
+
+def read_session(path: str | Path, expect: Expected) -> tuple[SessionHeader, list[tuple[Any, Any]]]:
+    """Read and check a session file against `expect`; returns its header and per-layer `(k, v)` arrays.
+    Raises `SessionFileError` (see the module docstring for the order of the checks)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise _fail(path, "truncated", "the file ends before its header")
+            (hlen,) = struct.unpack("<Q", raw)
+            if hlen > MAX_HEADER or 8 + hlen > size:
+                raise _fail(
+                    path, "truncated" if hlen <= MAX_HEADER else "format", "its header length is wrong"
+                )
+            head = f.read(hlen)
+            data = bytearray(size - 8 - hlen)
+            got = f.readinto(data)
+    except OSError as exc:
+        raise _fail(path, "unreadable", f"{type(exc).__name__}: {exc}") from exc
+    if got != len(data):
+        raise _fail(path, "truncated", "the file changed while it was read")
+    try:
+        table = json.loads(head.decode("utf-8"))
+        meta = table.pop("__metadata__")
+        assert isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    except Exception as exc:
+        raise _fail(path, "format", "its header is not a session file's") from exc
+    if meta.get("format") != FORMAT:
+        raise _fail(path, "format", f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        header = SessionHeader(
+            fingerprint=meta["fingerprint"],
+            backend=meta["backend"],
+            kv_dtype=meta["kv_dtype"],
+            num_layers=int(meta["num_layers"]),
+            kv_heads=int(meta["kv_heads"]),
+            head_size=int(meta["head_size"]),
+            tokens=tuple(int(t) for t in json.loads(meta["tokens"])),
+            salt=meta["salt"],
+            name=meta.get("name", ""),
+            note=meta.get("note", ""),
+        )
+        spans = []
+        for i in range(header.num_layers):
+            for name in (f"k.{i}", f"v.{i}"):
+                e = table[name]
+                a, b = (int(x) for x in e["data_offsets"])
+                spans.append((name, str(e["dtype"]), tuple(int(d) for d in e["shape"]), a, b))
+    except Exception as exc:
+        raise _fail(path, "format", "its header lacks a field or a tensor") from exc
+    if any(not 0 <= a <= b <= len(data) for *_, a, b in spans) or (spans and spans[-1][4] != len(data)):
+        raise _fail(path, "truncated", "its tensors run past the end of the file")
+    view = memoryview(data)
+    if _checksum(meta, [view[a:b] for *_, a, b in spans]) != meta.get("checksum"):
+        raise _fail(path, "checksum", "its bytes do not match their checksum (corrupted or edited)")
+    _check(path, header, expect)
+    code, np_type = DTYPES[header.kv_dtype]
+    n = len(header.tokens)
+    arrays = []
+    for name, dtype, shape, a, b in spans:
+        ok = dtype == code and len(shape) == 3 and shape[:2] == (header.kv_heads, n)
+        ok = ok and (not name.startswith("k.") or shape[2] == header.head_size)
+        if not ok or (b - a) != int(np.prod(shape)) * np.dtype(np_type).itemsize:
+            raise _fail(path, "shape", f"tensor {name} is {dtype} {list(shape)}, not the package's KV")
+        arrays.append(np.frombuffer(data, dtype=np_type, count=int(np.prod(shape)), offset=a).reshape(shape))
+    return header, [(arrays[2 * i], arrays[2 * i + 1]) for i in range(header.num_layers)]
+
+
+def _check(path: Path, h: SessionHeader, e: Expected) -> None:
+    """The checked file against the loaded package."""
+    if h.fingerprint != e.fingerprint:
+        raise _fail(path, "package", "it was saved from another model package (or another version of it)")
+    if h.backend != e.backend:
+        raise _fail(
+            path, "backend", f"it was saved by the {h.backend} backend; load the model with that backend"
+        )
+    if h.kv_dtype != e.kv_dtype or h.kv_dtype not in DTYPES:
+        raise _fail(path, "dtype", f"its KV is {h.kv_dtype}, the package's {e.kv_dtype}")
+    if (h.num_layers, h.kv_heads, h.head_size) != (e.num_layers, e.kv_heads, e.head_size):
+        raise _fail(path, "shape", "its KV has another number of layers, heads or head size")
+    if h.salt != e.salt:
+        raise _fail(path, "salt", "it belongs to another salt (tenant): its KV is never attached to this one")
+    if not h.tokens or len(h.tokens) > e.context_length or not all(0 <= t < e.vocab_size for t in h.tokens):
+        raise _fail(path, "tokens", "its token ids do not fit the package (empty, too long or out of range)")
