@@ -193,7 +193,13 @@ def resume(
 
     vocab = next(iter(models.values())).spec.vocab_size
     ctx = u.random_ids(args.context, vocab, 1)
-    turn = u.random_ids(args.turn, vocab, 2)
+    turns = [u.random_ids(args.turn, vocab, 10 + i) for i in range(args.runs + 2)]
+    count = {}  # NOTE: a new turn each run: a paged pool keeps the last run's turn indexed
+
+    def turn_of(name: str) -> list[int]:
+        count[name] = count.get(name, -1) + 1
+        return turns[count[name] % len(turns)]
+
     folder = Path(tempfile.mkdtemp(prefix="onnxgen-resume-"))
     sessions, files, sizes = {}, {}, {}
     restorers = {k: u.load(pkg, args.device, specs[k], args.threads) for k in models}
@@ -206,7 +212,7 @@ def resume(
 
     def retained(k: str) -> dict[str, float]:
         sessions[k].generate(ctx, max_new_tokens=1, **GREEDY)  # back to the context: the same turn each time
-        r = sessions[k].generate(ctx + turn, max_new_tokens=1, **GREEDY)
+        r = sessions[k].generate(ctx + turn_of(f"{k}|retained"), max_new_tokens=1, **GREEDY)
         return {"ttft_ms": r.stats.ttft_s * 1e3, "reused": r.stats.reused_tokens}
 
     def restored(k: str) -> dict[str, float]:
@@ -220,7 +226,7 @@ def resume(
         t0 = time.perf_counter()
         s = m.restore_session(files[k])
         t1 = time.perf_counter()
-        r = s.generate(ctx + turn, max_new_tokens=1, **GREEDY)
+        r = s.generate(ctx + turn_of(f"{k}|restored"), max_new_tokens=1, **GREEDY)
         s.close()
         m.close()  # the restored pages leave the pool: the next run restores them again
         return {
@@ -231,7 +237,7 @@ def resume(
 
     def fresh(k: str) -> dict[str, float]:
         models[k].settle()
-        r = models[k].generate(ctx + turn, max_new_tokens=1, reuse=False, **GREEDY)
+        r = models[k].generate(ctx + turn_of(f"{k}|fresh"), max_new_tokens=1, reuse=False, **GREEDY)
         return {"ttft_ms": r.stats.ttft_s * 1e3}
 
     contenders = {}
@@ -246,6 +252,9 @@ def resume(
         med = {n: u.median(x["ttft_ms"] for x in runs[f"{k}|{n}"]) for n in ("retained", "restored", "fresh")}
         restore_ms = u.median(x["restore_ms"] for x in runs[f"{k}|restored"])
         reused = runs[f"{k}|restored"][-1]["reused"]
+        assert runs[f"{k}|retained"][-1]["reused"] == reused == len(ctx), (
+            "both turns reuse the context, no more"
+        )
         data[k] = {**med, "restore_ms": restore_ms, "reused": reused, "file_bytes": sizes[k]}
         rows.append(
             [

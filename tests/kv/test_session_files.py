@@ -318,7 +318,7 @@ def test_the_server_saves_sessions_and_restores_them_by_id_after_a_restart(tiny_
         assert r.status_code == 200, r.text
         return r.json()
 
-    config = ServerConfig(api_keys=(key,), kv_dir=str(tmp_path / "kv"), model_id="pkg")
+    config = ServerConfig(api_keys=(key,), kv_dir=str(tmp_path / "kv"), model_id="pkg", metrics_keys=(key,))
     m = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
     with RunningServer(create_app(m, config)) as srv:
         no_dir = ServerConfig(api_keys=(key,), model_id="pkg")
@@ -326,6 +326,10 @@ def test_the_server_saves_sessions_and_restores_them_by_id_after_a_restart(tiny_
         first = chat(srv.url, sid, conv)
         saved = httpx.post(f"{srv.url}/v1/sessions/{sid}/save", headers=auth)
         assert saved.status_code == 200 and saved.json()["tokens"] > 0, saved.text
+        stats = m.kv_stats()
+        assert (
+            stats["session_files_saved"] == 1 and stats["session_files_saved_bytes"] == saved.json()["bytes"]
+        )
         other = httpx.post(f"{srv.url}/v1/sessions/{sid}/save", headers={"Authorization": "Bearer nope"})
         assert other.status_code == 401
         assert httpx.post(f"{srv.url}/v1/sessions/{'0' * 32}/save", headers=auth).status_code == 404
@@ -342,5 +346,7 @@ def test_the_server_saves_sessions_and_restores_them_by_id_after_a_restart(tiny_
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
         d = httpx.delete(f"{srv.url}/v1/sessions/{sid}", headers=auth)
         assert d.status_code == 200
+        metrics = httpx.get(srv.url + "/metrics", headers=auth).text
+    assert "onnxgen_session_files_restored 1" in metrics
     assert list((tmp_path / "kv").iterdir()) == []  # the file went with the session
     m2.close()

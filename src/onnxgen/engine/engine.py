@@ -101,6 +101,7 @@ class Engine:
         self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
         self._snapshot: dict[str, Any] = {}  # the last `kv_stats`, for `kv_snapshot` while a step runs
         self._stuck = 0
+        self.file_counters = persist.FileCounters()
         self.notify: Callable[[], None] = lambda: None  # the loop's wake-up (set by `EngineLoop`)
         self._snapshot = self.kv_stats()
 
@@ -371,6 +372,7 @@ class Engine:
             }
             out.update(self.executor.stats())
         out["retained_kv_bytes"] = self.registry.total_kv_bytes()
+        out.update(self.file_counters.stats())
         return out
 
     def kv_snapshot(self) -> dict[str, Any]:

@@ -11,12 +11,38 @@ inputs (their identity digests the inputs, which a file does not keep) are not s
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from onnxgen.errors import InvalidRequest
 from onnxgen.kv.files import Expected, SessionHeader, read_session, salt_tag, write_session
 from onnxgen.package.fingerprint import package_fingerprint
+
+
+@dataclass
+class FileCounters:
+    """Session files an engine wrote and restored: how many, their bytes, and the seconds restores took
+    (reading and checking the file; attaching the KV is `Engine.load_state`'s). Thread-safe."""
+
+    saved: int = 0
+    saved_bytes: int = 0
+    restored: int = 0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "session_files_saved": self.saved,
+                "session_files_saved_bytes": self.saved_bytes,
+                "session_files_restored": self.restored,
+                "session_files_restored_bytes": self.restored_bytes,
+                "session_files_restore_s": self.restore_s,
+            }
 
 
 def _shape(engine: Any) -> dict[str, Any]:
@@ -47,7 +73,12 @@ def write(
             f"contexts that depend on extra graph inputs ({names}) cannot be saved", field="path"
         )
     header = SessionHeader(**_shape(engine), tokens=tuple(tokens), salt=salt_tag(salt), name=name, note=note)
-    return write_session(path, header, layers)
+    size = write_session(path, header, layers)
+    c = engine.file_counters
+    with c._lock:
+        c.saved += 1
+        c.saved_bytes += size
+    return size
 
 
 def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader, Any]:
@@ -56,4 +87,11 @@ def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader
     expect = Expected(
         **_shape(engine), vocab_size=spec.vocab_size, context_length=spec.context_length, salt=salt_tag(salt)
     )
-    return read_session(path, expect)
+    t0 = time.perf_counter()
+    header, layers = read_session(path, expect)
+    c = engine.file_counters
+    with c._lock:
+        c.restored += 1
+        c.restored_bytes += Path(path).stat().st_size
+        c.restore_s += time.perf_counter() - t0
+    return header, layers

@@ -162,6 +162,14 @@ class Server:
             "Running requests preempted (KV dropped, recomputed) since start.",
             lambda: kv().get("preemptions", 0),
         )
+        for key, what in (
+            ("saved", "Session files written since start."),
+            ("saved_bytes", "Bytes of session files written since start."),
+            ("restored", "Session files restored since start."),
+            ("restored_bytes", "Bytes of session files restored since start."),
+            ("restore_s", "Seconds spent reading and checking restored session files since start."),
+        ):
+            m.gauge(f"onnxgen_session_files_{key}", what, lambda k=key: kv().get(f"session_files_{k}", 0))
         if self.model.paged:
             m.gauge("onnxgen_kv_pages_used", "KV pool pages in use.", lambda: kv().get("pages_used", 0))
             m.gauge("onnxgen_kv_pages_free", "KV pool pages free.", lambda: kv().get("pages_free", 0))
