@@ -116,7 +116,10 @@ class CacheConfig:
     pool's size (None: 2 GiB of address space on the CPU, 80 % of the free device memory on CUDA).
     page_size: tokens per page. kv_floor: the smallest capacity bucket of a per-request decoder's KV.
     max_sessions: sessions whose KV is kept at once (least recently used first out). max_kv_bytes: the
-    most bytes sessions' kept KV may hold together (None: no bound but `max_sessions`).
+    most bytes sessions' kept KV may hold together (None: no bound but `max_sessions`). kv_dir: a folder where
+    the sessions those bounds push out spill their KV as session files, resumed from at their next request
+    (None: they recompute; `engine/spill.py`). kv_dir_bytes: the most bytes those files take together (least
+    recently spilled deleted first).
     """
 
     paged: bool | None = None
@@ -125,8 +128,13 @@ class CacheConfig:
     kv_floor: int | None = None
     max_sessions: int = 8
     max_kv_bytes: int | None = None
+    kv_dir: str | None = None
+    kv_dir_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
+        if self.kv_dir is not None and not isinstance(self.kv_dir, str):
+            raise InvalidRequest(f"kv_dir must be a folder's path (str), got {self.kv_dir!r}", field="kv_dir")
+        _positive("kv_dir_bytes", self.kv_dir_bytes, optional=False)
         _bool("paged", self.paged)
         _positive("kv_bytes", self.kv_bytes)
         _positive("page_size", self.page_size)

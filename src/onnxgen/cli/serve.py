@@ -94,7 +94,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--kv-dir",
         metavar="DIR",
-        help="save sessions here (POST /v1/sessions/{id}/save, and all at shutdown) and restore them by id",
+        help="save sessions here (POST /v1/sessions/{id}/save, and all at shutdown) and restore them by id; "
+        "sessions pushed out of memory (--max-sessions) spill to DIR/spill and resume from it",
     )
     p.add_argument(
         "--request-timeout",
@@ -144,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     keys = read_keys(args)
     if args.prefill_chunk is None:  # the loop checks cancellation and timeouts between chunks
         args.prefill_chunk = PREFILL_CHUNK
-    model = load_model(args, max_sessions=args.max_sessions)
+    spill = str(Path(args.kv_dir) / "spill") if args.kv_dir else None  # sessions pushed out of memory
+    model = load_model(args, max_sessions=args.max_sessions, kv_dir=spill)
     app = create_app(
         model,
         ServerConfig(

@@ -34,6 +34,7 @@ from onnxgen.engine.request import Request, Status, sample_chunks
 from onnxgen.engine.scheduler import Chunk, Scheduler
 from onnxgen.engine.session import SessionRegistry
 from onnxgen.engine.slots import DecoderPool
+from onnxgen.engine.spill import Spill
 from onnxgen.errors import Cancelled, DeviceOutOfMemory
 from onnxgen.package.spec import ModelSpec
 
@@ -97,7 +98,8 @@ class Engine:
             self.executor, self.scheduler, self.policy, paged=self.paged, finish=self._finish, fail=self._fail
         )
         cache = config.cache
-        self.registry = SessionRegistry(max_sessions=cache.max_sessions, max_kv_bytes=cache.max_kv_bytes)
+        spill = Spill(self, cache.kv_dir, cache.kv_dir_bytes) if cache.kv_dir is not None else None
+        self.registry = SessionRegistry(cache.max_sessions, cache.max_kv_bytes, spill)
         self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
         self._snapshot: dict[str, Any] = {}  # the last `kv_stats`, for `kv_snapshot` while a step runs
         self._stuck = 0
@@ -345,19 +347,13 @@ class Engine:
     def state_bytes(self, state: Any) -> int:
         return self.executor.state_bytes(state) if state is not None else 0
 
-    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", note: str = "") -> int:
-        """Write a retained state to a session file (`engine/persist.py`); returns its size. Any thread."""
-        with self._kv_lock:
-            layers = self.executor.export(state)
-        return persist.write(self, state.identity.tokens, layers, path, salt, name, note)
+    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", **kw: Any) -> int:
+        """Write a retained state to a session file; returns its size (`persist.save`). Any thread."""
+        return persist.save(self, self._kv_lock, state, path, salt, name, **kw)
 
     def load_state(self, path: Any, salt: str | None) -> tuple[Any, Any]:
-        """A session file's header (`kv.files.SessionHeader`) and a retained state made from it, checked
-        against this engine and `salt` (raises `SessionFileError`, `DeviceOutOfMemory`). Any thread."""
-        header, layers = persist.read(self, path, salt)
-        identity = self.inputs.identity(header.tokens, salt)
-        with self._kv_lock:
-            return header, self.executor.restore(identity, layers)
+        """A session file's header and the retained state made from it (`persist.load`). Any thread."""
+        return persist.load(self, self._kv_lock, path, salt)
 
     def kv_stats(self) -> dict[str, Any]:
         """KV and scheduling numbers now: running and waiting requests, preemptions, the KV sessions retain,
@@ -371,7 +367,7 @@ class Engine:
                 "preemptions": self.scheduler.preemptions,
             }
             out.update(self.executor.stats())
-        out["retained_kv_bytes"] = self.registry.total_kv_bytes()
+        out.update(self.registry.stats())  # retained_kv_bytes; spilled sessions with a kv_dir
         out.update(self.file_counters.stats())
         return out
 
@@ -392,7 +388,7 @@ class Engine:
         """Free the device memory of every cache: retained sessions (they stay usable and reuse nothing next
         time), idle pooled decoders or the unpinned pages of the index. Requests queued or running go on. The
         weights go when the last engine of the package is dropped."""
-        self.registry.evict_all()
+        self.registry.close()
         with self._kv_lock:
             self.pipeline.settle()
             self.executor.close()

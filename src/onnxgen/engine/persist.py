@@ -1,7 +1,7 @@
 """Session files for an engine: what its retained states become on disk, and back (`kv/files.py`'s format).
 
-    Engine.save_state(state, path, salt, name)  -> bytes written      (Session.save)
-    Engine.load_state(path, salt)               -> (tokens, state)    (Model.restore_session)
+    save(engine, lock, state, path, salt, name)  -> bytes written      (Engine.save_state: Session.save, spills)
+    load(engine, lock, path, salt)               -> (header, state)    (Engine.load_state: restore_session)
 
 A file is bound to the package (`package.fingerprint`), the backend and the salt; `read` checks all of it
 against the engine before any KV is attached (`kv.files.read_session`), so a file of another package, backend
@@ -95,3 +95,33 @@ def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader
         c.restored_bytes += Path(path).stat().st_size
         c.restore_s += time.perf_counter() - t0
     return header, layers
+
+
+def save(
+    engine: Any,
+    lock: Any,
+    state: Any,
+    path: Any,
+    salt: str | None,
+    name: str,
+    note: str = "",
+    drop: bool = False,
+) -> int:
+    """Export `state`'s KV under the engine's `lock` (`drop`: then free it: a spill, `engine/spill.py`) and
+    write it as a session file outside the lock; returns the file's size."""
+    with lock:
+        try:
+            layers = engine.executor.export(state)
+        finally:
+            if drop:
+                engine.executor.drop(state)
+    return write(engine, state.identity.tokens, layers, path, salt, name, note)
+
+
+def load(engine: Any, lock: Any, path: Any, salt: str | None) -> tuple[SessionHeader, Any]:
+    """A session file's header and a retained state made from it: read and checked outside the engine's
+    `lock`, attached under it (raises `SessionFileError`, `DeviceOutOfMemory`)."""
+    header, layers = read(engine, path, salt)
+    identity = engine.inputs.identity(header.tokens, salt)
+    with lock:
+        return header, engine.executor.restore(identity, layers)
