@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from onnxgen.errors import InvalidRequest
-from onnxgen.kv.files import Expected, SessionHeader, read_session, salt_tag, write_session
+from onnxgen.kv.files import Expected, KVShape, SessionHeader, read_session, salt_tag, write_session
 from onnxgen.package.fingerprint import package_fingerprint
 
 
@@ -45,16 +45,16 @@ class FileCounters:
             }
 
 
-def _shape(engine: Any) -> dict[str, Any]:
+def _shape(engine: Any) -> KVShape:
     spec = engine.spec
-    return {
-        "fingerprint": package_fingerprint(spec),
-        "backend": engine.backend,
-        "kv_dtype": spec.kv_dtype,
-        "num_layers": spec.num_layers,
-        "kv_heads": spec.num_kv_heads,
-        "head_size": spec.head_size,
-    }
+    return KVShape(
+        package_fingerprint(spec),
+        engine.backend,
+        spec.kv_dtype,
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_size,
+    )
 
 
 def write(
@@ -72,7 +72,7 @@ def write(
         raise InvalidRequest(
             f"contexts that depend on extra graph inputs ({names}) cannot be saved", field="path"
         )
-    header = SessionHeader(**_shape(engine), tokens=tuple(tokens), salt=salt_tag(salt), name=name, note=note)
+    header = SessionHeader(_shape(engine), tokens=tuple(tokens), salt=salt_tag(salt), name=name, note=note)
     size = write_session(path, header, layers)
     c = engine.file_counters
     with c._lock:
@@ -84,9 +84,7 @@ def write(
 def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader, Any]:
     """A session file's header and KV, checked against `engine` and `salt` (raises `SessionFileError`)."""
     spec = engine.spec
-    expect = Expected(
-        **_shape(engine), vocab_size=spec.vocab_size, context_length=spec.context_length, salt=salt_tag(salt)
-    )
+    expect = Expected(_shape(engine), spec.vocab_size, spec.context_length, salt_tag(salt))
     t0 = time.perf_counter()
     header, layers = read_session(path, expect)
     c = engine.file_counters

@@ -50,8 +50,8 @@ def salt_tag(salt: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class SessionHeader:
-    """What a session file says about its KV. `layers` (K, V) pairs follow it in the file."""
+class KVShape:
+    """What KV was computed by: the package (`package.fingerprint`), the backend, the dtype and the shape."""
 
     fingerprint: str
     backend: str
@@ -59,20 +59,28 @@ class SessionHeader:
     num_layers: int
     kv_heads: int
     head_size: int
+
+
+@dataclass(frozen=True)
+class SessionHeader:
+    """What a session file says about its KV. `layers` (K, V) pairs follow it in the file."""
+
+    shape: KVShape
     tokens: tuple[int, ...]
     salt: str  # `salt_tag` of the session's salt
     name: str = ""
     note: str = ""  # the application's own text (e.g. the chat CLI's messages), covered by the checksum
 
     def metadata(self) -> dict[str, str]:
+        sh = self.shape
         return {
             "format": FORMAT,
-            "fingerprint": self.fingerprint,
-            "backend": self.backend,
-            "kv_dtype": self.kv_dtype,
-            "num_layers": str(self.num_layers),
-            "kv_heads": str(self.kv_heads),
-            "head_size": str(self.head_size),
+            "fingerprint": sh.fingerprint,
+            "backend": sh.backend,
+            "kv_dtype": sh.kv_dtype,
+            "num_layers": str(sh.num_layers),
+            "kv_heads": str(sh.kv_heads),
+            "head_size": str(sh.head_size),
             "tokens": json.dumps(list(self.tokens), separators=(",", ":")),
             "salt": self.salt,
             "name": self.name,
@@ -90,19 +98,20 @@ def _checksum(meta: dict[str, str], chunks: Sequence[Any]) -> str:
 
 
 def write_session(path: str | Path, header: SessionHeader, layers: Sequence[tuple[Any, Any]]) -> int:
-    """Write `layers` (per layer `(k, v)`, numpy arrays `[kv_heads, tokens, head_size]` of `header.kv_dtype`'s
+    """Write `layers` (per layer `(k, v)`, numpy arrays `[kv_heads, tokens, head_size]` of the KV dtype's
     numpy type: uint16 for bfloat16) under `header` to `path`, atomically. Returns the file's size."""
     path = Path(path)
-    code, np_type = DTYPES[header.kv_dtype]
+    sh = header.shape
+    code, np_type = DTYPES[sh.kv_dtype]
     n = len(header.tokens)
-    assert len(layers) == header.num_layers, (len(layers), header.num_layers)
+    assert len(layers) == sh.num_layers, (len(layers), sh.num_layers)
     entries: dict[str, Any] = {}
     blobs: list[Any] = []
     offset = 0
     for i, (k, v) in enumerate(layers):
         for name, a in ((f"k.{i}", k), (f"v.{i}", v)):
             a = np.ascontiguousarray(a)
-            assert a.dtype == np_type and a.shape[:2] == (header.kv_heads, n), (name, a.dtype, a.shape)
+            assert a.dtype == np_type and a.shape[:2] == (sh.kv_heads, n), (name, a.dtype, a.shape)
             entries[name] = {
                 "dtype": code,
                 "shape": list(a.shape),
@@ -135,12 +144,7 @@ def write_session(path: str | Path, header: SessionHeader, layers: Sequence[tupl
 class Expected:
     """What the restoring engine needs a file to be."""
 
-    fingerprint: str
-    backend: str
-    kv_dtype: str
-    num_layers: int
-    kv_heads: int
-    head_size: int
+    shape: KVShape
     vocab_size: int
     context_length: int
     salt: str  # `salt_tag` of the salt the session is restored under
@@ -181,20 +185,23 @@ def read_session(path: str | Path, expect: Expected) -> tuple[SessionHeader, lis
     if meta.get("format") != FORMAT:
         raise _fail(path, "format", f"format {meta.get('format')!r}, expected {FORMAT!r}")
     try:
+        shape = KVShape(
+            meta["fingerprint"],
+            meta["backend"],
+            meta["kv_dtype"],
+            int(meta["num_layers"]),
+            int(meta["kv_heads"]),
+            int(meta["head_size"]),
+        )
         header = SessionHeader(
-            fingerprint=meta["fingerprint"],
-            backend=meta["backend"],
-            kv_dtype=meta["kv_dtype"],
-            num_layers=int(meta["num_layers"]),
-            kv_heads=int(meta["kv_heads"]),
-            head_size=int(meta["head_size"]),
+            shape=shape,
             tokens=tuple(int(t) for t in json.loads(meta["tokens"])),
             salt=meta["salt"],
             name=meta.get("name", ""),
             note=meta.get("note", ""),
         )
         spans = []
-        for i in range(header.num_layers):
+        for i in range(shape.num_layers):
             for name in (f"k.{i}", f"v.{i}"):
                 e = table[name]
                 a, b = (int(x) for x in e["data_offsets"])
@@ -207,29 +214,30 @@ def read_session(path: str | Path, expect: Expected) -> tuple[SessionHeader, lis
     if _checksum(meta, [view[a:b] for *_, a, b in spans]) != meta.get("checksum"):
         raise _fail(path, "checksum", "its bytes do not match their checksum (corrupted or edited)")
     _check(path, header, expect)
-    code, np_type = DTYPES[header.kv_dtype]
+    code, np_type = DTYPES[shape.kv_dtype]
     n = len(header.tokens)
     arrays = []
-    for name, dtype, shape, a, b in spans:
-        ok = dtype == code and len(shape) == 3 and shape[:2] == (header.kv_heads, n)
-        ok = ok and (not name.startswith("k.") or shape[2] == header.head_size)
-        if not ok or (b - a) != int(np.prod(shape)) * np.dtype(np_type).itemsize:
-            raise _fail(path, "shape", f"tensor {name} is {dtype} {list(shape)}, not the package's KV")
-        arrays.append(np.frombuffer(data, dtype=np_type, count=int(np.prod(shape)), offset=a).reshape(shape))
-    return header, [(arrays[2 * i], arrays[2 * i + 1]) for i in range(header.num_layers)]
+    for name, dtype, dims, a, b in spans:
+        ok = dtype == code and len(dims) == 3 and dims[:2] == (shape.kv_heads, n)
+        ok = ok and (not name.startswith("k.") or dims[2] == shape.head_size)
+        if not ok or (b - a) != int(np.prod(dims)) * np.dtype(np_type).itemsize:
+            raise _fail(path, "shape", f"tensor {name} is {dtype} {list(dims)}, not the package's KV")
+        arrays.append(np.frombuffer(data, dtype=np_type, count=int(np.prod(dims)), offset=a).reshape(dims))
+    return header, [(arrays[2 * i], arrays[2 * i + 1]) for i in range(shape.num_layers)]
 
 
 def _check(path: Path, h: SessionHeader, e: Expected) -> None:
     """The checked file against the loaded package."""
-    if h.fingerprint != e.fingerprint:
+    got, want = h.shape, e.shape
+    if got.fingerprint != want.fingerprint:
         raise _fail(path, "package", "it was saved from another model package (or another version of it)")
-    if h.backend != e.backend:
+    if got.backend != want.backend:
         raise _fail(
-            path, "backend", f"it was saved by the {h.backend} backend; load the model with that backend"
+            path, "backend", f"it was saved by the {got.backend} backend; load the model with that one"
         )
-    if h.kv_dtype != e.kv_dtype or h.kv_dtype not in DTYPES:
-        raise _fail(path, "dtype", f"its KV is {h.kv_dtype}, the package's {e.kv_dtype}")
-    if (h.num_layers, h.kv_heads, h.head_size) != (e.num_layers, e.kv_heads, e.head_size):
+    if got.kv_dtype != want.kv_dtype or got.kv_dtype not in DTYPES:
+        raise _fail(path, "dtype", f"its KV is {got.kv_dtype}, the package's {want.kv_dtype}")
+    if got != want:
         raise _fail(path, "shape", "its KV has another number of layers, heads or head size")
     if h.salt != e.salt:
         raise _fail(path, "salt", "it belongs to another salt (tenant): its KV is never attached to this one")
