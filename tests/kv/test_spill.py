@@ -4,6 +4,8 @@ turn equals a cold run whatever was spilled, resumed or dropped."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,26 @@ def test_kv_dir_options_are_checked():
         Config().replace(kv_dir_bytes=0)
     with pytest.raises(InvalidRequest):
         Config().replace(kv_dir=3)
+
+
+def test_metrics_report_the_disk_tier(tiny_dir, tmp_path):
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from onnxgen.serve.app import RunningServer, ServerConfig, create_app
+
+    m = onnxgen.load(
+        str(tiny_dir), device="cpu", backend="ort", max_sessions=1, kv_dir=str(tmp_path / "spill")
+    )
+    vocab = m.spec.vocab_size
+    for i in range(3):
+        m.session().generate(_ids(60, i, vocab), max_new_tokens=2, temperature=0)
+    deadline = time.monotonic() + 60
+    while m.kv_stats()["spills"] < 2:  # two sessions pushed out; their files are written on the spill thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with RunningServer(create_app(m, ServerConfig())) as srv:
+        text = httpx.get(srv.url + "/metrics").text
+    lines = dict(ln.rsplit(" ", 1) for ln in text.splitlines() if ln.startswith("onnxgen_spill"))
+    assert float(lines["onnxgen_spills"]) == m.kv_stats()["spills"] >= 1
+    assert float(lines["onnxgen_spilled_bytes"]) == m.kv_stats()["spilled_bytes"] > 0
+    m.close()

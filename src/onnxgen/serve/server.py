@@ -170,6 +170,14 @@ class Server:
             ("restore_s", "Seconds spent reading and checking restored session files since start."),
         ):
             m.gauge(f"onnxgen_session_files_{key}", what, lambda k=key: kv().get(f"session_files_{k}", 0))
+        if self.model.config.cache.kv_dir is not None:  # the disk tier of sessions pushed out of memory
+            for key, what in (
+                ("spilled_sessions", "Sessions whose KV waits in the disk tier now."),
+                ("spilled_bytes", "Bytes of the disk tier's session files now."),
+                ("spills", "Sessions spilled to the disk tier since start."),
+                ("unspills", "Sessions resumed from the disk tier since start."),
+            ):
+                m.gauge(f"onnxgen_{key}", what, lambda k=key: kv().get(k, 0))
         if self.model.paged:
             m.gauge("onnxgen_kv_pages_used", "KV pool pages in use.", lambda: kv().get("pages_used", 0))
             m.gauge("onnxgen_kv_pages_free", "KV pool pages free.", lambda: kv().get("pages_free", 0))
