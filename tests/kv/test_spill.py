@@ -4,13 +4,12 @@ turn equals a cold run whatever was spilled, resumed or dropped."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 import onnxgen
 from tests.conftest import native_available
+from tests.harness import loaded
 
 MODES = {"ort": {"backend": "ort"}, "native-paged": {"backend": "native"}}
 NATIVE = pytest.mark.skipif(not native_available(), reason="the native backend needs torch")
@@ -27,7 +26,7 @@ def _modes() -> list:
 @pytest.mark.parametrize("mode", _modes())
 def test_sessions_pushed_out_resume_from_their_files(tiny_dir, tmp_path, mode):
     kv_dir = tmp_path / "spill"
-    m = onnxgen.load(str(tiny_dir), device="cpu", max_sessions=2, kv_dir=str(kv_dir), **MODES[mode])
+    engine, m = loaded(tiny_dir, device="cpu", max_sessions=2, kv_dir=str(kv_dir), **MODES[mode])
     try:
         vocab = m.spec.vocab_size
         sessions = [m.session() for _ in range(5)]
@@ -42,6 +41,7 @@ def test_sessions_pushed_out_resume_from_their_files(tiny_dir, tmp_path, mode):
             cold = m.generate(prompt, max_new_tokens=4, temperature=0, reuse=False)
             assert warm.tokens == cold.tokens, i
             assert warm.stats.reused_tokens == held, (i, warm.stats)
+        engine.registry.spill.wait()  # the files of the sessions the last turns pushed out
         stats = m.kv_stats()
         assert stats["spills"] >= 3 and stats["unspills"] >= 3, stats
         on_disk = sorted(kv_dir.glob("*.onnxgen"))
@@ -60,8 +60,8 @@ def test_the_tier_stays_within_its_bound_and_dropped_sessions_recompute(tiny_dir
     one = s0.save(tmp_path / "one.onnxgen")  # about one session's file
     probe.close()
     bound = int(one * 1.5)  # room for one file, not two
-    m = onnxgen.load(
-        str(tiny_dir), device="cpu", backend="ort", max_sessions=1, kv_dir=str(kv_dir), kv_dir_bytes=bound
+    engine, m = loaded(
+        tiny_dir, device="cpu", backend="ort", max_sessions=1, kv_dir=str(kv_dir), kv_dir_bytes=bound
     )
     try:
         vocab = m.spec.vocab_size
@@ -69,6 +69,7 @@ def test_the_tier_stays_within_its_bound_and_dropped_sessions_recompute(tiny_dir
         for i, s in enumerate(sessions):
             r = s.generate(_ids(200, i, vocab), max_new_tokens=4, temperature=0)
             contexts.append([*r.prompt_ids, *r.tokens])
+            engine.registry.spill.wait()
             stats = m.kv_stats()
             assert stats["spilled_bytes"] <= bound, stats
         for i, s in enumerate(sessions):
@@ -76,6 +77,7 @@ def test_the_tier_stays_within_its_bound_and_dropped_sessions_recompute(tiny_dir
             warm = s.generate(prompt, max_new_tokens=4, temperature=0)
             assert warm.tokens == m.generate(prompt, max_new_tokens=4, temperature=0, reuse=False).tokens
             assert m.kv_stats()["spilled_bytes"] <= bound
+        engine.registry.spill.wait()
         assert m.kv_stats()["spills_dropped"] >= 1
         assert sum(p.stat().st_size for p in kv_dir.glob("*.onnxgen")) <= bound
     finally:
@@ -97,16 +99,12 @@ def test_metrics_report_the_disk_tier(tiny_dir, tmp_path):
     httpx = pytest.importorskip("httpx")
     from onnxgen.serve.app import RunningServer, ServerConfig, create_app
 
-    m = onnxgen.load(
-        str(tiny_dir), device="cpu", backend="ort", max_sessions=1, kv_dir=str(tmp_path / "spill")
-    )
+    engine, m = loaded(tiny_dir, device="cpu", backend="ort", max_sessions=1, kv_dir=str(tmp_path / "spill"))
     vocab = m.spec.vocab_size
     for i in range(3):
         m.session().generate(_ids(60, i, vocab), max_new_tokens=2, temperature=0)
-    deadline = time.monotonic() + 60
-    while m.kv_stats()["spills"] < 2:  # two sessions pushed out; their files are written on the spill thread
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    engine.registry.spill.wait()  # two sessions pushed out: their files are written on the spill thread
+    assert m.kv_stats()["spills"] == 2
     with RunningServer(create_app(m, ServerConfig())) as srv:
         text = httpx.get(srv.url + "/metrics").text
     lines = dict(ln.rsplit(" ", 1) for ln in text.splitlines() if ln.startswith("onnxgen_spill"))

@@ -91,12 +91,16 @@ class Spill:
             self._files.pop(path, None)
         path.unlink(missing_ok=True)
 
-    def close(self) -> None:
-        """Delete every file (the model closes: no session resumes from them)."""
+    def wait(self, timeout: float = 600.0) -> None:
+        """Wait until every state handed over so far is written (or failed)."""
         with self._lock:
             events = list(self._pending.values())
         for e in events:
-            e.wait(600)
+            e.wait(timeout)
+
+    def close(self) -> None:
+        """Delete every file (the model closes: no session resumes from them)."""
+        self.wait()
         with self._lock:
             paths, self._files = list(self._files), OrderedDict()
         for p in paths:
