@@ -119,7 +119,9 @@ class CacheConfig:
     most bytes sessions' kept KV may hold together (None: no bound but `max_sessions`). kv_dir: a folder where
     the sessions those bounds push out spill their KV as session files, resumed from at their next request
     (None: they recompute; `engine/spill.py`). kv_dir_bytes: the most bytes those files take together (least
-    recently spilled deleted first).
+    recently spilled deleted first). host_kv_bytes: host memory for the KV of sessions pushed out, before the
+    disk (None: a quarter of the machine's memory, at most 64 GiB, on CUDA; none on the CPU, whose pool is host
+    memory already; 0: none).
     """
 
     paged: bool | None = None
@@ -130,17 +132,29 @@ class CacheConfig:
     max_kv_bytes: int | None = None
     kv_dir: str | None = None
     kv_dir_bytes: int = 16 << 30
+    host_kv_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_dir is not None and not isinstance(self.kv_dir, str):
             raise InvalidRequest(f"kv_dir must be a folder's path (str), got {self.kv_dir!r}", field="kv_dir")
         _positive("kv_dir_bytes", self.kv_dir_bytes, optional=False)
+        _positive("host_kv_bytes", self.host_kv_bytes, least=0)
         _bool("paged", self.paged)
         _positive("kv_bytes", self.kv_bytes)
         _positive("page_size", self.page_size)
         _positive("kv_floor", self.kv_floor)
         _positive("max_sessions", self.max_sessions, optional=False, least=0)
         _positive("max_kv_bytes", self.max_kv_bytes, least=0)
+
+    def host_bytes_for(self, cuda: bool) -> int:
+        """`host_kv_bytes`, or its default on this device."""
+        if self.host_kv_bytes is not None:
+            return self.host_kv_bytes
+        if not cuda:
+            return 0
+        import os
+
+        return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4, 64 << 30)
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,107 @@ def test_metrics_report_the_disk_tier(tiny_dir, tmp_path):
     assert float(lines["onnxgen_spills"]) == m.kv_stats()["spills"] >= 1
     assert float(lines["onnxgen_spilled_bytes"]) == m.kv_stats()["spilled_bytes"] > 0
     m.close()
+
+
+# --- the host tier (on by default on CUDA; here set explicitly) -------------------------------------------
+
+
+def _session_bytes(tiny_dir, n: int) -> int:
+    """The host bytes of one spilled session of `n` fed tokens (K and V, every layer, fp32)."""
+    spec = onnxgen.load(str(tiny_dir), device="cpu", backend="ort").spec
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * 4 * n
+
+
+@pytest.mark.parametrize("mode", _modes())
+def test_sessions_resume_from_host_memory_and_overflow_to_disk(tiny_dir, tmp_path, mode):
+    """Host tier sized for about two sessions, disk behind it: every session resumes with its whole context
+    (from host memory or its file), the host tier never holds more than its bound."""
+    one = _session_bytes(tiny_dir, 203)
+    bound = int(one * 2.5)
+    kv_dir = tmp_path / "spill"
+    engine, m = loaded(
+        tiny_dir, device="cpu", max_sessions=1, host_kv_bytes=bound, kv_dir=str(kv_dir), **MODES[mode]
+    )
+    try:
+        vocab = m.spec.vocab_size
+        sessions, contexts = [m.session() for _ in range(5)], []
+        for i, s in enumerate(sessions):
+            r = s.generate(_ids(200, 20 + i, vocab), max_new_tokens=4, temperature=0)
+            contexts.append([*r.prompt_ids, *r.tokens])
+            engine.registry.spill.wait()
+            assert m.kv_stats()["host_bytes"] <= bound
+        stats = m.kv_stats()
+        assert stats["host_sessions"] == 2 and stats["spilled_sessions"] == 2, stats  # 4 out: 2 + 2
+        for i, s in enumerate(sessions):
+            prompt = [*contexts[i], *_ids(10, 60 + i, vocab)]
+            warm = s.generate(prompt, max_new_tokens=4, temperature=0)
+            assert warm.stats.reused_tokens == len(contexts[i]) - 1, (i, warm.stats)
+            assert warm.tokens == m.generate(prompt, max_new_tokens=4, temperature=0, reuse=False).tokens
+            engine.registry.spill.wait()
+            assert m.kv_stats()["host_bytes"] <= bound
+        assert m.kv_stats()["unspills"] >= 4
+    finally:
+        m.close()
+    assert list(kv_dir.glob("*")) == []
+
+
+def test_without_a_disk_the_host_tier_drops_its_oldest_and_they_recompute(tiny_dir):
+    bound = int(_session_bytes(tiny_dir, 103) * 1.5)  # one session's KV fits, two do not
+    engine, m = loaded(tiny_dir, device="cpu", backend="ort", max_sessions=1, host_kv_bytes=bound)
+    try:
+        vocab = m.spec.vocab_size
+        sessions, contexts = [m.session() for _ in range(3)], []
+        for i, s in enumerate(sessions):
+            r = s.generate(_ids(100, 40 + i, vocab), max_new_tokens=4, temperature=0)
+            contexts.append([*r.prompt_ids, *r.tokens])
+        engine.registry.spill.wait()
+        stats = m.kv_stats()
+        assert stats["host_sessions"] == 1 and stats["spills_dropped"] == 1 and stats["host_bytes"] <= bound
+        reused = {}
+        for i in (1, 0, 2):  # 1 waits in host memory, 0 was dropped for it; 2 is the one kept in memory
+            prompt = [*contexts[i], *_ids(6, 80 + i, vocab)]
+            warm = sessions[i].generate(prompt, max_new_tokens=4, temperature=0)
+            assert warm.tokens == m.generate(prompt, max_new_tokens=4, temperature=0, reuse=False).tokens
+            reused[i] = warm.stats.reused_tokens
+        assert reused[1] == len(contexts[1]) - 1 and reused[0] == 0, reused
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_turns_across_the_tiers_equal_cold_runs(tiny_dir, tmp_path, seed):
+    """Random turns over six sessions with one kept in memory, a host tier for one or two and a small disk:
+    wherever each context was (kept, host, disk, dropped), every turn equals a cold run."""
+    rng = np.random.default_rng(seed)
+    one = _session_bytes(tiny_dir, 80)
+    engine, m = loaded(
+        tiny_dir,
+        device="cpu",
+        backend="ort",
+        max_sessions=1,
+        host_kv_bytes=int(one * 1.7),
+        kv_dir=str(tmp_path / "spill"),
+        kv_dir_bytes=int(one * 2.5),
+    )
+    try:
+        vocab = m.spec.vocab_size
+        sessions = [m.session() for _ in range(6)]
+        contexts: list[list[int]] = [[] for _ in sessions]
+        for step in range(24):
+            i = int(rng.integers(len(sessions)))
+            if rng.random() < 0.15:
+                sessions[i].clear()
+                contexts[i] = []
+                continue
+            prompt = [*contexts[i], *_ids(int(rng.integers(20, 60)), 1000 * seed + step, vocab)]
+            warm = sessions[i].generate(prompt, max_new_tokens=3, temperature=0)
+            assert warm.tokens == m.generate(prompt, max_new_tokens=3, temperature=0, reuse=False).tokens, (
+                step
+            )
+            contexts[i] = [*warm.prompt_ids, *warm.tokens]
+            engine.registry.spill.wait()
+            stats = m.kv_stats()
+            assert stats["host_bytes"] <= int(one * 1.7) and stats["spilled_bytes"] <= int(one * 2.5)
+        assert m.kv_stats()["unspills"] > 0
+    finally:
+        m.close()

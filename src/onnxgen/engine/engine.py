@@ -98,9 +98,10 @@ class Engine:
             self.executor, self.scheduler, self.policy, paged=self.paged, finish=self._finish, fail=self._fail
         )
         cache = config.cache
-        spill = Spill(self, cache.kv_dir, cache.kv_dir_bytes) if cache.kv_dir is not None else None
-        self.registry = SessionRegistry(cache.max_sessions, cache.max_kv_bytes, spill)
-        self._kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
+        host = cache.host_bytes_for(cuda)
+        tiers = Spill(self, cache.kv_dir, cache.kv_dir_bytes, host) if cache.kv_dir or host else None
+        self.registry = SessionRegistry(cache.max_sessions, cache.max_kv_bytes, tiers)
+        self.kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
         self._snapshot: dict[str, Any] = {}  # the last `kv_stats`, for `kv_snapshot` while a step runs
         self._stuck = 0
         self.file_counters = persist.FileCounters()
@@ -185,7 +186,7 @@ class Engine:
     def step(self) -> bool:
         """One engine step: schedule, run the batch, sample and stream, finish or fail requests. Returns
         False when there was nothing to do."""
-        with self._kv_lock:
+        with self.kv_lock:
             self.pipeline.settle()
             chunks, cancelled = self.scheduler.schedule()
             for req in cancelled:
@@ -323,7 +324,7 @@ class Engine:
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every queued, waiting and running request with `exc` (the loop's last resort, and `close`)."""
-        with self._kv_lock:
+        with self.kv_lock:
             for req in self.scheduler.pending():
                 self.scheduler.forget_incoming(req)
                 if req.status is not Status.FINISHED:
@@ -335,31 +336,31 @@ class Engine:
         """Wait for the device work launched past requests that already finished (`DecodePipeline.tail`).
         Every step does this first, and `close` too; a benchmark calls it before timing a request, so that the
         request does not pay for the previous one's tail. Safe from any thread."""
-        with self._kv_lock:
+        with self.kv_lock:
             self.pipeline.settle()
 
     def drop_state(self, state: Any) -> None:
         """Let go of a session's retained state (its decoder back to the pool, or its pin)."""
         if state is not None:
-            with self._kv_lock:
+            with self.kv_lock:
                 self.executor.drop(state)
 
     def state_bytes(self, state: Any) -> int:
         return self.executor.state_bytes(state) if state is not None else 0
 
-    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", **kw: Any) -> int:
+    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", note: str = "") -> int:
         """Write a retained state to a session file; returns its size (`persist.save`). Any thread."""
-        return persist.save(self, self._kv_lock, state, path, salt, name, **kw)
+        return persist.save(self, state, path, salt, name, note)
 
     def load_state(self, path: Any, salt: str | None) -> tuple[Any, Any]:
         """A session file's header and the retained state made from it (`persist.load`). Any thread."""
-        return persist.load(self, self._kv_lock, path, salt)
+        return persist.load(self, path, salt)
 
     def kv_stats(self) -> dict[str, Any]:
         """KV and scheduling numbers now: running and waiting requests, preemptions, the KV sessions retain,
         and for paged KV the pool's pages (total, free, used, indexed, shared), pinned sessions and
         prefix-cache hits."""
-        with self._kv_lock:
+        with self.kv_lock:
             out: dict[str, Any] = {
                 "paged": self.paged,
                 "running": len(self.scheduler.running),
@@ -374,11 +375,11 @@ class Engine:
     def kv_snapshot(self) -> dict[str, Any]:
         """`kv_stats` if the step's lock is free now, else the last numbers computed (never waits for a step;
         the running and waiting counts are read live). Any thread."""
-        if self._kv_lock.acquire(blocking=False):
+        if self.kv_lock.acquire(blocking=False):
             try:
                 self._snapshot = self.kv_stats()
             finally:
-                self._kv_lock.release()
+                self.kv_lock.release()
         snap = dict(self._snapshot)
         snap["running"] = len(self.scheduler.running)
         snap["waiting"] = self.scheduler.num_waiting()
@@ -389,6 +390,6 @@ class Engine:
         time), idle pooled decoders or the unpinned pages of the index. Requests queued or running go on. The
         weights go when the last engine of the package is dropped."""
         self.registry.close()
-        with self._kv_lock:
+        with self.kv_lock:
             self.pipeline.settle()
             self.executor.close()

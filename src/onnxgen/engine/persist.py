@@ -1,7 +1,8 @@
 """Session files for an engine: what its retained states become on disk, and back (`kv/files.py`'s format).
 
-    save(engine, lock, state, path, salt, name)  -> bytes written      (Engine.save_state: Session.save, spills)
-    load(engine, lock, path, salt)               -> (header, state)    (Engine.load_state: restore_session)
+    save(engine, state, path, salt, name)   -> bytes written      (Engine.save_state: Session.save)
+    load(engine, path, salt)                -> (header, state)    (Engine.load_state: restore_session, spills)
+    export(engine, state) / attach(engine, tokens, salt, layers)  (the host tier, `engine/spill.py`)
 
 A file is bound to the package (`package.fingerprint`), the backend and the salt; `read` checks all of it
 against the engine before any KV is attached (`kv.files.read_session`), so a file of another package, backend
@@ -95,31 +96,30 @@ def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader
     return header, layers
 
 
-def save(
-    engine: Any,
-    lock: Any,
-    state: Any,
-    path: Any,
-    salt: str | None,
-    name: str,
-    note: str = "",
-    drop: bool = False,
-) -> int:
-    """Export `state`'s KV under the engine's `lock` (`drop`: then free it: a spill, `engine/spill.py`) and
-    write it as a session file outside the lock; returns the file's size."""
-    with lock:
+def export(engine: Any, state: Any, drop: bool = False) -> list[tuple[Any, Any]]:
+    """Host copies of `state`'s KV, taken under the engine's lock (`drop`: the state is freed then too)."""
+    with engine.kv_lock:
         try:
-            layers = engine.executor.export(state)
+            return engine.executor.export(state)
         finally:
             if drop:
                 engine.executor.drop(state)
-    return write(engine, state.identity.tokens, layers, path, salt, name, note)
 
 
-def load(engine: Any, lock: Any, path: Any, salt: str | None) -> tuple[SessionHeader, Any]:
-    """A session file's header and a retained state made from it: read and checked outside the engine's
-    `lock`, attached under it (raises `SessionFileError`, `DeviceOutOfMemory`)."""
+def attach(engine: Any, tokens: tuple[int, ...], salt: str | None, layers: Any) -> Any:
+    """A retained state holding `layers`, the KV of `tokens` under `salt`'s identity, attached under the lock."""
+    identity = engine.inputs.identity(tokens, salt)
+    with engine.kv_lock:
+        return engine.executor.restore(identity, layers)
+
+
+def save(engine: Any, state: Any, path: Any, salt: str | None, name: str, note: str = "") -> int:
+    """Write `state`'s KV as a session file (exported under the engine's lock, written outside it)."""
+    return write(engine, state.identity.tokens, export(engine, state), path, salt, name, note)
+
+
+def load(engine: Any, path: Any, salt: str | None) -> tuple[SessionHeader, Any]:
+    """A session file's header and a retained state made from it: read and checked outside the engine's lock,
+    attached under it (raises `SessionFileError`, `DeviceOutOfMemory`)."""
     header, layers = read(engine, path, salt)
-    identity = engine.inputs.identity(header.tokens, salt)
-    with lock:
-        return header, engine.executor.restore(identity, layers)
+    return header, attach(engine, header.tokens, salt, layers)

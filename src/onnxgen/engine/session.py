@@ -19,8 +19,8 @@ also remembers the ids of its last context (its history: ints, not KV). A chat p
 them (`InputProcessor.rebase`) whether or not the KV survived eviction, so the ids a request runs on, and so
 its output, never depend on memory pressure; only the reuse does.
 
-`SessionRegistry` bounds retained KV (LRU by count and bytes); a session it pushes out drops its KV, or with a
-disk tier spills it to a file it resumes from (`engine/spill.py`). A Session reaches its engine only through
+`SessionRegistry` bounds retained KV (LRU by count and bytes); a session it pushes out drops its KV, or with
+tiers spills it to host memory or a file it resumes from (`engine/spill.py`). A Session reaches its engine only through
 `Runner`: this module does not import the engine.
 """
 
@@ -65,8 +65,8 @@ class Runner(Protocol):
         """Device bytes a retained state holds."""
         ...
 
-    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", **kw: Any) -> int:
-        """Write a retained state to a session file (`note`; `drop`: free it once exported); returns its size."""
+    def save_state(self, state: Any, path: Any, salt: str | None, name: str = "", note: str = "") -> int:
+        """Write a retained state to a session file; returns its size."""
         ...
 
     def load_state(self, path: Any, salt: str | None) -> tuple[Any, Any]:
@@ -98,7 +98,7 @@ class Session:
         self.last_used = time.monotonic()
         self.closed = False
         self.note = ""  # a restored session's file's note (`save`)
-        self._spilled: Any = None  # the file its context spilled to (`engine/spill.py`), until it resumes
+        self._spilled: Any = None  # its context out of the device (`engine/spill.Spilled`), until it resumes
 
     # --- retained state: take / commit / evict (all under _state_lock) ---------------------
 
@@ -114,8 +114,8 @@ class Session:
             self.last_used = time.monotonic()
 
     def spill(self, spill: Any) -> int:
-        """Hand the retained KV to the disk tier (`Spill.put`: written and freed off this thread); the next
-        request resumes from the file. Returns the bytes the session held (0: it held nothing)."""
+        """Hand the retained KV to the host and disk tiers (`Spill.put`: moved and freed off this thread); the
+        next request resumes from there. Returns the bytes the session held (0: it held nothing)."""
         state = self._take()
         if state is None:
             return 0
@@ -124,27 +124,25 @@ class Session:
         return freed
 
     def _unspill(self) -> None:
-        """Before a request, on its caller's thread, with the session busy: the spilled context back (a file
-        that cannot be restored is logged; the request then recomputes it)."""
+        """Before a request, on its caller's thread, with the session busy: the spilled context back from the
+        host or disk tier (one that was dropped, or cannot be restored, is recomputed by the request)."""
         import logging
 
         from onnxgen.errors import OnnxgenError
 
-        path, self._spilled = self._spilled, None
-        spill = self.engine.registry.spill
-        if path is None or spill is None:
+        item, self._spilled = self._spilled, None
+        tiers = self.engine.registry.spill
+        if item is None or tiers is None:
             return
         try:
-            if self._retained is None and spill.ready(path):
-                header, state = self.engine.load_state(path, self.salt)
-                self._history = tuple(header.tokens)
-                self._commit(state)
-                self.engine.registry.touch(self)
-                spill.restored(path)
+            state = tiers.take(item) if self._retained is None else tiers.discard(item)
         except OnnxgenError as exc:
             logging.getLogger(__name__).warning("%s recomputes its context: %s", self.name, exc)
-        finally:
-            spill.discard(path)
+            return
+        if state is not None:
+            self._history = item.tokens
+            self._commit(state)
+            self.engine.registry.touch(self)
 
     def evict(self) -> int:
         """Drop the retained KV (the session stays usable and simply reuses nothing it does not find in the
@@ -181,9 +179,9 @@ class Session:
         """Forget the retained context and its ids (e.g. the REPL's /reset); waits for running requests."""
         self.wait_idle()
         self.evict()
-        path, self._spilled = self._spilled, None
-        if path is not None and self.engine.registry.spill is not None:
-            self.engine.registry.spill.discard(path)
+        item, self._spilled = self._spilled, None
+        if item is not None and self.engine.registry.spill is not None:
+            self.engine.registry.spill.discard(item)
         self._history = ()
 
     def close(self) -> None:
@@ -326,7 +324,9 @@ class SessionRegistry:
     def __init__(self, max_sessions: int = 8, max_kv_bytes: int | None = None, spill: Any = None) -> None:
         self.max_sessions = max_sessions
         self.max_kv_bytes = max_kv_bytes
-        self.spill = spill  # the disk tier (`engine/spill.Spill`) or None: sessions pushed out recompute
+        self.spill = (
+            spill  # the host / disk tiers (`engine/spill.Spill`) or None: sessions pushed out recompute
+        )
         self._lru: OrderedDict[int, Session] = OrderedDict()
         self._lock = threading.Lock()
         self.evictions = 0
@@ -374,12 +374,12 @@ class SessionRegistry:
             return sum(s.kv_bytes() for s in self._lru.values())
 
     def stats(self) -> dict[str, int]:
-        """`retained_kv_bytes`, and with a disk tier its files (`Spill.stats`)."""
+        """`retained_kv_bytes`, and with tiers their contents (`Spill.stats`)."""
         out = {"retained_kv_bytes": self.total_kv_bytes()}
         return out | self.spill.stats() if self.spill is not None else out
 
     def close(self) -> None:
-        """Free every session's KV and delete the disk tier's files (the model closes)."""
+        """Free every session's KV and the tiers' (their files deleted: the model closes)."""
         self.evict_all()
         if self.spill is not None:
             self.spill.close()

@@ -170,8 +170,10 @@ class Server:
             ("restore_s", "Seconds spent reading and checking restored session files since start."),
         ):
             m.gauge(f"onnxgen_session_files_{key}", what, lambda k=key: kv().get(f"session_files_{k}", 0))
-        if self.model.config.cache.kv_dir is not None:  # the disk tier of sessions pushed out of memory
+        if "spills" in kv():  # the host and disk tiers of sessions pushed out of memory
             for key, what in (
+                ("host_sessions", "Sessions whose KV waits in the host tier now."),
+                ("host_bytes", "Bytes of KV in the host tier now."),
                 ("spilled_sessions", "Sessions whose KV waits in the disk tier now."),
                 ("spilled_bytes", "Bytes of the disk tier's session files now."),
                 ("spills", "Sessions spilled to the disk tier since start."),
