@@ -120,8 +120,8 @@ class CacheConfig:
     the sessions those bounds push out spill their KV as session files, resumed from at their next request
     (None: they recompute; `engine/spill.py`). kv_dir_bytes: the most bytes those files take together (least
     recently spilled deleted first). host_kv_bytes: host memory for the KV of sessions pushed out, before the
-    disk (None: a quarter of the machine's memory, at most 64 GiB, on CUDA; none on the CPU, whose pool is host
-    memory already; 0: none).
+    disk (None: none yet: its copies out of the device run under the engine's lock and are not measured on a
+    GPU; on the CPU the pool is host memory already).
     """
 
     paged: bool | None = None
@@ -148,13 +148,7 @@ class CacheConfig:
 
     def host_bytes_for(self, cuda: bool) -> int:
         """`host_kv_bytes`, or its default on this device."""
-        if self.host_kv_bytes is not None:
-            return self.host_kv_bytes
-        if not cuda:
-            return 0
-        import os
-
-        return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4, 64 << 30)
+        return self.host_kv_bytes if self.host_kv_bytes is not None else 0
 
 
 @dataclass(frozen=True)

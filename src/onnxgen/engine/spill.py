@@ -7,8 +7,9 @@
     the session's next request (its caller's thread) ── Session._unspill ──> Spill.take(item): attached from
         the host arrays (`persist.attach`) or from its file (`persist.load`, checked first)
 
-The host tier is for devices with memory of their own (CUDA: `CacheConfig.host_kv_bytes`); on the CPU the pool
-already is host memory and the next tier is the disk. Files are this process's (named by a random id, deleted
+The host tier is for devices with memory of their own (CUDA: `CacheConfig.host_kv_bytes`, off unless set); on
+the CPU the pool already is host memory and the next tier is the disk. The copies out of the device are plain
+ones under the engine's lock (not pinned, not overlapped with the step). Files are this process's (named by a random id, deleted
 when their session resumes, clears or closes, or the model closes). Neither tier ever holds more than its
 bound. A context that cannot be written or restored costs the speedup only (logged; the session recomputes).
 """
