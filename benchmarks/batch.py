@@ -32,8 +32,10 @@ Sections (contenders interleaved, the order reversed every other round, median o
           at once, --turns turns each, a --system-token system prompt (about; unique to the run, shared by
           its conversations), --new tokens a turn (EOS suppressed), streamed chat completions, each turn sent
           with the whole conversation as a stateless client does (--sessions on: onnxgen's X-Session-Id, a
-          session per conversation): TTFT of turn 1 and of later turns (p50 / p99), wall time, prompt
-          tokens the server reported cached on later turns
+          session per conversation), --think seconds between a reply and the next turn (as vLLM's multi-turn
+          serving benchmark): TTFT of turn 1 and of later turns (p50 / p99), inter-token latency p50 / p99
+          (the gaps between streamed content events), output tok/s, wall time, prompt tokens the server
+          reported cached on later turns
 Greedy; `speculative` as --speculative ("off": plain decoding; "default": the engine's choice).
 """
 
@@ -427,9 +429,10 @@ def system_prompt(tokens: int, nonce: int) -> str:
 
 
 def _turn(http: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    """One streamed chat completion: TTFT (the first content), its text, usage (cached tokens)."""
+    """One streamed chat completion: TTFT (the first content), the gaps between content events (ITL), its
+    text, usage (prompt, completion and cached tokens)."""
     t0 = time.perf_counter()
-    ttft, text, usage = None, [], {}
+    ttft, text, usage, arrivals = None, [], {}, []
     with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -439,7 +442,8 @@ def _turn(http: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[str,
             for ch in ev.get("choices") or []:
                 piece = (ch.get("delta") or {}).get("content")
                 if piece:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    arrivals.append(time.perf_counter())
+                    ttft = ttft if ttft is not None else arrivals[-1] - t0
                     text.append(piece)
             if ev.get("usage"):
                 usage = ev["usage"]
@@ -448,7 +452,14 @@ def _turn(http: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[str,
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     if cached is None:
         cached = usage.get("cache_n") or 0
-    return {"ttft": ttft, "text": "".join(text), "prompt": usage.get("prompt_tokens", 0), "cached": cached}
+    return {
+        "ttft": ttft,
+        "itl": [b - a for a, b in itertools.pairwise(arrivals)],
+        "text": "".join(text),
+        "prompt": usage.get("prompt_tokens", 0),
+        "completion": usage.get("completion_tokens", len(arrivals)),
+        "cached": cached,
+    }
 
 
 def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
@@ -487,6 +498,8 @@ def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                     }
                     turns.append(_turn(http, body, headers))
                     msgs.append({"role": "assistant", "content": turns[-1]["text"]})
+                    if args.think and t + 1 < args.turns:
+                        time.sleep(args.think)  # the user reads and types
                 return turns
 
             t0 = time.perf_counter()
@@ -495,9 +508,13 @@ def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
             wall = time.perf_counter() - t0
             first = [c[0]["ttft"] for c in convs]
             later = [t["ttft"] for c in convs for t in c[1:]]
+            itl = [g for c in convs for t in c for g in t["itl"]]
             runs.append(
                 {
                     "wall_s": wall,
+                    "out_tok_s": sum(t["completion"] for c in convs for t in c) / wall,
+                    "itl_p50": u.median(itl) if itl else 0.0,
+                    "itl_p99": u.p99(itl) if itl else 0.0,
                     "turn1_ttft_p50": u.median(first),
                     "later_ttft_p50": u.median(later),
                     "later_ttft_p99": u.p99(later),
@@ -514,6 +531,8 @@ def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                 f"{med['turn1_ttft_p50'] * 1000:.0f}",
                 f"{med['later_ttft_p50'] * 1000:.0f}",
                 f"{med['later_ttft_p99'] * 1000:.0f}",
+                f"{med['itl_p50'] * 1000:.1f} / {med['itl_p99'] * 1000:.1f}",
+                f"{med['out_tok_s']:.1f}",
                 f"{med['wall_s']:.1f}",
                 f"{med['later_cached']:.0f} / {med['later_prompt']:.0f}",
             ]
@@ -524,12 +543,14 @@ def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
         "turn 1 TTFT p50 ms",
         "later TTFT p50 ms",
         "later p99 ms",
+        "ITL p50 / p99 ms",
+        "output tok/s",
         "wall s",
         "later cached / prompt",
     ]
     title = (
         f"trace: {args.agents} conversations x {args.turns} turns at once, ~{args.system}-token system prompt, "
-        f"{args.new} new tokens a turn, streamed (median of {args.runs})"
+        f"{args.new} new tokens a turn, {args.think:g} s think time, streamed (median of {args.runs})"
     )
     return title, u.table(rows, header), data
 
@@ -548,6 +569,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--system", type=int, default=600, help="system prompt tokens (shared: about)")
     ap.add_argument("--agents", type=int, default=32)
+    ap.add_argument(
+        "--think", type=float, default=0.0, help="trace: seconds between a reply and the next turn"
+    )
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--url", default=None, help="trace: the server to replay the trace against")
     ap.add_argument("--label", default="server", help="trace: the server's name in the table")
