@@ -19,10 +19,13 @@ Scenarios (greedy, `speculative="off"`, random-id prompts, `reuse=False` unless 
            tokens each): all generated tokens over the wall time, prefill included
   ttft     a --long-token prompt, one token: TTFT ms
   turn     a 64-token turn on a retained --long-token session: TTFT ms
+  overhead the decode scenario's time outside the decoder's forward, per step: ms (the engine's own work:
+           scheduling, sampling, streaming; engines with a decoder per request: ort, native unbatched)
 The engine is loaded with `max_running` = --concurrency (and on CUDA `kv_bytes` = 8 GiB, so that both sides'
 processes fit on one card) unless --option says otherwise. The table gives each side's median of its runs,
 head / base, and the noise: the larger of the two sides' run-to-run spreads (interquartile range / median);
-a change is flagged only beyond it.
+a change is flagged only beyond it. "paired" is the median of each round's head / base (the two sides' runs of
+a round are adjacent in time, so a drift of the machine's speed cancels), with its interquartile range.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _util as u
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = {"decode": "tok/s", "batch": "tok/s", "ttft": "ms", "turn": "ms"}
+SCENARIOS = {"decode": "tok/s", "batch": "tok/s", "ttft": "ms", "turn": "ms", "overhead": "ms"}
 TAG = "@@compare "
 
 # --- worker side: the scenarios against the onnxgen on PYTHONPATH ------------------------------------
@@ -112,7 +115,43 @@ def worker() -> None:
         extra = u.random_ids(64, vocab, 50 + state["round"])
         return session.generate(long + extra, max_new_tokens=1, **greedy).stats.ttft_s * 1e3
 
-    fns = {"decode": decode, "batch": batch, "ttft": ttft, "turn": turn}
+    forward = {"s": 0.0, "n": 0}
+
+    def timed(cls: Any) -> None:  # the decoder class's forward, timed
+        inner = cls.forward
+
+        def wrapped(self: Any, *a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(self, *a, **k)
+            finally:
+                forward["s"] += time.perf_counter() - t0
+                forward["n"] += 1
+
+        cls.forward = wrapped
+
+    def overhead() -> float:
+        if "timed" not in state:
+            from onnxgen.backends.ort.decoder import OrtDecoder
+
+            timed(OrtDecoder)
+            if model.backend == "native":
+                from onnxgen.backends.native.decoder import NativeDecoder
+
+                timed(NativeDecoder)
+            state["timed"] = True
+        model.settle()
+        forward.update(s=0.0, n=0)
+        r = model.generate(
+            u.random_ids(p["prompt"], vocab, 1), max_new_tokens=p["new"], reuse=False, **greedy
+        )
+        if forward["n"] == 0:
+            raise SystemExit(
+                "overhead: this engine runs no per-request decoder (paged KV); load it with paged=false"
+            )
+        return (r.stats.total_s - forward["s"]) / forward["n"] * 1e3
+
+    fns = {"decode": decode, "batch": batch, "ttft": ttft, "turn": turn, "overhead": overhead}
     warm: set[str] = set()
     print(TAG + json.dumps({"ready": True, "onnxgen": str(Path(onnxgen.__file__).parent)}), flush=True)
     for line in sys.stdin:
@@ -309,12 +348,15 @@ def main() -> int:
         noise = max(u.spread(b), u.spread(h))
         better = change > 0 if SCENARIOS[s] == "tok/s" else change < 0
         flag = "~" if abs(change) <= noise else ("better" if better else "worse")
+        pairs = sorted(x / y for x, y in zip(h, b, strict=True))
+        q1, q3 = pairs[len(pairs) // 4], pairs[(3 * len(pairs)) // 4]
         rows.append(
             [
                 s,
                 f"{mb:,.2f} {SCENARIOS[s]}",
                 f"{mh:,.2f} {SCENARIOS[s]}",
                 f"{mh / mb:.3f}",
+                f"{statistics.median(pairs):.3f} ({q1:.3f}–{q3:.3f})",
                 f"±{noise:.1%}",
                 flag,
             ]
@@ -329,7 +371,7 @@ def main() -> int:
         f"new {params['new']} (batch {params['batch_new']}), concurrency {params['concurrency']}, long {params['long']}; options {shared}"
     )
     print(f"\n{caption}\n")
-    print(u.table(rows, ["scenario", "base", "head", "head / base", "noise", "flag"]))
+    print(u.table(rows, ["scenario", "base", "head", "head / base", "paired (IQR)", "noise", "flag"]))
     return 0
 
 
