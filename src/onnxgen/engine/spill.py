@@ -104,9 +104,14 @@ class Spill:
             self._host[item.key] = item
             out = []
             while sum(i.nbytes for i in self._host.values()) > self.host_bytes:
-                out.append(self._host.popitem(last=False)[1])
-        for old in out:  # NOTE: off the lock: a file write
-            self._to_disk(old, persist)
+                old = self._host.popitem(last=False)[1]
+                old.ready.clear()  # NOTE: in neither tier until written: a `take` waits for it
+                out.append(old)
+        for old in out:  # off the lock: a file write
+            try:
+                self._to_disk(old, persist)
+            finally:
+                old.ready.set()
 
     def _to_disk(self, item: Spilled, persist: Any) -> None:
         layers, item.layers = item.layers, None
