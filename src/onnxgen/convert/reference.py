@@ -233,6 +233,14 @@ SHAPES: dict[str, LlamaShape | Gemma3Shape | GptOssShape] = {
 }
 
 
+def _with_tokenizer(dest: Path, tokenizer_dir: Path) -> Path:
+    """Copy the tokenizer files `tokenizer_dir` has beside a saved checkpoint in `dest`; returns `dest`."""
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, dest / name)
+    return dest
+
+
 def random_checkpoint(
     dest: Path,
     shape: LlamaShape | Gemma3Shape | GptOssShape,
@@ -306,10 +314,7 @@ def random_gptoss_checkpoint(
                 p.normal_(0.0, 0.02)
     model.save_pretrained(dest)
     del model
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copy(Path(tokenizer_dir) / name, dest / name)
-    return dest
+    return _with_tokenizer(dest, tokenizer_dir)
 
 
 def random_gemma3_checkpoint(
@@ -356,10 +361,7 @@ def random_gemma3_checkpoint(
         model = Gemma3ForCausalLM(cfg)
     model.to(getattr(torch, dtype)).save_pretrained(dest)
     del model
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copy(Path(tokenizer_dir) / name, dest / name)
-    return dest
+    return _with_tokenizer(dest, tokenizer_dir)
 
 
 def random_llama_checkpoint(
@@ -424,7 +426,4 @@ def random_llama_checkpoint(
         model = (transformers.Phi3ForCausalLM if phi3 else transformers.LlamaForCausalLM)(cfg)
     model.to(getattr(torch, dtype)).save_pretrained(dest)
     del model
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).is_file():
-            shutil.copy(Path(tokenizer_dir) / name, dest / name)
-    return dest
+    return _with_tokenizer(dest, tokenizer_dir)
