@@ -103,3 +103,15 @@ class Decoder(Protocol):
     def close(self) -> None: ...
 
     def fork(self) -> Decoder: ...
+
+
+def rope_parts(start_pos: int, n: int, rows: int, switch: int) -> list[tuple[int, int, int]]:
+    """How a LongRoPE decoder's forward of `n` tokens at `start_pos` wanting the last `rows` logits runs:
+    `(a, b, rows)` slices of the tokens, each fed in one regime. One part, unless rows are wanted on both sides
+    of the switch (a verify step of drafts): those up to it must see the short factors, as one-token steps
+    would, so the tokens up to the switch are fed first, then the rest."""
+    end = start_pos + n
+    if start_pos < switch < end and rows > end - switch:
+        head = switch - start_pos
+        return [(0, head, rows - (end - switch)), (head, n, end - switch)]
+    return [(0, n, rows)]

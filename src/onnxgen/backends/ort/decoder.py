@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from onnxgen.backends.base import rope_parts
 from onnxgen.backends.ort.graph import LOGITS_FROM, GraphFacts, open_session
 from onnxgen.errors import (
     BackendUnavailable,
@@ -298,15 +299,9 @@ class OrtDecoder:
         switch = self.facts.rope_switch
         if switch is None:
             return self._forward(tokens, start_pos, inputs, rows)
-        end = start_pos + len(tokens)
-        if start_pos < switch < end and rows > end - switch:
-            # NOTE: rows wanted on both sides of the switch (a verify step of drafts): those up to it must
-            # see the short factors, as one-token steps would; feed up to the switch first, then the rest.
-            head = switch - start_pos
-            first = self._forward_rope(tokens[:head], start_pos, inputs, rows - (end - switch))
-            rest = self._forward_rope(tokens[head:], switch, inputs, end - switch)
-            return np.concatenate([first.reshape(-1, first.shape[-1]), rest.reshape(-1, rest.shape[-1])])
-        return self._forward_rope(tokens, start_pos, inputs, rows)
+        parts = rope_parts(start_pos, len(tokens), rows, switch)
+        outs = [self._forward_rope(tokens[a:b], start_pos + a, inputs, r) for a, b, r in parts]
+        return outs[0] if len(outs) == 1 else np.concatenate([o.reshape(-1, o.shape[-1]) for o in outs])
 
     def _forward_rope(
         self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None, rows: int
