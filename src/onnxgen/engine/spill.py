@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from onnxgen.engine import persist
+
 log = logging.getLogger(__name__)
 
 
@@ -75,8 +77,6 @@ class Spill:
         return item
 
     def _run(self) -> None:
-        from onnxgen.engine import persist
-
         while True:
             state, item = self._queue.get()
             try:
@@ -87,7 +87,7 @@ class Spill:
                 if self.host_bytes > 0:
                     self._to_host(item)
                 else:
-                    self._to_disk(item, persist)
+                    self._to_disk(item)
             except Exception:
                 log.exception("could not spill session %s (it will recompute)", item.name)
                 item.layers = None
@@ -98,8 +98,6 @@ class Spill:
                 item.ready.set()
 
     def _to_host(self, item: Spilled) -> None:
-        from onnxgen.engine import persist
-
         with self._lock:
             self._host[item.key] = item
             out = []
@@ -109,11 +107,11 @@ class Spill:
                 out.append(old)
         for old in out:  # off the lock: a file write
             try:
-                self._to_disk(old, persist)
+                self._to_disk(old)
             finally:
                 old.ready.set()
 
-    def _to_disk(self, item: Spilled, persist: Any) -> None:
+    def _to_disk(self, item: Spilled) -> None:
         layers, item.layers = item.layers, None
         if self.folder is None or layers is None:
             with self._lock:
@@ -143,8 +141,6 @@ class Spill:
     def take(self, item: Spilled, timeout: float = 600.0) -> Any:
         """The retained state of `item` attached again (from host arrays, or its file: checked first), or None
         when it was dropped. Raises what `persist.load` raises (`SessionFileError` ...)."""
-        from onnxgen.engine import persist
-
         item.ready.wait(timeout)
         with self._lock:
             host = self._host.pop(item.key, None)
