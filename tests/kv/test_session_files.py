@@ -350,3 +350,27 @@ def test_the_server_saves_sessions_and_restores_them_by_id_after_a_restart(tiny_
     assert "onnxgen_session_files_restored 1" in metrics
     assert list((tmp_path / "kv").iterdir()) == []  # the file went with the session
     m2.close()
+
+
+def test_host_copies_round_trip_every_kv_dtype_bit_for_bit():
+    """`kv.storage.host_copy` / `from_host`, the file's storage types: torch (bfloat16 as raw uint16, strided
+    sources) and numpy (ml_dtypes' bfloat16, onnxruntime's), each a copy that shares no memory."""
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    from onnxgen.kv.storage import from_host, host_copy
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        src = torch.randn(3, 40, 8).to(dtype)[:, 5:30]  # a strided view, as a buffer's first positions are
+        host = host_copy(src)
+        assert host.flags["C_CONTIGUOUS"] and host.shape == (3, 25, 8)
+        back = from_host(host, src)
+        assert back.dtype == dtype and torch.equal(back, src)
+        host[...] = 0
+        assert not torch.equal(src, torch.zeros_like(src))  # a copy
+    arr = np.random.default_rng(0).standard_normal((2, 9, 4)).astype(ml_dtypes.bfloat16)[:, 1:]
+    host = host_copy(arr)
+    assert host.dtype == np.uint16 and host.flags["C_CONTIGUOUS"]
+    np.testing.assert_array_equal(from_host(host, arr).view(np.uint16), arr.view(np.uint16))
+    host[...] = 0
+    assert arr.view(np.uint16).any()

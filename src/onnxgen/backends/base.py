@@ -48,7 +48,7 @@ The KV seam (only the reuse policy, `onnxgen.engine.reuse`, calls these three; a
 
 Saved KV (session files, `onnxgen.kv.files`; called by the slot executor only, between requests):
 - `export_kv()`: copies of the cache's `kv_len()` positions on the host, per layer `(k, v)` numpy arrays
-  `[kv_heads, kv_len(), head_size]` of the KV dtype (bfloat16 as its raw uint16: `kv.storage.to_host`).
+  `[kv_heads, kv_len(), head_size]` of the KV dtype (bfloat16 as its raw uint16: `kv.storage.host_copy`).
 - `import_kv(tokens, layers)`: replace the cache by `layers` (as `export_kv` gives) holding the KV of
   `tokens` (`kv_len()` becomes `len(tokens)`); `tokens` are what the cache was computed from (LongRoPE
   decoders keep them to recompute at the switch). Raises `DeviceOutOfMemory` with the cache left empty.

@@ -306,7 +306,7 @@ class PagedKV:
         pages of its indexed path, for a session file."""
         import torch
 
-        from onnxgen.kv.storage import to_host
+        from onnxgen.kv.storage import host_copy
 
         pages, node = [], state.node
         while node.parent is not None:
@@ -319,7 +319,7 @@ class PagedKV:
         out = []
         for layer in range(storage.num_layers):
             k, v = storage.gather(layer, table, n)
-            out.append((to_host(k), to_host(v)))
+            out.append((host_copy(k), host_copy(v)))
         return out
 
     def restore(self, identity: Identity, layers: Sequence[tuple[Any, Any]]) -> Pinned:

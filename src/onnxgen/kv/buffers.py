@@ -152,15 +152,14 @@ class KVBuffers:
 
     def export(self) -> list[tuple[Any, Any]]:
         """Host copies of the valid positions: per layer `(k, v)` `[kv_heads, length, head_dim]`
-        (`storage.to_host`)."""
-        from onnxgen.kv.storage import to_host
+        (`storage.host_copy`)."""
+        from onnxgen.kv.storage import host_copy
 
         n = self.length
-        out = []
-        for k, v in zip(self.keys, self.values, strict=True):
-            hk, hv = to_host(k[0, :, :n]), to_host(v[0, :, :n])
-            out.append((hk.copy() if hk.base is not None else hk, hv.copy() if hv.base is not None else hv))
-        return out
+        return [
+            (host_copy(k[0, :, :n]), host_copy(v[0, :, :n]))
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
 
     def load(self, layers: Any) -> None:
         """Replace the cache by `layers` (per layer `(k, v)` host arrays `[kv_heads, n, head_dim]`, as

@@ -16,23 +16,26 @@ from collections.abc import Callable
 from typing import Any
 
 
-def to_host(a: Any) -> Any:
-    """A KV tensor (torch on any device, or numpy) as a host numpy array, bfloat16 as its raw uint16 (the
+def host_copy(a: Any) -> Any:
+    """A copy of a KV tensor (torch on any device, or numpy) as a C-contiguous host numpy array that shares no
+    memory with it (one copy, whatever the source's device and strides), bfloat16 as its raw uint16 (the
     storage type of `kv.files`)."""
     import numpy as np
 
     if isinstance(a, np.ndarray):
-        return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+        out = np.array(a, order="C", copy=True)
+        return out.view(np.uint16) if out.dtype.name == "bfloat16" else out
     import torch
 
-    t = a.detach().to("cpu").contiguous()
+    t = torch.empty(tuple(a.shape), dtype=a.dtype)
+    t.copy_(a.detach())
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
 
 
 def from_host(a: Any, like: Any) -> Any:
-    """`a` (a host array as `to_host` gives) as an array of `like`'s kind, dtype and device."""
+    """`a` (a host array as `host_copy` gives) as an array of `like`'s kind, dtype and device."""
     import numpy as np
 
     if isinstance(like, np.ndarray):

@@ -47,7 +47,7 @@ from onnxgen.errors import (
     MissingRequiredInput,
 )
 from onnxgen.kv.buffers import KVBuffers, capacity_bucket
-from onnxgen.kv.storage import from_host, to_host
+from onnxgen.kv.storage import from_host, host_copy
 from onnxgen.package.spec import ModelSpec
 
 _NP_DTYPES: dict[str, Any] = {"float32": np.float32, "float16": np.float16}
@@ -207,11 +207,10 @@ class OrtDecoder:
         if self._kv is not None:
             return self._kv.export()
         n, ovs = self._concat_len, self._concat_ov
-        layers = [
-            (to_host(ovs[2 * i].numpy()[0, :, :n]), to_host(ovs[2 * i + 1].numpy()[0, :, :n]))
+        return [
+            (host_copy(ovs[2 * i].numpy()[0, :, :n]), host_copy(ovs[2 * i + 1].numpy()[0, :, :n]))
             for i in range(self.spec.num_layers)
         ]
-        return [(k.copy(), v.copy()) for k, v in layers]
 
     def import_kv(self, tokens: Sequence[int], layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         """`Decoder.import_kv`: the cache becomes `layers`, the KV of `tokens`."""
