@@ -120,8 +120,8 @@ class CacheConfig:
     the sessions those bounds push out spill their KV as session files, resumed from at their next request
     (None: they recompute; `engine/spill.py`). kv_dir_bytes: the most bytes those files take together (least
     recently spilled deleted first). host_kv_bytes: host memory for the KV of sessions pushed out, before the
-    disk (None: none yet: its copies out of the device run under the engine's lock and are not measured on a
-    GPU; on the CPU the pool is host memory already).
+    disk (None: none; its copies out of the device run under the engine's lock, and on the CPU the pool is
+    host memory already).
     """
 
     paged: bool | None = None
