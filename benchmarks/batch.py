@@ -595,9 +595,11 @@ def main() -> int:
     pkg = u.models(args)[0]
     specs = u.engines(args.engine)
     need = max([*u.ints(args.concurrency), args.clients, args.agents])
-    loaded = {}
+    loaded, load_s = {}, {}
     for k, opts in specs.items():  # room for every request of the run at once, unless the engine says
+        t0 = time.perf_counter()
         loaded[k] = u.load(pkg, args.device, {"max_running": need, **opts}, args.threads)
+        load_s[k] = time.perf_counter() - t0  # the load-time warm-up included (`ModelConfig.warmup`)
     tables, data = [], {}
     for name in args.sections.split(","):
         fn = {"sweep": sweep, "shared": shared, "agents": agents}.get(name)
@@ -606,7 +608,11 @@ def main() -> int:
         title, text, d = fn(args, loaded)
         tables.append((title, text))
         data[name] = d
-    caption = f"model: {pkg.name} ({pkg.path}); {u.describe(args.device, args.threads)}; median of {args.runs}; greedy"
+    loads = ", ".join(f"{k} {t:.1f} s" for k, t in load_s.items())
+    caption = (
+        f"model: {pkg.name} ({pkg.path}); {u.describe(args.device, args.threads)}; median of {args.runs}; "
+        f"greedy; loaded in: {loads}"
+    )
     u.report(caption, tables, args, data)
     return 0
 

@@ -19,11 +19,15 @@
 #   int4      gpu_decode.py: the 8B shape's builder int4 package, dequantized at load vs packed
 #   batch     batch.py: the 8B shape (16k context) at 1 and 64 concurrent requests; 32 agents x 10 turns, and
 #             the same agents one turn each on the one-request-at-a-time engine
+#   burst     batch.py: 16 requests (512-token prompts, 256 new tokens) on a fresh engine, in a fresh process with
+#             an empty Triton cache, with the load-time warm-up off and on (`warmup`), then the same on a warm engine
 #   sessions  sessions.py: a 64-token turn on a retained 8k context, a conversation growing 7,900 -> 9,000,
 #             chunked prefill of 8k tokens (8B shape)
 #   parity    parity.py: logits against transformers to 8k tokens (2048x4, 1B; 8B with sessions)
 #   window    the Gemma-3-1B-like shape (builder bf16: sliding windows of 512 on 5 of every 6 layers): its GPU
 #             tests, logits and sessions against transformers to 8k, batch-1 decode vs floor, 1 and 64 requests
+#   moe       the gpt-oss-20B layer shape (builder bf16, random weights): its GPU tests (2 layers against
+#             transformers), batch-1 decode in 8 layers vs the floor of its active weights, 1 and 64 requests
 #   spec      speculative.py on SmolLM2-135M bf16 (the GGUF's real weights), the four workloads and --mix
 #   longrope  the LongRoPE GPU tests on Phi-4-mini's full shape (builder bf16, built under /tmp/onnxgen_bench):
 #             parity against transformers below and past the switch, decoding across it, sessions growing past it
@@ -102,6 +106,12 @@ for section in "${@}"; do
                run 300 benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --system 4096
                run 200 benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --system 4096 --turns 1 \
                    --engine paged=false,max_running=1,label=serial ;;
+        burst) for w in false true; do
+                   TRITON_CACHE_DIR=$(mktemp -d) run 300 benchmarks/batch.py --model builder:8b16k --device cuda \
+                       --concurrency 16 --prompt 512 --new 256 --no-warmup --runs 1 --engine warmup=$w,label=warmup-$w
+               done
+               run 300 benchmarks/batch.py --model builder:8b16k --device cuda --concurrency 16 --prompt 512 --new 256 \
+                   --runs 3 --engine label=warm ;;
         sessions) run 400 benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks ;;
         parity) run 300 benchmarks/parity.py --model builder:2048x4,builder:1b --device cuda --sections logits
                 run 300 benchmarks/parity.py --model builder:8b --device cuda --sections logits,sessions ;;
@@ -111,6 +121,10 @@ for section in "${@}"; do
                     --lengths 16,511,513,2048,8192
                 run 300 benchmarks/gpu_decode.py --model builder:gemma3_1b
                 run 300 benchmarks/batch.py --model builder:gemma3_1b --device cuda --concurrency 1,64 ;;
+        moe) timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/parity/test_moe_gptoss.py \
+                 tests/kernels/test_moe_kernel.py 2>&1 | grep -E "^FAILED|^E |passed|failed|error" | cut -c1-300 | tail -12
+             run 300 benchmarks/gpu_decode.py --model builder:gptoss-20bx8 --no-hf
+             run 300 benchmarks/batch.py --model builder:gptoss-20bx8 --device cuda --concurrency 1,64 ;;
         spec) if [ -f /tmp/gg/m.gguf ]; then
                   run 400 benchmarks/speculative.py --model convert:/tmp/gg/m.gguf:bf16 --device cuda --mix
               else

@@ -65,6 +65,8 @@ class ModelConfig:
     part_steps: a run of decode steps reaches the host in parts of this many steps (native paged; None: 4).
     first_multi: a greedy run's first replay is a several-step graph where it fits (native on CUDA; None: yes).
     tool_parser: the tool-call format (hermes | llama3_json | mistral; None: detected from the template).
+    warmup: run a synthetic burst at load (`engine.warmup`), so that first requests do not pay for kernels'
+    first compilations and choices (None: on CUDA; it adds its run to the load time).
     """
 
     backend: str = "auto"
@@ -80,6 +82,7 @@ class ModelConfig:
     part_steps: int | None = None
     first_multi: bool | None = None
     tool_parser: str | None = None
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
@@ -89,7 +92,7 @@ class ModelConfig:
         _choice("kv_mode", self.kv_mode, (None, "shared", "concat"))
         _positive("graph_max_tokens", self.graph_max_tokens, least=0)
         _positive("part_steps", self.part_steps, least=0)
-        for name in ("spinning", "last_logits", "cuda_graphs", "static_steps", "first_multi"):
+        for name in ("spinning", "last_logits", "cuda_graphs", "static_steps", "first_multi", "warmup"):
             _bool(name, getattr(self, name))
         if self.tool_parser is not None and not isinstance(self.tool_parser, str):
             raise InvalidRequest(
@@ -99,6 +102,10 @@ class ModelConfig:
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
+
+    def warmup_for(self) -> bool:
+        """`warmup`, or its default on this device: on CUDA."""
+        return self.cuda if self.warmup is None else self.warmup
 
     def resolved_backend(self) -> str:
         """The concrete backend: "auto" is native on CUDA, ort on the CPU."""

@@ -636,3 +636,5 @@ def test_paged_prefix_counters_count_lookups_and_hits(tiny_dir):
     st = m.kv_stats()
     assert st["prefix_lookups"] == 2 and st["prefix_lookup_tokens"] == 2 * len(BASE) + 2
     assert st["prefix_hit_tokens"] == r.stats.reused_tokens >= (len(BASE) // page) * page
+    m.generate(BASE, max_new_tokens=2, reuse=False)  # reads no cache: not a lookup
+    assert m.kv_stats()["prefix_lookups"] == 2

@@ -78,8 +78,14 @@ class Model:
 
     @classmethod
     def from_spec(cls, spec: ModelSpec, config: Config | None = None) -> Model:
-        """Load `spec`'s package with `config` (what `onnxgen.load` does after reading the package)."""
-        return cls(Engine(spec, config))
+        """Load `spec`'s package with `config` (what `onnxgen.load` does after reading the package), then
+        warm it up where `ModelConfig.warmup_for` says so (`engine.warmup`)."""
+        model = cls(Engine(spec, config))
+        if model.config.model.warmup_for():
+            from onnxgen.engine.warmup import warm_up
+
+            warm_up(model)
+        return model
 
     # --- what is loaded (read-only) ----------------------------------------------------------------------
 

@@ -127,7 +127,8 @@ class KVManager:
         start: Anchor | None = None,
         whole: bool = False,
     ) -> tuple[PageTable, int]:
-        """A page table for a request over `tokens`, sharing the longest indexed prefix of at most
+        """A page table for a request over `tokens` (`digest` None: a request that reuses nothing, not counted
+        as a lookup), sharing the longest indexed prefix of at most
         `len(tokens) - 1` tokens (at least one token is always computed). Returns the table and how many
         leading positions it already holds. A partly matched page is copied into a new page when one can
         be had; otherwise the match stops at the last full page. `inflight`: running requests of the same
@@ -156,9 +157,10 @@ class KVManager:
                 table.pages.append(page)
                 cached += m.partial_len
                 self.counters.cow_copies += 1
-        self.counters.lookups += 1
-        self.counters.looked_up_tokens += len(tokens)
-        self.counters.hit_tokens += cached
+        if digest is not None:  # a request that reuses nothing (no identity) looks nothing up
+            self.counters.lookups += 1
+            self.counters.looked_up_tokens += len(tokens)
+            self.counters.hit_tokens += cached
         return table, cached
 
     def _inflight_share(
