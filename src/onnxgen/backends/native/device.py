@@ -108,10 +108,11 @@ _PROGRAMS: weakref.WeakValueDictionary[tuple[Any, ...], Program] = weakref.WeakV
 
 def int4_mode(int4: str | None) -> str:
     """How MatMulNBits weights run: "dense" (dequantized at load into the model dtype) or "packed" (kept
-    packed, `ops.quant`'s Int4Linear). None: "dense" — packed decodes faster where a step has at most
-    `ops.quant.GEMV_ROWS` rows, its weights in less memory (docs/benchmarks/decode-gpu.md), but a step of
-    more rows (batched decoding, prefill chunks) dequantizes every weight it multiplies, each step: there is
-    no few-row int4 GEMM yet, so batched serving would pay for it. Raises InvalidRequest for other values."""
+    packed, `ops.quant`'s Int4Linear: a GEMV for decode rows, a packed GEMM for batches of up to
+    `ops.quant.GEMM_ROWS` rows, dequantized per product for longer prefill chunks). None: "dense" — packed
+    decodes faster alone, its weights in less memory (docs/benchmarks/decode-gpu.md); its batched throughput
+    against dense is measured by `benchmarks/gpu_decode.py` and `batch.py`. Raises InvalidRequest for other
+    values."""
     if int4 is None:
         return "dense"
     if int4 not in ("dense", "packed"):

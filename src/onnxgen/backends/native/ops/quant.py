@@ -118,9 +118,23 @@ def dequant_gather_block(
     return ((q - z) * sc).to(scales.dtype)
 
 
-GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps); more: dequantize
-# first, then one dense product (a few-row GEMM on the packed weight lost to that above 8 rows:
-# docs/benchmarks/decode-gpu.md)
+GEMV_ROWS = 16  # Int4Linear rows at most this many run the packed GEMV (decode steps)
+GEMM_ROWS = 256  # more rows, up to this many: the packed GEMM (`triton/int4_gemm.py`) where it times faster
+# than dequantize-then-matmul for the shape and row count (batched decode steps, verify steps, short chunks);
+# longer chunks: dequantize first, then one dense product
+
+INT4_GEMM_CONFIGS = (
+    (16, 64, 16, 4, 3),
+    (16, 128, 16, 4, 3),
+    (32, 64, 16, 4, 3),
+    (32, 128, 32, 4, 3),
+    (64, 64, 16, 4, 3),
+    (64, 128, 16, 8, 3),
+    (64, 64, 32, 4, 4),
+    (128, 64, 16, 8, 3),
+)
+"""(rows, output columns, word rows per step, warps, stages) tried for each packed int4 GEMM shape and row
+count (rounded up to a power of two), those of at most twice the rows; against dequantize-then-matmul."""
 
 
 INT4_CONFIGS = (
@@ -205,6 +219,39 @@ def _int4_fold_choice(
     return bool(autotune.fastest(key, [(False, apart), (True, fold)], len(copies)))
 
 
+def _int4_gemm_choice(
+    x: Any, words: Any, scales: Any, zp: Any, k: int, n: int, block: int, silu: bool
+) -> tuple[int, int, int, int, int] | None:
+    """The fastest `INT4_GEMM_CONFIGS` entry for this shape and row count on CUDA, or None where dequantize-
+    then-matmul times faster (`kernels.autotune.fastest`, weights from HBM); the first that fits elsewhere."""
+    from onnxgen.backends.native.kernels import autotune
+
+    rows = 1 << (x.numel() // k - 1).bit_length()
+    configs = [c for c in INT4_GEMM_CONFIGS if c[0] <= max(16, 2 * rows)]
+    key = ("int4gemm", rows, tuple(words.shape), k, n, block, silu, x.dtype, x.device)
+    if key in autotune.CHOICES:
+        return autotune.CHOICES[key]
+    if not x.is_cuda:
+        return configs[0]
+    # pragma: cuda-begin
+    from onnxgen.backends.native.kernels.triton.int4 import int4_dequant
+    from onnxgen.backends.native.kernels.triton.int4_gemm import int4_gemm
+
+    cols = 2 * n if silu else n
+    copies = autotune.cold_copies(words, scales)
+
+    def dense(i: int) -> Any:
+        return torch.matmul(x, int4_dequant(copies[i][0], copies[i][1], zp, k, cols, block, x.dtype))
+
+    cands: list[tuple[Any, Any]] = [(None, dense)]
+    cands += [
+        (cfg, lambda i, cfg=cfg: int4_gemm(x, copies[i][0], copies[i][1], zp, k, n, block, *cfg, silu=silu))
+        for cfg in configs
+    ]
+    return autotune.fastest(key, cands, len(copies))
+    # pragma: cuda-end
+
+
 def packed_product(
     x: Any,
     words: Any,
@@ -219,7 +266,8 @@ def packed_product(
     rowwise: bool = False,
 ) -> Any:
     """x times the packed weights: the Triton GEMV for decode rows (at most `GEMV_ROWS`; any number when
-    `rowwise`, a verify step's rows: each row then has a decode step's bits, one program per row), else the weight
+    `rowwise`, a verify step's rows: each row then has a decode step's bits, one program per row), up to
+    `GEMM_ROWS` rows the packed GEMM where `_int4_gemm_choice` timed it faster, else the weight
     dequantized for this call (`kernels/triton/int4.py`'s `int4_dequant` where Triton runs; float32 on the CPU) and one
     product, rounded to x's dtype (`silu`: then
     `silu(g) * u` of the halves, as the unfused ops). `norm` = (skip, weight, eps): x is RMS-normalised
@@ -244,6 +292,12 @@ def packed_product(
     if norm is not None:
         h, total = rms_norm(x, *norm)
         return packed_product(h, words, scales, zp, k, n, block, silu, rowwise=rowwise), total
+    if use_triton(x) and x.numel() // k <= GEMM_ROWS:
+        gemm = _int4_gemm_choice(x, words, scales, zp, k, n, block, silu)
+        if gemm is not None:
+            from onnxgen.backends.native.kernels.triton.int4_gemm import int4_gemm
+
+            return int4_gemm(x, words, scales, zp, k, n, block, *gemm, silu=silu, residual=residual)
     cols = 2 * n if silu else n
     if use_triton(x):  # one pass into a K-major dense weight, then one product
         from onnxgen.backends.native.kernels.triton.int4 import int4_dequant
