@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from onnxgen.backends.batch import BatchStep, SeqChunk  # noqa: E402
 from onnxgen.backends.native.decoder import NativeDecoder  # noqa: E402
-from onnxgen.backends.native.runner import NativeRunner  # noqa: E402
+from onnxgen.backends.native.runner import VERIFY_GRAPH_TOKENS, NativeRunner  # noqa: E402
 from onnxgen.errors import BackendUnavailable  # noqa: E402
 from onnxgen.package.spec import load_spec  # noqa: E402
 
@@ -253,18 +253,22 @@ def test_cuda_short_context_decode_graph_gives_the_bits_of_the_graph_for_any_len
         context_length=4096,
     )
     spec = load_spec(write_package(tmp_path / "pkg", cfg))
+    from onnxgen.backends.native.graphs import GraphKey
+
     gpu = NativeRunner(spec, "cuda", kv_bytes=32 << 20, max_batch=2)
-    short, full = gpu._short[1], gpu._graphs[(1, 1)]
-    assert 1024 <= short.keys < spec.context_length
-    n = short.keys - 3
+    keys = gpu._short[1]
+    short, full = gpu._graphs.get(GraphKey("decode", 1, kv=keys)), gpu._graphs.get(GraphKey("decode", 1))
+    assert short is not None and full is not None
+    assert 1024 <= keys < spec.context_length
+    n = keys - 3
     toks = _tokens(n + 6, 7, spec.vocab_size)
     pages = list(range(-(-(n + 6) // gpu.page_size)))
     gpu.run(BatchStep((SeqChunk(toks[:n], 0, pages),)))  # the prompt, eagerly
-    for p in range(n, n + 6):  # KV lengths short.keys - 2 .. short.keys + 3
+    for p in range(n, n + 6):  # KV lengths keys - 2 .. keys + 3
         step = BatchStep((SeqChunk([toks[p]], p, pages),))
-        assert gpu._graph_for(step) is (short if p + 1 <= short.keys else full)
+        assert gpu._graph_for(step) is (short if p + 1 <= keys else full)
         want = gpu._run_graph(full, step)[0].clone()
-        if p + 1 <= short.keys:
+        if p + 1 <= keys:
             assert torch.equal(gpu._run_graph(short, step)[0], want), p
         assert torch.equal(gpu.run(step)[0], want), p
 
@@ -360,7 +364,10 @@ def test_cuda_verify_steps_replay_graphs_equal_the_cpu_path(tiny_dir: Path) -> N
             assert _rel(got[i].cpu(), want[i]) <= 1e-4, (n, i)
         start += n
     assert gpu.steps["graph"] - graphs_before == 4, "every verify step replayed a graph"
-    assert sorted(k for k, g in gpu._verify.items() if g is not None) == [4, 8, 16]
+    from onnxgen.backends.native.graphs import GraphKey
+
+    captured = [m for m in VERIFY_GRAPH_TOKENS if gpu._graphs.get(GraphKey("verify", tokens=m)) is not None]
+    assert captured == [4, 8, 16]
 
 
 @pytest.mark.gpu

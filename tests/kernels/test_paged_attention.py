@@ -323,3 +323,53 @@ def test_decode_steps_with_short_splits_launch_the_attention_unpipelined(
     assert stages(torch.bfloat16, [(keys, 1)]) == 2  # a decode past the bound
     assert stages(torch.float32, [(600, 1)]) == 2  # float32 keeps its tile
     assert stages(torch.bfloat16, [(0, 40)]) == paged.tile_for(4 * 40, 4 * 40, 4, D)[3]  # a prefill chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rotary_write_with_qk_norms_normalises_each_head_then_rotates(
+    device: str, dtype: torch.dtype
+) -> None:
+    """`rope_qkv_write(..., qk_norm=...)` (Gemma 3's q/k norms folded into the rotary launch): each q and k head
+    RMS-normalised with its own weight and rounded, then rotated over its first 3/4 (partial rotary); v
+    written as it is. Against the same computed independently in float64 (q within an ulp of the dtype)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU host)")
+    from onnxgen.backends.native.kernels import attention
+
+    st, step, _ = _batch(device, dtype, [(37, 1), (16, 20), (0, 3)])
+    ps = paged.build_step(step, st, P, torch.device(device))
+    g = torch.Generator().manual_seed(2)
+    t = step.num_tokens
+    qkv = (3 * torch.randn(1, t, (N + 2 * HKV) * D, generator=g)).to(device=device, dtype=dtype)
+    qw, kw = (
+        (1 + torch.randn(D, generator=g)).to(device, dtype),
+        (1 + torch.randn(D, generator=g)).to(device, dtype),
+    )
+    half = 3 * D // 8  # rotary over 3/4 of each head
+    ang = torch.arange(100.0)[:, None] * (0.5 ** torch.arange(half))[None, :]
+    cos, sin = ang.cos().to(device), ang.sin().to(device)
+    norm = attention.QKNorm(qw, kw, 1e-6, 1e-5)
+    q = attention.rope_qkv_write(
+        qkv, cos, sin, ps.positions, paged.PoolRows(st), 1, N, HKV, D, False, slots=ps.slots, qk_norm=norm
+    )
+
+    def want(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:  # [t, heads, D] float64
+        x = x.double()
+        y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()).to(dtype).double()
+        c = cos.double()[ps.positions.cpu()].to(y.device)[:, None, :]
+        s_ = sin.double()[ps.positions.cpu()].to(y.device)[:, None, :]
+        a, b = y[..., :half], y[..., half : 2 * half]
+        return torch.cat([a * c - b * s_, b * c + a * s_, y[..., 2 * half :]], -1)
+
+    rows = qkv[0]
+    wq = want(rows[:, : N * D].view(t, N, D), qw, 1e-6)
+    wk = want(rows[:, N * D : (N + HKV) * D].view(t, HKV, D), kw, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got_q = q[0].transpose(0, 1).double()  # [t, N, D]
+    assert (got_q - wq).abs().max() <= tol * wq.abs().max()
+    slots = ps.slots.cpu().tolist()
+    got_k = torch.stack([st.keys(1)[s // P, s % P] for s in slots]).double()
+    got_v = torch.stack([st.values(1)[s // P, s % P] for s in slots])
+    assert (got_k - wk).abs().max() <= tol * wk.abs().max()
+    assert torch.equal(got_v, rows[:, (N + HKV) * D :].view(t, HKV, D))

@@ -287,7 +287,9 @@ def _ort_gqa(q, k, v, past: int, window: int, softcap: float, sink: torch.Tensor
     out = helper.make_tensor_value_info("out", f32, [1, m, N * D])
     graph = helper.make_graph([node], "gqa", inputs, [out], initializer=inits)
     model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+        graph,
+        opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+        ir_version=10,  # what every onnxruntime this runs against reads, whatever IR the onnx package writes
     )
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {

@@ -151,6 +151,27 @@ def test_gemma3_shaped_bf16_on_the_cpu(gemma3_tiny: tuple[Path, Path]) -> None:
     _check_decoding(hf, pkg, "cpu", (40, 300), 40)
 
 
+def test_gemma3_layers_lower_to_fused_steps(gemma3_tiny: tuple[Path, Path]) -> None:
+    """The lowering's Gemma 3 fusions on the builder's graph: each layer's Split of the QKV product goes into
+    the attention (packed QKV: q/k norms, rotary and the KV write in one launch) and the Casts of the float32
+    residual stream's norms into the norms; what is left per layer is the products, the four norms, the
+    attention and the gated activation."""
+    from collections import Counter
+
+    from onnxgen.backends.native.lowering import lower
+    from onnxgen.package.spec import load_spec
+
+    _, pkg = gemma3_tiny
+    spec = load_spec(pkg)
+    program = lower(pkg / "model.onnx", spec, torch.device("cpu"))
+    ops = Counter(st.node.op for st in program.steps)
+    assert ops["Split"] == 0 and ops["Cast"] <= 1, ops  # the embedding's Cast into the float32 stream
+    gqa = [st.node for st in program.steps if st.node.op == "GroupQueryAttention"]
+    assert len(gqa) == spec.num_layers and all(not g.inputs[1] and not g.inputs[2] for g in gqa)
+    assert all(g.inputs[14] and g.inputs[15] for g in gqa), "the q/k norm weights stay with the attention"
+    assert len(program.steps) <= 12 * spec.num_layers + 6, ops
+
+
 @pytest.mark.gpu
 def test_cuda_gemma3_1b_shaped_logits_within_1p5x_of_transformers_bf16(gemma3_1b: tuple[Path, Path]) -> None:
     _check_parity(*gemma3_1b, "cuda", (16, 511, 512, 513, 1024, 2048, 4096, 8191))

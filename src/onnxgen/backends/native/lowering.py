@@ -146,6 +146,8 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     # MoE / QMoE experts prepared once (`ops.moe`): dense, or QMoE's 4-bit experts kept packed
     nodes = O.prepare_moe(nodes, consts, device, spec, packed=int4 == "packed", on_device=on_device)
     if fuse:
+        nodes = _split_into_gqa(nodes, consts)
+        nodes = _cast_into_norm(nodes)
         nodes = _merge_gate_up(nodes, consts, device, on_device)
         if envs.read("RESIDUAL_INTO_PRODUCT"):
             _residual_into_product(nodes, spec.logits_name)
@@ -873,7 +875,11 @@ def _fuse_norm_linear(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> l
         plain = n.op == "SimplifiedLayerNormalization" and n.domain in ("", "com.microsoft")
         users = readers.get(n.outputs[0], []) if n.outputs else []
         lin = users[0] if len(users) == 1 else None
-        ok = (skip or (plain and int(n.attr("axis", -1)) == -1)) and lin is not None
+        ok = (
+            (skip or (plain and int(n.attr("axis", -1)) == -1))
+            and lin is not None
+            and "_out_dtype" not in n.attrs
+        )
         gamma, int4 = "", False
         if ok:
             assert lin is not None
@@ -984,6 +990,66 @@ def _cast_into_product(nodes: list[O.Node]) -> list[O.Node]:
             p.attrs["_out_float"] = 1
             p.outputs = [c.outputs[0], *p.outputs[1:]]
             drop.add(id(c))
+    return [n for n in nodes if id(n) not in drop]
+
+
+def _split_into_gqa(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> list[O.Node]:
+    """`GroupQueryAttention(Split(x) -> q, k, v)` over the last axis in `[n*d, hkv*d, hkv*d]` parts read by
+    nothing else (Gemma 3's layout) -> `GroupQueryAttention(x)` with packed QKV: the same values, and the
+    attention's fused launch (q/k norms, rotary, KV write) reads the product directly."""
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    readers = _readers(nodes)
+    drop: set[int] = set()
+    for g in nodes:
+        if not (g.op == "GroupQueryAttention" and g.domain == "com.microsoft" and g.layer is not None):
+            continue
+        ins = g.inputs + [""] * 3
+        sp = producer.get(ins[0])
+        if sp is None or sp.op != "Split" or sp.domain != "" or list(sp.outputs) != ins[:3]:
+            continue
+        sizes = sp.attrs.get("split")
+        if sizes is None and len(sp.inputs) > 1 and sp.inputs[1] in consts:
+            sizes = consts[sp.inputs[1]].tolist()
+        n, hkv = int(g.attr("num_heads")), int(g.attr("kv_num_heads"))
+        if (
+            sizes is None
+            or int(sp.attr("axis", 0)) not in (-1, 2)
+            or len(sizes) != 3
+            or sizes[0] * hkv != sizes[1] * n
+            or sizes[1] != sizes[2]
+            or any(len(readers.get(o, ())) != 1 for o in sp.outputs)
+        ):
+            continue
+        g.inputs = [sp.inputs[0], "", "", *g.inputs[3:]]
+        drop.add(id(sp))
+    return [n for n in nodes if id(n) not in drop]
+
+
+def _cast_into_norm(nodes: list[O.Node]) -> list[O.Node]:
+    """`Cast(to=float16 / bfloat16)` of a (Skip)SimplifiedLayerNormalization's normalised output that nothing
+    else reads (a float32 residual stream feeding half-precision products: Gemma's packages) -> the norm
+    writes that dtype itself (`_out_dtype`: the float32 value rounded once, the Cast's values)."""
+    readers = _readers(nodes)
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    drop: set[int] = set()
+    for c in nodes:
+        if not (
+            c.op == "Cast" and c.domain == "" and int(c.attr("to", 0)) in (10, 16) and len(c.inputs) == 1
+        ):
+            continue
+        p = producer.get(c.inputs[0])
+        if (
+            p is None
+            or p.op not in ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+            or p.domain not in ("", "com.microsoft")
+            or p.outputs[0] != c.inputs[0]
+            or len(readers.get(c.inputs[0], [])) != 1
+            or int(p.attr("axis", -1)) != -1
+        ):
+            continue
+        p.attrs["_out_dtype"] = int(c.attr("to"))
+        p.outputs = [c.outputs[0], *p.outputs[1:]]
+        drop.add(id(c))
     return [n for n in nodes if id(n) not in drop]
 
 

@@ -13,13 +13,23 @@ The paged pool's attention is `native.paged.attention`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from onnxgen.backends.native.kernels.dispatch import KERNELS, launch_options, triton_cdiv, use_triton
-from onnxgen.backends.native.kernels.reference import cache_attention_ref
+from onnxgen.backends.native.kernels.reference import cache_attention_ref, rms_norm_ref
 from onnxgen.backends.native.rotary import rope
+
+
+class QKNorm(NamedTuple):
+    """Per-head RMS norms of q and k before rotation: their weights (`[d]`, on the device) and epsilons."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    q_eps: float
+    k_eps: float
+
 
 _MAX_SPLITS = 64  # key splits per (KV head, row block); the combine pass reads this many slots, masked
 _LOG2E = 1.4426950408889634  # the kernels keep scores in base 2 (exp2 is one instruction)
@@ -144,12 +154,15 @@ def rope_qkv_write(
     interleaved: bool,
     slots: torch.Tensor | None = None,
     token_major: bool = False,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
     """Packed QKV of S tokens `[1, S, (n + 2*hkv) * d]` -> rotated q `[1, n, S, d]` (rotated at `positions`,
     `[S]` int64 on the device); rotated k and v are written into `kv.keys[layer]` / `kv.values[layer]`
     (`[1, hkv, rows, d]`, any strides) at rows `slots` (default: `positions`). One kernel launch on CUDA
     (decode and prefill alike). `token_major`: q is a view of `[1, S, n, d]` storage (what the paged
-    attention reads without a copy); otherwise contiguous."""
+    attention reads without a copy); otherwise contiguous. `qk_norm` (Gemma 3, Qwen 3): each q and k head
+    RMS-normalised over `d` with its weight first, rounded to qkv's dtype, then rotated (the values of
+    `rms_norm_ref` per head followed by `rope`)."""
     if slots is None:
         slots = positions
     kb, vb = kv.keys[layer], kv.values[layer]
@@ -158,6 +171,9 @@ def rope_qkv_write(
         q = qkv[..., : n * d].reshape(1, s, n, d)
         k = qkv[..., n * d : (n + hkv) * d].reshape(1, s, hkv, d)
         v = qkv[..., (n + hkv) * d :].reshape(1, s, hkv, d)
+        if qk_norm is not None:
+            q = rms_norm_ref(q, None, qk_norm.q_weight, qk_norm.q_eps)[0]
+            k = rms_norm_ref(k, None, qk_norm.k_weight, qk_norm.k_eps)[0]
         cos = cos_c.index_select(0, positions).unsqueeze(1)
         sin = sin_c.index_select(0, positions).unsqueeze(1)
         q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
@@ -175,6 +191,10 @@ def rope_qkv_write(
         sin_c,
         positions,
         slots,
+        qk_norm.q_weight if qk_norm is not None else qkv,
+        qk_norm.k_weight if qk_norm is not None else qkv,
+        qk_norm.q_eps if qk_norm is not None else 0.0,
+        qk_norm.k_eps if qk_norm is not None else 0.0,
         q,
         kb,
         vb,
@@ -192,6 +212,7 @@ def rope_qkv_write(
         HALF=half,
         DP=max(16, 1 << (d - 1).bit_length()),
         INTERLEAVED=interleaved,
+        NORM=qk_norm is not None,
         num_warps=1,
         **launch_options(qkv),
     )

@@ -19,16 +19,22 @@ from onnxgen.backends.native.kernels.reference import rms_norm_ref
 
 
 def rms_norm(
-    x: torch.Tensor, skip: torch.Tensor | None, w: torch.Tensor, eps: float
+    x: torch.Tensor,
+    skip: torch.Tensor | None,
+    w: torch.Tensor,
+    eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """`(y, x + skip)` (None without skip): the values of `reference.rms_norm_ref`, one launch on a Triton
-    device (contiguous inputs)."""
+    device (contiguous inputs). `out_dtype`: y in that dtype (the float32 value rounded once to it; the sum
+    stays in x's dtype)."""
     if not use_triton(x) or not x.is_contiguous() or (skip is not None and not skip.is_contiguous()):
-        return rms_norm_ref(x, skip, w, eps)
+        y, s = rms_norm_ref(x, skip, w, eps)
+        return (y if out_dtype is None else y.to(out_dtype)), s
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     n = x.shape[-1]
     rows = x.numel() // n
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=out_dtype)
     s = torch.empty_like(x) if skip is not None else x
     block = max(16, 1 << (n - 1).bit_length())
     KERNELS["rms"][(rows,)](

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from onnxgen.backends.native import paged
-from onnxgen.backends.native.kernels.attention import cache_attention, rope_qkv_write
+from onnxgen.backends.native.kernels.attention import QKNorm, cache_attention, rope_qkv_write
 from onnxgen.backends.native.kernels.reference import softmax_with_sink
 from onnxgen.backends.native.ops.base import (
     AI,
@@ -215,9 +215,6 @@ def _gqa(node: Node) -> Fn:
             q = query.reshape(b, s, n, d)
             k = key.reshape(b, s, hkv, d)
             v = value.reshape(b, s, hkv, d)
-        if qnw is not None:
-            q = rms(q, qnw, qn_eps)
-            k = rms(k, knw, kn_eps)
         scale = scale_attr or 1.0 / math.sqrt(d)
         if bias is not None:
             (bias,) = same_device(ctx, bias)
@@ -229,8 +226,8 @@ def _gqa(node: Node) -> Fn:
                 ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias, sink=sink
             )
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
-        if key is None and do_rotary and qnw is None:
-            # one fused launch: rotary on q and k, k/v written into the cache at their positions
+        if key is None and do_rotary and (qnw is None or knw is not None):
+            # one fused launch: q/k norms, rotary on q and k, k/v written into the cache at their positions
             assert ctx.static or ctx.paged is not None or ctx.pos0 + s <= ctx.kv.capacity
             slots = ctx.paged.slots if ctx.paged is not None else ctx.positions
             q = rope_qkv_write(
@@ -246,11 +243,15 @@ def _gqa(node: Node) -> Fn:
                 interleaved,
                 slots=slots,
                 token_major=ctx.paged is not None,
+                qk_norm=None if qnw is None else QKNorm(qnw, knw, qn_eps, kn_eps),
             )
             o = attend(
                 ctx, layer, q, None, None, scale=scale, softcap=softcap, window=window, bias=bias, sink=sink
             )
             return (o.transpose(1, 2).reshape(b, s, n * d), None, None)
+        if qnw is not None:
+            q = rms(q, qnw, qn_eps)
+            k = rms(k, knw, kn_eps)
         if do_rotary:
             pos = rope_rows(ctx, switch)
             cos = cos_c.index_select(0, pos).unsqueeze(1)  # [S, 1, rd/2]

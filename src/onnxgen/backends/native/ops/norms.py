@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from onnxgen.backends.native.kernels.norms import rms_norm
 from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, nonneg_axis
 
+# the lowering's `_out_dtype` (a Cast folded into the norm: ONNX element types) -> torch dtypes
+_OUT_DTYPES = {10: torch.float16, 16: torch.bfloat16}
+
 
 def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float, dims: int = 1) -> torch.Tensor:
     """RMS normalisation over the last `dims` axes, computed in float32 and rounded once (as
@@ -30,12 +33,14 @@ def _rms_norm_fn(node: Node, extra_outputs: int) -> Fn:
     eps = float(node.attr("epsilon", 1e-5))
     axis = int(node.attr("axis", -1))
     pad = (None,) * extra_outputs
+    out = _OUT_DTYPES.get(node.attr("_out_dtype"))
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         dims = x.dim() - nonneg_axis(axis, x.dim())
         if dims == 1:
-            return (rms_norm(x, None, w, eps)[0], *pad)
-        return (rms(x, w, eps, dims), *pad)
+            return (rms_norm(x, None, w, eps, out)[0], *pad)
+        y = rms(x, w, eps, dims)
+        return (y if out is None else y.to(out), *pad)
 
     return f
 
@@ -51,6 +56,7 @@ def _rms_norm23(node: Node) -> Fn:
 def _skip_simplified_ln(node: Node) -> Fn:
     eps = float(node.attr("epsilon", 1e-5))
     want_sum = len(node.outputs) > 3 and bool(node.outputs[3])
+    out = _OUT_DTYPES.get(node.attr("_out_dtype"))
 
     def f(ctx: Any, x: Any, skip: Any, w: Any, bias: Any = None) -> tuple[Any, ...]:
         if bias is not None:
@@ -58,7 +64,7 @@ def _skip_simplified_ln(node: Node) -> Fn:
         if x.shape != skip.shape:  # a broadcast skip (rare): materialise it, same kernel
             x, skip = torch.broadcast_tensors(x, skip)
             x, skip = x.contiguous(), skip.contiguous()
-        y, s = rms_norm(x, skip, w, eps)
+        y, s = rms_norm(x, skip, w, eps, out)
         return (y, None, None, s if want_sum else None)
 
     return f

@@ -42,7 +42,7 @@ def rms_kernel(X, S, W, Y, SUM, N, eps, HAS_SKIP: tl.constexpr, BLOCK: tl.conste
         tl.store(SUM + row * N + cols, xf.to(SUM.dtype.element_ty), mask=m)
     var = tl.sum(xf * xf, axis=0) / N
     w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + cols, (xf * (1.0 / tl.sqrt(var + eps)) * w).to(X.dtype.element_ty), mask=m)
+    tl.store(Y + row * N + cols, (xf * (1.0 / tl.sqrt(var + eps)) * w).to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -382,6 +382,10 @@ def rope_qkv_kernel(
     SIN,
     POS,
     SLOT,
+    QW,
+    KW,
+    q_eps,
+    k_eps,
     QO,
     KB,
     VB,
@@ -399,6 +403,7 @@ def rope_qkv_kernel(
     HALF: tl.constexpr,
     DP: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_begin(PDL)
@@ -419,6 +424,18 @@ def rope_qkv_kernel(
     base = QKV + t.to(tl.int64) * ROW + hh * D
     x = tl.load(base + j, mask=mj, other=0.0).to(tl.float32)
     xp = tl.load(base + partner, mask=mj & rot, other=0.0).to(tl.float32)
+    if NORM:  # q and k heads RMS-normalised with their weight, rounded, then rotated (v as it is)
+        isq = hh < N
+        normed = hh < N + HKV
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + tl.where(isq, q_eps, k_eps))
+        wq = tl.load(QW + j, mask=mj & isq, other=0.0).to(tl.float32)
+        wk = tl.load(KW + j, mask=mj & normed & ~isq, other=0.0).to(tl.float32)
+        wpq = tl.load(QW + partner, mask=mj & rot & isq, other=0.0).to(tl.float32)
+        wpk = tl.load(KW + partner, mask=mj & rot & normed & ~isq, other=0.0).to(tl.float32)
+        xn = (x * inv * tl.where(isq, wq, wk)).to(QO.dtype.element_ty).to(tl.float32)
+        xpn = (xp * inv * tl.where(isq, wpq, wpk)).to(QO.dtype.element_ty).to(tl.float32)
+        x = tl.where(normed, xn, x)
+        xp = tl.where(normed, xpn, xp)
     c = tl.load(COS + pos * cos_stride + fi, mask=mj & rot, other=1.0).to(tl.float32)
     s = tl.load(SIN + pos * cos_stride + fi, mask=mj & rot, other=0.0).to(tl.float32)
     o = tl.where(rot, x * c + sign * xp * s, x).to(QO.dtype.element_ty)
