@@ -477,6 +477,24 @@ def test_silu_mul_halves_writes_over_the_gate_half() -> None:
         assert torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_gelu_mul_halves_is_the_tanh_gelu_of_the_gate_half_times_the_up_half(device: str) -> None:
+    """`gelu_mul_halves` (Gemma's merged gate/up: one launch on a Triton device) against the float64 formula
+    `0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) u`, written over the gate half."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (runs on the GPU host)")
+    from onnxgen.backends.native.kernels.norms import gelu_mul_halves
+
+    for dtype in (torch.float32, torch.bfloat16):
+        y = (3 * torch.randn(3, 5, 4096, generator=torch.Generator().manual_seed(2))).to(device, dtype)
+        g, u = y[..., :2048].double().clone(), y[..., 2048:].double().clone()
+        got = gelu_mul_halves(y)
+        assert got.shape == (3, 5, 2048) and got.data_ptr() == y.data_ptr()
+        want = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))) * u
+        tol = 1e-5 if dtype == torch.float32 else 8e-3
+        assert float((got.double() - want).abs().max()) <= tol * float(want.abs().max())
+
+
 # --- GPU ----------------------------------------------------------------------------------------------
 
 

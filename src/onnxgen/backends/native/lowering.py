@@ -148,6 +148,7 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     if fuse:
         nodes = _split_into_gqa(nodes, consts)
         nodes = _cast_into_norm(nodes)
+        nodes = _fuse_gelu_mul(nodes)
         nodes = _merge_gate_up(nodes, consts, device, on_device)
         if envs.read("RESIDUAL_INTO_PRODUCT"):
             _residual_into_product(nodes, spec.logits_name)
@@ -565,6 +566,29 @@ def _readers(nodes: list[O.Node]) -> dict[str, list[O.Node]]:
     return readers
 
 
+def _fuse_gelu_mul(nodes: list[O.Node]) -> list[O.Node]:
+    """`Mul(Gelu(g, approximate="tanh"), u)` (or com.microsoft `FastGelu` without bias) whose gelu only the
+    Mul reads -> `GeluMul(g, u)` (Gemma's gated MLP): one launch, float32 inside, rounded once."""
+    readers = _readers(nodes)
+    drop: set[int] = set()
+    for n in nodes:
+        approx = n.attr("approximate", "none")
+        approx = approx.decode() if isinstance(approx, bytes) else approx
+        tanh = (n.op == "Gelu" and n.domain in ("", "com.microsoft") and approx == "tanh") or (
+            n.op == "FastGelu" and n.domain == "com.microsoft" and not any(n.inputs[1:])
+        )
+        users = readers.get(n.outputs[0], [])
+        if not tanh or len(users) != 1 or users[0].op != "Mul" or users[0].domain != "":
+            continue
+        mul = users[0]
+        other = [v for v in mul.inputs if v != n.outputs[0]]
+        if len(mul.inputs) != 2 or len(other) != 1:
+            continue
+        mul.op, mul.domain, mul.inputs = "GeluMul", "onnxgen", [n.inputs[0], other[0]]
+        drop.add(id(n))
+    return [n for n in nodes if id(n) not in drop]
+
+
 def _fuse_silu(nodes: list[O.Node], logits: str) -> list[O.Node]:
     consumers = _readers(nodes)
     drop: set[int] = set()
@@ -724,7 +748,8 @@ def _merge_gate_up(
     device: torch.device,
     on_device: set[str] | None = None,
 ) -> list[O.Node]:
-    """`SiluMul(Linear(x, Wg), Linear(x, Wu))` -> `LinearSiluMul(x, [Wg | Wu])` when both Linears have no
+    """`SiluMul(Linear(x, Wg), Linear(x, Wu))` -> `LinearSiluMul(x, [Wg | Wu])` (`GeluMul` -> `LinearGeluMul`,
+    dense weights only) when both Linears have no
     bias, the same layout and dtype, and feed only the SiluMul. The merged weight is built on the device
     (CUDA: the halves are copied there first, so no host copy of the weights is made). Two packed
     `Int4Linear`s the same way -> `Int4LinearSiluMul` (their `kmajor` tensors side by side along N, on the
@@ -733,7 +758,7 @@ def _merge_gate_up(
     readers = _readers(nodes)
     drop: set[int] = set()
     for m in nodes:
-        if m.op != "SiluMul" or m.domain != "onnxgen":
+        if m.op not in ("SiluMul", "GeluMul") or m.domain != "onnxgen":
             continue
         g, u = (producer.get(x) for x in m.inputs)
         if (
@@ -744,7 +769,7 @@ def _merge_gate_up(
             or any(len(readers.get(p.outputs[0], ())) != 1 for p in (g, u))
         ):
             continue
-        if g.op == u.op == "Int4Linear" and g.domain == u.domain == "onnxgen":
+        if g.op == u.op == "Int4Linear" and g.domain == u.domain == "onnxgen" and m.op == "SiluMul":
             if _merge_int4_pair(m, g, u, consts, readers, on_device):
                 drop.update((id(g), id(u)))
             continue
@@ -761,7 +786,8 @@ def _merge_gate_up(
         if name not in consts:
             parts = [w.to(device) for w in (wg, wu)] if device.type == "cuda" else [wg, wu]
             consts[name] = torch.cat(parts, dim=0 if t else 1)
-        m.op, m.inputs, m.attrs = "LinearSiluMul", [g.inputs[0], name], {"_transposed": int(t)}
+        m.op = "LinearSiluMul" if m.op == "SiluMul" else "LinearGeluMul"
+        m.inputs, m.attrs = [g.inputs[0], name], {"_transposed": int(t)}
         drop.update((id(g), id(u)))
     return [n for n in nodes if id(n) not in drop]
 

@@ -110,7 +110,29 @@ def silu_mul_halves(y: torch.Tensor) -> torch.Tensor:
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
     total = y.numel() // 2
     KERNELS["silu_halves"][(triton_cdiv(total, 2048),)](
-        y, y, n, total, BLOCK=2048, num_warps=4, **launch_options(y)
+        y, y, n, total, BLOCK=2048, GELU=False, num_warps=4, **launch_options(y)
+    )
+    return g
+    # pragma: cuda-end
+
+
+def gelu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`gelu(g) * u` with tanh-approximated gelu (ONNX `Gelu(approximate="tanh")`, `FastGelu`), float32 inside,
+    rounded once to g's dtype (torch everywhere: the lowering's merged products use `gelu_mul_halves`)."""
+    return (F.gelu(g.float(), approximate="tanh") * u.float()).to(g.dtype)
+
+
+def gelu_mul_halves(y: torch.Tensor) -> torch.Tensor:
+    """`gelu_mul(g, u)` where `y` `[..., 2N]` holds g then u (a merged gate/up product), written over g in
+    place as `silu_mul_halves` does; returns the view `y[..., :N]`. One launch on a Triton device."""
+    n = y.shape[-1] // 2
+    g = y[..., :n]
+    if not use_triton(y) or not y.is_contiguous():
+        return g.copy_(gelu_mul(g, y[..., n:]))
+    # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)
+    total = y.numel() // 2
+    KERNELS["silu_halves"][(triton_cdiv(total, 2048),)](
+        y, y, n, total, BLOCK=2048, GELU=True, num_warps=4, **launch_options(y)
     )
     return g
     # pragma: cuda-end

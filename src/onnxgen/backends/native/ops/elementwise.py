@@ -1,5 +1,5 @@
 """Elementwise ops and activations: arithmetic, comparison and logic (binary and variadic), unary math,
-Where, Softmax/LogSoftmax, the Gelu family, and the lowering's fused Silu and SiluMul."""
+Where, Softmax/LogSoftmax, the Gelu family, and the lowering's fused Silu, SiluMul and GeluMul."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from onnxgen.backends.native.kernels.norms import silu_mul
+from onnxgen.backends.native.kernels.norms import gelu_mul, silu_mul
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, same_device
 
 _BINARY: dict[str, Callable[[Any, Any], Any]] = {
@@ -150,6 +150,10 @@ def _silu_mul(node: Node) -> Fn:  # fused by the lowering: (g * sigmoid(g)) * u
     return lambda ctx, g, u: (silu_mul(g, u),)
 
 
+def _gelu_mul(node: Node) -> Fn:  # fused by the lowering: gelu_tanh(g) * u
+    return lambda ctx, g, u: (gelu_mul(g, u),)
+
+
 def _gelu(node: Node) -> Fn:
     approx = node.attr("approximate", "none")
     approx = approx.decode() if isinstance(approx, bytes) else approx
@@ -195,4 +199,5 @@ BUILDERS: dict[tuple[str, str], Builder] = {
     (MS, "Gelu"): _gelu,
     (INTERNAL, "Silu"): _silu,
     (INTERNAL, "SiluMul"): _silu_mul,
+    (INTERNAL, "GeluMul"): _gelu_mul,
 }

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from onnxgen.backends.native.kernels.linear import Rope, linear, linear_rope, rms_linear
-from onnxgen.backends.native.kernels.norms import rms_norm, silu_mul_halves
+from onnxgen.backends.native.kernels.norms import gelu_mul_halves, rms_norm, silu_mul_halves
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
 from onnxgen.backends.native.ops.rotary import rope_rows
 
@@ -115,6 +115,13 @@ def _linear_silu_mul(node: Node) -> Fn:
     return f
 
 
+def _linear_gelu_mul(node: Node) -> Fn:
+    """`gelu_tanh(x @ Wg) * (x @ Wu)` over the merged weight (as `LinearSiluMul`'s): one product, then one
+    activation launch over its halves (`gelu_mul_halves`)."""
+    transposed = bool(node.attr("_transposed", 0))
+    return lambda ctx, x, w: (gelu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx))),)
+
+
 def _rms_linear(node: Node) -> Fn:
     """`(Skip)SimplifiedLayerNormalization` followed by the Linear / LinearSiluMul that alone reads its
     output: outputs (the product, the residual sum `x + skip` or None). The same values as the two ops.
@@ -189,5 +196,6 @@ BUILDERS: dict[tuple[str, str], Builder] = {
     (MS, "MatMulNBits"): _linear,  # the lowering dequantizes the weight at load (see `quant`)
     (INTERNAL, "Linear"): _linear,
     (INTERNAL, "LinearSiluMul"): _linear_silu_mul,
+    (INTERNAL, "LinearGeluMul"): _linear_gelu_mul,
     (INTERNAL, "RmsLinear"): _rms_linear,
 }

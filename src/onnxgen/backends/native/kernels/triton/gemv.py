@@ -375,13 +375,19 @@ def _gemv_row(
 
 
 @triton.jit
-def silu_mul_halves_kernel(Y, OUT, N, TOTAL, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """`OUT[r, c] = silu(Y[r, c]) * Y[r, N + c]` for rows of `2 * N` (a merged gate/up product); `OUT` has
-    rows of `2 * N` too (it may be `Y`: each element is read, then written, by the same thread)."""
+def silu_mul_halves_kernel(Y, OUT, N, TOTAL, BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
+    """`OUT[r, c] = silu(Y[r, c]) * Y[r, N + c]` for rows of `2 * N` (a merged gate/up product; with `GELU`
+    tanh-approximated gelu instead of silu); `OUT` has rows of `2 * N` too (it may be `Y`: each element is
+    read, then written, by the same thread)."""
     pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < TOTAL
     at = (offs // N) * 2 * N + offs % N
     g = tl.load(Y + at, mask=m, other=0.0).to(tl.float32)
     u = tl.load(Y + at + N, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + at, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)
+    if GELU:  # 0.5 * g * (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2 / pi) * (g + 0.044715 * g^3)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-2.0 * z))
+    else:
+        a = g / (1.0 + tl.exp(-g))
+    tl.store(OUT + at, (a * u).to(OUT.dtype.element_ty), mask=m)
