@@ -129,10 +129,12 @@ def test_rowwise_rows_equal_one_token_steps_bit_for_bit() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_layer_is_captured_and_replayed() -> None:
-    """The Triton path reads nothing on the host: a CUDA graph of it replays new inputs to the eager values."""
+@pytest.mark.parametrize("t", [8, 1024])
+def test_cuda_layer_is_captured_and_replayed(t: int) -> None:
+    """The Triton path reads nothing on the host: a CUDA graph of it replays new inputs to the eager values
+    (decode-size and a prefill chunk's worth of tokens, as the runner's graphs hold)."""
     cfg = K.MoEConfig(k=4, normalize=True, **GPT_OSS)
-    e, h, inter, t = 32, 256, 128, 8
+    e, h, inter = 32, 256, 128
     w1, b1, w2, b2 = _layer(e, h, inter, True, True, torch.bfloat16, seed=7)
     x, logits = _inputs(t, h, e, torch.bfloat16, seed=8)
     sx, sl = x.clone(), logits.clone()
@@ -150,7 +152,7 @@ def test_cuda_layer_is_captured_and_replayed() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 4, 64, 512])
+@pytest.mark.parametrize("t", [1, 4, 64, 512, 1024])
 def test_cuda_gpt_oss_shapes_equal_float64(t: int) -> None:
     """gpt-oss-20B's layer shape (hidden 2880, 32 experts of 2880, top 4) in bf16: decode, batched decode and
     a prefill chunk within bf16's roundings of float64."""
