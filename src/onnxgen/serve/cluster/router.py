@@ -1,0 +1,68 @@
+"""`AffinityRouter`: Ray Serve's request-router seam around `policy.Policy` (the decision lives there).
+
+Configured on the replicas' deployment (`RequestRouterConfig(request_router_class=
+"onnxgen.serve.cluster.router:AffinityRouter", request_router_kwargs={"mode": ..., "imbalance": ...})`), it runs
+in the process that holds the deployment's handle (the ingress). For each request it reads the `RouteKey` the
+ingress attached (`HttpCall.route`; anything else routes by load: never an exception, cf. ray#64326), each
+replica's load (requests this router sent it that have not completed) and its routing stats (`Replica.
+record_routing_stats`: the digests of its sessions and cached prefixes), and returns the policy's ranks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from onnxgen.serve.cluster.keys import RouteKey
+from onnxgen.serve.cluster.policy import Policy, ReplicaState
+
+
+def _key(pending: PendingRequest | None) -> RouteKey | None:
+    if pending is None or not pending.args:
+        return None
+    route = getattr(pending.args[0], "route", None)
+    return route if isinstance(route, RouteKey) else None
+
+
+def _state(replica: RunningReplica, load: int) -> ReplicaState:
+    stats: dict[str, Any] = replica.routing_stats or {}
+    return ReplicaState(
+        replica.replica_id.unique_id,
+        load,
+        frozenset(stats.get("sessions", ())),
+        frozenset(stats.get("prefixes", ())),
+    )
+
+
+class AffinityRouter(RequestRouter):
+    """Session- and prefix-affine routing (see `policy`); `mode` "round_robin" or "load" for baselines."""
+
+    def initialize_state(self, mode: str = "affinity", imbalance: int = 4, **_: Any) -> None:
+        self.policy = Policy(mode=mode, imbalance=imbalance)
+        self.inflight: Counter[str] = Counter()
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # every candidate is considered at once
+        states = [_state(r, self.inflight[r.replica_id.unique_id]) for r in candidate_replicas]
+        choice = self.policy.choose(_key(pending_request), states)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        return [[by_id[i] for i in rank] for rank in choice.ranks]
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self.inflight[replica_id.unique_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        if self.inflight[replica_id.unique_id] > 0:
+            self.inflight[replica_id.unique_id] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.policy.forget_replica(replica_id.unique_id)
+        self.inflight.pop(replica_id.unique_id, None)
