@@ -42,9 +42,9 @@ def test_another_salt_shares_nothing(text):
 @given(st.lists(st.text(max_size=80), min_size=1, max_size=6), st.text(max_size=80))
 def test_a_conversation_resent_with_one_more_turn_keeps_all_but_its_last_block(turns, reply):
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
-    old = route_key("/v1/chat/completions", {}, _body(msgs), block_chars=B).prefixes
+    old = route_key("POST", "/v1/chat/completions", {}, _body(msgs), block_chars=B).prefixes
     longer = [*msgs, {"role": "assistant", "content": reply}, {"role": "user", "content": "next"}]
-    new = route_key("/v1/chat/completions", {}, _body(longer), block_chars=B).prefixes
+    new = route_key("POST", "/v1/chat/completions", {}, _body(longer), block_chars=B).prefixes
     shared = next(
         (i for i, (x, y) in enumerate(zip(old, new, strict=False)) if x != y), min(len(old), len(new))
     )
@@ -58,41 +58,41 @@ def test_a_conversation_resent_with_one_more_turn_keeps_all_but_its_last_block(t
     ),
 )
 def test_route_key_never_raises(body, headers):
-    key = route_key("/v1/chat/completions", headers, body)
+    key = route_key("POST", "/v1/chat/completions", headers, body)
     assert isinstance(key, RouteKey)
 
 
 def test_what_a_request_is_routed_by():
     msgs = [{"role": "system", "content": "s" * 600}, {"role": "user", "content": "hi"}]
-    key = route_key("/v1/chat/completions", {"x-session-id": " abc "}, _body(msgs))
+    key = route_key("POST", "/v1/chat/completions", {"x-session-id": " abc "}, _body(msgs))
     assert (
         key.session == session_digest("abc")
         and len(key.prefixes) == len(prompt_text({"messages": msgs})) // 256
     )
     # the session of /v1/sessions/{id}/save and DELETE /v1/sessions/{id} is in the path
-    assert route_key("/v1/sessions/abc/save", {}, b"").session == session_digest("abc")
+    assert route_key("POST", "/v1/sessions/abc/save", {}, b"").session == session_digest("abc")
     # tenancy: another key, another salt, or another cache_salt shares no prefix digest
-    plain = route_key("/v1/chat/completions", {"authorization": "Bearer k1"}, _body(msgs)).prefixes
+    plain = route_key("POST", "/v1/chat/completions", {"authorization": "Bearer k1"}, _body(msgs)).prefixes
     for headers, extra in (
         ({"authorization": "Bearer k2"}, {}),
         ({"x-api-key": "k2"}, {}),
         ({"authorization": "Bearer k1", "x-cache-salt": "t"}, {}),
         ({"authorization": "Bearer k1"}, {"cache_salt": "t"}),
     ):
-        other = route_key("/v1/chat/completions", headers, _body(msgs, **extra)).prefixes
+        other = route_key("POST", "/v1/chat/completions", headers, _body(msgs, **extra)).prefixes
         assert other and not set(other) & set(plain)
-    assert route_key("/v1/chat/completions", {"x-api-key": "k1"}, _body(msgs)).prefixes == plain
+    assert route_key("POST", "/v1/chat/completions", {"x-api-key": "k1"}, _body(msgs)).prefixes == plain
     # keyless callers isolated by the server share nothing, so nothing is matched for them
     assert tenant({}, None, isolate_keyless=True) is None
-    assert route_key("/v1/chat/completions", {}, _body(msgs), isolate_keyless=True).prefixes == ()
+    assert route_key("POST", "/v1/chat/completions", {}, _body(msgs), isolate_keyless=True).prefixes == ()
     # completions, responses and messages name their prompt in their own fields
     for doc in (
         {"prompt": "p" * 600},
         {"input": "i" * 600},
         {"system": "x", "messages": [{"role": "user", "content": "m" * 600}]},
     ):
-        assert len(route_key("/v1/x", {}, json.dumps(doc).encode()).prefixes) >= 2
-    assert route_key("/v1/x", {}, b'{"model": "m"}') == RouteKey()
+        assert len(route_key("POST", "/v1/x", {}, json.dumps(doc).encode()).prefixes) >= 2
+    assert route_key("POST", "/v1/x", {}, b'{"model": "m"}') == RouteKey()
 
 
 def _replicas(*loads, sessions=None, prefixes=None):
@@ -190,3 +190,11 @@ def test_every_choice_names_candidates_once(loads, key, mode, imbalance):
         ids = [i for rank in c.ranks for i in rank]
         assert len(ids) == len(set(ids)) and set(ids) <= {r.id for r in replicas}
         assert bool(ids) == bool(replicas)
+
+
+def test_sessions_are_created_where_sessions_are_fewest():
+    p = Policy(rng=random.Random(0))
+    create = RouteKey(creates_session=True)
+    assert route_key("POST", "/v1/sessions", {}, b"") == create
+    placed = [p.choose(create, _replicas(0, 0, sessions={"r0": {"x"}})).ranks[0][0] for _ in range(3)]
+    assert placed == ["r1", "r0", "r1"] or placed == ["r1", "r1", "r0"]

@@ -63,7 +63,7 @@ async def read_call(
         headers=headers,
         body=body,
         client=(client[0], client[1]) if client else None,
-        route=route_key(scope["path"], text, body, isolate_keyless=isolate_keyless),
+        route=route_key(scope["method"], scope["path"], text, body, isolate_keyless=isolate_keyless),
     )
 
 

@@ -37,10 +37,12 @@ _PROMPT_FIELDS = ("tools", "system", "instructions", "messages", "input", "promp
 @dataclass(frozen=True)
 class RouteKey:
     """A request's routing facts: `session` (a digest, or None), `prefixes` (chained block digests, first
-    block first; empty: nothing to match)."""
+    block first; empty: nothing to match), `creates_session` (POST /v1/sessions: placed where sessions are
+    fewest)."""
 
     session: str | None = None
     prefixes: tuple[str, ...] = ()
+    creates_session: bool = False
 
 
 def digest(text: str) -> str:
@@ -96,6 +98,7 @@ def prefix_digests(
 
 
 def route_key(
+    method: str,
     path: str,
     headers: Mapping[str, str],
     body: bytes,
@@ -105,6 +108,8 @@ def route_key(
     max_blocks: int = MAX_BLOCKS,
 ) -> RouteKey:
     """The `RouteKey` of one HTTP request (`headers` lowercase). Never raises."""
+    if method == "POST" and path.rstrip("/") == "/v1/sessions":
+        return RouteKey(creates_session=True)
     sid = headers.get("x-session-id")
     m = _SESSION_PATH.match(path)
     if m is not None:

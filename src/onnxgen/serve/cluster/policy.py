@@ -5,7 +5,7 @@
     1. session   a request naming a session goes to the replica bound to it in the affinity table (bound
                  when the session was first routed; after a router restart, found again in the replicas'
                  published session digests); a new or unknown session is bound to the least loaded replica,
-                 fewest sessions on ties
+                 fewest sessions on ties (and POST /v1/sessions goes there too)
     2. prefix    a stateless request goes to the replica holding the longest run of its prefix digests
                  (published by the replica, or learned here when a request was routed to it)
     3. load      otherwise power of two choices: two random replicas, the less loaded first
@@ -92,6 +92,7 @@ class Policy:
         self.table = _Lru(self.max_sessions)  # session digest -> replica id
         self._learned: dict[str, _Lru] = {}  # replica id -> prefix digests routed there
         self._turn = 0
+        self._created: dict[str, int] = {}  # replica id -> sessions created there through this router
 
     # --- state ------------------------------------------------------------------------------------------
 
@@ -132,6 +133,10 @@ class Policy:
         if self.mode == "load" or key is None:
             return self._two_choices(replicas)
         least = min(r.load for r in replicas)
+        if key.creates_session:
+            target = self._fewest_sessions(replicas)
+            self._created[target.id] = self._created.get(target.id, 0) + 1
+            return Choice(((target.id,),), "session")
         if key.session is not None:
             return self._session(key.session, replicas, least)
         if key.prefixes:
@@ -160,12 +165,25 @@ class Policy:
         if holder is not None and by_id[holder].load - least <= self.imbalance:
             self.table.put(session, holder)
             return Choice(((holder,),), "session")
+        target = self._fewest_sessions(replicas)
+        self.table.put(session, target.id)
+        return Choice(((target.id,),), "yield" if holder is not None else "session")
+
+    def _fewest_sessions(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
+        """The least loaded replica, holding the fewest sessions on ties (as it publishes them, bound here,
+        and created through here: a balance heuristic), then at random."""
         bound: dict[str, int] = {}
         for r in self.table.items.values():
             bound[r] = bound.get(r, 0) + 1
-        target = min(replicas, key=lambda r: (r.load, bound.get(r.id, 0), self.rng.random()))
-        self.table.put(session, target.id)
-        return Choice(((target.id,),), "yield" if holder is not None else "session")
+
+        def weight(r: ReplicaState) -> tuple[int, int, float]:
+            return (
+                r.load,
+                len(r.sessions) + bound.get(r.id, 0) + self._created.get(r.id, 0),
+                self.rng.random(),
+            )
+
+        return min(replicas, key=weight)
 
     def _two_choices(self, replicas: Sequence[ReplicaState], reason: str = "load") -> Choice:
         pair = replicas if len(replicas) <= 2 else self.rng.sample(list(replicas), 2)

@@ -1,0 +1,214 @@
+"""onnxgen behind Ray Serve: the bridge and session adoption in process, then a local Ray with two CPU replicas
+of a tiny package driven through the `openai` client (sessions and prefixes stay on one replica and reuse
+its KV, two sessions spread over both, outputs equal one server's)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from onnxgen.serve.app import RunningServer, ServerConfig, create_app  # noqa: E402
+from onnxgen.serve.cluster.bridge import REPLICA_HEADER, HttpCall, read_call, run  # noqa: E402
+from onnxgen.serve.cluster.keys import route_key, session_digest  # noqa: E402
+
+SID = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir: Path):
+    import onnxgen
+
+    m = onnxgen.load(str(tiny_dir), backend="ort", threads=1)
+    yield m
+    m.close()
+
+
+def _call(path: str, body: dict | None = None, method: str = "POST", **headers: str) -> HttpCall:
+    raw = json.dumps(body).encode() if body is not None else b""
+    hs = {"content-type": "application/json", **{k.lower().replace("_", "-"): v for k, v in headers.items()}}
+    return HttpCall(
+        method,
+        path,
+        b"",
+        tuple((k.encode(), v.encode()) for k, v in hs.items()),
+        raw,
+        ("127.0.0.1", 1),
+        route_key(method, path, hs, raw),
+    )
+
+
+def _answer(app, call: HttpCall) -> tuple[int, dict[bytes, bytes], bytes]:
+    async def go():
+        msgs = [m async for m in run(app, call, "r7")]
+        start = msgs[0]
+        assert start["type"] == "http.response.start"
+        return start["status"], dict(start["headers"]), b"".join(m.get("body", b"") for m in msgs[1:])
+
+    return asyncio.run(go())
+
+
+def test_a_call_runs_through_the_servers_own_routes(tiny_model):
+    app = create_app(tiny_model, ServerConfig())
+    chat = {
+        "model": app.state.server.model_id,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+    }
+    status, headers, body = _answer(app, _call("/v1/chat/completions", chat))
+    assert status == 200 and headers[REPLICA_HEADER] == b"r7"
+    assert json.loads(body)["usage"]["completion_tokens"] == 3
+    status, _, body = _answer(app, _call("/v1/chat/completions", {**chat, "stream": True}))
+    events = [ln for ln in body.decode().split("\n\n") if ln.startswith("data: ")]
+    assert status == 200 and events[-1] == "data: [DONE]" and len(events) >= 4
+    status, _, body = _answer(app, _call("/v1/nowhere", {}))
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+    app.state.server.close()
+
+
+def test_the_ingress_reads_a_whole_request():
+    chunks = [b'{"messages": [{"role": "user", ', b'"content": "x"}]}']
+
+    async def go():
+        it = iter(chunks)
+
+        async def receive():
+            part = next(it)
+            return {"type": "http.request", "body": part, "more_body": part is not chunks[-1]}
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "query_string": b"a=1",
+            "headers": [(b"X-Session-Id", SID.encode())],
+            "client": ("10.0.0.1", 5),
+        }
+        return await read_call(scope, receive, isolate_keyless=False)
+
+    call = asyncio.run(go())
+    assert call.body == b"".join(chunks) and call.query == b"a=1" and call.client == ("10.0.0.1", 5)
+    assert call.headers == ((b"x-session-id", SID.encode()),)
+    assert call.route.session == session_digest(SID)
+
+
+def test_a_replica_adopts_a_session_begun_elsewhere(tiny_model):
+    keys = ("key-a-0123456789", "key-b-9876543210")
+    plain = create_app(tiny_model, ServerConfig(api_keys=keys))
+    adopting = create_app(tiny_model, ServerConfig(api_keys=keys, adopt_sessions=True))
+    chat = {
+        "model": plain.state.server.model_id,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+    }
+    a = {"authorization": f"Bearer {keys[0]}", "x_session_id": SID}
+    assert _answer(plain, _call("/v1/chat/completions", chat, **a))[0] == 404
+    assert _answer(adopting, _call("/v1/chat/completions", chat, **a))[0] == 200
+    assert adopting.state.server.store.ids() == [SID]
+    # the id stays its adopter's: another key cannot use it, and ids this store never makes are not adopted
+    b = {"authorization": f"Bearer {keys[1]}", "x_session_id": SID}
+    assert _answer(adopting, _call("/v1/chat/completions", chat, **b))[0] == 404
+    odd = {**a, "x_session_id": "not-a-session"}
+    assert _answer(adopting, _call("/v1/chat/completions", chat, **odd))[0] == 404
+    for app in (plain, adopting):
+        app.state.server.close()
+
+
+# --- a local Ray with two replicas ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path):
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from onnxgen.serve.cluster.deployment import ClusterConfig, application
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        config = ClusterConfig(replicas=2, load={"backend": "ort", "threads": 1}, stats_period_s=0.5)
+        serve.run(application(str(tiny_dir), config), name="onnxgen", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _conversation(client, model: str, turns: list[str], sid: str | None):
+    """Run `turns` as one conversation; (reply, replica, prompt tokens, cached tokens) per turn."""
+    messages, out = [], []
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"X-Session-Id": sid} if sid else None,
+        )
+        r = raw.parse()
+        reply = r.choices[0].message.content
+        messages.append({"role": "assistant", "content": reply})
+        out.append(
+            (
+                reply,
+                raw.headers.get(REPLICA_HEADER.decode()),
+                r.usage.prompt_tokens,
+                r.usage.prompt_tokens_details.cached_tokens,
+            )
+        )
+    return out
+
+
+TURNS = [
+    ["Tell me about rivers " * 20, "And lakes?", "And seas?"],
+    ["Name some cities " * 20, "In Peru?", "Why?"],
+]
+
+
+@pytest.mark.slow
+def test_sessions_keep_their_replica_and_its_kv(cluster, tiny_model):
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    sids = [httpx.post(cluster + "/v1/sessions", timeout=60).json()["id"] for _ in TURNS]
+    runs = [_conversation(client, model, turns, sid) for turns, sid in zip(TURNS, sids, strict=True)]
+    homes = []
+    for run_ in runs:
+        replicas = {replica for _, replica, _, _ in run_}
+        assert len(replicas) == 1 and None not in replicas, run_
+        homes.append(replicas.pop())
+        for (_, _, prompt, _), (_, _, _, cached) in zip(run_, run_[1:], strict=False):
+            assert cached >= prompt  # the whole previous turn (and its reply) was reused
+    assert homes[0] != homes[1]  # two sessions, two replicas
+    # every reply equals one server's (greedy), stateless there
+    with RunningServer(create_app(tiny_model, ServerConfig())) as one:
+        single = openai.OpenAI(base_url=one.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for turns, run_ in zip(TURNS, runs, strict=True):
+            assert [t[0] for t in _conversation(single, model, turns, None)] == [t[0] for t in run_]
+
+
+@pytest.mark.slow
+def test_a_stateless_conversation_follows_its_prefix_and_streams(cluster):
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    run_ = _conversation(client, model, ["A long shared preamble " * 30, "Go on.", "More."], None)
+    assert len({replica for _, replica, _, _ in run_}) == 1
+    assert all(cached > 0 for *_, cached in run_[1:])
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "A long shared preamble " * 30}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == run_[0][0]
