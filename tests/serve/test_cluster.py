@@ -5,6 +5,7 @@ its KV, two sessions spread over both, outputs equal one server's)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 from pathlib import Path
@@ -187,7 +188,7 @@ def test_sessions_keep_their_replica_and_its_kv(cluster, tiny_model):
         replicas = {replica for _, replica, _, _ in run_}
         assert len(replicas) == 1 and None not in replicas, run_
         homes.append(replicas.pop())
-        for (_, _, prompt, _), (_, _, _, cached) in zip(run_, run_[1:], strict=False):
+        for (_, _, prompt, _), (_, _, _, cached) in itertools.pairwise(run_):
             assert cached >= prompt  # the whole previous turn (and its reply) was reused
     assert homes[0] != homes[1]  # two sessions, two replicas
     # every reply equals one server's (greedy), stateless there
@@ -212,3 +213,13 @@ def test_a_stateless_conversation_follows_its_prefix_and_streams(cluster):
         stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == run_[0][0]
+
+
+def test_the_serve_config_builder_takes_strings_as_serve_run_passes_them(tiny_dir: Path):
+    pytest.importorskip("ray.serve")
+    from onnxgen.serve.cluster.deployment import ClusterConfig, build
+
+    app = build({"model": str(tiny_dir), "replicas": "3", "imbalance": "2", "isolate_keyless": "true"})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ValueError, match="replicas"):
+        ClusterConfig(replicas=0)

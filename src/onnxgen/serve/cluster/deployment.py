@@ -53,7 +53,7 @@ class Replica:
         if load.get("kv_dir"):  # sessions pushed out of memory spill to a folder of this replica's own
             load["kv_dir"] = os.path.join(load["kv_dir"], f"spill-{self.id}")
         self.model = onnxgen.load(model, **load)
-        self.app = create_app(self.model, ServerConfig(**server, adopt_sessions=True))
+        self.app = create_app(self.model, ServerConfig(**{**server, "adopt_sessions": True}))
         self.server = self.app.state.server
         self.prefixes: OrderedDict[str, None] = OrderedDict()
 
@@ -224,8 +224,16 @@ def build(args: dict[str, Any]) -> Any:
 
 
 def run_local(model: str, config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Start a local Ray, serve the application on `host:port` until interrupted, then shut down."""
+    """Start a local Ray, serve the application on `host:port` until interrupted (Ctrl-C or SIGTERM), then
+    shut Serve and Ray down."""
+    import signal
+
     import ray
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
