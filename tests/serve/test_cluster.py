@@ -223,3 +223,25 @@ def test_the_serve_config_builder_takes_strings_as_serve_run_passes_them(tiny_di
     assert type(app).__name__ == "Application"
     with pytest.raises(ValueError, match="replicas"):
         ClusterConfig(replicas=0)
+
+
+@pytest.mark.slow
+def test_a_session_whose_replica_dies_is_answered_elsewhere(cluster):
+    """No request is lost silently: the turn after its replica was killed is retried on the other replica,
+    which adopts the session and recomputes it (nothing cached, the same greedy reply as before)."""
+    import ray
+
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    sid = httpx.post(cluster + "/v1/sessions", timeout=60).json()["id"]
+    before = _conversation(client, model, TURNS[0][:2], sid)
+    home = before[0][1]
+    names = [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("#" + home)
+    ]
+    assert len(names) == 1
+    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+    after = _conversation(client, model, TURNS[0][:2], sid)
+    assert {replica for _, replica, _, _ in after} - {home} == {replica for _, replica, _, _ in after}
+    assert [t[0] for t in after] == [t[0] for t in before]
+    assert after[0][3] == 0  # the new replica held nothing of it
