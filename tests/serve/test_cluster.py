@@ -97,7 +97,27 @@ def test_the_ingress_reads_a_whole_request():
     call = asyncio.run(go())
     assert call.body == b"".join(chunks) and call.query == b"a=1" and call.client == ("10.0.0.1", 5)
     assert call.headers == ((b"x-session-id", SID.encode()),)
-    assert call.route.session == session_digest(SID)
+    assert call.route.session == session_digest(SID) and call.session_id is None
+
+
+def test_the_ingress_names_the_session_a_post_makes(tiny_model):
+    async def make():
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/sessions", "headers": []}
+        return await read_call(scope, receive, isolate_keyless=False)
+
+    calls = [asyncio.run(make()) for _ in range(2)]
+    assert calls[0].session_id != calls[1].session_id
+    assert calls[0].route.session == session_digest(calls[0].session_id)
+    app = create_app(tiny_model, ServerConfig())
+    status, headers, body = _answer(app, calls[0])
+    assert status == 200 and json.loads(body)["id"] == calls[0].session_id == app.state.server.store.ids()[0]
+    # a client cannot choose its id: only the ASGI scope (set in process) carries one
+    status, _, body = _answer(app, _call("/v1/sessions", {"id": SID}, **{"onnxgen.session_id": SID}))
+    assert status == 200 and json.loads(body)["id"] != SID
+    app.state.server.close()
 
 
 def test_a_replica_adopts_a_session_begun_elsewhere(tiny_model):
@@ -228,7 +248,7 @@ def test_the_serve_config_builder_takes_strings_as_serve_run_passes_them(tiny_di
 @pytest.mark.slow
 def test_a_session_whose_replica_dies_is_answered_elsewhere(cluster):
     """No request is lost silently: the turn after its replica was killed is retried on the other replica,
-    which adopts the session and recomputes it (nothing cached, the same greedy reply as before)."""
+    which adopts the session and recomputes it (the same greedy replies as before), and keeps it."""
     import ray
 
     client = openai.OpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -244,4 +264,4 @@ def test_a_session_whose_replica_dies_is_answered_elsewhere(cluster):
     after = _conversation(client, model, TURNS[0][:2], sid)
     assert {replica for _, replica, _, _ in after} - {home} == {replica for _, replica, _, _ in after}
     assert [t[0] for t in after] == [t[0] for t in before]
-    assert after[0][3] == 0  # the new replica held nothing of it
+    assert after[1][3] >= after[0][2]  # adopted there: its next turn reuses the turn recomputed there

@@ -276,10 +276,15 @@ class Server:
             return caller.owner, False
         return None, self.config.isolate_keyless
 
-    def create_session(self, caller: Caller) -> str:
-        """A new session id for `caller`. Raises APIError 429 at the owner's or client's bound."""
+    def create_session(self, caller: Caller, sid: str | None = None) -> str:
+        """A new session id for `caller` (`sid`: the id an ingress in front of this server chose, passed in
+        the ASGI scope, never by a client). Raises APIError 429 at the owner's or client's bound."""
         salt, per_id = self.session_salt(caller)
         try:
+            if sid is not None and self.store.adopt(
+                caller.owner, caller.client, salt, sid, per_id_salt=per_id
+            ):
+                return sid
             return self.store.create(caller.owner, caller.client, salt, per_id_salt=per_id)
         except SessionLimit as exc:
             raise APIError(429, str(exc), code="too_many_sessions") from None

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 from onnxgen.errors import SessionFileError, SessionLimit
 
 SESSION_HEADER = "X-Session-Id"
+# the ASGI scope extension in which an ingress in front of the server names the session POST /v1/sessions makes
+SESSION_EXTENSION = "onnxgen.session_id"
 _SID = re.compile(r"[0-9a-f]{32}")
 log = logging.getLogger("onnxgen.serve")
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from onnxgen.serve.cluster.keys import MAX_ROUTED_BODY, RouteKey, route_key
+from onnxgen.serve.cluster.keys import MAX_ROUTED_BODY, RouteKey, creates_session, route_key, session_digest
+from onnxgen.serve.sessions import SESSION_EXTENSION
 
 REPLICA_HEADER = b"x-onnxgen-replica"  # names the replica that answered (tests, benchmarks, debugging)
 
@@ -26,7 +28,8 @@ REPLICA_HEADER = b"x-onnxgen-replica"  # names the replica that answered (tests,
 @dataclass(frozen=True)
 class HttpCall:
     """An HTTP request as plain data (what crosses from the ingress to a replica). `headers` as ASGI has them
-    (lowercase names, bytes); `route`: what the router decides by."""
+    (lowercase names, bytes); `route`: what the router decides by; `session_id`: the id the ingress gives the
+    session a POST /v1/sessions makes (so the router binds it where it sends the request)."""
 
     method: str
     path: str
@@ -35,6 +38,7 @@ class HttpCall:
     body: bytes
     client: tuple[str, int] | None = None
     route: RouteKey = field(default_factory=RouteKey)
+    session_id: str | None = None
 
 
 async def read_call(
@@ -56,6 +60,8 @@ async def read_call(
     headers = tuple((bytes(k).lower(), bytes(v)) for k, v in scope.get("headers", ()))
     text = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
     client = scope.get("client")
+    sid = secrets.token_hex(16) if creates_session(scope["method"], scope["path"]) else None
+    route = route_key(scope["method"], scope["path"], text, body, isolate_keyless=isolate_keyless)
     return HttpCall(
         method=scope["method"],
         path=scope["path"],
@@ -63,7 +69,8 @@ async def read_call(
         headers=headers,
         body=body,
         client=(client[0], client[1]) if client else None,
-        route=route_key(scope["method"], scope["path"], text, body, isolate_keyless=isolate_keyless),
+        route=RouteKey(session_digest(sid)) if sid else route,
+        session_id=sid,
     )
 
 
@@ -83,6 +90,7 @@ async def run(app: Any, call: HttpCall, replica: str) -> AsyncIterator[dict[str,
         "headers": list(call.headers),
         "client": call.client,
         "server": ("onnxgen-replica", 0),
+        "extensions": {SESSION_EXTENSION: call.session_id} if call.session_id else {},
     }
     out: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     gone = asyncio.Event()

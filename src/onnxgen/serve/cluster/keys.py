@@ -1,7 +1,7 @@
 """What a request is routed by: `RouteKey`, read off its path, headers and body by the ingress, with no tokenizer.
 
-    session   digest of the session id (`X-Session-Id`, or the id in /v1/sessions/{id}/...): the request must
-              reach the replica that holds that session
+    session   digest of the session id (`X-Session-Id`, or the id in /v1/sessions/{id}/...; for POST /v1/sessions
+              the id the ingress gives the new session): the request must reach the replica that holds it
     prefixes  chained digests of the prompt's canonical text in blocks of `block_chars` characters, salted with
               the tenant (API key's hash, `cache_salt`): a replica that ran a request whose text began with the
               same blocks holds their KV under the same salt
@@ -37,12 +37,10 @@ _PROMPT_FIELDS = ("tools", "system", "instructions", "messages", "input", "promp
 @dataclass(frozen=True)
 class RouteKey:
     """A request's routing facts: `session` (a digest, or None), `prefixes` (chained block digests, first
-    block first; empty: nothing to match), `creates_session` (POST /v1/sessions: placed where sessions are
-    fewest)."""
+    block first; empty: nothing to match)."""
 
     session: str | None = None
     prefixes: tuple[str, ...] = ()
-    creates_session: bool = False
 
 
 def digest(text: str) -> str:
@@ -97,6 +95,11 @@ def prefix_digests(
     return tuple(out)
 
 
+def creates_session(method: str, path: str) -> bool:
+    """Whether the request is `POST /v1/sessions`."""
+    return method == "POST" and path.rstrip("/") == "/v1/sessions"
+
+
 def route_key(
     method: str,
     path: str,
@@ -108,8 +111,8 @@ def route_key(
     max_blocks: int = MAX_BLOCKS,
 ) -> RouteKey:
     """The `RouteKey` of one HTTP request (`headers` lowercase). Never raises."""
-    if method == "POST" and path.rstrip("/") == "/v1/sessions":
-        return RouteKey(creates_session=True)
+    if creates_session(method, path):  # the ingress names the new session (`bridge.read_call`)
+        return RouteKey()
     sid = headers.get("x-session-id")
     m = _SESSION_PATH.match(path)
     if m is not None:

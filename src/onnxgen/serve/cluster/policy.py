@@ -4,8 +4,9 @@
 
     1. session   a request naming a session goes to the replica bound to it in the affinity table (bound
                  when the session was first routed; after a router restart, found again in the replicas'
-                 published session digests); a new or unknown session is bound to the least loaded replica,
-                 fewest sessions on ties (and POST /v1/sessions goes there too)
+                 published session digests); a new or unknown session is bound to the replica with the
+                 fewest sessions among those within the imbalance bound (POST /v1/sessions is routed as
+                 the new session's first request: the ingress names it)
     2. prefix    a stateless request goes to the replica holding the longest run of its prefix digests
                  (published by the replica, or learned here when a request was routed to it)
     3. load      otherwise power of two choices: two random replicas, the less loaded first
@@ -92,7 +93,6 @@ class Policy:
         self.table = _Lru(self.max_sessions)  # session digest -> replica id
         self._learned: dict[str, _Lru] = {}  # replica id -> prefix digests routed there
         self._turn = 0
-        self._created: dict[str, int] = {}  # replica id -> sessions created there through this router
 
     # --- state ------------------------------------------------------------------------------------------
 
@@ -133,10 +133,6 @@ class Policy:
         if self.mode == "load" or key is None:
             return self._two_choices(replicas)
         least = min(r.load for r in replicas)
-        if key.creates_session:
-            target = self._fewest_sessions(replicas)
-            self._created[target.id] = self._created.get(target.id, 0) + 1
-            return Choice(((target.id,),), "session")
         if key.session is not None:
             return self._session(key.session, replicas, least)
         if key.prefixes:
@@ -170,20 +166,22 @@ class Policy:
         return Choice(((target.id,),), "yield" if holder is not None else "session")
 
     def _fewest_sessions(self, replicas: Sequence[ReplicaState]) -> ReplicaState:
-        """The least loaded replica, holding the fewest sessions on ties (as it publishes them, bound here,
-        and created through here: a balance heuristic), then at random."""
+        """Among the replicas within `imbalance` of the least loaded, the one holding the fewest sessions (as
+        it publishes them or as bound here, whichever is more: a balance heuristic), then the less loaded,
+        then at random. Sessions last; a difference in load within the bound is momentary."""
+        least = min(r.load for r in replicas)
         bound: dict[str, int] = {}
         for r in self.table.items.values():
             bound[r] = bound.get(r, 0) + 1
 
         def weight(r: ReplicaState) -> tuple[int, int, float]:
             return (
+                max(len(r.sessions), bound.get(r.id, 0)),
                 r.load,
-                len(r.sessions) + bound.get(r.id, 0) + self._created.get(r.id, 0),
                 self.rng.random(),
             )
 
-        return min(replicas, key=weight)
+        return min((r for r in replicas if r.load - least <= self.imbalance), key=weight)
 
     def _two_choices(self, replicas: Sequence[ReplicaState], reason: str = "load") -> Choice:
         pair = replicas if len(replicas) <= 2 else self.rng.sample(list(replicas), 2)
