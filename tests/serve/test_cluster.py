@@ -105,14 +105,14 @@ def test_the_ingress_names_the_session_a_post_makes(tiny_model):
         async def receive():
             return {"type": "http.request", "body": b"", "more_body": False}
 
-        scope = {"type": "http", "method": "POST", "path": "/v1/sessions", "headers": []}
+        scope = {"type": "http", "method": "POST", "path": "/a/v1/sessions", "root_path": "/a", "headers": []}
         return await read_call(scope, receive, isolate_keyless=False)
 
     calls = [asyncio.run(make()) for _ in range(2)]
     assert calls[0].session_id != calls[1].session_id
     assert calls[0].route.session == session_digest(calls[0].session_id)
     app = create_app(tiny_model, ServerConfig())
-    status, headers, body = _answer(app, calls[0])
+    status, _, body = _answer(app, calls[0])
     assert status == 200 and json.loads(body)["id"] == calls[0].session_id == app.state.server.store.ids()[0]
     # a client cannot choose its id: only the ASGI scope (set in process) carries one
     status, _, body = _answer(app, _call("/v1/sessions", {"id": SID}, **{"onnxgen.session_id": SID}))

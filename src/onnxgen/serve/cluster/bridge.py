@@ -45,7 +45,8 @@ async def read_call(
     scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]], isolate_keyless: bool
 ) -> HttpCall:
     """The `HttpCall` of an ASGI http `scope` whose body is read from `receive` (at most one byte past
-    `MAX_ROUTED_BODY`: the replica answers 413 for that)."""
+    `MAX_ROUTED_BODY`: the replica answers 413 for that); its path relative to the scope's `root_path` (the
+    application's route prefix)."""
     chunks: list[bytes] = []
     size, more = 0, True
     while more and size <= MAX_ROUTED_BODY:
@@ -60,11 +61,14 @@ async def read_call(
     headers = tuple((bytes(k).lower(), bytes(v)) for k, v in scope.get("headers", ()))
     text = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
     client = scope.get("client")
-    sid = secrets.token_hex(16) if creates_session(scope["method"], scope["path"]) else None
-    route = route_key(scope["method"], scope["path"], text, body, isolate_keyless=isolate_keyless)
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):  # an application under a route prefix: the path includes it
+        path = path[len(root) :] or "/"
+    sid = secrets.token_hex(16) if creates_session(scope["method"], path) else None
+    route = route_key(scope["method"], path, text, body, isolate_keyless=isolate_keyless)
     return HttpCall(
         method=scope["method"],
-        path=scope["path"],
+        path=path,
         query=scope.get("query_string", b""),
         headers=headers,
         body=body,
