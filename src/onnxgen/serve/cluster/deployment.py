@@ -37,7 +37,7 @@ from onnxgen.serve.errors import body_for
 log = logging.getLogger("onnxgen.serve")
 
 ROUTER = "onnxgen.serve.cluster.router:AffinityRouter"
-MAX_PREFIXES = 1 << 14  # prefix digests a replica publishes (most recently served first out)
+MAX_PREFIXES = 4096  # prefix digests a replica publishes (most recently served first out)
 
 
 class Replica:

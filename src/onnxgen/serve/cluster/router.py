@@ -26,29 +26,31 @@ def _key(pending: PendingRequest | None) -> RouteKey | None:
     return route if isinstance(route, RouteKey) else None
 
 
-def _state(replica: RunningReplica, load: int) -> ReplicaState:
-    stats: dict[str, Any] = replica.routing_stats or {}
-    return ReplicaState(
-        replica.replica_id.unique_id,
-        load,
-        frozenset(stats.get("sessions", ())),
-        frozenset(stats.get("prefixes", ())),
-    )
-
-
 class AffinityRouter(RequestRouter):
     """Session- and prefix-affine routing (see `policy`); `mode` "round_robin" or "load" for baselines."""
 
     def initialize_state(self, mode: str = "affinity", imbalance: int = 4, **_: Any) -> None:
         self.policy = Policy(mode=mode, imbalance=imbalance)
         self.inflight: Counter[str] = Counter()
+        # replica id -> (its last stats report, held so that `is` compares it, and the report's sets)
+        self._stats: dict[str, tuple[dict[str, Any], frozenset[str], frozenset[str]]] = {}
+
+    def _state(self, replica: RunningReplica) -> ReplicaState:
+        """What the policy needs of `replica`; its stats' sets are built once per stats report."""
+        rid = replica.replica_id.unique_id
+        stats: dict[str, Any] = replica.routing_stats or {}
+        cached = self._stats.get(rid)
+        if cached is None or cached[0] is not stats:
+            cached = (stats, frozenset(stats.get("sessions", ())), frozenset(stats.get("prefixes", ())))
+            self._stats[rid] = cached
+        return ReplicaState(rid, self.inflight[rid], cached[1], cached[2])
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # every candidate is considered at once
-        states = [_state(r, self.inflight[r.replica_id.unique_id]) for r in candidate_replicas]
+        states = [self._state(r) for r in candidate_replicas]
         choice = self.policy.choose(_key(pending_request), states)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank] for rank in choice.ranks]
@@ -66,3 +68,4 @@ class AffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.policy.forget_replica(replica_id.unique_id)
         self.inflight.pop(replica_id.unique_id, None)
+        self._stats.pop(replica_id.unique_id, None)
