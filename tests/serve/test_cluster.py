@@ -1,6 +1,7 @@
 """onnxgen behind Ray Serve: the bridge and session adoption in process, then a local Ray with two CPU replicas
 of a tiny package driven through the `openai` client (sessions and prefixes stay on one replica and reuse
-its KV, two sessions spread over both, outputs equal one server's)."""
+its KV, two sessions spread over both, outputs equal one server's; a 16 x 6 trace keeps its reuse under affinity,
+not round-robin; a replica killed mid-trace loses nothing)."""
 
 from __future__ import annotations
 
@@ -157,8 +158,12 @@ def cluster(tiny_dir: Path):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        config = ClusterConfig(replicas=2, load={"backend": "ort", "threads": 1}, stats_period_s=0.5)
+        # paged: the prefixes of stateless conversations at once are shared, none taken from another
+        load = {"backend": "native", "paged": True, "threads": 1, "max_sessions": 32}
+        config = ClusterConfig(replicas=2, load=load, stats_period_s=0.5)
         serve.run(application(str(tiny_dir), config), name="onnxgen", route_prefix="/")
+        rr = ClusterConfig(**{**config.__dict__, "mode": "round_robin"})
+        serve.run(application(str(tiny_dir), rr), name="rr", route_prefix="/rr")  # the baseline, at /rr
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -243,6 +248,106 @@ def test_the_serve_config_builder_takes_strings_as_serve_run_passes_them(tiny_di
     assert type(app).__name__ == "Application"
     with pytest.raises(ValueError, match="replicas"):
         ClusterConfig(replicas=0)
+
+
+SYSTEM = "You are a terse assistant for a trace."
+QUESTIONS = ["Rivers?", "Lakes and seas?", "Why so?", "And cities?", "Name one.", "Thanks, more?"]
+TOPIC = " Tell me more about the rivers, lakes and seas of the region, and of its towns."
+
+
+def _trace(base: str, model: str, kill=None, convs: int = 16, turns: int = 6):
+    """`convs` stateless conversations at once under one system prompt, `turns` turns each, each turn sent
+    with the whole conversation (greedy, EOS allowed): per conversation, (reply, prompt tokens, cached
+    tokens) per turn, and how many answers were 503 `replica_unavailable` (retried after `Retry-After`).
+    `kill()` is called once, when half the turns have been answered. Any other failure raises."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock, answered, retried = threading.Lock(), [0], [0]
+
+    def conversation(c: int):
+        messages, out = [{"role": "system", "content": SYSTEM}], []
+        for t in range(turns):
+            question = f"{c}.{t}: {QUESTIONS[(c + t) % len(QUESTIONS)]}" + TOPIC  # most of each turn its own
+            messages.append({"role": "user", "content": question})
+            body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0}
+            while True:
+                r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+                if r.status_code != 503:
+                    break
+                assert r.json()["error"]["code"] == "replica_unavailable" and "retry-after" in r.headers
+                with lock:
+                    retried[0] += 1
+                time.sleep(float(r.headers["retry-after"]))
+            assert r.status_code == 200, r.text
+            doc = r.json()
+            reply = doc["choices"][0]["message"]["content"]
+            out.append(
+                (reply, doc["usage"]["prompt_tokens"], doc["usage"]["prompt_tokens_details"]["cached_tokens"])
+            )
+            messages.append({"role": "assistant", "content": reply})
+            with lock:
+                answered[0] += 1
+                now = kill is not None and answered[0] == convs * turns // 2
+            if now:
+                kill()
+        return out
+
+    with ThreadPoolExecutor(convs) as ex:
+        return list(ex.map(conversation, range(convs))), retried[0]
+
+
+def _share(trace) -> float:
+    """The share of later turns' prompt tokens that were cached."""
+    later = [t for conv in trace for t in conv[1:]]
+    return sum(t[2] for t in later) / sum(t[1] for t in later)
+
+
+@pytest.fixture(scope="module")
+def single_trace(tiny_dir: Path):
+    """The trace against one server of the same package, loaded as the replicas are: the reference."""
+    import onnxgen
+
+    with onnxgen.load(str(tiny_dir), backend="native", paged=True, threads=1, max_sessions=32) as m:
+        with RunningServer(create_app(m, ServerConfig())) as one:
+            model = httpx.get(one.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+            return model, _trace(one.url, model)[0]
+
+
+@pytest.mark.slow
+def test_a_multi_turn_trace_keeps_its_reuse_under_affinity_not_round_robin(cluster, single_trace):
+    """16 conversations x 6 turns at once: the affinity router keeps >= 95 % of the cached-token share one
+    server gets, round-robin clearly less; every reply equals one server's."""
+    model, single = single_trace
+    affinity, _ = _trace(cluster, model)
+    robin, _ = _trace(cluster + "/rr", model)
+    replies = [[t[0] for t in conv] for conv in single]
+    for trace in (affinity, robin):
+        assert [[t[0] for t in conv] for conv in trace] == replies
+    one, aff, rr = _share(single), _share(affinity), _share(robin)
+    assert one > 0.5, one
+    assert aff >= 0.95 * one, (aff, one)
+    assert rr < 0.9 * one and rr < aff, (rr, aff, one)
+
+
+@pytest.mark.slow
+def test_a_replica_killed_mid_trace_loses_and_corrupts_nothing(cluster, single_trace):
+    """A replica of the round-robin application is killed when half the trace's turns are answered: every
+    turn still completes (retried by the ingress, or answered 503 and retried by the client) with the reply
+    one server gives: nothing is lost silently or attached to the wrong context."""
+    import ray
+
+    model, single = single_trace
+
+    def kill() -> None:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        victims = [n for n in names if "rr#onnxgen-replica#" in n]
+        assert victims, names
+        ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
+
+    trace, _ = _trace(cluster + "/rr", model, kill=kill)
+    assert [[t[0] for t in conv] for conv in trace] == [[t[0] for t in conv] for conv in single]
 
 
 @pytest.mark.slow

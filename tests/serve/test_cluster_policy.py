@@ -17,7 +17,7 @@ from onnxgen.serve.cluster.keys import (
     session_digest,
     tenant,
 )
-from onnxgen.serve.cluster.policy import Policy, ReplicaState
+from onnxgen.serve.cluster.policy import Loads, Policy, ReplicaState
 
 B = 16  # a small block, so short texts span several
 
@@ -166,7 +166,7 @@ def test_baselines():
     assert seen == ["r1", "r2", "r0", "r1", "r2", "r0"]
     load = Policy(mode="load", rng=random.Random(0))
     c = load.choose(RouteKey(session="s", prefixes=("a",)), _replicas(4, 1, prefixes={"r0": {"a"}}))
-    assert c.reason == "load" and c.ranks == (("r1", "r0"),)
+    assert c.reason == "load" and c.ranks == (("r1",), ("r0",))
 
 
 @given(
@@ -196,3 +196,29 @@ def test_a_momentary_difference_in_load_does_not_outweigh_the_sessions_held():
     p = Policy(imbalance=2, rng=random.Random(0))
     assert p.choose(RouteKey(session="a"), _replicas(0, 2, sessions={"r0": {"x"}})).ranks == (("r1",),)
     assert p.choose(RouteKey(session="b"), _replicas(0, 3, sessions={"r0": {"x"}})).ranks == (("r0",),)
+
+
+def test_a_replica_chosen_counts_as_loaded_until_sent_or_expired():
+    now = [0.0]
+    loads = Loads(hold_s=1.0, clock=lambda: now[0])
+    loads.chosen("a")
+    loads.chosen("a")
+    assert loads["a"] == 2 and loads["b"] == 0  # routed at once, before either was sent
+    loads.sent("a")
+    assert loads["a"] == 2  # one sent, one still chosen
+    now[0] = 1.5
+    assert loads["a"] == 1  # the choice the router did not follow expired
+    loads.done("a")
+    loads.done("a")
+    assert loads["a"] == 0
+    loads.chosen("b")
+    loads.forget("b")
+    assert loads["b"] == 0
+
+
+def test_requests_routed_at_once_spread_by_their_choices():
+    p, loads = Policy(rng=random.Random(1)), Loads()
+    for i in range(8):
+        states = [ReplicaState(r, loads[r]) for r in ("r0", "r1")]
+        loads.chosen(p.choose(RouteKey(prefixes=(f"x{i}",)), states).ranks[0][0])
+    assert loads["r0"] == loads["r1"] == 4

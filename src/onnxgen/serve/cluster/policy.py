@@ -16,15 +16,18 @@ the request goes by load instead (a session is then rebound where it went). That
 correctness: every request carries its whole conversation, and a replica that does not hold a session adopts
 its id empty and recomputes (`ServerConfig.adopt_sessions`).
 
-Load is the router's own count of requests it sent to a replica and that have not completed. `Policy` is
-not thread-safe; the router calls it from its one event loop.
+Load is the router's own count (`Loads`) of requests it sent to a replica and that have not completed, plus
+those it chose the replica for within the last `Loads.hold_s` and has not yet sent (requests routed at once
+see each other's choices). `Policy` and `Loads` are not thread-safe; the router calls them from its one event
+loop.
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from onnxgen.serve.cluster.keys import RouteKey
@@ -186,4 +189,40 @@ class Policy:
     def _two_choices(self, replicas: Sequence[ReplicaState], reason: str = "load") -> Choice:
         pair = replicas if len(replicas) <= 2 else self.rng.sample(list(replicas), 2)
         ordered = sorted(pair, key=lambda r: (r.load, self.rng.random()))
-        return Choice((tuple(r.id for r in ordered),), reason)
+        return Choice(tuple((r.id,) for r in ordered), reason)  # a tier each: the choice is kept
+
+
+class Loads:
+    """Requests per replica: `sent` and not `done`, plus `chosen` and not yet sent (for at most `hold_s`:
+    a choice the router did not follow expires)."""
+
+    def __init__(self, hold_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.hold_s = hold_s
+        self.clock = clock
+        self.inflight: Counter[str] = Counter()
+        self._chosen: dict[str, deque[float]] = {}
+
+    def __getitem__(self, replica: str) -> int:
+        chosen = self._chosen.get(replica)
+        if chosen:
+            now = self.clock()
+            while chosen and now - chosen[0] > self.hold_s:
+                chosen.popleft()
+        return self.inflight[replica] + (len(chosen) if chosen else 0)
+
+    def chosen(self, replica: str) -> None:
+        self._chosen.setdefault(replica, deque()).append(self.clock())
+
+    def sent(self, replica: str) -> None:
+        chosen = self._chosen.get(replica)
+        if chosen:
+            chosen.popleft()
+        self.inflight[replica] += 1
+
+    def done(self, replica: str) -> None:
+        if self.inflight[replica] > 0:
+            self.inflight[replica] -= 1
+
+    def forget(self, replica: str) -> None:
+        self.inflight.pop(replica, None)
+        self._chosen.pop(replica, None)

@@ -4,19 +4,18 @@ Configured on the replicas' deployment (`RequestRouterConfig(request_router_clas
 "onnxgen.serve.cluster.router:AffinityRouter", request_router_kwargs={"mode": ..., "imbalance": ...})`), it runs
 in the process that holds the deployment's handle (the ingress). For each request it reads the `RouteKey` the
 ingress attached (`HttpCall.route`; anything else routes by load: never an exception, cf. ray#64326), each
-replica's load (requests this router sent it that have not completed) and its routing stats (`Replica.
+replica's load (`policy.Loads`: requests this router sent it or just chose it for) and its routing stats (`Replica.
 record_routing_stats`: the digests of its sessions and cached prefixes), and returns the policy's ranks.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from onnxgen.serve.cluster.keys import RouteKey
-from onnxgen.serve.cluster.policy import Policy, ReplicaState
+from onnxgen.serve.cluster.policy import Loads, Policy, ReplicaState
 
 
 def _key(pending: PendingRequest | None) -> RouteKey | None:
@@ -31,7 +30,7 @@ class AffinityRouter(RequestRouter):
 
     def initialize_state(self, mode: str = "affinity", imbalance: int = 4, **_: Any) -> None:
         self.policy = Policy(mode=mode, imbalance=imbalance)
-        self.inflight: Counter[str] = Counter()
+        self.loads = Loads()
         # replica id -> (its last stats report, held so that `is` compares it, and the report's sets)
         self._stats: dict[str, tuple[dict[str, Any], frozenset[str], frozenset[str]]] = {}
 
@@ -43,7 +42,7 @@ class AffinityRouter(RequestRouter):
         if cached is None or cached[0] is not stats:
             cached = (stats, frozenset(stats.get("sessions", ())), frozenset(stats.get("prefixes", ())))
             self._stats[rid] = cached
-        return ReplicaState(rid, self.inflight[rid], cached[1], cached[2])
+        return ReplicaState(rid, self.loads[rid], cached[1], cached[2])
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -52,20 +51,21 @@ class AffinityRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True  # every candidate is considered at once
         states = [self._state(r) for r in candidate_replicas]
         choice = self.policy.choose(_key(pending_request), states)
+        if choice.ranks:
+            self.loads.chosen(choice.ranks[0][0])
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank] for rank in choice.ranks]
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
-        self.inflight[replica_id.unique_id] += 1
+        self.loads.sent(replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        if self.inflight[replica_id.unique_id] > 0:
-            self.inflight[replica_id.unique_id] -= 1
+        self.loads.done(replica_id.unique_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.policy.forget_replica(replica_id.unique_id)
-        self.inflight.pop(replica_id.unique_id, None)
+        self.loads.forget(replica_id.unique_id)
         self._stats.pop(replica_id.unique_id, None)
