@@ -9,6 +9,7 @@ trace replayed against any OpenAI-compatible server (onnxgen serve, llama.cpp's 
     python benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --engine "" \\
         --engine paged=false,max_running=1,label=serial
     python benchmarks/batch.py --sections trace --url http://127.0.0.1:8000 --label onnxgen --sessions on,off
+    python benchmarks/batch.py --sections trace --cluster 2 --routers affinity,round_robin --threads 1
 
 Sections (contenders interleaved, the order reversed every other round, median of --runs):
   sweep   for each --concurrency B: B requests with distinct --prompt-token prompts (random ids; --chat:
@@ -28,25 +29,28 @@ Sections (contenders interleaved, the order reversed every other round, median o
           (64-token user turns, up to 128 tokens answered), all arriving at once, one run per engine: tok/s, TTFT and
           inter-token latency p50 / p99, KV pages held against one system prompt plus every session's own
           turns, prefix hit rate (`Model.kv_stats`; paged engines)
-  trace   against the server at --url (started on its own: one server at a time), --agents conversations
+  trace   against the server(s) at --url (started on their own), or with --cluster N against one server and,
+          per --routers mode, N Ray Serve replicas of it (onnxgen.serve.cluster; all started here, from --model),
+          the servers interleaved, each run the same trace for each: --agents conversations
           at once, --turns turns each, a --system-token system prompt (about; unique to the run, shared by
           its conversations), --new tokens a turn (EOS suppressed), streamed chat completions, each turn sent
           with the whole conversation as a stateless client does (--sessions on: onnxgen's X-Session-Id, a
           session per conversation), --think seconds between a reply and the next turn (as vLLM's multi-turn
           serving benchmark): TTFT of turn 1 and of later turns (p50 / p99), inter-token latency p50 / p99
           (the gaps between streamed content events), output tok/s, wall time, prompt tokens the server
-          reported cached on later turns
+          reported cached on later turns (their share), whether every reply equals the first server's
 Greedy; `speculative` as --speculative ("off": plain decoding; "default": the engine's choice).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -462,82 +466,135 @@ def _turn(http: Any, body: dict[str, Any], headers: dict[str, str]) -> dict[str,
     }
 
 
+def _trace_run(args: Any, http: Any, model: str, mode: str, nonce: int) -> dict[str, Any]:
+    """One whole trace against one server (see the module docstring): its numbers."""
+    bias = {str(t): -100 for t in u.ints(args.eos)}
+    system = system_prompt(args.system, nonce=nonce)
+
+    def conversation(c: int) -> list[dict[str, Any]]:
+        headers = {}
+        if mode == "on":
+            sid = http.post("/v1/sessions").json()["id"]
+            headers["X-Session-Id"] = sid
+        msgs = [{"role": "system", "content": system}]
+        turns = []
+        for t in range(args.turns):
+            msgs.append({"role": "user", "content": QUESTIONS[(c * args.turns + t) % len(QUESTIONS)]})
+            body = {
+                "model": model,
+                "messages": msgs,
+                "max_tokens": args.new,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "logit_bias": bias,
+                "ignore_eos": True,  # llama-server's; onnxgen ignores it (the logit bias does it there)
+            }
+            turns.append(_turn(http, body, headers))
+            msgs.append({"role": "assistant", "content": turns[-1]["text"]})
+            if args.think and t + 1 < args.turns:
+                time.sleep(args.think)  # the user reads and types
+        return turns
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.agents) as ex:
+        convs = list(ex.map(conversation, range(args.agents)))
+    wall = time.perf_counter() - t0
+    first = [c[0]["ttft"] for c in convs]
+    later = [t["ttft"] for c in convs for t in c[1:]]
+    itl = [g for c in convs for t in c for g in t["itl"]]
+    return {
+        "wall_s": wall,
+        "out_tok_s": sum(t["completion"] for c in convs for t in c) / wall,
+        "itl_p50": u.median(itl) if itl else 0.0,
+        "itl_p99": u.p99(itl) if itl else 0.0,
+        "turn1_ttft_p50": u.median(first),
+        "later_ttft_p50": u.median(later),
+        "later_ttft_p99": u.p99(later),
+        "later_cached": sum(t["cached"] for c in convs for t in c[1:]),
+        "later_prompt": sum(t["prompt"] for c in convs for t in c[1:]),
+        "turn1_prompt": convs[0][0]["prompt"],
+        "texts": [[t["text"] for t in c] for c in convs],
+    }
+
+
+@contextlib.contextmanager
+def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
+    """The servers the trace runs against: (label, base URL). --url: "URL" (named --label) or "LABEL=URL,...";
+    --cluster N: started here from --model with the first --engine's load options, each engine one thread
+    (--threads, default 1): one server in this process, and for each --routers mode N Ray Serve replicas behind
+    an ingress (onnxgen.serve.cluster), each mode an application of one local Ray under its own route prefix."""
+    if args.url:
+        yield [tuple(x.split("=", 1)) if "=" in x else (args.label, x) for x in args.url.split(",")]
+        return
+    import socket
+
+    import ray
+    from ray import serve
+
+    from onnxgen.serve.app import RunningServer, ServerConfig, create_app
+    from onnxgen.serve.cluster.deployment import ClusterConfig, application
+
+    pkg = u.models(args)[0]
+    opts = {"threads": args.threads or 1, **next(iter(u.engines(args.engine).values()))}
+    capacity = {"max_queue": 4 * args.agents}
+    one = RunningServer(create_app(u.load(pkg, "cpu", opts), ServerConfig(**capacity)))
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        out = [("1 server", one.url)]
+        for mode in args.routers.split(","):
+            config = ClusterConfig(replicas=args.cluster, mode=mode, load=opts, server=capacity)
+            serve.run(application(str(pkg.path), config), name=mode, route_prefix=f"/{mode}")
+            out.append((f"{args.cluster} replicas, {mode}", f"http://127.0.0.1:{port}/{mode}"))
+        yield out
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        one.stop()
+
+
 def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
-    """The multi-turn trace against --url (see the module docstring), once per --sessions mode."""
+    """The multi-turn trace against each server of `_servers`, per --sessions mode; the servers interleaved
+    (the order reversed every other run), the same trace for each within a run, a fresh one each run."""
     import httpx
 
     data, rows = {}, []
     # NOTE: a connection per request, for every server alike (llama-server drops reused ones at times)
     limits = httpx.Limits(max_connections=args.agents + 4, max_keepalive_connections=0)
-    http = httpx.Client(base_url=args.url, timeout=3600, limits=limits)
-    model = http.get("/v1/models").json()["data"][0]["id"]
-    bias = {str(t): -100 for t in u.ints(args.eos)}
-    for mode in args.sessions.split(","):
-        runs = []
-        for run in range(args.runs):
-            system = system_prompt(args.system, nonce=hash((mode, run, time.time())) % 100000)
-
-            def conversation(c: int, system: str = system, mode: str = mode) -> list[dict[str, Any]]:
-                headers = {}
-                if mode == "on":
-                    sid = http.post("/v1/sessions").json()["id"]
-                    headers["X-Session-Id"] = sid
-                msgs = [{"role": "system", "content": system}]
-                turns = []
-                for t in range(args.turns):
-                    msgs.append({"role": "user", "content": QUESTIONS[(c * args.turns + t) % len(QUESTIONS)]})
-                    body = {
-                        "model": model,
-                        "messages": msgs,
-                        "max_tokens": args.new,
-                        "temperature": 0,
-                        "stream": True,
-                        "stream_options": {"include_usage": True},
-                        "logit_bias": bias,
-                        "ignore_eos": True,  # llama-server's; onnxgen ignores it (the logit bias does it there)
-                    }
-                    turns.append(_turn(http, body, headers))
-                    msgs.append({"role": "assistant", "content": turns[-1]["text"]})
-                    if args.think and t + 1 < args.turns:
-                        time.sleep(args.think)  # the user reads and types
-                return turns
-
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(args.agents) as ex:
-                convs = list(ex.map(conversation, range(args.agents)))
-            wall = time.perf_counter() - t0
-            first = [c[0]["ttft"] for c in convs]
-            later = [t["ttft"] for c in convs for t in c[1:]]
-            itl = [g for c in convs for t in c for g in t["itl"]]
-            runs.append(
-                {
-                    "wall_s": wall,
-                    "out_tok_s": sum(t["completion"] for c in convs for t in c) / wall,
-                    "itl_p50": u.median(itl) if itl else 0.0,
-                    "itl_p99": u.p99(itl) if itl else 0.0,
-                    "turn1_ttft_p50": u.median(first),
-                    "later_ttft_p50": u.median(later),
-                    "later_ttft_p99": u.p99(later),
-                    "later_cached": sum(t["cached"] for c in convs for t in c[1:]),
-                    "later_prompt": sum(t["prompt"] for c in convs for t in c[1:]),
-                    "turn1_prompt": convs[0][0]["prompt"],
-                }
-            )
-        med = {k: u.median(r[k] for r in runs) for k in runs[0]}
-        data[mode] = {"runs": runs, "median": med}
-        rows.append(
-            [
-                f"{args.label} (session ids {mode})",
-                f"{med['turn1_ttft_p50'] * 1000:.0f}",
-                f"{med['later_ttft_p50'] * 1000:.0f}",
-                f"{med['later_ttft_p99'] * 1000:.0f}",
-                f"{med['itl_p50'] * 1000:.1f} / {med['itl_p99'] * 1000:.1f}",
-                f"{med['out_tok_s']:.1f}",
-                f"{med['wall_s']:.1f}",
-                f"{med['later_cached']:.0f} / {med['later_prompt']:.0f}",
-            ]
-        )
-    http.close()
+    with _servers(args) as servers:
+        https = {label: httpx.Client(base_url=url, timeout=3600, limits=limits) for label, url in servers}
+        models = {label: http.get("/v1/models").json()["data"][0]["id"] for label, http in https.items()}
+        for mode in args.sessions.split(","):
+            runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in servers}
+            for run in range(args.runs):
+                nonce = hash((mode, run, time.time())) % 100000
+                for label, _ in servers if run % 2 == 0 else servers[::-1]:
+                    runs[label].append(_trace_run(args, https[label], models[label], mode, nonce))
+            base = runs[servers[0][0]]
+            for label, _ in servers:
+                same = all(r["texts"] == b["texts"] for r, b in zip(runs[label], base, strict=True))
+                med = {k: u.median(r[k] for r in runs[label]) for k in runs[label][0] if k != "texts"}
+                share = med["later_cached"] / max(med["later_prompt"], 1)
+                data[f"{label}|{mode}"] = {"runs": [{**r, "texts": None} for r in runs[label]], "median": med}
+                rows.append(
+                    [
+                        f"{label} (session ids {mode})",
+                        f"{med['turn1_ttft_p50'] * 1000:.0f}",
+                        f"{med['later_ttft_p50'] * 1000:.0f}",
+                        f"{med['later_ttft_p99'] * 1000:.0f}",
+                        f"{med['itl_p50'] * 1000:.1f} / {med['itl_p99'] * 1000:.1f}",
+                        f"{med['out_tok_s']:.1f}",
+                        f"{med['wall_s']:.1f}",
+                        f"{med['later_cached']:.0f} / {med['later_prompt']:.0f} ({share:.1%})",
+                        "yes" if same else "no",
+                    ]
+                )
+        for http in https.values():
+            http.close()
     header = [
         "server",
         "turn 1 TTFT p50 ms",
@@ -547,6 +604,7 @@ def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
         "output tok/s",
         "wall s",
         "later cached / prompt",
+        f"replies = {servers[0][0]}'s",
     ]
     title = (
         f"trace: {args.agents} conversations x {args.turns} turns at once, ~{args.system}-token system prompt, "
@@ -573,7 +631,13 @@ def main() -> int:
         "--think", type=float, default=0.0, help="trace: seconds between a reply and the next turn"
     )
     ap.add_argument("--turns", type=int, default=10)
-    ap.add_argument("--url", default=None, help="trace: the server to replay the trace against")
+    ap.add_argument(
+        "--url", default=None, help="trace: the server (URL, or LABEL=URL,...) to replay it against"
+    )
+    ap.add_argument(
+        "--cluster", type=int, default=0, help="trace: N replicas per --routers mode, started here"
+    )
+    ap.add_argument("--routers", default="affinity,round_robin", help="trace with --cluster: router modes")
     ap.add_argument("--label", default="server", help="trace: the server's name in the table")
     ap.add_argument("--sessions", default="off", help="trace: on (onnxgen's X-Session-Id), off, or both")
     ap.add_argument("--eos", default="2", help="trace: EOS ids to suppress, comma-separated")
@@ -581,13 +645,12 @@ def main() -> int:
     if set(args.sections.split(",")) <= {"agents"}:
         args.dry_run = True  # one run: --runs does not apply
     if args.sections == "trace":
-        if args.url is None:
-            ap.error("--sections trace needs --url")
+        if args.url is None and not args.cluster:
+            ap.error("--sections trace needs --url or --cluster")
         args.dry_run = True  # each run is a whole trace: --runs 1 is a measurement
         title, text, d = trace(args, {})
-        u.report(
-            f"server: {args.url}; {u.describe('cpu', None)}; greedy", [(title, text)], args, {"trace": d}
-        )
+        where = args.url or f"started here from {args.model}, {args.threads or 1} thread(s) an engine"
+        u.report(f"servers: {where}; {u.describe('cpu', None)}; greedy", [(title, text)], args, {"trace": d})
         return 0
     u.check_args(ap, args)
     u.require_cuda(args.device, "batch.py")

@@ -183,3 +183,42 @@ def test_generate_structured_output_flags(tiny_dir, tmp_path, capsys):
     assert "missing.json" in err and "cannot read" in err
     with pytest.raises(SystemExit):  # one constraint at a time
         main([*base, "--json", "--regex", "a"])
+
+
+def test_serve_replicas_starts_the_cluster_with_the_servers_options(tiny_dir, monkeypatch, capsys):
+    pytest.importorskip("ray.serve")
+    from onnxgen.serve.cluster import deployment
+
+    seen = {}
+    monkeypatch.setattr(deployment, "run_local", lambda model, config, host, port: seen.update(locals()))
+    argv = [
+        "serve",
+        str(tiny_dir),
+        "--replicas",
+        "2",
+        "--router",
+        "round_robin",
+        "--api-key",
+        "k1",
+        "--max-queue",
+        "7",
+        "--threads",
+        "1",
+        "--port",
+        "9",
+    ]
+    assert main(argv) == 0
+    config = seen["config"]
+    assert seen["model"] == str(tiny_dir) and seen["port"] == 9 and config.replicas == 2
+    assert config.mode == "round_robin" and config.num_gpus == 0.0
+    assert config.server["api_keys"] == ("k1",) and config.server["max_queue"] == 7
+    assert config.server["model_id"] == tiny_dir.name
+    assert config.load == {
+        "backend": "auto",
+        "device": "cpu",
+        "chunk_size": 512,
+        "max_sessions": 8,
+        "threads": 1,
+    }
+    assert "2 replica(s)" in capsys.readouterr().err
+    assert main(["serve", str(tiny_dir), "--replicas", "0"]) != 0

@@ -104,6 +104,28 @@ def register(sub: Any) -> None:
         metavar="S",
         help="seconds a request may run before it is cancelled and answered 504 (default: 600)",
     )
+    g = p.add_argument_group("replicas (Ray Serve; pip install 'onnxgen[cluster]')")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve N replicas of the model behind one Ray Serve ingress on a local Ray, routed by session "
+        "and cached prefix (see docs/serve.md)",
+    )
+    g.add_argument(
+        "--router",
+        choices=("affinity", "round_robin", "load"),
+        default="affinity",
+        help="with --replicas: how requests pick a replica (default: affinity)",
+    )
+    g.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --replicas: GPUs per replica (default: 1 with --device cuda, else 0)",
+    )
     p.set_defaults(func=run)
 
 
@@ -145,23 +167,23 @@ def run(args: argparse.Namespace) -> int:
     keys = read_keys(args)
     if args.prefill_chunk is None:  # the loop checks cancellation and timeouts between chunks
         args.prefill_chunk = PREFILL_CHUNK
+    config = ServerConfig(
+        api_keys=keys,
+        max_queue=args.max_queue,
+        model_id=args.model_id,
+        max_tokens_cap=args.max_tokens_cap,
+        request_timeout_s=args.request_timeout,
+        metrics_keys=tuple(args.metrics_key or ()),
+        isolate_keyless=args.isolate_keyless,
+        session_ttl_s=args.session_ttl,
+        max_sessions_per_client=args.sessions_per_client,
+        kv_dir=args.kv_dir,
+    )
+    if args.replicas is not None:
+        return run_replicas(args, config)
     spill = str(Path(args.kv_dir) / "spill") if args.kv_dir else None  # sessions pushed out of memory
     model = load_model(args, max_sessions=args.max_sessions, kv_dir=spill)
-    app = create_app(
-        model,
-        ServerConfig(
-            api_keys=keys,
-            max_queue=args.max_queue,
-            model_id=args.model_id,
-            max_tokens_cap=args.max_tokens_cap,
-            request_timeout_s=args.request_timeout,
-            metrics_keys=tuple(args.metrics_key or ()),
-            isolate_keyless=args.isolate_keyless,
-            session_ttl_s=args.session_ttl,
-            max_sessions_per_client=args.sessions_per_client,
-            kv_dir=args.kv_dir,
-        ),
-    )
+    app = create_app(model, config)
     auth = (
         f"{len(keys)} API key(s)"
         if keys
@@ -179,4 +201,54 @@ def run(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, **UVICORN_OPTIONS)
     app.state.server.close()
+    return 0
+
+
+def run_replicas(args: argparse.Namespace, config: Any) -> int:
+    """`--replicas N`: the same server in N Ray Serve replicas behind one ingress, on a local Ray."""
+    import dataclasses
+    import os
+
+    if args.replicas < 1:
+        raise InvalidRequest(f"--replicas must be >= 1, got {args.replicas}", field="replicas")
+    try:
+        from onnxgen.serve.cluster.deployment import ClusterConfig, run_local
+    except ImportError as exc:
+        raise InvalidRequest(
+            f"--replicas needs the cluster extra: pip install 'onnxgen[cluster]' ({exc})"
+        ) from exc
+    from onnxgen.cli.progress import RichReporter
+    from onnxgen.convert.default import resolve_model_path
+
+    path = resolve_model_path(args.model, progress=RichReporter())  # the default model is built here, once
+    threads = args.threads or (
+        max(1, (os.cpu_count() or 1) // args.replicas) if args.device == "cpu" else None
+    )
+    load = {
+        "backend": args.backend,
+        "device": args.device,
+        "chunk_size": args.prefill_chunk,
+        "max_sessions": args.max_sessions,
+        **({"threads": threads} if threads else {}),
+        **({"tool_parser": args.tool_parser} if args.tool_parser else {}),
+        **({"kv_dir": str(Path(args.kv_dir))} if args.kv_dir else {}),
+    }
+    gpus = args.replica_gpus if args.replica_gpus is not None else (1.0 if args.device == "cuda" else 0.0)
+    server = {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "isolate_keyless"
+    }
+    cluster = ClusterConfig(
+        replicas=args.replicas,
+        num_gpus=gpus,
+        mode=args.router,
+        isolate_keyless=config.isolate_keyless,
+        load=load,
+        server={**server, "model_id": config.model_id or path.name},
+    )
+    print(
+        f"onnxgen: serving {cluster.server['model_id']!r} from {args.replicas} replica(s) on "
+        f"http://{args.host}:{args.port}/v1 · router {args.router} · Ray Serve (Ctrl-C stops)",
+        file=sys.stderr,
+    )
+    run_local(str(path), cluster, host=args.host, port=args.port)
     return 0

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from onnxgen.errors import APIError
-from onnxgen.serve.errors import anthropic_error_body, error_body, from_engine_error
+from onnxgen.serve.errors import body_for, from_engine_error
 from onnxgen.serve.metrics import CountRequests
 from onnxgen.serve.routes import add_routes, route_label
 from onnxgen.serve.server import Server, ServerConfig
@@ -54,11 +54,6 @@ MAX_HEADER_BYTES = 64 * 1024  # request headers together; more is a 431
 UVICORN_OPTIONS: dict[str, Any] = {"h11_max_incomplete_event_size": 1024 * 1024, "http": "h11"}
 
 
-def _body(path: str, err: APIError) -> dict[str, Any]:
-    """The error body in the shape of the family `path` belongs to."""
-    return anthropic_error_body(err) if path.startswith("/v1/messages") else error_body(err)
-
-
 class LimitHeaders:
     """Pure ASGI middleware: a request whose headers total more than `limit` bytes gets 431."""
 
@@ -74,7 +69,7 @@ class LimitHeaders:
                     431, f"the request headers total {size} bytes; at most {self.limit} are accepted"
                 )
                 resp = JSONResponse(
-                    _body(scope.get("path", ""), err), status_code=431, headers={"Connection": "close"}
+                    body_for(scope.get("path", ""), err), status_code=431, headers={"Connection": "close"}
                 )
                 await resp(scope, receive, send)
                 return
@@ -91,20 +86,20 @@ def create_app(model: Model, config: ServerConfig | None = None) -> Any:
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if exc.status >= 500:
             log.error("%s %s: %s", request.method, request.url.path, exc.message, exc_info=exc.__cause__)
-        return JSONResponse(_body(request.url.path, exc), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(body_for(request.url.path, exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         err = APIError(exc.status_code, str(exc.detail), code=code)
-        return JSONResponse(_body(request.url.path, err), status_code=exc.status_code, headers=exc.headers)
+        return JSONResponse(body_for(request.url.path, err), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         err = from_engine_error(exc)
         if err.status >= 500:
             log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return JSONResponse(_body(request.url.path, err), status_code=err.status)
+        return JSONResponse(body_for(request.url.path, err), status_code=err.status)
 
     app.add_middleware(CountRequests, metrics=server.metrics, label=route_label)
     app.add_middleware(LimitHeaders)

@@ -33,6 +33,11 @@ _ANTHROPIC_TYPES = {
 }
 
 
+def body_for(path: str, err: APIError) -> dict[str, Any]:
+    """The error body in the shape of the family the request path `path` belongs to."""
+    return anthropic_error_body(err) if path.startswith("/v1/messages") else error_body(err)
+
+
 def error_body(exc: APIError) -> dict[str, Any]:
     """The JSON body of an error response."""
     return {

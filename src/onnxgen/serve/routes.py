@@ -21,7 +21,7 @@ from onnxgen.errors import APIError
 from onnxgen.serve import anthropic, openai, responses
 from onnxgen.serve.messages import chat_messages, completion_prompt
 from onnxgen.serve.schemas import ChatCompletionRequest, CompletionRequest
-from onnxgen.serve.sessions import SESSION_HEADER
+from onnxgen.serve.sessions import SESSION_EXTENSION, SESSION_HEADER
 from onnxgen.serve.streaming import read_body, respond
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def add_routes(app: Any, server: Server) -> None:
     async def create_session(request: Request) -> JSONResponse:
         caller = server.caller(request)
         await server.close_expired()
-        sid = server.create_session(caller)
+        sid = server.create_session(caller, request.scope.get("extensions", {}).get(SESSION_EXTENSION))
         return JSONResponse(
             {"id": sid, "object": "session", "created": int(time.time())}, headers={SESSION_HEADER: sid}
         )

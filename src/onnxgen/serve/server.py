@@ -59,7 +59,10 @@ class ServerConfig:
     without keys, unnamed requests share no KV (see the module docstring). metrics_keys: with API keys, the
     keys that may read /metrics (server-wide numbers; none: nobody). max_stored_responses: responses kept for
     `previous_response_id` and GET (least recently stored dropped first). kv_dir: where sessions are saved
-    (`POST /v1/sessions/{id}/save`, and all at shutdown) and restored from by id (None: nowhere)."""
+    (`POST /v1/sessions/{id}/save`, and all at shutdown) and restored from by id (None: nowhere).
+    adopt_sessions: a request naming a well-formed session id this server neither holds nor has a file of
+    starts an empty session under that id instead of a 404 (a replica behind a router, where a session may
+    move between replicas: its conversation is then recomputed; off for one server)."""
 
     api_keys: tuple[str, ...] = ()
     max_queue: int = 64
@@ -77,6 +80,7 @@ class ServerConfig:
     metrics_keys: tuple[str, ...] = ()
     max_stored_responses: int = 1024
     kv_dir: str | None = None
+    adopt_sessions: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1:
@@ -272,17 +276,23 @@ class Server:
             return caller.owner, False
         return None, self.config.isolate_keyless
 
-    def create_session(self, caller: Caller) -> str:
-        """A new session id for `caller`. Raises APIError 429 at the owner's or client's bound."""
+    def create_session(self, caller: Caller, sid: str | None = None) -> str:
+        """A new session id for `caller` (`sid`: the id an ingress in front of this server chose, passed in
+        the ASGI scope, never by a client). Raises APIError 429 at the owner's or client's bound."""
         salt, per_id = self.session_salt(caller)
         try:
+            if sid is not None and self.store.adopt(
+                caller.owner, caller.client, salt, sid, per_id_salt=per_id
+            ):
+                return sid
             return self.store.create(caller.owner, caller.client, salt, per_id_salt=per_id)
         except SessionLimit as exc:
             raise APIError(429, str(exc), code="too_many_sessions") from None
 
     async def resolve_session(self, request: Any, caller: Caller) -> Session | None:
         """The session named by `X-Session-Id` (scoped to the key; with a kv_dir, restored from its file when
-        the store does not hold it), or None: a stateless request."""
+        the store does not hold it; with `adopt_sessions`, else begun empty under its id), or None: a
+        stateless request."""
         sid = request.headers.get(SESSION_HEADER)
         if sid is None:
             return None
@@ -291,6 +301,12 @@ class Server:
         if session is None and self.store.file(caller.owner, sid) is not None:
             salt, per_id = self.session_salt(caller)
             session = await self.run_off_loop(self.store.restore, caller.owner, sid, sid if per_id else salt)
+        if session is None and self.config.adopt_sessions:
+            salt, per_id = self.session_salt(caller)
+            try:
+                session = self.store.adopt(caller.owner, caller.client, salt, sid, per_id_salt=per_id)
+            except SessionLimit as exc:
+                raise APIError(429, str(exc), code="too_many_sessions") from None
         if session is None:
             raise APIError(
                 404,

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 from onnxgen.errors import SessionFileError, SessionLimit
 
 SESSION_HEADER = "X-Session-Id"
+# the ASGI scope extension in which an ingress in front of the server names the session POST /v1/sessions makes
+SESSION_EXTENSION = "onnxgen.session_id"
 _SID = re.compile(r"[0-9a-f]{32}")
 log = logging.getLogger("onnxgen.serve")
 
@@ -73,21 +75,44 @@ class SessionStore:
         when `per_id_salt`). Raises `SessionLimit` (its message names the bound) when the owner or the client
         holds as many sessions as allowed."""
         with self._lock:
-            self._sweep()
-            owned = sum(1 for e in self._sessions.values() if e.owner == owner)
-            if owned >= self.max_per_owner:
-                raise SessionLimit(f"this key holds {self.max_per_owner} sessions; delete some first")
-            if client != owner and sum(1 for e in self._sessions.values() if e.client == client) >= (
-                self.max_per_client
-            ):
-                raise SessionLimit(
-                    f"this client holds {self.max_per_client} sessions; delete some, or let them expire "
-                    f"({self.ttl_s:g} s unused)"
-                )
             sid = secrets.token_hex(16)
-            session = self.model.session(name=f"http-{sid[:8]}", salt=sid if per_id_salt else salt)
-            self._sessions[sid] = _Entry(owner, client, session, time.monotonic())
+            self._add(owner, client, salt, per_id_salt, sid)
             return sid
+
+    def adopt(
+        self, owner: str, client: str, salt: str | None, sid: str, *, per_id_salt: bool = False
+    ) -> Session | None:
+        """The session `sid` of `owner`, created empty under that id if this store does not hold it (a
+        session begun on another replica: its next request recomputes what that replica had cached). None
+        when another owner holds `sid` or `sid` is not an id this store makes. Raises `SessionLimit` as
+        `create` does."""
+        if not self.well_formed(sid):
+            return None
+        with self._lock:
+            hit = self._owned(owner, sid)
+            if hit is None and sid not in self._sessions:
+                hit = self._add(owner, client, salt, per_id_salt, sid)
+            if hit is None:
+                return None
+            hit.used = time.monotonic()
+            return hit.session
+
+    def _add(self, owner: str, client: str, salt: str | None, per_id_salt: bool, sid: str) -> _Entry:
+        """Register a new session `sid` (call with `_lock` held). Raises `SessionLimit`."""
+        self._sweep()
+        owned = sum(1 for e in self._sessions.values() if e.owner == owner)
+        if owned >= self.max_per_owner:
+            raise SessionLimit(f"this key holds {self.max_per_owner} sessions; delete some first")
+        if client != owner and sum(1 for e in self._sessions.values() if e.client == client) >= (
+            self.max_per_client
+        ):
+            raise SessionLimit(
+                f"this client holds {self.max_per_client} sessions; delete some, or let them expire "
+                f"({self.ttl_s:g} s unused)"
+            )
+        session = self.model.session(name=f"http-{sid[:8]}", salt=sid if per_id_salt else salt)
+        entry = self._sessions[sid] = _Entry(owner, client, session, time.monotonic())
+        return entry
 
     def _owned(self, owner: str, sid: str) -> _Entry | None:
         """The entry of `sid` if it exists, has not expired and belongs to `owner`; call with `_lock` held."""
@@ -187,6 +212,16 @@ class SessionStore:
             self._sweep()
             out, self._expired = self._expired, []
             return out
+
+    def ids(self) -> list[str]:
+        """The ids of the sessions held now (expired ones may linger until the next sweep)."""
+        with self._lock:
+            return list(self._sessions)
+
+    @staticmethod
+    def well_formed(sid: str) -> bool:
+        """Whether `sid` has the shape of the ids this store makes."""
+        return _SID.fullmatch(sid) is not None
 
     def __len__(self) -> int:
         with self._lock:

@@ -1,0 +1,249 @@
+"""onnxgen on Ray Serve: replicas of one model behind one ingress, routed by session and prefix affinity.
+
+    HTTP ─► Ray Serve proxy ─► Ingress (1 replica: reads the body, `bridge.read_call` → HttpCall + RouteKey)
+                                  │ handle.handle.remote(call)   routed by `router.AffinityRouter`
+                                  ▼
+             Replica × N: one loaded `onnxgen.Model` and the FastAPI app of `onnxgen serve` (`create_app`),
+                          the call run through it in process (`bridge.run`); `record_routing_stats` publishes
+                          the digests of its sessions and of the prefixes it served
+
+`build(args)` is a Ray Serve application builder (`serve run onnxgen.serve.cluster.deployment:build model=...`,
+or `import_path` in a Serve config file); `run_local` starts a local Ray for `onnxgen serve --replicas N`.
+
+Faults: a call that fails before its response starts (its replica died or was drained) is retried once, then
+answered 503 with `Retry-After`; a response that had started ends where the replica stopped. A session whose
+replica is gone is rebound by the router and adopted empty where it lands (`ServerConfig.adopt_sessions`), or
+restored from its file with a shared `kv_dir`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from onnxgen.errors import APIError
+from onnxgen.serve.cluster.bridge import HttpCall, read_call, run
+from onnxgen.serve.cluster.keys import session_digest
+from onnxgen.serve.errors import body_for
+
+log = logging.getLogger("onnxgen.serve")
+
+ROUTER = "onnxgen.serve.cluster.router:AffinityRouter"
+MAX_PREFIXES = 4096  # prefix digests a replica publishes (most recently served first out)
+
+
+class Replica:
+    """One model and its server app. `model`: package path; `load`: `onnxgen.load` options; `server`:
+    `ServerConfig` fields (sessions are adopted: see the module docstring)."""
+
+    def __init__(self, model: str, load: dict[str, Any], server: dict[str, Any]) -> None:
+        import onnxgen
+        from onnxgen.serve.app import ServerConfig, create_app
+
+        self.id = serve.get_replica_context().replica_id.unique_id
+        load = dict(load)
+        if load.get("kv_dir"):  # sessions pushed out of memory spill to a folder of this replica's own
+            load["kv_dir"] = os.path.join(load["kv_dir"], f"spill-{self.id}")
+        self.model = onnxgen.load(model, **load)
+        self.app = create_app(self.model, ServerConfig(**{**server, "adopt_sessions": True}))
+        self.server = self.app.state.server
+        self.prefixes: OrderedDict[str, None] = OrderedDict()
+
+    async def handle(self, call: HttpCall) -> AsyncIterator[dict[str, Any]]:
+        """The ASGI messages of `call`'s response; a 2xx answer records the call's prefix digests."""
+        async for msg in run(self.app, call, self.id):
+            if msg["type"] == "http.response.start" and 200 <= msg["status"] < 300:
+                for p in call.route.prefixes:
+                    self.prefixes[p] = None
+                    self.prefixes.move_to_end(p)
+                while len(self.prefixes) > MAX_PREFIXES:
+                    self.prefixes.popitem(last=False)
+            yield msg
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the router reads as this replica's `routing_stats`."""
+        return {
+            "sessions": [session_digest(s) for s in self.server.store.ids()],
+            "prefixes": list(self.prefixes),
+            "inflight": self.server.depth,
+        }
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+            self.model.close()
+
+
+class Ingress:
+    """The one HTTP entry: reads each request, hands it to a replica through `replicas` (a handle whose router
+    is `AffinityRouter`) and relays the response as it streams."""
+
+    def __init__(self, replicas: Any, isolate_keyless: bool = False) -> None:
+        self.replicas = replicas.options(stream=True)
+        self.isolate_keyless = isolate_keyless
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return _Asgi(self)
+
+    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        call = await read_call(scope, receive, self.isolate_keyless)
+        for attempt in (1, 2):
+            started = False
+            try:
+                async for msg in self.replicas.handle.remote(call):
+                    started = True
+                    await send(msg)
+                return
+            except Exception as exc:
+                if started:  # the client already has part of the answer: the connection ends here
+                    log.warning("a replica failed while answering %s %s: %s", call.method, call.path, exc)
+                    raise
+                log.warning(
+                    "a replica failed before answering %s %s (try %d): %s",
+                    call.method,
+                    call.path,
+                    attempt,
+                    exc,
+                )
+        err = APIError(
+            503,
+            "no replica could answer this request; retry it",
+            code="replica_unavailable",
+            headers={"Retry-After": "1"},
+        )
+        await _answer(send, call.path, err)
+
+
+class _Asgi:
+    """The ingress as an ASGI 3 application object."""
+
+    def __init__(self, ingress: Ingress) -> None:
+        self.ingress = ingress
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await self.ingress.asgi(scope, receive, send)
+
+
+async def _answer(send: Any, path: str, err: APIError) -> None:
+    import json
+
+    body = json.dumps(body_for(path, err)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the application is laid out: `replicas` of the model, each with `num_cpus` / `num_gpus` of Ray's
+    resources and at most `max_ongoing` requests in flight; the router's `mode` ("affinity", "round_robin",
+    "load") and `imbalance`; how often replicas publish their routing stats (`stats_period_s`)."""
+
+    replicas: int = 2
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+    max_ongoing: int = 128
+    mode: str = "affinity"
+    imbalance: int = 4
+    stats_period_s: float = 1.0
+    isolate_keyless: bool = False
+    load: dict[str, Any] = field(default_factory=dict)
+    server: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+
+
+def application(model: str, config: ClusterConfig) -> Any:
+    """The bound Ray Serve application: the ingress over `config.replicas` replicas of `model`."""
+    replica = serve.deployment(
+        Replica,
+        name="onnxgen-replica",
+        num_replicas=config.replicas,
+        max_ongoing_requests=config.max_ongoing,
+        ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER,
+            request_router_kwargs={"mode": config.mode, "imbalance": config.imbalance},
+            request_routing_stats_period_s=config.stats_period_s,
+        ),
+    )
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name="onnxgen-ingress",
+        num_replicas=1,
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0},
+    )
+    server = {**config.server, "isolate_keyless": config.isolate_keyless}
+    return ingress.bind(replica.bind(model, config.load, server), config.isolate_keyless)
+
+
+def build(args: dict[str, Any]) -> Any:
+    """Ray Serve application builder (`import_path: onnxgen.serve.cluster.deployment:build`): `args` holds
+    `model` (a package path) and optionally `replicas`, `num_cpus`, `num_gpus`, `max_ongoing`, `mode`,
+    `imbalance`, `stats_period_s`, `isolate_keyless`, `load` (`onnxgen.load` options) and `server`
+    (`ServerConfig` fields)."""
+    args = dict(args)
+    model = str(args.pop("model"))
+    casts = {
+        "replicas": int,
+        "max_ongoing": int,
+        "imbalance": int,
+        "num_cpus": float,
+        "num_gpus": float,
+        "stats_period_s": float,
+    }
+    for name, cast in casts.items():
+        if name in args:
+            args[name] = cast(args[name])
+    if isinstance(args.get("isolate_keyless"), str):
+        args["isolate_keyless"] = args["isolate_keyless"].lower() in ("1", "true", "yes")
+    return application(model, ClusterConfig(**args))
+
+
+def run_local(model: str, config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Start a local Ray, serve the application on `host:port` until interrupted (Ctrl-C or SIGTERM), then
+    shut Serve and Ray down."""
+    import signal
+
+    import ray
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(model, config), name="onnxgen", route_prefix="/")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
