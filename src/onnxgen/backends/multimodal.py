@@ -1,0 +1,226 @@
+"""The image pipeline ahead of a decoder: vision graph -> embedding graph -> the decoder fed `inputs_embeds`
+and MRoPE position ids. `MultimodalDecoder` obeys the Decoder contract (`backends/base.py`) around an inner
+decoder of either backend whose graph takes embeddings.
+
+A forward's tokens may hold image keys (`package/attachments.py`): the k-th token of image s. The images
+themselves come with the request (`inputs[IMAGES]`, `ImageInput`s). For each forward:
+
+1. the features of every image with a key among the tokens: the vision graph runs once per image, its
+   output cached by the image's digest (`Parts.features`: an LRU bounded in bytes, shared by the decoder's
+   forks), so a later turn or another request repeating the image does not run it again;
+2. the embedding graph over the tokens (keys made placeholders again) and the feature rows of the keys, in
+   order: the k-th key's row is row k of its image's features, so a chunk may start or end inside an image;
+3. the 3-row (temporal, height, width) position of each token, as transformers' `get_rope_index`: a text
+   token one past the largest position before it; the tokens of an image laid out on its merged grid from
+   the position its first token would have had as text, the position after the image that plus the larger
+   grid side. A position depends only on the tokens before it (and the images they name), so it is computed
+   incrementally from the cached context's positions (`_pos`, kept beside the KV, cut by `rewind_to`);
+4. the inner decoder's forward with `inputs_embeds` and `position_ids` `[3, 1, n]`.
+
+The vision and embedding graphs run on onnxruntime (CPU), whichever backend runs the decoder.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from onnxgen.errors import MissingRequiredInput
+from onnxgen.package.attachments import IMAGES, KEY_BASE, KEY_STRIDE, ImageInput, has_keys, split_key
+from onnxgen.package.spec import ModelSpec
+
+
+class Parts:
+    """A package's vision and embedding graphs (onnxruntime sessions) and the image features computed so far,
+    by digest, least recently used dropped past `cache_bytes`. Thread-safe; shared by a decoder's forks."""
+
+    def __init__(self, spec: ModelSpec, threads: int | None = None, cache_bytes: int = 256 << 20) -> None:
+        import onnxruntime as ort
+
+        mm = spec.multimodal
+        assert mm is not None and spec.inputs_embeds_name is not None
+        self.spec, self.mm = spec, mm
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.vision = ort.InferenceSession(str(mm.vision.path), opts, providers=["CPUExecutionProvider"])
+        self.embedding = ort.InferenceSession(
+            str(mm.embedding.path), opts, providers=["CPUExecutionProvider"]
+        )
+        kind = next(i.type for i in self.embedding.get_inputs() if i.name == mm.embedding.image_features)
+        self._rows_dtype = np.float16 if kind == "tensor(float16)" else np.float32
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self.vision_runs = 0
+        self.cache_hits = 0
+
+    def features(self, image: ImageInput) -> np.ndarray:
+        """`[image.tokens, hidden]` features of `image` (the vision graph's, or the cached ones)."""
+        with self._lock:
+            cached = self._cache.get(image.digest)
+            if cached is not None:
+                self._cache.move_to_end(image.digest)
+                self.cache_hits += 1
+                return cached
+        v = self.mm.vision
+        grid = np.asarray([image.grid], dtype=np.int64)
+        out = self.vision.run(
+            [v.image_features], {v.pixel_values: image.pixel_values, v.image_grid_thw: grid}
+        )[0]
+        assert out.shape[0] == image.tokens, (
+            f"the vision graph gave {out.shape[0]} rows for {image.tokens} tokens"
+        )
+        with self._lock:
+            self.vision_runs += 1
+            if image.digest not in self._cache:
+                self._cache[image.digest] = out
+                self._held += out.nbytes
+            while self._held > self.cache_bytes and len(self._cache) > 1:
+                self._held -= self._cache.popitem(last=False)[1].nbytes
+        return out
+
+    def embed(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """`[1, n, hidden]` embeddings of `ids` (`[n]`, placeholders where images go) with `rows` (`[k, hidden]`)
+        at the k placeholders."""
+        e = self.mm.embedding
+        feeds = {e.input_ids: ids.reshape(1, -1), e.image_features: rows}
+        return self.embedding.run([e.inputs_embeds], feeds)[0]
+
+    def empty_rows(self) -> np.ndarray:
+        """The `image_features` of a chunk without image tokens: no rows."""
+        return np.zeros((0, self.spec.hidden_size), dtype=self._rows_dtype)
+
+
+class MultimodalDecoder:
+    """The Decoder contract over `inner` (a decoder whose graph takes `inputs_embeds`) and `parts` (see the
+    module doc). `info` adds: `vision_runs` and `vision_cache_hits` (of the shared `Parts`), `images_cached`.
+    `import_kv` takes text-only contexts (image keys name images of this process only)."""
+
+    def __init__(self, inner: Any, parts: Parts) -> None:
+        self.inner = inner
+        self.parts = parts
+        self.spec = inner.spec
+        self.backend = inner.backend
+        self.device = inner.device
+        self.can_rewind = inner.can_rewind
+        mm = parts.mm
+        self._placeholder = mm.image_token_id
+        self._pos = np.zeros((3, 0), dtype=np.int64)  # positions of the cached tokens
+        self._next = 0  # the position of a text token after them
+
+    # --- the KV seam -----------------------------------------------------------------------------------
+
+    def kv_len(self) -> int:
+        return self.inner.kv_len()
+
+    def rewind_to(self, n: int) -> bool:
+        if not self.inner.rewind_to(n):
+            return False
+        self._cut(n)
+        return True
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self._cut(0)
+
+    def _cut(self, n: int) -> None:
+        self._pos = self._pos[:, :n]
+        self._next = int(self._pos.max()) + 1 if n else 0
+
+    # --- memory and lifetime ------------------------------------------------------------------------------
+
+    def kv_bytes(self) -> int:
+        return self.inner.kv_bytes()
+
+    def export_kv(self) -> list[tuple[Any, Any]]:
+        return self.inner.export_kv()
+
+    def import_kv(self, tokens: Sequence[int], layers: Sequence[tuple[Any, Any]]) -> None:
+        assert not has_keys(tokens), "contexts holding images are never saved (kv.files refuses them)"
+        self.inner.import_kv(tokens, layers)
+        n = len(tokens)
+        self._pos = np.broadcast_to(np.arange(n, dtype=np.int64), (3, n)).copy()
+        self._next = n
+
+    @property
+    def info(self) -> dict[str, Any]:
+        with self.parts._lock:
+            cached = len(self.parts._cache)
+        return {
+            **self.inner.info,
+            "vision_runs": self.parts.vision_runs,
+            "vision_cache_hits": self.parts.cache_hits,
+            "images_cached": cached,
+        }
+
+    def close(self) -> None:
+        self.inner.close()
+        self._cut(0)
+
+    def fork(self) -> MultimodalDecoder:
+        return MultimodalDecoder(self.inner.fork(), self.parts)
+
+    # --- running ----------------------------------------------------------------------------------------
+
+    def forward(
+        self, tokens: Sequence[int], start_pos: int, inputs: Mapping[str, Any] | None = None, rows: int = 1
+    ) -> Any:
+        """The Decoder contract's forward; the image keys among `tokens` need their images in `inputs[IMAGES]`
+        (`MissingRequiredInput` naming the vision graph's pixel input otherwise)."""
+        assert start_pos == self.kv_len() == self._pos.shape[1], (start_pos, self.kv_len(), self._pos.shape)
+        images = {im.serial: im for im in (inputs or {}).get(IMAGES, ())}
+        ids = np.asarray(tokens, dtype=np.int64)
+        keyed = ids >= KEY_BASE
+        feats = self.parts.empty_rows()
+        if keyed.any():
+            serial, k = np.divmod(ids[keyed] - KEY_BASE, KEY_STRIDE)
+            table = {s: self.parts.features(self._image(images, s)) for s in dict.fromkeys(serial.tolist())}
+            feats = np.stack([table[s][i] for s, i in zip(serial.tolist(), k.tolist(), strict=True)])
+        embeds = self.parts.embed(np.where(keyed, self._placeholder, ids), feats)
+        pos, nxt = self._positions(ids, images)
+        spec = self.spec
+        feed = {k: v for k, v in (inputs or {}).items() if k != IMAGES}
+        feed[spec.inputs_embeds_name] = embeds
+        if spec.position_ids_name is not None:
+            feed[spec.position_ids_name] = pos[:, None, :]
+        out = self.inner.forward(tokens, start_pos, feed, rows)
+        self._pos = np.concatenate([self._pos, pos], axis=1)
+        self._next = nxt
+        return out
+
+    def _image(self, images: Mapping[int, ImageInput], serial: int) -> ImageInput:
+        img = images.get(serial)
+        if img is None:
+            raise MissingRequiredInput(
+                self.parts.mm.vision.pixel_values,
+                "the prompt holds an image's tokens but the request does not carry that image: pass it "
+                "(generate(..., images=[...]) or an image content part)",
+            )
+        return img
+
+    def _positions(self, ids: np.ndarray, images: Mapping[int, ImageInput]) -> tuple[np.ndarray, int]:
+        """`[3, n]` MRoPE positions of `ids` after the cached context, and the next text position."""
+        n0, n = self._pos.shape[1], len(ids)
+        out = np.empty((3, n), dtype=np.int64)
+        nxt = self._next
+        for j, t in enumerate(ids.tolist()):
+            if t < KEY_BASE:
+                out[:, j] = nxt
+                nxt += 1
+                continue
+            serial, k = split_key(t)  # type: ignore[misc]
+            img = self._image(images, serial)
+            _, gh, gw = img.llm_grid
+            first = j - k  # the image's first token, in this forward (>= 0) or in the cache
+            p0 = nxt if k == 0 else int(out[0, first] if first >= 0 else self._pos[0, n0 + first])
+            ti, r = divmod(k, gh * gw)
+            out[:, j] = (p0 + ti, p0 + r // gw, p0 + r % gw)
+            nxt = p0 + max(gh, gw) if k == img.tokens - 1 else max(nxt, int(out[:, j].max()) + 1)
+        return out, nxt
