@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import secrets
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from onnxgen.errors import APIError, Cancelled, SessionLimit
 from onnxgen.serve.errors import from_engine_error
+from onnxgen.serve.messages import Fetch, fetch_image
 from onnxgen.serve.metrics import Metrics
 from onnxgen.serve.openai import Logprobs
 from onnxgen.serve.sessions import SESSION_HEADER, SessionStore
@@ -59,7 +61,9 @@ class ServerConfig:
     without keys, unnamed requests share no KV (see the module docstring). metrics_keys: with API keys, the
     keys that may read /metrics (server-wide numbers; none: nobody). max_stored_responses: responses kept for
     `previous_response_id` and GET (least recently stored dropped first). kv_dir: where sessions are saved
-    (`POST /v1/sessions/{id}/save`, and all at shutdown) and restored from by id (None: nowhere)."""
+    (`POST /v1/sessions/{id}/save`, and all at shutdown) and restored from by id (None: nowhere).
+    allow_remote_images: fetch http(s) image URLs of content parts (at most `max_body_bytes` each); off, only
+    data: URLs are accepted."""
 
     api_keys: tuple[str, ...] = ()
     max_queue: int = 64
@@ -77,6 +81,7 @@ class ServerConfig:
     metrics_keys: tuple[str, ...] = ()
     max_stored_responses: int = 1024
     kv_dir: str | None = None
+    allow_remote_images: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1:
@@ -127,6 +132,12 @@ class Server:
             kv_dir=config.kv_dir,
         )
         self.logprobs = Logprobs(model)
+        # how a content part's remote image URL is fetched (None: refused; `messages.image_part`)
+        self.image_fetch: Fetch | None = (
+            functools.partial(fetch_image, max_bytes=config.max_body_bytes)
+            if config.allow_remote_images
+            else None
+        )
         self.metrics = Metrics()
         self.created = int(time.time())
         self.responses: Any = None  # the Responses API's store (responses.py sets it)
