@@ -190,3 +190,27 @@ def test_a_context_holding_images_is_never_saved(model, tmp_path):
     assert t.save(tmp_path / "t.safetensors") > 0  # a text context of the same model still can be
     s.close()
     t.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_session_pushed_out_resumes_with_its_images_from_the_host_tier_and_recomputes_from_disk(
+    qwen_vl_dir, tmp_path, tier
+):
+    from tests.harness import loaded
+
+    opts = {"host_kv_bytes": 1 << 30} if tier == "host" else {"kv_dir": str(tmp_path / "spill")}
+    _, m = loaded(qwen_vl_dir, backend="ort", threads=2, max_sessions=1, **opts)
+    a, b = m.session(), m.session()
+    r1 = a.generate(turn1(), images=[A], max_new_tokens=4)
+    b.generate("another conversation", max_new_tokens=2)  # pushes a out of memory
+    r2 = a.generate(turn2(r1.text), images=[A], max_new_tokens=6, output_logits=True)
+    fresh = m.generate(
+        unkey(r2.prompt_ids, PAD), images=[A], max_new_tokens=6, output_logits=True, reuse=False
+    )
+    assert r2.tokens == fresh.tokens
+    assert np.abs(r2.logits - fresh.logits).max() <= 1e-4 * np.abs(fresh.logits).max()
+    if tier == "host":  # the host arrays come back, laid out again with the image
+        assert r2.stats.reused_tokens >= len(r1.prompt_ids)
+    else:  # a context holding images is never written to a file (`persist.write` refuses): it recomputes
+        assert r2.stats.reused_tokens == 0
+    m.close()

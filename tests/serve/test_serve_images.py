@@ -27,7 +27,9 @@ def png(h: int, w: int, seed: int) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
+        buf, format="PNG"
+    )
     return buf.getvalue()
 
 
@@ -68,7 +70,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.body = body
         super().__init__(*args, **kwargs)
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         self.send_response(200)
         self.send_header("Content-Type", "image/png")
         self.end_headers()
@@ -121,7 +123,10 @@ def test_remote_image_urls_are_refused_unless_allowed(model, expected, image_hos
 
 
 def test_anthropic_image_blocks_answer_as_the_python_api(model, expected):
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": DATA_URL.split(",")[1]}}
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": DATA_URL.split(",")[1]},
+    }
     body = {
         "model": "pkg",
         "max_tokens": 6,

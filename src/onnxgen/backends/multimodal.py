@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxgen.errors import MissingRequiredInput
+from onnxgen.errors import InvalidRequest, MissingRequiredInput
 from onnxgen.package.attachments import IMAGES, KEY_BASE, KEY_STRIDE, ImageInput, has_keys, split_key
 from onnxgen.package.spec import ModelSpec
 
@@ -60,6 +60,24 @@ class Parts:
         self._lock = threading.Lock()
         self.vision_runs = 0
         self.cache_hits = 0
+        # the images seen, by serial (what a context's keys need to be laid out again: `import_kv`)
+        self._seen: OrderedDict[int, ImageInput] = OrderedDict()
+
+    def remember(self, images: Sequence[ImageInput]) -> None:
+        """Keep the grids of `images` by serial (least recently seen forgotten past 65536)."""
+        with self._lock:
+            for im in images:
+                if im.serial in self._seen:
+                    self._seen.move_to_end(im.serial)
+                else:
+                    self._seen[im.serial] = ImageInput(im.digest, im.serial, None, im.grid, im.merge)
+                    if len(self._seen) > 1 << 16:
+                        self._seen.popitem(last=False)
+
+    def seen(self, serial: int) -> ImageInput | None:
+        """The image of `serial` (without its pixels) if this process's decoders have run it."""
+        with self._lock:
+            return self._seen.get(serial)
 
     def features(self, image: ImageInput) -> np.ndarray:
         """`[image.tokens, hidden]` features of `image` (the vision graph's, or the cached ones)."""
@@ -101,7 +119,7 @@ class Parts:
 class MultimodalDecoder:
     """The Decoder contract over `inner` (a decoder whose graph takes `inputs_embeds`) and `parts` (see the
     module doc). `info` adds: `vision_runs` and `vision_cache_hits` (of the shared `Parts`), `images_cached`.
-    `import_kv` takes text-only contexts (image keys name images of this process only)."""
+    `import_kv` takes contexts whose images this process ran (the host tier's; image keys are never saved)."""
 
     def __init__(self, inner: Any, parts: Parts) -> None:
         self.inner = inner
@@ -143,11 +161,20 @@ class MultimodalDecoder:
         return self.inner.export_kv()
 
     def import_kv(self, tokens: Sequence[int], layers: Sequence[tuple[Any, Any]]) -> None:
-        assert not has_keys(tokens), "contexts holding images are never saved (kv.files refuses them)"
+        """The contract's `import_kv`; the positions of `tokens` laid out again, their images' grids from those
+        this process ran (`Parts.seen`). Raises `InvalidRequest` (nothing attached) for an image it never ran
+        (keys name images of one process: `kv.files` never saves them)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        images: dict[int, ImageInput] = {}
+        if has_keys(tokens):
+            for serial in dict.fromkeys(((ids[ids >= KEY_BASE] - KEY_BASE) // KEY_STRIDE).tolist()):
+                img = self.parts.seen(serial)
+                if img is None:
+                    raise InvalidRequest("a context names an image this process never ran", field="inputs")
+                images[serial] = img
         self.inner.import_kv(tokens, layers)
-        n = len(tokens)
-        self._pos = np.broadcast_to(np.arange(n, dtype=np.int64), (3, n)).copy()
-        self._next = n
+        self._cut(0)
+        self._pos, self._next = self._positions(ids, images)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -176,6 +203,8 @@ class MultimodalDecoder:
         (`MissingRequiredInput` naming the vision graph's pixel input otherwise)."""
         assert start_pos == self.kv_len() == self._pos.shape[1], (start_pos, self.kv_len(), self._pos.shape)
         images = {im.serial: im for im in (inputs or {}).get(IMAGES, ())}
+        if images:
+            self.parts.remember(list(images.values()))
         ids = np.asarray(tokens, dtype=np.int64)
         keyed = ids >= KEY_BASE
         feats = self.parts.empty_rows()
