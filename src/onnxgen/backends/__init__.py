@@ -75,7 +75,7 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
         return decoder
     from onnxgen.backends.multimodal import MultimodalDecoder, Parts  # the image pipeline ahead of it
 
-    return MultimodalDecoder(decoder, Parts(spec, threads=options.get("threads")))
+    return MultimodalDecoder(decoder, Parts(spec, backend, device, threads=options.get("threads")))
 
 
 def create_runner(

@@ -17,7 +17,8 @@ themselves come with the request (`inputs[IMAGES]`, `ImageInput`s). For each for
    incrementally from the cached context's positions (`_pos`, kept beside the KV, cut by `rewind_to`);
 4. the inner decoder's forward with `inputs_embeds` and `position_ids` `[3, 1, n]`.
 
-The vision and embedding graphs run on onnxruntime (CPU), whichever backend runs the decoder.
+The vision and embedding graphs run where the decoder does: on onnxruntime (CPU) for the ort backend, lowered
+to torch on the decoder's device for the native one.
 """
 
 from __future__ import annotations
@@ -34,28 +35,92 @@ from onnxgen.package.attachments import IMAGES, KEY_BASE, KEY_STRIDE, ImageInput
 from onnxgen.package.spec import ModelSpec
 
 
-class Parts:
-    """A package's vision and embedding graphs (onnxruntime sessions) and the image features computed so far,
-    by digest, least recently used dropped past `cache_bytes`. Thread-safe; shared by a decoder's forks."""
+class _OrtGraph:
+    """A graph on onnxruntime's CPU provider: numpy in, numpy out."""
 
-    def __init__(self, spec: ModelSpec, threads: int | None = None, cache_bytes: int = 256 << 20) -> None:
+    def __init__(self, path: Any, output: str, threads: int | None) -> None:
         import onnxruntime as ort
 
-        mm = spec.multimodal
-        assert mm is not None and spec.inputs_embeds_name is not None
-        self.spec, self.mm = spec, mm
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
-        self.vision = ort.InferenceSession(str(mm.vision.path), opts, providers=["CPUExecutionProvider"])
-        self.embedding = ort.InferenceSession(
-            str(mm.embedding.path), opts, providers=["CPUExecutionProvider"]
-        )
-        kind = next(i.type for i in self.embedding.get_inputs() if i.name == mm.embedding.image_features)
-        self._rows_dtype = np.float16 if kind == "tensor(float16)" else np.float32
+        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.output = output
+
+    def run(self, feeds: Mapping[str, Any]) -> Any:
+        return self.session.run([self.output], dict(feeds))[0]
+
+    def rows(self, n: int, hidden: int, like: str) -> np.ndarray:
+        kind = next(i.type for i in self.session.get_inputs() if i.name == like)
+        return np.zeros((n, hidden), dtype=np.float16 if kind == "tensor(float16)" else np.float32)
+
+    @staticmethod
+    def cat(parts: Sequence[Any]) -> Any:
+        return np.concatenate(parts)
+
+
+class _NativeGraph:
+    """A graph lowered by the native backend (`lowering.lower_graph`), run eagerly: torch tensors on the
+    device out (inputs moved there)."""
+
+    def __init__(self, path: Any, output: str, device: str) -> None:
+        import onnx
+        import torch
+
+        from onnxgen.backends.native.device import torch_device
+        from onnxgen.backends.native.lowering import lower_graph, plain_ctx
+
+        self._torch, self._ctx = torch, plain_ctx
+        self.device = torch_device(device)
+        self.program = lower_graph(path, output, self.device)
+        graph = onnx.load(str(path), load_external_data=False).graph
+        names = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
+        self._dtypes = {i.name: names.get(i.type.tensor_type.elem_type) for i in graph.input}
+
+    def run(self, feeds: Mapping[str, Any]) -> Any:
+        torch = self._torch
+        env = self.program.new_env()
+        for name, v in feeds.items():
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
+            env[self.program.input_slots[name]] = t.to(self.device)
+        with torch.inference_mode():
+            return self.program.execute(env, self._ctx())
+
+    def rows(self, n: int, hidden: int, like: str) -> Any:
+        dtype = self._dtypes.get(like) or self._torch.float32
+        return self._torch.zeros((n, hidden), dtype=dtype, device=self.device)
+
+    def cat(self, parts: Sequence[Any]) -> Any:
+        return self._torch.cat(list(parts))
+
+
+class Parts:
+    """A package's vision and embedding graphs and the image features computed so far, by digest, least
+    recently used dropped past `cache_bytes`. `backend` "ort": onnxruntime sessions (numpy); "native": the
+    graphs lowered to torch on `device`. Thread-safe; shared by a decoder's forks."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: str = "ort",
+        device: str = "cpu",
+        threads: int | None = None,
+        cache_bytes: int = 256 << 20,
+    ) -> None:
+        mm = spec.multimodal
+        assert mm is not None and spec.inputs_embeds_name is not None
+        self.spec, self.mm = spec, mm
+        v, e = mm.vision, mm.embedding
+        if backend == "native":
+            self.vision: Any = _NativeGraph(v.path, v.image_features, device)
+            self.embedding: Any = _NativeGraph(e.path, e.inputs_embeds, device)
+        else:
+            self.vision = _OrtGraph(v.path, v.image_features, threads)
+            self.embedding = _OrtGraph(e.path, e.inputs_embeds, threads)
+        self._empty = self.embedding.rows(0, spec.hidden_size, e.image_features)
         self.cache_bytes = cache_bytes
-        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[bytes, Any] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
         self.vision_runs = 0
@@ -79,8 +144,9 @@ class Parts:
         with self._lock:
             return self._seen.get(serial)
 
-    def features(self, image: ImageInput) -> np.ndarray:
-        """`[image.tokens, hidden]` features of `image` (the vision graph's, or the cached ones)."""
+    def features(self, image: ImageInput) -> Any:
+        """`[image.tokens, hidden]` features of `image` (the vision graph's, or the cached ones), in the
+        backend's array type."""
         with self._lock:
             cached = self._cache.get(image.digest)
             if cached is not None:
@@ -89,31 +155,32 @@ class Parts:
                 return cached
         v = self.mm.vision
         grid = np.asarray([image.grid], dtype=np.int64)
-        out = self.vision.run(
-            [v.image_features], {v.pixel_values: image.pixel_values, v.image_grid_thw: grid}
-        )[0]
+        out = self.vision.run({v.pixel_values: image.pixel_values, v.image_grid_thw: grid})
         assert out.shape[0] == image.tokens, (
             f"the vision graph gave {out.shape[0]} rows for {image.tokens} tokens"
         )
+        size = out.shape[0] * out.shape[1] * out.dtype.itemsize
         with self._lock:
             self.vision_runs += 1
             if image.digest not in self._cache:
                 self._cache[image.digest] = out
-                self._held += out.nbytes
+                self._held += size
             while self._held > self.cache_bytes and len(self._cache) > 1:
-                self._held -= self._cache.popitem(last=False)[1].nbytes
+                old = self._cache.popitem(last=False)[1]
+                self._held -= old.shape[0] * old.shape[1] * old.dtype.itemsize
         return out
 
-    def embed(self, ids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def rows(self, runs: Sequence[tuple[ImageInput, int, int]]) -> Any:
+        """The feature rows `[k0, k1)` of each `(image, k0, k1)`, in order (no runs: no rows)."""
+        if not runs:
+            return self._empty
+        return self.embedding.cat([self.features(im)[k0:k1] for im, k0, k1 in runs])
+
+    def embed(self, ids: np.ndarray, rows: Any) -> Any:
         """`[1, n, hidden]` embeddings of `ids` (`[n]`, placeholders where images go) with `rows` (`[k, hidden]`)
         at the k placeholders."""
         e = self.mm.embedding
-        feeds = {e.input_ids: ids.reshape(1, -1), e.image_features: rows}
-        return self.embedding.run([e.inputs_embeds], feeds)[0]
-
-    def empty_rows(self) -> np.ndarray:
-        """The `image_features` of a chunk without image tokens: no rows."""
-        return np.zeros((0, self.spec.hidden_size), dtype=self._rows_dtype)
+        return self.embedding.run({e.input_ids: ids.reshape(1, -1), e.image_features: rows})
 
 
 class MultimodalDecoder:
@@ -207,12 +274,15 @@ class MultimodalDecoder:
             self.parts.remember(list(images.values()))
         ids = np.asarray(tokens, dtype=np.int64)
         keyed = ids >= KEY_BASE
-        feats = self.parts.empty_rows()
+        runs: list[tuple[ImageInput, int, int]] = []  # (image, first k, last k + 1) of each run of its keys
         if keyed.any():
             serial, k = np.divmod(ids[keyed] - KEY_BASE, KEY_STRIDE)
-            table = {s: self.parts.features(self._image(images, s)) for s in dict.fromkeys(serial.tolist())}
-            feats = np.stack([table[s][i] for s, i in zip(serial.tolist(), k.tolist(), strict=True)])
-        embeds = self.parts.embed(np.where(keyed, self._placeholder, ids), feats)
+            for s, i in zip(serial.tolist(), k.tolist(), strict=True):
+                if runs and runs[-1][0].serial == s and runs[-1][2] == i:
+                    runs[-1] = (runs[-1][0], runs[-1][1], i + 1)
+                else:
+                    runs.append((self._image(images, s), i, i + 1))
+        embeds = self.parts.embed(np.where(keyed, self._placeholder, ids), self.parts.rows(runs))
         pos, nxt = self._positions(ids, images)
         spec = self.spec
         feed = {k: v for k, v in (inputs or {}).items() if k != IMAGES}
