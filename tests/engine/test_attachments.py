@@ -214,3 +214,15 @@ def test_a_session_pushed_out_resumes_with_its_images_from_the_host_tier_and_rec
     else:  # a context holding images is never written to a file (`persist.write` refuses): it recomputes
         assert r2.stats.reused_tokens == 0
     m.close()
+
+
+def test_drafts_stop_before_an_image_token():
+    """Prompt lookup drafts what followed an earlier occurrence; image keys there are never drafted (no sample
+    can equal one, and the pipeline would lay them out as image positions)."""
+    from onnxgen.engine.drafts import DraftControl
+    from onnxgen.package.attachments import image_key
+
+    keys = [image_key(3, k) for k in range(4)]
+    prompt = [7, 8, 9, *keys, 10, 7, 8]
+    assert DraftControl(k=4).propose(prompt, [], 4) == [9]  # [7, 8] was followed by 9, then the image
+    assert DraftControl(k=4).propose([7, 8, 11, 12, *keys, 7, 8], [], 4) == [11, 12]
