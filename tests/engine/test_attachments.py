@@ -119,6 +119,9 @@ def test_an_image_placeholder_without_its_image_is_a_missing_required_input(mode
     two = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "x"}]}]
     with pytest.raises(MissingRequiredInput):
         model.generate(two, images=[A], max_new_tokens=2)
+    for ids in ([10, PAD, 11], [10, PAD] * 3):  # token ids too: one placeholder per image, or expanded
+        with pytest.raises(MissingRequiredInput, match=r"\d image placeholder\(s\) but 0 image"):
+            model.generate(ids, max_new_tokens=2)
     # other failures keep their own error: more images than placeholders, an undecodable image, a remote URL
     with pytest.raises(InvalidRequest, match="2 images came with a prompt that has 1"):
         model.generate(turn1(), images=[A, B], max_new_tokens=2)
@@ -213,6 +216,13 @@ def test_a_session_pushed_out_resumes_with_its_images_from_the_host_tier_and_rec
         assert r2.stats.reused_tokens >= len(r1.prompt_ids)
     else:  # a context holding images is never written to a file (`persist.write` refuses): it recomputes
         assert r2.stats.reused_tokens == 0
+    m.close()
+
+
+def test_a_warm_up_at_load_runs_on_a_vision_package(qwen_vl_dir):
+    """The load-time warm-up's random prompts never hold an image placeholder (it would need its image)."""
+    m = onnxgen.load(str(qwen_vl_dir), backend="ort", threads=2, warmup=True)
+    assert m.generate(turn1(), images=[A], max_new_tokens=2).stats.generated_tokens == 2
     m.close()
 
 

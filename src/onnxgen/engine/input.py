@@ -166,7 +166,8 @@ class InputProcessor:
             ids = list(prompt)
             self._check_ids(ids)
             imgs = ()
-            if sources:
+            mm = self.spec.multimodal
+            if sources or (mm is not None and mm.image_token_id in ids):  # placeholders need their images
                 mm = self._vision()
                 imgs = tuple(self.images.prepare(s) for s in sources)  # type: ignore[union-attr]
                 ids = image_inputs.expand_ids(ids, mm.image_token_id, imgs, mm.vision.pixel_values)
