@@ -72,6 +72,7 @@ def vision_runs(monkeypatch):
 
 
 def test_a_second_turn_with_the_same_image_reuses_its_prompt_and_equals_a_fresh_run(model, vision_runs):
+    before = model.kv_stats()
     s = model.session()
     r1 = s.generate(turn1(), images=[A], max_new_tokens=8)
     assert len(vision_runs) == 1
@@ -89,6 +90,9 @@ def test_a_second_turn_with_the_same_image_reuses_its_prompt_and_equals_a_fresh_
     )
     # turn 2 found the image's KV; the fresh run found its features: the vision graph ran for turn 1 only
     assert len(vision_runs) == 1
+    after = model.kv_stats()  # the same counts, public
+    assert after["vision_runs"] - before["vision_runs"] == 1
+    assert after["vision_cache_hits"] - before["vision_cache_hits"] == 1 and after["images_cached"] >= 1
     s.close()
 
 

@@ -132,3 +132,13 @@ def test_image_keys_name_each_image_token_and_unkey_gives_the_placeholders_back(
         key_images(ids[:5], 5, [a, b])
     with pytest.raises(ValueError, match="cut short"):
         key_images([5, 9], 5, [a])
+
+
+def test_a_fixture_shape_with_a_projection_as_wide_as_the_vocabulary_is_refused(tmp_path):
+    """onnxruntime-genai's builder takes any Linear of `vocab_size` outputs for the lm_head (a vision block's
+    projection of that width became one, with its bias): such a shape is refused before anything is built."""
+    from onnxgen.convert.qwen_vl import VLShape, random_qwen_vl_checkpoint
+
+    with pytest.raises(ValueError, match="vocab_size 384 equals a projection's width"):
+        random_qwen_vl_checkpoint(tmp_path / "hf", VLShape(vision_hidden=384))
+    assert not (tmp_path / "hf").exists()

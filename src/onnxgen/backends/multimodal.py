@@ -139,6 +139,16 @@ class Parts:
                     if len(self._seen) > 1 << 16:
                         self._seen.popitem(last=False)
 
+    def counters(self) -> dict[str, int]:
+        """`vision_runs` (the vision graph's runs so far), `vision_cache_hits` (images whose features were
+        found by digest) and `images_cached` (the features held now)."""
+        with self._lock:
+            return {
+                "vision_runs": self.vision_runs,
+                "vision_cache_hits": self.cache_hits,
+                "images_cached": len(self._cache),
+            }
+
     def seen(self, serial: int) -> ImageInput | None:
         """The image of `serial` (without its pixels) if this process's decoders have run it."""
         with self._lock:
@@ -185,7 +195,7 @@ class Parts:
 
 class MultimodalDecoder:
     """The Decoder contract over `inner` (a decoder whose graph takes `inputs_embeds`) and `parts` (see the
-    module doc). `info` adds: `vision_runs` and `vision_cache_hits` (of the shared `Parts`), `images_cached`.
+    module doc). `info` adds the shared `Parts.counters`.
     `import_kv` takes contexts whose images this process ran (the host tier's; image keys are never saved)."""
 
     def __init__(self, inner: Any, parts: Parts) -> None:
@@ -245,14 +255,7 @@ class MultimodalDecoder:
 
     @property
     def info(self) -> dict[str, Any]:
-        with self.parts._lock:
-            cached = len(self.parts._cache)
-        return {
-            **self.inner.info,
-            "vision_runs": self.parts.vision_runs,
-            "vision_cache_hits": self.parts.cache_hits,
-            "images_cached": cached,
-        }
+        return {**self.inner.info, **self.parts.counters()}
 
     def close(self) -> None:
         self.inner.close()

@@ -78,7 +78,15 @@ class VLShape:
 
 def random_qwen_vl_checkpoint(dest: Path, shape: VLShape, *, seed: int = 0, dtype: str = "float32") -> Path:
     """Save a seeded random `Qwen2_5_VLForConditionalGeneration` of `shape` (norm weights drawn around 1, so
-    a dropped or misplaced norm shows) and its tokenizer files into `dest`; returns `dest`."""
+    a dropped or misplaced norm shows) and its tokenizer files into `dest`; returns `dest`. Raises ValueError
+    for a shape with a projection of `vocab_size` outputs besides the lm_head (the builder would take it for
+    the lm_head: it picks any Linear of that width)."""
+    hd = shape.hidden_size // shape.num_heads
+    v, m2 = shape.vision_hidden, shape.merge_size**2
+    widths = {shape.hidden_size, shape.intermediate_size, shape.num_kv_heads * hd}
+    widths |= {v, 3 * v, shape.vision_intermediate, v * m2}
+    if shape.vocab_size in widths:
+        raise ValueError(f"vocab_size {shape.vocab_size} equals a projection's width in {sorted(widths)}")
     import torch
     import transformers
 

@@ -233,7 +233,8 @@ class Model:
 
     def kv_stats(self) -> dict[str, Any]:
         """KV and scheduling numbers now: running and waiting requests, preemptions, `retained_kv_bytes` (what
-        sessions keep), and with paged KV the pool's pages and prefix-cache hits. Waits for the step running."""
+        sessions keep), with paged KV the pool's pages and prefix-cache hits, and with a vision package
+        `vision_runs`, `vision_cache_hits` and `images_cached`. Waits for the step running."""
         return self._engine.kv_stats()
 
     def kv_snapshot(self) -> dict[str, Any]:
