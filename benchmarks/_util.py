@@ -42,7 +42,8 @@ ROUNDS_MIN = 5
 WORK = Path("/tmp/onnxgen_bench")
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
 # `qwen_vl:PRESET`: `convert.qwen_vl.VLShape` fields over its defaults (tiny: the tests' fixture; small: a
-# text decoder of 8 x 512 and a vision tower of 8 x 320, two of its blocks attending over the whole image)
+# text decoder of 8 x 512 and a vision tower of 8 x 320, two of its blocks attending over the whole image;
+# 2b: Qwen2-VL-2B's text decoder with Qwen2.5-VL's vision tower of 32 x 1280, the GPU's 2B-class shape)
 VL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {},
     "small": {
@@ -58,6 +59,24 @@ VL_PRESETS: dict[str, dict[str, Any]] = {
         "vision_intermediate": 896,
         "window_size": 112,
         "fullatt_blocks": (3, 7),
+        "init_std": 0.02,
+    },
+    "2b": {
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_layers": 28,
+        "num_heads": 12,
+        "num_kv_heads": 2,
+        "mrope_section": (16, 24, 24),
+        "rope_theta": 1e6,
+        "context_length": 32768,
+        "vision_depth": 32,
+        "vision_hidden": 1280,
+        "vision_heads": 16,
+        "vision_intermediate": 3420,
+        "window_size": 112,
+        "fullatt_blocks": (7, 15, 23, 31),
         "init_std": 0.02,
     },
 }

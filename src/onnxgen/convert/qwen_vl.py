@@ -217,10 +217,19 @@ def qwen_vl_package(hf_dir: Path, out: Path, *, cache_dir: Path, shape: VLShape 
     vcfg = hf_cfg["vision_config"]
     # NOTE: transformers 5 saves Qwen2.5-VL under the original names (`visual.*`, `model.embed_tokens`)
     prefix = "model.visual." if any(k.startswith("model.visual.") for k in weights) else "visual."
-    onnx.save(vision_graph(weights, vcfg, prefix), str(out / "vision.onnx"))
+    # weights beside each graph (`NAME.onnx.data`): a 2B-class vision tower is past protobuf's 2 GB in fp32
+    external = {"save_as_external_data": True, "all_tensors_to_one_file": True, "size_threshold": 1024}
+    onnx.save(
+        vision_graph(weights, vcfg, prefix), str(out / "vision.onnx"), location="vision.onnx.data", **external
+    )
     embed = next(k for k in weights if k.endswith("embed_tokens.weight"))
     table = weights[embed].astype("float32")
-    onnx.save(embedding_graph(table, int(hf_cfg["image_token_id"])), str(out / "embedding.onnx"))
+    onnx.save(
+        embedding_graph(table, int(hf_cfg["image_token_id"])),
+        str(out / "embedding.onnx"),
+        location="embedding.onnx.data",
+        **external,
+    )
     (out / "processor_config.json").write_text(
         json.dumps(processor_config(shape), indent=2), encoding="utf-8"
     )
