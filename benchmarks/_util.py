@@ -41,6 +41,45 @@ from typing import Any
 ROUNDS_MIN = 5
 WORK = Path("/tmp/onnxgen_bench")
 PRECISIONS = ("fp32", "fp16", "bf16", "int4")
+# `qwen_vl:PRESET`: `convert.qwen_vl.VLShape` fields over its defaults (tiny: the tests' fixture; small: a
+# text decoder of 8 x 512 and a vision tower of 8 x 320, two of its blocks attending over the whole image;
+# 2b: Qwen2-VL-2B's text decoder with Qwen2.5-VL's vision tower of 32 x 1280, the GPU's 2B-class shape)
+VL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {},
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_layers": 8,
+        "num_heads": 8,
+        "num_kv_heads": 2,
+        "mrope_section": (8, 12, 12),
+        "vision_depth": 8,
+        "vision_hidden": 320,
+        "vision_heads": 5,
+        "vision_intermediate": 896,
+        "window_size": 112,
+        "fullatt_blocks": (3, 7),
+        "init_std": 0.02,
+    },
+    "2b": {
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_layers": 28,
+        "num_heads": 12,
+        "num_kv_heads": 2,
+        "mrope_section": (16, 24, 24),
+        "rope_theta": 1e6,
+        "context_length": 32768,
+        "vision_depth": 32,
+        "vision_hidden": 1280,
+        "vision_heads": 16,
+        "vision_intermediate": 3420,
+        "window_size": 112,
+        "fullatt_blocks": (7, 15, 23, 31),
+        "init_std": 0.02,
+    },
+}
 
 # --- arguments ---------------------------------------------------------------------------------------
 
@@ -251,6 +290,20 @@ def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, devi
         if not (out / "genai_config.json").is_file():
             write_package(out, cfg, seed=0)
         return Package(f"synthetic {rest}", out)
+    if kind == "qwen_vl" and rest:
+        from onnxgen.convert.qwen_vl import VLShape, qwen_vl_package, random_qwen_vl_checkpoint
+
+        preset, _, over = rest.partition(":")
+        if preset not in VL_PRESETS:
+            raise SystemExit(f"qwen_vl presets: {', '.join(VL_PRESETS)}; got {preset!r}")
+        shape = dataclasses.replace(VLShape(**VL_PRESETS[preset]), **options(over))
+        name = "qwen_vl_" + rest.replace(":", "_").replace(",", "_").replace("=", "-")
+        hf, out = work / f"{name}_hf", work / name
+        if not (hf / "config.json").is_file():
+            random_qwen_vl_checkpoint(hf, shape)
+        if not (out / "genai_config.json").is_file():
+            qwen_vl_package(hf, out, cache_dir=work / f"{name}_cache", shape=shape)
+        return Package(f"qwen_vl {rest} fp32", out, hf)
     if kind == "builder" and rest:
         from onnxgen.convert.checkpoint import convert_checkpoint
         from onnxgen.convert.reference import SHAPES, random_checkpoint

@@ -28,6 +28,8 @@
 #             tests, logits and sessions against transformers to 8k, batch-1 decode vs floor, 1 and 64 requests
 #   moe       the gpt-oss-20B layer shape (builder bf16, random weights): its GPU tests (2 layers against
 #             transformers), batch-1 decode in 8 layers vs the floor of its active weights, 1 and 64 requests
+#   images    the 2B-class Qwen2.5-VL shape (`qwen_vl:2b`: random, fp32, built on first use): turn 2 of a chat
+#             about a 448x448 image four ways (sessions.py images: TTFT, reused, vision runs), batch-1 decode vs floor
 #   spec      speculative.py on SmolLM2-135M bf16 (the GGUF's real weights), the four workloads and --mix
 #   longrope  the LongRoPE GPU tests on Phi-4-mini's full shape (builder bf16, built under /tmp/onnxgen_bench):
 #             parity against transformers below and past the switch, decoding across it, sessions growing past it
@@ -125,6 +127,8 @@ for section in "${@}"; do
                  tests/kernels/test_moe_kernel.py 2>&1 | grep -E "^FAILED|^E |passed|failed|error" | cut -c1-300 | tail -12
              run 300 benchmarks/gpu_decode.py --model builder:gptoss-20bx8 --no-hf
              run 300 benchmarks/batch.py --model builder:gptoss-20bx8 --device cuda --concurrency 1,64 ;;
+        images) run 550 benchmarks/sessions.py --model qwen_vl:2b --device cuda --sections images --engine backend=native
+                run 300 benchmarks/gpu_decode.py --model qwen_vl:2b --no-hf ;;
         spec) if [ -f /tmp/gg/m.gguf ]; then
                   run 400 benchmarks/speculative.py --model convert:/tmp/gg/m.gguf:bf16 --device cuda --mix
               else

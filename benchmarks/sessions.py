@@ -3,6 +3,7 @@ long retained context, a conversation that grows, replies that re-tokenize diffe
 
     python benchmarks/sessions.py [--model default] [--device cpu] [--engine ...] --sections chat
     python benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks
+    python benchmarks/sessions.py --model qwen_vl:small --sections images
 
 Sections (contenders interleaved, the order reversed every other round, median of --runs):
   chat        a --turns-turn chat under a long system prompt, greedy --reply-tokens replies fixed first: each
@@ -19,6 +20,10 @@ Sections (contenders interleaved, the order reversed every other round, median o
               reused, whether the reply's text re-tokenizes into the sampled ids (a chat model: default)
   chunks      a --context-token prefill with each --chunks value as the load option chunk_size: TTFT against
               no chunking, and (CUDA) the peak memory allocated beyond what the loaded engine holds
+  images      (a vision package, e.g. --model qwen_vl:small) turn 2 of a chat whose turn 1 held an --image
+              x --image picture: in the session with the same image, in the session with another one, fresh
+              with the image's features cached, fresh with a new image (cold): TTFT, tokens reused and
+              prefilled, vision graph runs (`kv_stats`), decode tok/s over --new tokens
 Engines: each --engine (default: the device's default engine).
 """
 
@@ -340,6 +345,82 @@ def profile_turn(session: Any, ctx: list[int], device: str) -> None:
         )
 
 
+IMAGE_CASES = {
+    "same": "session, same image",
+    "other": "session, another image",
+    "cached": "fresh, features cached",
+    "cold": "fresh, new image",
+}
+
+
+def images(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
+    """Turn 2 of a chat whose turn 1 asked about an image (a fixed reply between them), four ways per engine
+    (`IMAGE_CASES`). A session case runs turn 1 first (one token, untimed), so turn 2 finds its KV; every
+    "new" or "another" image is one no request has shown before, so the vision graph runs for it."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    def png(seed: int) -> bytes:
+        pixels = np.random.default_rng(seed).integers(0, 256, (args.image, args.image, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        return buf.getvalue()
+
+    question = [{"type": "image"}, {"type": "text", "text": "What is in this picture? Describe it."}]
+    turn1 = [{"role": "user", "content": question}]
+    reply = "It shows a field of coloured noise, with no objects or text that I can make out."
+    turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "Anything else?"}]
+    image = png(0)
+    fresh = iter(range(1, 1 << 30))  # seeds of images no request has shown
+    opts = {"max_new_tokens": args.new, "stop": [], **GREEDY}
+
+    def vision_runs(m: Any) -> int:
+        return int(m.kv_stats().get("vision_runs", 0))
+
+    def case(m: Any, name: str) -> dict[str, float]:
+        other = png(next(fresh)) if name in ("other", "cold") else image
+        s = m.session() if name in ("same", "other") else None
+        if s is not None:
+            s.generate(turn1, images=[image], max_new_tokens=1, **GREEDY)
+        runs = vision_runs(m)
+        if s is not None:
+            r = s.generate(turn2, images=[other], **opts)
+            s.close()
+        else:
+            r = m.generate(turn2, images=[other], reuse=False, **opts)
+        st = r.stats
+        return {
+            "ttft_ms": st.ttft_s * 1e3,
+            "prompt": st.prompt_tokens,
+            "reused": st.reused_tokens,
+            "prefilled": st.prefilled_tokens,
+            "vision_runs": vision_runs(m) - runs,
+            "tok_s": st.decode_tok_s,
+        }
+
+    contenders = {f"{k}|{c}": (lambda m=m, c=c: case(m, c)) for k, m in models.items() for c in IMAGE_CASES}
+    for fn in contenders.values():
+        fn()  # warm-up
+    runs = u.interleave(args.runs, contenders)
+    rows, data = [], {}
+    for k in models:
+        cold = u.median(x["ttft_ms"] for x in runs[f"{k}|cold"])
+        for c, label in IMAGE_CASES.items():
+            xs = runs[f"{k}|{c}"]
+            med = {f: u.median(x[f] for x in xs) for f in ("ttft_ms", "tok_s")}
+            last = xs[-1]
+            data[f"{k}|{c}"] = {**last, **med}
+            rows.append(
+                [k, label, last["prompt"], last["reused"], last["prefilled"], last["vision_runs"],
+                 f"{med['ttft_ms']:,.1f}", f"{cold / med['ttft_ms']:.1f}x", u.fmt(med["tok_s"])]
+            )  # fmt: skip
+    header = ["engine", "turn 2", "prompt", "reused", "prefilled", "vision runs", "TTFT ms", "vs cold", "tok/s"]  # fmt: skip
+    title = f"images: turn 2 of a chat about a {args.image}x{args.image} image, {args.new} tokens answered"
+    return title, u.table(rows, header), data
+
+
 def retokenize(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
     rows, data = [], {}
     for k, m in models.items():
@@ -425,6 +506,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--chunks", default="256,512,1024")
+    ap.add_argument("--image", type=int, default=448, help="images: the picture's side in pixels")
     args = ap.parse_args()
     u.check_args(ap, args)
     u.require_cuda(args.device, "sessions.py")
@@ -449,6 +531,8 @@ def main() -> int:
             out = resume(args, loaded, pkg, specs)
         elif name == "retokenize":
             out = retokenize(args, loaded)
+        elif name == "images":
+            out = images(args, loaded)
         elif name == "chunks":
             for m in loaded.values():
                 m.close()

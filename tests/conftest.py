@@ -85,3 +85,21 @@ def tiny_plain_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     cfg = SyntheticConfig(num_layers=2, context_length=1024, attention="plain")
     return write_package(tmp_path_factory.mktemp("tiny_plain") / "pkg", cfg)
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Qwen2.5-VL: the seeded random transformers checkpoint and its package (builder text decoder,
+    vision and embedding graphs: `onnxgen.convert.qwen_vl`), built once per session."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("PIL")
+    from onnxgen.convert.qwen_vl import VLShape, qwen_vl_package, random_qwen_vl_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen_vl")
+    hf = random_qwen_vl_checkpoint(root / "hf", VLShape())
+    return hf, qwen_vl_package(hf, root / "pkg", cache_dir=root / "cache")
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_dir(qwen_vl_dirs: tuple[Path, Path]) -> Path:
+    return qwen_vl_dirs[1]

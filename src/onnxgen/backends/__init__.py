@@ -58,17 +58,24 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
     from onnxgen.backends import native, ort
 
     mine = {k: v for k, v in options.items() if k in (ort.OPTIONS if backend == "ort" else native.OPTIONS)}
+    decoder: Any
     if backend == "ort":
         from onnxgen.backends.ort.decoder import OrtDecoder
 
-        return OrtDecoder(spec, device=device, **mine)
-    try:
-        from onnxgen.backends.native.decoder import NativeDecoder
-    except ImportError as exc:  # torch or onnx-ir missing
-        raise BackendUnavailable(
-            f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
-        ) from exc
-    return NativeDecoder(spec, device=device, **mine)
+        decoder = OrtDecoder(spec, device=device, **mine)
+    else:
+        try:
+            from onnxgen.backends.native.decoder import NativeDecoder
+        except ImportError as exc:  # torch or onnx-ir missing
+            raise BackendUnavailable(
+                f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
+            ) from exc
+        decoder = NativeDecoder(spec, device=device, **mine)
+    if spec.multimodal is None:
+        return decoder
+    from onnxgen.backends.multimodal import MultimodalDecoder, Parts  # the image pipeline ahead of it
+
+    return MultimodalDecoder(decoder, Parts(spec, backend, device, threads=options.get("threads")))
 
 
 def create_runner(
@@ -80,6 +87,10 @@ def create_runner(
     assert backend in ("ort", "native") and device in DEVICES, (backend, device)
     if backend != "native":
         raise BackendUnavailable(f"the {backend} backend runs one request per decoder (no batched runner)")
+    if spec.multimodal is not None:
+        raise BackendUnavailable(
+            "the batched runner does not run image pipelines yet (one decoder per request)"
+        )
     from onnxgen.backends import native
 
     try:

@@ -104,6 +104,11 @@ def register(sub: Any) -> None:
         metavar="S",
         help="seconds a request may run before it is cancelled and answered 504 (default: 600)",
     )
+    p.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image URLs of content parts (vision models; default: only data: URLs)",
+    )
     g = p.add_argument_group("replicas (Ray Serve; pip install 'onnxgen[cluster]')")
     g.add_argument(
         "--replicas",
@@ -178,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         session_ttl_s=args.session_ttl,
         max_sessions_per_client=args.sessions_per_client,
         kv_dir=args.kv_dir,
+        allow_remote_images=args.allow_remote_images,
     )
     if args.replicas is not None:
         return run_replicas(args, config)

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from onnxgen.package.attachments import KEY_BASE
+
 MODES = ("prompt_lookup",)
 
 
@@ -207,7 +209,11 @@ class DraftControl:
             reach = self._index.ngram_max
             if self._index.match_length(src, reach + 1) <= reach:
                 return []
-        return self._index.tokens[src : src + k]
+        drafts = self._index.tokens[src : src + k]
+        for i, t in enumerate(drafts):
+            if t >= KEY_BASE:  # an image's token is never a draft (no sample can equal it)
+                return drafts[:i]
+        return drafts
 
     def _source(self, prompt: Sequence[int], output: Sequence[int]) -> int | None:
         """Index what is new of the context `prompt + output` and return where the lookup's drafts start in it

@@ -43,5 +43,6 @@ def build_executor(spec: ModelSpec, config: Config, backend: str) -> Any:
 
     pool = DecoderPool(fork)
     pool.release(prototype)  # the prototype is an ordinary decoder too
+    parts = getattr(prototype, "parts", None)  # a vision package's graphs, shared by the forks
     # stateless requests' contexts, matched by longest prefix: as many as sessions may retain
-    return SlotKV(pool, stateless=config.cache.max_sessions)
+    return SlotKV(pool, stateless=config.cache.max_sessions, counters=parts.counters if parts else None)

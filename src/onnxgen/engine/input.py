@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from onnxgen.engine import images as image_inputs
 from onnxgen.engine import reuse as reuse_policy
 from onnxgen.engine.drafts import MODES as DRAFT_MODES
 from onnxgen.engine.identity import Identity, make_identity
 from onnxgen.engine.request import Request
 from onnxgen.errors import ContextOverflow, EmptyPrompt, InvalidRequest
+from onnxgen.package.attachments import IMAGES, ImageInput, key_images, unkey
 from onnxgen.package.spec import ModelSpec
 from onnxgen.sampling import LogitsProcessor, Sampler, SamplingParams
 
@@ -58,7 +60,9 @@ class Prepared:
     for one generation. `ids`: the prompt's token ids; `text`: the chat text they encode (None for raw text
     and ids). `params`: the sampling settings, the package's defaults applied. `tool_marker`: how a tool
     call starts in this model's format ("" when the request parses no tools), for a stream to hold back.
-    `t0`: when preparation began (time to first token counts from here)."""
+    `t0`: when preparation began (time to first token counts from here). `images`: the prompt's images, in
+    order (a vision package's; `ids` then hold their keys, `text` their placeholders expanded: see
+    `package/attachments.py`)."""
 
     ids: tuple[int, ...]
     text: str | None
@@ -75,6 +79,7 @@ class Prepared:
     tool_marker: str
     salt: str | None
     t0: float
+    images: tuple[ImageInput, ...] = ()
 
 
 class InputProcessor:
@@ -99,6 +104,8 @@ class InputProcessor:
         self.package_key = package_key
         self.eos_ids = eos_ids
         self.max_new_tokens = max_new_tokens
+        mm = spec.multimodal
+        self.images = image_inputs.ImageInputs(mm.processor) if mm is not None else None
 
     # --- prompts -------------------------------------------------------------------------------------
 
@@ -116,18 +123,22 @@ class InputProcessor:
         prompt: Prompt,
         history: Sequence[int] = (),
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> tuple[list[int], str | None]:
-        """(ids, chat text or None). `history`: ids a session's cache holds; chat messages whose rendering
-        starts with exactly the text of a prefix of it keep that prefix as it is (`rebase`). `tools`:
+        images: Sequence[Any] = (),
+    ) -> tuple[list[int], str | None, tuple[ImageInput, ...]]:
+        """(ids, chat text or None, images). `history`: ids a session's cache holds; chat messages whose
+        rendering starts with exactly the text of a prefix of it keep that prefix as it is (`rebase`). `tools`:
         OpenAI-style tool definitions the chat template sees (messages with `tool_calls` and `role: "tool"`
-        are prepared by `onnxgen.text.tools`). Raises `InvalidRequest`, `EmptyPrompt`, `ContextOverflow`."""
+        are prepared by `onnxgen.text.tools`). `images`: image sources for the prompt's placeholders (after
+        those of its image content parts; `engine/images.py`). Raises `InvalidRequest`, `EmptyPrompt`,
+        `ContextOverflow`, `MissingRequiredInput` (an image placeholder without its image)."""
         text = None
+        sources = list(images or ())
         if isinstance(prompt, str):
             if tools:
                 raise InvalidRequest(
                     "tools need a chat prompt (a list of messages), not raw text", field="tools"
                 )
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+            ids, imgs, _ = self._text_ids(prompt, sources, add_special=True) if prompt else ([], (), "")
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             if self.chat_template is None:
                 raise InvalidRequest(
@@ -137,12 +148,16 @@ class InputProcessor:
                 )
             from onnxgen.text import tools as tool_text
 
+            prompt, sources = image_inputs.split_messages(prompt, sources)
+            if sources:
+                self._vision()  # a text-only package refuses images before its template sees them
             funcs = tool_text.function_specs(tools)
             messages = tool_text.prepare_messages(prompt, self.tool_format, self.chat_template.source, funcs)
             text = self.chat_template.render(
                 messages, add_generation_prompt=True, tools=list(tools) if tools else None
             )
-            ids = self._keep_history(self.tokenizer.encode(text, add_special_tokens=False), text, history)
+            ids, imgs, text = self._text_ids(text, sources, add_special=False)
+            ids = self._keep_keyed(ids, text, history, imgs)
         elif isinstance(prompt, Sequence) and _all_ints(prompt):
             if tools:
                 raise InvalidRequest(
@@ -150,6 +165,13 @@ class InputProcessor:
                 )
             ids = list(prompt)
             self._check_ids(ids)
+            imgs = ()
+            mm = self.spec.multimodal
+            if sources or (mm is not None and mm.image_token_id in ids):  # placeholders need their images
+                mm = self._vision()
+                imgs = tuple(self.images.prepare(s) for s in sources)  # type: ignore[union-attr]
+                ids = image_inputs.expand_ids(ids, mm.image_token_id, imgs, mm.vision.pixel_values)
+                ids = key_images(ids, mm.image_token_id, imgs)
         else:
             raise InvalidRequest(
                 "prompt must be a string, a list of {'role', 'content'} messages, or a list of token ids",
@@ -158,7 +180,54 @@ class InputProcessor:
         if not ids:
             raise EmptyPrompt()
         self._check_length(ids)
-        return ids, text
+        return ids, text, imgs
+
+    # --- images --------------------------------------------------------------------------------------------
+
+    def _vision(self) -> Any:
+        if self.spec.multimodal is None:
+            raise InvalidRequest(
+                f"{self.spec.path}: the package has no vision part; it cannot take images", field="images"
+            )
+        return self.spec.multimodal
+
+    def _pad(self) -> str:
+        mm = self._vision()
+        pad = self.tokenizer.id_to_token(mm.image_token_id)
+        assert pad is not None, "the image token is not in the tokenizer's vocabulary"
+        return pad
+
+    def _text_ids(
+        self, text: str, sources: list[Any], add_special: bool
+    ) -> tuple[list[int], tuple[ImageInput, ...], str]:
+        """(ids, images, text): each image placeholder of a vision package's `text` expanded to its image's
+        tokens, their ids keyed (`package/attachments.py`). Raises as `images.check_count`."""
+        if self.spec.multimodal is None:
+            if sources:
+                self._vision()
+            return self.tokenizer.encode(text, add_special_tokens=add_special), (), text
+        mm, pad = self.spec.multimodal, self._pad()
+        given = [s for s in sources if s is not None]  # None: an image part without its image
+        image_inputs.check_count(text.count(pad), len(given), mm.vision.pixel_values)
+        imgs = tuple(self.images.prepare(s) for s in given)  # type: ignore[union-attr]
+        if not imgs:
+            return self.tokenizer.encode(text, add_special_tokens=add_special), (), text
+        text = image_inputs.expand_text(text, pad, imgs)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special)
+        return key_images(ids, mm.image_token_id, imgs), imgs, text
+
+    def _keep_keyed(
+        self, ids: list[int], text: str, history: Sequence[int], imgs: Sequence[ImageInput]
+    ) -> list[int]:
+        """`_keep_history` for ids that may hold image keys: kept on the placeholder ids, keyed again."""
+        if not imgs:
+            return self._keep_history(ids, text, history)
+        pad_id = self.spec.multimodal.image_token_id  # type: ignore[union-attr]
+        kept = self._keep_history(unkey(ids, pad_id), text, unkey(history, pad_id))
+        try:
+            return key_images(kept, pad_id, imgs)
+        except ValueError:  # the kept ids split an image differently: keep the plain encoding
+            return ids
 
     def _check_ids(self, ids: list[int]) -> None:
         # NOTE: vectorised: prompts may hold many thousand ids
@@ -194,7 +263,7 @@ class InputProcessor:
         ids = list(prepared.ids)
         if prepared.text is None or not history:
             return ids
-        ids = self._keep_history(ids, prepared.text, history)
+        ids = self._keep_keyed(ids, prepared.text, history, prepared.images)
         self._check_length(ids)
         return ids
 
@@ -277,13 +346,16 @@ class InputProcessor:
         parallel_tool_calls: bool = True,
         speculative: str | bool | None = None,
         salt: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> Prepared:
         """Check and encode one request (see the module doc). `params` or the sampling keywords
         (temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, seed;
         None: not given, the package's defaults apply), not both. Raises `InvalidRequest` naming the field."""
         t0 = time.perf_counter()
-        ids, text = self._encode(prompt, (), tools)
+        if images is not None and (isinstance(images, str | bytes) or not isinstance(images, Sequence)):
+            raise InvalidRequest("images must be a list of images", field="images")
+        ids, text, imgs = self._encode(prompt, (), tools, images or ())
         tool_grammar = self.tool_processor(tools, tool_choice, parallel_tool_calls)
         procs = tuple(processors) + ((tool_grammar,) if tool_grammar is not None else ())
         if max_new_tokens is None:
@@ -330,6 +402,7 @@ class InputProcessor:
             tool_marker=self.tool_format.marker if parses else "",
             salt=salt,
             t0=t0,
+            images=imgs,
         )
 
     # --- the engine's record ------------------------------------------------------------------------------
@@ -359,16 +432,21 @@ class InputProcessor:
         from onnxgen.text import IncrementalDetokenizer
 
         digest = self.identity(ids, salt, prepared.inputs).digest
+        inputs = prepared.inputs
+        text_ids: Sequence[int] = ids
+        if prepared.images:  # the decoder's image pipeline reads them; sampling sees the placeholders
+            inputs = {**(inputs or {}), IMAGES: prepared.images}
+            text_ids = unkey(ids, self.spec.multimodal.image_token_id)  # type: ignore[union-attr]
         return Request(
             prompt=ids,
             digest=digest,
-            sampler=Sampler(prepared.params, ids, list(prepared.processors)),
+            sampler=Sampler(prepared.params, text_ids, list(prepared.processors)),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             max_new_tokens=prepared.max_new_tokens,
             context_length=self.spec.context_length,
             eos_ids=frozenset(self.eos_ids),
             stop=prepared.stop,
-            inputs=prepared.inputs,
+            inputs=inputs,
             on_token=on_token,
             output_logits=prepared.output_logits,
             cancel=cancel,

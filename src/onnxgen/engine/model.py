@@ -41,7 +41,9 @@ class GenerateOptions(TypedDict, total=False):
     choice ("auto" | "none" | "required" | {"type": "function", "function": {"name": N}}); output constrained to
     text or well-formed calls, parsed into `Result.tool_calls`. speculative: "prompt_lookup" or "off" (None: the
     model's default); the output is exactly plain decoding's. salt: part of the identity (requests under
-    different salts share no KV).
+    different salts share no KV). images: for a vision package, the images of the prompt's placeholders
+    (encoded bytes, data: URLs, PIL images or [H, W, 3] uint8 arrays), after those of its image content
+    parts; each joins the identity at its position (`package/attachments.py`).
     """
 
     max_new_tokens: int | None
@@ -64,6 +66,7 @@ class GenerateOptions(TypedDict, total=False):
     parallel_tool_calls: bool
     speculative: str | bool | None
     salt: str | None
+    images: Sequence[Any] | None
 
 
 class Model:
@@ -230,7 +233,8 @@ class Model:
 
     def kv_stats(self) -> dict[str, Any]:
         """KV and scheduling numbers now: running and waiting requests, preemptions, `retained_kv_bytes` (what
-        sessions keep), and with paged KV the pool's pages and prefix-cache hits. Waits for the step running."""
+        sessions keep), with paged KV the pool's pages and prefix-cache hits, and with a vision package
+        `vision_runs`, `vision_cache_hits` and `images_cached`. Waits for the step running."""
         return self._engine.kv_stats()
 
     def kv_snapshot(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from typing import Any
 
 from onnxgen.errors import InvalidRequest
 from onnxgen.kv.files import Expected, KVShape, SessionHeader, read_session, salt_tag, write_session
+from onnxgen.package.attachments import has_keys
 from onnxgen.package.fingerprint import package_fingerprint
 
 
@@ -73,6 +74,8 @@ def write(
         raise InvalidRequest(
             f"contexts that depend on extra graph inputs ({names}) cannot be saved", field="path"
         )
+    if has_keys(tokens):  # an image's keys name it by a serial of this process only
+        raise InvalidRequest("contexts that hold images cannot be saved", field="path")
     header = SessionHeader(_shape(engine), tokens=tuple(tokens), salt=salt_tag(salt), name=name, note=note)
     size = write_session(path, header, layers)
     c = engine.file_counters

@@ -141,14 +141,18 @@ class Stash:
 
 class SlotKV:
     """The scheduler's KV adapter and the step's executor for per-request decoders. `stateless`: how many
-    contexts of requests nobody keeps are retained for later requests to match (`Stash`; 0: none)."""
+    contexts of requests nobody keeps are retained for later requests to match (`Stash`; 0: none).
+    `counters`: more numbers for `stats` (a vision package's `Parts.counters`)."""
 
     paged = False
     verify_sizes: tuple[int, ...] = ()  # a decoder's verify step costs what its positions do
 
-    def __init__(self, pool: DecoderPool, stateless: int = 0) -> None:
+    def __init__(
+        self, pool: DecoderPool, stateless: int = 0, counters: Callable[[], dict[str, int]] | None = None
+    ) -> None:
         self.pool = pool
         self.stash = Stash(pool, stateless)
+        self._counters = counters
 
     # --- the scheduler's calls ---------------------------------------------------------------------
 
@@ -248,6 +252,7 @@ class SlotKV:
             "idle_kv_bytes": self.pool.kv_bytes(),
             "stateless_contexts": len(self.stash),
             "stateless_kv_bytes": self.stash.kv_bytes(),
+            **(self._counters() if self._counters is not None else {}),
         }
 
     def close(self) -> None:

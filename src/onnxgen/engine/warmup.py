@@ -46,8 +46,9 @@ def burst_sizes(max_running: int) -> list[int]:
 
 def warm_up(model: Model, *, longest: int = LONGEST, seed: int = 0) -> WarmupReport:
     """Run a burst of synthetic requests through `model` and wait for them (see the module doc). Prompts are
-    random token ids below the vocabulary's first tenth (ordinary tokens), at most `longest` long and within
-    the context; every request runs `reuse=False`. Raises what a request raised."""
+    random token ids below the vocabulary's first tenth (ordinary tokens; never a vision package's image
+    placeholder), at most `longest` long and within the context; every request runs `reuse=False`. Raises
+    what a request raised."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     spec = model.spec
@@ -60,8 +61,15 @@ def warm_up(model: Model, *, longest: int = LONGEST, seed: int = 0) -> WarmupRep
     tokens = requests = 0
     before = model.kv_stats()
 
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(1, vocab) for _ in range(n)]
+    placeholder = spec.multimodal.image_token_id if spec.multimodal is not None else None
+
+    def ids(n: int) -> list[int]:  # never an image placeholder: a prompt holding one needs its image
+        out: list[int] = []
+        while len(out) < n:
+            t = rng.randrange(1, vocab)
+            if t != placeholder:
+                out.append(t)
+        return out
 
     # alone: a repetitive prompt drafts (prompt lookup) and verifies; then a sampled one
     pattern = ids(min(16, longest))

@@ -20,6 +20,7 @@ from onnxgen.errors import (
     PackageNotFound,
     UnsupportedModel,
 )
+from onnxgen.package.multimodal import MultimodalSpec, read_multimodal
 
 # Decoder-only model types ONNX Runtime GenAI's builder emits with one decoder graph.
 SUPPORTED_MODEL_TYPES = frozenset(
@@ -42,6 +43,7 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "ernie4_5",
         "gptoss",
         "decoder",
+        "qwen2_5_vl",  # the decoder of a vision pipeline (package/multimodal.py)
     }
 )
 
@@ -121,6 +123,9 @@ class ModelSpec:
     tokenizer_config: dict[str, Any] = field(hash=False, compare=False)
     chat_template: str | None
     config: dict[str, Any] = field(hash=False, compare=False, repr=False)
+    # the decoder's `inputs_embeds` input (a vision pipeline's: it then has no `input_ids`), and the pipeline
+    inputs_embeds_name: str | None = None
+    multimodal: MultimodalSpec | None = None
 
     def __post_init__(self) -> None:
         assert len(self.past_key_names) == self.num_layers == len(self.present_key_names)
@@ -135,6 +140,8 @@ class ModelSpec:
     def extra_inputs(self) -> tuple[GraphIO, ...]:
         """Graph inputs the runtime does not feed itself; each must come from the request."""
         own = {self.input_ids_name, self.attention_mask_name, self.position_ids_name}
+        if self.multimodal is not None:  # the image pipeline feeds the embeddings
+            own.add(self.inputs_embeds_name)
         own.update(self.past_key_names, self.past_value_names)
         return tuple(i for i in self.inputs if i.name not in own)
 
@@ -337,7 +344,15 @@ def load_spec(path: str | Path) -> ModelSpec:
     in_names = {i.name: i for i in inputs}
     out_names = {o.name for o in outputs}
     input_ids = ins.get("input_ids", "input_ids")
-    if input_ids not in in_names:
+    embeds = ins.get("inputs_embeds", "inputs_embeds") if "inputs_embeds" in ins else None
+    multimodal = read_multimodal(cfg, root, cfg_path)
+    if multimodal is not None and embeds not in in_names:
+        raise InvalidConfig(
+            f"{cfg_path}: a vision pipeline's decoder takes model.decoder.inputs.inputs_embeds, which the graph lacks",
+            cfg_path,
+            f"{dec}.inputs.inputs_embeds",
+        )
+    if input_ids not in in_names and multimodal is None:
         raise InvalidConfig(
             f"{cfg_path}: the graph has no input {input_ids!r} (model.decoder.inputs.input_ids)",
             cfg_path,
@@ -447,4 +462,6 @@ def load_spec(path: str | Path) -> ModelSpec:
         tokenizer_config=tok_cfg,
         chat_template=chat_template,
         config=cfg,
+        inputs_embeds_name=embeds if embeds in in_names else None,
+        multimodal=multimodal,
     )

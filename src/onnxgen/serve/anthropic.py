@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from onnxgen.errors import APIError
 from onnxgen.serve import openai
 from onnxgen.serve.errors import anthropic_error_body
-from onnxgen.serve.messages import check_messages
+from onnxgen.serve.messages import Fetch, check_messages, image_part
 from onnxgen.serve.schemas import CountTokensRequest, MessagesRequest
 from onnxgen.serve.streaming import (
     Call,
@@ -63,10 +63,11 @@ def _text(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-def messages_of(req: Any) -> list[dict[str, Any]]:
+def messages_of(req: Any, fetch: Fetch | None = None) -> list[dict[str, Any]]:
     """The chat template's messages of a Messages request: `system` first; user text blocks joined; each
     `tool_result` a `tool` message answering its `tool_use_id`; assistant `tool_use` blocks as tool calls
-    (`input` as JSON text). Thinking blocks are dropped; images are a 400. Checked by `check_messages`."""
+    (`input` as JSON text); user image blocks as image parts beside the text (`messages.image_part`: a url
+    source through `fetch`, refused when None). Thinking blocks are dropped. Checked by `check_messages`."""
     out: list[dict[str, Any]] = []
     system = _text(req.system, "system")
     if system:
@@ -77,10 +78,15 @@ def messages_of(req: Any) -> list[dict[str, Any]]:
             out.append({"role": m.role, "content": m.content})
             continue
         texts: list[str] = []
+        parts: list[dict[str, Any]] = []  # text and image parts in order, when the message has images
         calls: list[dict[str, Any]] = []
         for k, b in enumerate(m.content):
             if b.type == "text":
                 texts.append(b.text or "")
+                parts.append({"type": "text", "text": b.text or ""})
+            elif b.type == "image" and m.role == "user":
+                url = _image_url(getattr(b, "source", None), f"{where}.{k}")
+                parts.append(image_part(url, f"{where}.{k}", fetch))
             elif b.type == "tool_use" and m.role == "assistant":
                 args = json.dumps(b.input if b.input is not None else {}, ensure_ascii=False)
                 calls.append(
@@ -98,7 +104,9 @@ def messages_of(req: Any) -> list[dict[str, Any]]:
                     param=f"{where}.{k}.type",
                     code="unsupported",
                 )
-        if texts or calls:
+        if len(parts) > len(texts):
+            out.append({"role": m.role, "content": parts})
+        elif texts or calls:
             msg: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if texts else None}
             if calls:
                 msg["tool_calls"] = calls
@@ -145,6 +153,15 @@ def tools_of(req: Any) -> dict[str, Any]:
     return {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
 
 
+def _image_url(source: Any, where: str) -> str:
+    """The URL of an image block's `source`: base64 data as a data: URL, or a `url` source's URL."""
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise APIError(400, f"{where}: an image block needs a base64 or url source", param=f"{where}.source")
+
+
 def prepare(server: Server, req: Any) -> Call:
     """A Messages request validated and prepared once (`openai.prepare_call`). Raises APIError naming the field."""
     openai.check_model(req.model, server.model_names, server.model_id)
@@ -152,7 +169,7 @@ def prepare(server: Server, req: Any) -> Call:
     sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
     return openai.prepare_call(
         server.model,
-        messages_of(req),
+        messages_of(req, server.image_fetch),
         prompt_field="messages",
         max_tokens=("max_tokens", req.max_tokens),
         cap=server.config.max_tokens_cap,

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from onnxgen.errors import APIError, Cancelled, ContextOverflow, InvalidRequest, OnnxgenError, TemplateError
+from onnxgen.errors import (
+    APIError,
+    Cancelled,
+    ContextOverflow,
+    InvalidRequest,
+    MissingRequiredInput,
+    OnnxgenError,
+    TemplateError,
+)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -71,6 +79,8 @@ def from_engine_error(exc: BaseException, *, prompt_field: str = "messages") -> 
         elif field == "max_new_tokens":
             field = "max_tokens"
         return APIError(400, str(exc), param=field, code="invalid_value")
+    if isinstance(exc, MissingRequiredInput):  # an image placeholder without its image
+        return APIError(400, str(exc), param=prompt_field, code="missing_required_input")
     if isinstance(exc, TemplateError):
         return APIError(
             400,

@@ -1,22 +1,28 @@
 """A request's prompt as the chat template's messages (or a completion's one prompt), checked the same for
 every API family: `chat_messages` (OpenAI chat), `items_to_messages` (the Responses API's input items),
 `check_messages` (the tool turns of any family's messages: Anthropic's and the Responses API's conversions
-end here too), `completion_prompt`. Errors are `APIError` 400s naming the field."""
+end here too), `completion_prompt`; `image_part` (an image's URL as a content part the engine decodes: data:
+URLs as they are, remote ones fetched only when the operator allows it, `fetch_image`). Errors are
+`APIError` 400s naming the field."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from onnxgen.errors import APIError
 
+Fetch = Callable[[str], bytes]
 
-def chat_messages(req: Any) -> list[dict[str, Any]]:
-    """The chat template's messages (`developer` is `system`; text content parts joined by newlines),
-    checked by `check_messages`."""
+
+def chat_messages(req: Any, fetch: Fetch | None = None) -> list[dict[str, Any]]:
+    """The chat template's messages (`developer` is `system`; text content parts joined by newlines; with
+    `image_url` parts, the content stays a list of text and image parts: `image_part`), checked by
+    `check_messages`. `fetch`: how a remote image URL is fetched (None: refused)."""
     messages = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.content, i)}
+        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.content, i, fetch)}
         if m.tool_calls:
             msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             if m.content is None:
@@ -85,22 +91,64 @@ def completion_prompt(req: Any) -> Any:
     return prompt
 
 
-def _flatten_content(content: Any, i: int) -> str:
+def image_part(url: str, where: str, fetch: Fetch | None) -> dict[str, Any]:
+    """The content part of an image at `url`: a `data:` URL as it is (the engine decodes it), a remote URL's
+    bytes through `fetch` (None: refused, 400). Raises APIError naming `where`."""
+    if url.startswith("data:"):
+        return {"type": "image_url", "image_url": {"url": url}}
+    if not url.startswith(("http://", "https://")):
+        raise APIError(
+            400, f"{where}: an image URL must be a data: or http(s) URL", param=where, code="invalid_value"
+        )
+    if fetch is None:
+        raise APIError(
+            400,
+            f"{where}: remote image URLs are refused by this server; send the image as a base64 data: URL "
+            "(the operator may allow remote images: onnxgen serve --allow-remote-images)",
+            param=where,
+            code="unsupported",
+        )
+    return {"type": "image", "image": fetch(url)}
+
+
+def fetch_image(url: str, *, max_bytes: int, timeout_s: float = 10.0) -> bytes:
+    """The bytes at a remote image URL (at most `max_bytes`, within `timeout_s`). Raises APIError 400."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            data = resp.read(max_bytes + 1)
+    except Exception as exc:  # URLError, timeouts, HTTP errors
+        raise APIError(
+            400, f"the image at {url!r} could not be fetched ({exc})", code="invalid_value"
+        ) from None
+    if len(data) > max_bytes:
+        raise APIError(400, f"the image at {url!r} is over {max_bytes} bytes", code="invalid_value")
+    return data
+
+
+def _flatten_content(content: Any, i: int, fetch: Fetch | None = None) -> str | list[dict[str, Any]]:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    parts = []
-    for part in content:
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    for k, part in enumerate(content):
+        if part.type == "image_url" and part.image_url is not None:
+            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+            parts.append(image_part(url, f"messages.{i}.content.{k}.image_url", fetch))
+            continue
         if part.type != "text" or part.text is None:
             raise APIError(
                 400,
-                f"content parts of type {part.type!r} are not supported (text only)",
+                f"content parts of type {part.type!r} are not supported (text and image_url only)",
                 param=f"messages.{i}.content",
                 code="unsupported",
             )
-        parts.append(part.text)
-    return "\n".join(parts)
+        texts.append(part.text)
+        parts.append({"type": "text", "text": part.text})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
 def _parts_text(content: Any, where: str) -> str:

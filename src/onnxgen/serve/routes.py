@@ -138,7 +138,10 @@ def add_routes(app: Any, server: Server) -> None:
         req = await read_body(server, request, schema)
         caller = server.caller(request, req.cache_salt)
         session = await server.resolve_session(request, caller)
-        prompt = prompt_of(req)
+        if kind.chat and server.image_fetch is not None:  # remote images are fetched: off the event loop
+            prompt = await server.run_off_loop(prompt_of, req, server.image_fetch)
+        else:
+            prompt = prompt_of(req)
         call = await server.run_off_loop(
             openai.prepare,
             server.model,

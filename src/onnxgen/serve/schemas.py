@@ -21,9 +21,15 @@ class _Model(BaseModel):
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Model):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionCall(_Model):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import logging
 import secrets
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from onnxgen.errors import APIError, Cancelled, SessionLimit
 from onnxgen.serve.errors import from_engine_error
+from onnxgen.serve.messages import Fetch, fetch_image
 from onnxgen.serve.metrics import Metrics
 from onnxgen.serve.openai import Logprobs
 from onnxgen.serve.sessions import SESSION_HEADER, SessionStore
@@ -62,7 +64,9 @@ class ServerConfig:
     (`POST /v1/sessions/{id}/save`, and all at shutdown) and restored from by id (None: nowhere).
     adopt_sessions: a request naming a well-formed session id this server neither holds nor has a file of
     starts an empty session under that id instead of a 404 (a replica behind a router, where a session may
-    move between replicas: its conversation is then recomputed; off for one server)."""
+    move between replicas: its conversation is then recomputed; off for one server).
+    allow_remote_images: fetch http(s) image URLs of content parts (at most `max_body_bytes` each); off, only
+    data: URLs are accepted."""
 
     api_keys: tuple[str, ...] = ()
     max_queue: int = 64
@@ -81,6 +85,7 @@ class ServerConfig:
     max_stored_responses: int = 1024
     kv_dir: str | None = None
     adopt_sessions: bool = False
+    allow_remote_images: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens_cap < 1:
@@ -131,6 +136,12 @@ class Server:
             kv_dir=config.kv_dir,
         )
         self.logprobs = Logprobs(model)
+        # how a content part's remote image URL is fetched (None: refused; `messages.image_part`)
+        self.image_fetch: Fetch | None = (
+            functools.partial(fetch_image, max_bytes=config.max_body_bytes)
+            if config.allow_remote_images
+            else None
+        )
         self.metrics = Metrics()
         self.created = int(time.time())
         self.responses: Any = None  # the Responses API's store (responses.py sets it)

@@ -63,13 +63,19 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _content_text(content: Any, index: int) -> str | None:
-    """A message's content as a string: a str as is, a list of text parts joined with newlines."""
+def _content_text(content: Any, index: int) -> str | list[dict[str, Any]] | None:
+    """A message's content as a string: a str as is, a list of text parts joined with newlines. A list with
+    image placeholders (`{"type": "image"}`, what `engine/images.py` leaves of an image part) stays a list of
+    text and image parts, for a vision model's template to render."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts: list[str] = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
+            if isinstance(part, Mapping) and part.get("type") == "image" and len(part) == 1:
+                parts.append({"type": "image"})
+                continue
             if (
                 not isinstance(part, Mapping)
                 or part.get("type") != "text"
@@ -78,11 +84,12 @@ def _content_text(content: Any, index: int) -> str | None:
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
                 raise InvalidRequest(
                     f"messages[{index}].content[{j}] must be {{'type': 'text', 'text': str}}, got a {kind!r} part "
-                    "(only text content is supported)",
+                    "(only text and, for vision models, image content is supported)",
                     field="messages",
                 )
             texts.append(part["text"])
-        return "\n".join(texts)
+            parts.append({"type": "text", "text": part["text"]})
+        return parts if len(parts) > len(texts) else "\n".join(texts)
     return None
 
 

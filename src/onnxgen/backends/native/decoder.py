@@ -40,6 +40,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from onnxgen.backends.base import rope_parts
@@ -134,8 +135,10 @@ class NativeDecoder:
             raise InvalidRequest(
                 f"graph_max_tokens must be >= 0, got {graph_max_tokens}", field="graph_max_tokens"
             )
-        self._use_graphs = bool(cuda_graphs) and device == "cuda" and self.program.static_ok
-        self._static_steps = bool(static_steps) and self.program.static_ok
+        # static steps feed token ids (a graph fed embeddings, a vision pipeline's, runs eagerly)
+        static_ok = self.program.static_ok and spec.input_ids_name in self.program.input_slots
+        self._use_graphs = bool(cuda_graphs) and device == "cuda" and static_ok
+        self._static_steps = bool(static_steps) and static_ok
         self._graph_max = static_step_size(graph_max_tokens, 1 << 30) if graph_max_tokens > 1 else 1
         self._graphs: Graphs[None] = Graphs(self._dev)  # GraphKey("step", tokens=m, kv=capacity)
         self._seen: set[GraphKey] = set()
@@ -153,6 +156,8 @@ class NativeDecoder:
         self._pos_dtype = input_dtype(spec, spec.position_ids_name, torch.int64)
         self._ids_dtype = input_dtype(spec, spec.input_ids_name, torch.int64)
         self._extra = [i for i in spec.extra_inputs if i.name in p.input_slots]
+        # a vision pipeline's decoder: fed `inputs_embeds` (and MRoPE position ids) by the pipeline
+        self._in_embeds = p.input_slots.get(spec.inputs_embeds_name or "", -1)
         self._static_forwards: dict[int, int] = {}
         self._eager_forwards = 0
         self._warmed: tuple[int, ...] = ()
@@ -297,12 +302,20 @@ class NativeDecoder:
 
     def _extra_values(self, inputs: Mapping[str, Any] | None) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
-        for io in self._extra:
-            if inputs is None or io.name not in inputs:
-                raise MissingRequiredInput(io.name)
-            v = inputs[io.name]
-            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(v)
-            out[self.program.input_slots[io.name]] = t.to(self._dev)
+        names = [io.name for io in self._extra]
+        if self._in_embeds >= 0:
+            names.append(self.spec.inputs_embeds_name)
+            if inputs is not None and self.spec.position_ids_name in inputs:
+                names.append(self.spec.position_ids_name)  # MRoPE's, given by the pipeline
+        for name in names:
+            if inputs is None or name not in inputs:
+                hint = (
+                    "the image pipeline (backends/multimodal.py) feeds it" if self._in_embeds >= 0 else None
+                )
+                raise MissingRequiredInput(name, hint)
+            v = inputs[name]
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
+            out[self.program.input_slots[name]] = t.to(self._dev)
         return out
 
     def _run_eager(
@@ -310,9 +323,10 @@ class NativeDecoder:
     ) -> torch.Tensor:
         n = len(tokens)
         env = self.program.new_env()
-        ids = torch.empty(n, dtype=torch.int64, device=self._dev)
-        self._staging.upload(torch.as_tensor(tokens, dtype=torch.int64), ids)
-        env[self._in_ids] = ids.view(1, n).to(self._ids_dtype)
+        if self._in_ids >= 0:
+            ids = torch.empty(n, dtype=torch.int64, device=self._dev)
+            self._staging.upload(torch.as_tensor(tokens, dtype=torch.int64), ids)
+            env[self._in_ids] = ids.view(1, n).to(self._ids_dtype)
         positions = torch.arange(start, start + n, device=self._dev)
         if self._in_mask >= 0:
             env[self._in_mask] = torch.ones((1, start + n), dtype=self._mask_dtype)  # host: shape arithmetic

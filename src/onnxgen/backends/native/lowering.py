@@ -109,12 +109,36 @@ def _norm_domain(d: str) -> str:
     return "" if d in ("", "ai.onnx") else d
 
 
+@dataclass(frozen=True)
+class GraphOnly:
+    """What `lower` needs to know of a graph that is not a decoder (a vision encoder, an embedding graph):
+    its one output (read as the Program's `logits_slot`). No KV, no mask, no lm_head."""
+
+    logits_name: str
+    attention_mask_name: str | None = None
+    num_layers: int = 0
+    decoder: bool = False
+
+
+def lower_graph(path: Path, output: str, device: torch.device) -> Program:
+    """A graph that is not a decoder (no KV binding, no lm_head cut, no LongRoPE switch) as a Program whose
+    `execute` returns `output`; its ops need no `RunCtx` state (pass `plain_ctx()`)."""
+    return lower(path, GraphOnly(output), device)
+
+
+def plain_ctx() -> O.RunCtx:
+    """The `RunCtx` of a graph lowered by `lower_graph` (it reads no KV and no positions)."""
+    return O.RunCtx(None, 0, 0, None, static=False)
+
+
 def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse: bool = True) -> Program:
     """Read `path` (the package's decoder graph) and build its Program for `device`. `int4`: "dense"
     dequantizes MatMulNBits weights at load; "packed" keeps them packed on the device and runs them as
     `Int4Linear` (ops.quant: a Triton GEMV on the packed bytes for decode rows). `fuse=False` leaves out the
     fusions across ops that compute the same values (LinearSiluMul, RmsLinear): one op per ONNX node, as
-    the per-op error diagnostics (`numerics`) need."""
+    the per-op error diagnostics (`numerics`) need. `spec` a `GraphOnly`: a graph without KV (`lower_graph`):
+    the decoder's passes (KV binding, the cut before the lm_head and its moves, LongRoPE) are left out."""
+    decoder = getattr(spec, "decoder", True)
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -135,9 +159,11 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
         O.builder(n)  # raises UnsupportedOp for an op the backend lacks, before any rewrite
 
     graph_inputs = [i.name for i in model.graph.input if i.name not in consts]
-    nodes, rope_switch = _rope_switch(nodes, consts, spec.attention_mask_name)
-    nodes, static_ok = _bind_kv(nodes, spec)
-    nodes = _slice_before_lm_head(nodes, spec.logits_name, consts)
+    rope_switch, static_ok = None, False
+    if decoder:
+        nodes, rope_switch = _rope_switch(nodes, consts, spec.attention_mask_name)
+        nodes, static_ok = _bind_kv(nodes, spec)
+        nodes = _slice_before_lm_head(nodes, spec.logits_name, consts)
     nodes = _fuse_silu(nodes, spec.logits_name)
     nodes = _dce(nodes, [spec.logits_name])
     nodes = _fold_constants(nodes, consts)
@@ -145,7 +171,7 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
     # MoE / QMoE experts prepared once (`ops.moe`): dense, or QMoE's 4-bit experts kept packed
     nodes = O.prepare_moe(nodes, consts, device, spec, packed=int4 == "packed", on_device=on_device)
-    if fuse:
+    if fuse and decoder:
         nodes = _split_into_gqa(nodes, consts)
         nodes = _cast_into_norm(nodes)
         nodes = _fuse_gelu_mul(nodes)

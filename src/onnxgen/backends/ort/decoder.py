@@ -274,6 +274,12 @@ class OrtDecoder:
         self._hold = arrays  # keep the host arrays alive while OrtValues wrap them
 
     def _bind_extra(self, io: Any, inputs: Mapping[str, Any] | None) -> None:
+        embeds = self.spec.inputs_embeds_name
+        if embeds is not None and embeds in self._input_names:  # a vision pipeline's decoder
+            value = None if inputs is None else inputs.get(embeds)
+            if value is None:
+                raise MissingRequiredInput(embeds, "the image pipeline (backends/multimodal.py) feeds it")
+            io.bind_cpu_input(embeds, np.ascontiguousarray(value))
         for gi in self._extra:
             value = None if inputs is None else inputs.get(gi.name)
             if value is None:
@@ -348,13 +354,18 @@ class OrtDecoder:
         else:
             io = self._session.io_binding()
             cap = total
-        io.bind_cpu_input(spec.input_ids_name, np.asarray([tokens], dtype=np.int64))
+        if spec.input_ids_name in self._input_names:
+            io.bind_cpu_input(spec.input_ids_name, np.asarray([tokens], dtype=np.int64))
         if spec.attention_mask_name in self._input_names:
             if self._ones.shape[1] < total:
                 self._ones = np.ones((1, max(total, cap)), dtype=np.int64)
             io.bind_cpu_input(spec.attention_mask_name, self._ones[:, :total])
         if spec.position_ids_name in self._input_names:
-            io.bind_cpu_input(spec.position_ids_name, np.arange(start_pos, total, dtype=np.int64)[None, :])
+            given = (
+                None if inputs is None else inputs.get(spec.position_ids_name)
+            )  # MRoPE's, from the pipeline
+            pos = np.arange(start_pos, total, dtype=np.int64)[None, :] if given is None else given
+            io.bind_cpu_input(spec.position_ids_name, np.ascontiguousarray(pos, dtype=np.int64))
         self._bind_extra(io, inputs)
         if self.last_logits:
             io.bind_cpu_input(LOGITS_FROM, self._logits_from[rows])

@@ -87,13 +87,16 @@ class TokenizerFiles:
         )
 
 
-def byte_level_tokenizer(cfg: SyntheticConfig) -> TokenizerFiles:
+def byte_level_tokenizer(
+    cfg: SyntheticConfig, extra_special: tuple[str, ...] = (), chat_template: str = CHAT_TEMPLATE
+) -> TokenizerFiles:
     """A deterministic byte-level BPE trained on a fixed text up to cfg.vocab_size tokens, with ChatML
-    special tokens and `CHAT_TEMPLATE`. Raises ConversionError if the vocab cannot hold the 256 bytes
-    and the special tokens."""
+    special tokens (then `extra_special`, e.g. a vision model's) and `chat_template`. Raises ConversionError
+    if the vocab cannot hold the 256 bytes and the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    n_base = 256 + len(SPECIAL_TOKENS)
+    specials = (*SPECIAL_TOKENS, *extra_special)
+    n_base = 256 + len(specials)
     if cfg.vocab_size < n_base:
         raise ConversionError(
             f"vocab_size {cfg.vocab_size} is too small for the built-in byte-level tokenizer (needs >= {n_base}); "
@@ -106,7 +109,7 @@ def byte_level_tokenizer(cfg: SyntheticConfig) -> TokenizerFiles:
     trainer = trainers.BpeTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -120,7 +123,7 @@ def byte_level_tokenizer(cfg: SyntheticConfig) -> TokenizerFiles:
             "single_word": False,
             "special": True,
         }
-        for t in SPECIAL_TOKENS
+        for t in specials
     }
     tok_cfg = {
         "add_bos_token": False,
@@ -134,7 +137,7 @@ def byte_level_tokenizer(cfg: SyntheticConfig) -> TokenizerFiles:
         "tokenizer_class": "GPT2Tokenizer",
         "unk_token": "<|endoftext|>",
     }
-    return TokenizerFiles(tok.to_str(pretty=True), tok_cfg, CHAT_TEMPLATE)
+    return TokenizerFiles(tok.to_str(pretty=True), tok_cfg, chat_template)
 
 
 def tokenizer_from_dir(path: Path) -> TokenizerFiles:

@@ -1,5 +1,6 @@
-"""The RotaryEmbedding ops (com.microsoft and ai.onnx opset 23): cos/sin lookup by position around the
-one rotary implementation, `onnxgen.backends.native.rotary.rope`. (GroupQueryAttention's fused rotary is
+"""The RotaryEmbedding ops (com.microsoft and ai.onnx opset 23) and com.microsoft MRotaryEmbedding (Qwen-VL's
+multimodal rotary: each rotated frequency reads one of three position rows): cos/sin lookup by position around
+the one rotary implementation, `onnxgen.backends.native.rotary.rope`. (GroupQueryAttention's fused rotary is
 in `attention`.) And `rope_rows`: which rows of the rotary tables a step's tokens read, LongRoPE's switch
 included (every op that looks the tables up by position goes through it)."""
 
@@ -11,6 +12,7 @@ import torch
 
 from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, RunCtx, same_device
 from onnxgen.backends.native.rotary import rope
+from onnxgen.errors import UnsupportedModel
 
 
 def rope_rows(
@@ -103,7 +105,36 @@ def _rotary_23(node: Node) -> Fn:
     return f
 
 
+def _mrotary(node: Node) -> Fn:
+    """com.microsoft MRotaryEmbedding(input [B, S, N*H], position_ids [3, B, S], cos_cache, sin_cache):
+    frequency j of the rotated half reads the position row of its section (`mrope_section` [t, h, w] sizes,
+    laid out one section after the other: `mrope_layout` 0)."""
+    interleaved = bool(node.attr("interleaved", 0))
+    num_heads = int(node.attr("num_heads", 0))
+    section = [int(n) for n in node.attr("mrope_section", [])]
+    if int(node.attr("mrope_layout", 0)) != 0 or len(section) != 3:
+        raise UnsupportedModel(
+            f"MRotaryEmbedding {node.name!r}: only the sectioned layout of three sections is supported "
+            f"(mrope_layout {node.attr('mrope_layout', 0)}, mrope_section {section})"
+        )
+    row_of = [r for r, n in enumerate(section) for _ in range(n)]
+
+    def f(ctx: Any, x: Any, pos: Any, cos_c: Any, sin_c: Any) -> tuple[Any, ...]:
+        x, pos, cos_c, sin_c = same_device(ctx, x, pos, cos_c, sin_c)
+        half = cos_c.shape[1]
+        assert half == len(row_of), f"mrope_section sums to {len(row_of)}, the rotary tables hold {half}"
+        rows = torch.as_tensor(row_of, device=pos.device)
+        idx = pos.long()[rows]  # [half, B, S]: each frequency's position
+        col = torch.arange(half, device=pos.device).view(half, 1, 1)
+        cos = cos_c[idx, col].permute(1, 2, 0).unsqueeze(2)  # [B, S, 1, half]
+        sin = sin_c[idx, col].permute(1, 2, 0).unsqueeze(2)
+        return (_rotate(x, cos, sin, interleaved, num_heads or x.shape[-1] // (2 * half)),)
+
+    return f
+
+
 BUILDERS: dict[tuple[str, str], Builder] = {
+    (MS, "MRotaryEmbedding"): _mrotary,
     (MS, "RotaryEmbedding"): _rotary_ms,
     (AI, "RotaryEmbedding"): _rotary_23,
 }
