@@ -12,7 +12,7 @@ Sections (contenders interleaved, the order reversed every other round, median o
               against the same prompt prefilled fresh; decode tok/s at that context
   resume      a --turn-token turn on a --context-token conversation: TTFT kept in its session, restored from
               the host tier (`Session.offload` before each run: its KV in host memory only; a third model of
-              the engine, with `host_kv_bytes` set where the device's default is none), restored from its
+              the engine, with `host_kv_bytes` set to twice the context), restored from its
               session file (the restore included; a second model of the same engine, its caches emptied after
               each run, the file dropped from the page cache), and prefilled fresh; the file's size
   idle        --idle sessions of --context tokens (a --shared-token prefix common to all, the rest their own)
@@ -212,8 +212,8 @@ def resume(
     room = {"kv_bytes": 3 * per_token * (args.context + 2 * args.turn)}  # the second and third models' pools
     restorers = {k: u.load(pkg, args.device, {**room, **specs[k]}, args.threads) for k in models}
     hosts = {}
-    for k in models:  # the host tier: the device's default (CUDA), else room for the context
-        extra = {} if args.device == "cuda" else {"host_kv_bytes": 2 * per_token * (args.context + args.turn)}
+    for k in models:  # the host tier: room for the context
+        extra = {"host_kv_bytes": 2 * per_token * (args.context + args.turn)}
         hosts[k] = u.load(pkg, args.device, {**room, **extra, **specs[k]}, args.threads)
     for k, m in models.items():
         sessions[k] = m.session()

@@ -25,20 +25,9 @@ from typing import Any
 
 from onnxgen.errors import InvalidRequest
 
-HOST_KV_SHARE = 0.25  # the host tier's default bound on CUDA: this share of the machine's RAM
 BACKENDS = ("auto", "ort", "native")
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("prompt_lookup", "off")
-
-
-def _ram_bytes() -> int:
-    """The machine's physical memory (0 where the OS does not say)."""
-    import os
-
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def _positive(name: str, v: Any, *, optional: bool = True, least: int = 1) -> None:
@@ -137,11 +126,11 @@ class CacheConfig:
     most bytes sessions' kept KV may hold together (None: no bound but `max_sessions`). kv_dir: a folder where
     the sessions those bounds push out spill their KV as session files, resumed from at their next request
     (None: they recompute; `engine/spill.py`). kv_dir_bytes: the most bytes those files take together (least
-    recently spilled deleted first). host_kv_bytes: host memory for KV that leaves the device (None: on CUDA a
-    quarter of the machine's RAM, `HOST_KV_SHARE`, allocated as pages arrive, pinned; on the CPU none, the pool
-    being host memory already: there the next tier is `kv_dir`; 0: none). With paged KV it holds the pages the
-    prefix index evicts and those of sessions pushed out, restored by a later request that continues their
-    prefix (`kv/tiers.py`); with a decoder per request, the contexts of sessions pushed out (`engine/spill.py`).
+    recently spilled deleted first). host_kv_bytes: host memory for KV that leaves the device (None: none;
+    asked for where wanted, its copies costing the device time at each eviction; on the CPU the pool is host
+    memory already, and the next tier is `kv_dir`). With paged KV it holds the pages the prefix index evicts
+    and those of sessions pushed out, restored by a later request that continues their prefix (`kv/tiers.py`);
+    with a decoder per request, the contexts of sessions pushed out (`engine/spill.py`).
     """
 
     paged: bool | None = None
@@ -167,10 +156,8 @@ class CacheConfig:
         _positive("max_kv_bytes", self.max_kv_bytes, least=0)
 
     def host_bytes_for(self, cuda: bool) -> int:
-        """`host_kv_bytes`, or its default on this device: `HOST_KV_SHARE` of the RAM on CUDA, 0 on the CPU."""
-        if self.host_kv_bytes is not None:
-            return self.host_kv_bytes
-        return int(_ram_bytes() * HOST_KV_SHARE) if cuda else 0
+        """`host_kv_bytes`, or its default on this device."""
+        return self.host_kv_bytes if self.host_kv_bytes is not None else 0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import onnxgen
-from onnxgen.config import HOST_KV_SHARE, CacheConfig
+from onnxgen.config import CacheConfig
 from tests.conftest import native_available
 from tests.harness import loaded
 
@@ -214,14 +214,39 @@ def test_a_restore_in_flight_is_waited_for_by_its_request_alone(tiny_dir, monkey
     st.engine.close()
 
 
-def test_the_host_tier_is_on_by_default_on_cuda_only():
-    import os
+@NATIVE
+def test_metrics_report_the_pool_host_tier(tiny_dir):
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from onnxgen.serve.app import RunningServer, ServerConfig, create_app
 
-    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert CacheConfig().host_bytes_for(True) == int(ram * HOST_KV_SHARE) > 0
-    assert CacheConfig().host_bytes_for(False) == 0  # the CPU's pool is host memory: the disk is next
+    m = onnxgen.load(str(tiny_dir), backend="native", host_kv_bytes=8 << 20)
+    s = m.session()
+    first = s.generate(_ids(100, 8, m.spec.vocab_size), max_new_tokens=2, temperature=0)
+    s.offload()
+    s.generate([*_context(first), 5, 6], max_new_tokens=2, temperature=0)
+    with RunningServer(create_app(m, ServerConfig())) as srv:
+        text = httpx.get(srv.url + "/metrics").text
+    lines = dict(ln.rsplit(" ", 1) for ln in text.splitlines() if ln.startswith("onnxgen_host_pages"))
+    stats = m.kv_stats()
+    assert float(lines["onnxgen_host_pages"]) == stats["host_pages"] == 100 // 16
+    assert float(lines["onnxgen_host_pages_restored"]) == stats["host_pages_restored"] == 100 // 16
+    m.close()
+
+
+@NATIVE
+def test_the_host_tier_is_there_only_when_asked_for(tiny_dir):
+    assert CacheConfig().host_bytes_for(True) == CacheConfig().host_bytes_for(False) == 0
     assert CacheConfig(host_kv_bytes=123).host_bytes_for(True) == 123
-    assert CacheConfig(host_kv_bytes=0).host_bytes_for(True) == 0
+    plain, tiered = (
+        onnxgen.load(str(tiny_dir), backend="native", **o) for o in ({}, {"host_kv_bytes": 1 << 20})
+    )
+    try:
+        assert "host_pages" not in plain.kv_stats() and plain.session().offload() == 0
+        assert tiered.kv_stats()["host_pages_bound"] == 1 << 20
+    finally:
+        plain.close()
+        tiered.close()
 
 
 # --- CUDA: pinned slabs, the copy stream ---------------------------------------------------------------

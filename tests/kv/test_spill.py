@@ -114,7 +114,7 @@ def test_metrics_report_the_disk_tier(tiny_dir, tmp_path):
 
 
 # --- the session-level host tier of the decoder-per-request executors (a paged pool's own tier of pages:
-# tests/kv/test_host_tier.py); on by default on CUDA, here set explicitly -----------------------------------
+# tests/kv/test_host_tier.py); off unless host_kv_bytes is set ---------------------------------------------
 
 
 def _session_bytes(tiny_dir, n: int) -> int:

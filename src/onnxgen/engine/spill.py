@@ -11,8 +11,8 @@ A paged pool has a host tier of its own (`kv/tiers.py`: pages, not sessions): th
 handed to `PagedKV.offload` (unpinned, its pages copied out ahead of their eviction, found again by its next
 request's prefix lookup) unless a disk tier is given, and the session-level host tier here serves the decoder
 per request executors (ort, the native decoder), whose copies out of the device are plain ones under the engine's
-lock. `CacheConfig.host_kv_bytes` bounds either (on by default on CUDA; on the CPU the pool already is host
-memory and the next tier is the disk). Files are this process's (named by a random id, deleted when their
+lock. `CacheConfig.host_kv_bytes` bounds either (none unless set; on the CPU the pool already is host memory
+and the next tier is the disk). Files are this process's (named by a random id, deleted when their
 session resumes, clears or closes, or the model closes). No tier ever holds more than its bound. A context that
 cannot be written or restored costs the speedup only (logged; the session recomputes).
 """
