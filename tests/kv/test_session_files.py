@@ -102,6 +102,7 @@ held = s.retained_tokens
 r = s.generate(json.loads(s.note) + follow, max_new_tokens=5, temperature=0, output_logits=True)
 logits = np.asarray(r.logits, dtype=np.float64).tolist()
 print(json.dumps({"tokens": r.tokens, "reused": r.stats.reused_tokens, "held": held, "logits": logits}))
+m.close()  # NOTE: the engine loop and the native backend's threads stop before the interpreter does
 """
     model = models(mode)
     vocab = model.spec.vocab_size
