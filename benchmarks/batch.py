@@ -354,7 +354,7 @@ def team(args: Any, label: str, model: Any) -> dict[str, Any]:
         barrier.wait()
         for t in range(args.turns):
             ctx += u.random_ids(64, vocab, 1000 * i + t)
-            r = s.generate(ctx, max_new_tokens=128, **gen)
+            r = s.generate(ctx, max_new_tokens=args.new, **gen)
             with lock:
                 ttft.append(r.stats.ttft_s * 1e3)
                 if r.stats.generated_tokens > 1 and r.stats.decode_tok_s > 0:

@@ -12,8 +12,14 @@ Sections (contenders interleaved, the order reversed every other round, median o
   retained    a --turn-token turn on a retained --context-token context (random ids): TTFT with the session,
               against the same prompt prefilled fresh; decode tok/s at that context
   resume      a --turn-token turn on a --context-token conversation: TTFT kept in its session, restored from
-              its session file (the restore included; a second model of the same engine, its caches emptied
-              after each run, the file dropped from the page cache), and prefilled fresh; the file's size
+              the host tier (`Session.offload` before each run: its KV in host memory only; a third model of
+              the engine, with `host_kv_bytes` set to twice the context), restored from its
+              session file (the restore included; a second model of the same engine, its caches emptied after
+              each run, the file dropped from the page cache), and prefilled fresh; the file's size
+  idle        --idle sessions of --context tokens (a --shared-token prefix common to all, the rest their own)
+              on a paged pool sized for --pool-sessions contexts and a host tier for --host-sessions: the
+              time to open them (--idle-threads at once), RSS as they are made and as each resumes with a
+              --turn-token turn, the host tier's largest size against its bound, how much each reused
   growing     one session from --grow START,END,STEP: STEP-token turns, --new tokens answered each: TTFT
               p50 / p99 and decode tok/s over the turns (--profile: one more turn under torch.profiler)
   retokenize  six two-turn chats whose replies are resent as text: the tokens turn 1 retained, how many turn 2
@@ -206,14 +212,34 @@ def resume(
         return turns[count[name] % len(turns)]
 
     folder = Path(tempfile.mkdtemp(prefix="onnxgen-resume-"))
-    sessions, files, sizes = {}, {}, {}
-    restorers = {k: u.load(pkg, args.device, specs[k], args.threads) for k in models}
+    sessions, files, sizes, held = {}, {}, {}, {}
+    per_token = kv_bytes_per_token(next(iter(models.values())))
+    room = {"kv_bytes": 3 * per_token * (args.context + 2 * args.turn)}  # the second and third models' pools
+    restorers = {k: u.load(pkg, args.device, {**room, **specs[k]}, args.threads) for k in models}
+    hosts = {}
+    for k in models:  # the host tier: room for the context
+        extra = {"host_kv_bytes": 2 * per_token * (args.context + args.turn)}
+        hosts[k] = u.load(pkg, args.device, {**room, **extra, **specs[k]}, args.threads)
     for k, m in models.items():
         sessions[k] = m.session()
         sessions[k].generate(ctx, max_new_tokens=1, **GREEDY)
         files[k] = folder / f"{len(files)}.onnxgen"
         sizes[k] = sessions[k].save(files[k])
         restorers[k].generate(ctx[:64], max_new_tokens=1, reuse=False, **GREEDY)  # warm-up
+        held[k] = hosts[k].session()
+        held[k].generate(ctx, max_new_tokens=1, **GREEDY)
+
+    def host(k: str) -> dict[str, float]:
+        s = held[k]
+        hosts[k].settle()
+        assert s.offload() > 0, "the context went to no tier"
+        t0 = time.perf_counter()
+        r = s.generate(ctx + turn_of(f"{k}|host"), max_new_tokens=1, **GREEDY)
+        wall = (
+            time.perf_counter() - t0
+        )  # NOTE: the restore included wherever it runs (the caller's thread or the step)
+        s.generate(ctx, max_new_tokens=1, **GREEDY)  # back to the context (restored from the tier too)
+        return {"ttft_ms": wall * 1e3, "reused": r.stats.reused_tokens}
 
     def retained(k: str) -> dict[str, float]:
         sessions[k].generate(ctx, max_new_tokens=1, **GREEDY)  # back to the context: the same turn each time
@@ -245,51 +271,169 @@ def resume(
         r = models[k].generate(ctx + turn_of(f"{k}|fresh"), max_new_tokens=1, reuse=False, **GREEDY)
         return {"ttft_ms": r.stats.ttft_s * 1e3}
 
+    names = ("retained", "host", "restored", "fresh")
     contenders = {}
     for k in models:
-        for name, fn in (("retained", retained), ("restored", restored), ("fresh", fresh)):
+        for name, fn in zip(names, (retained, host, restored, fresh), strict=True):
             contenders[f"{k}|{name}"] = lambda k=k, fn=fn: fn(k)
     for fn in contenders.values():
         fn()
     runs = u.interleave(args.runs, contenders)
     rows, data = [], {}
     for k in models:
-        med = {n: u.median(x["ttft_ms"] for x in runs[f"{k}|{n}"]) for n in ("retained", "restored", "fresh")}
+        med = {n: u.median(x["ttft_ms"] for x in runs[f"{k}|{n}"]) for n in names}
         restore_ms = u.median(x["restore_ms"] for x in runs[f"{k}|restored"])
-        reused = runs[f"{k}|restored"][-1]["reused"]
-        assert runs[f"{k}|retained"][-1]["reused"] == reused == len(ctx), (
-            "both turns reuse the context, no more"
-        )
+        reused = {n: runs[f"{k}|{n}"][-1]["reused"] for n in ("retained", "host", "restored")}
+        assert reused["retained"] == reused["restored"] == len(ctx), ("both turns reuse the context", reused)
+        # a paged pool's host tier holds full pages: a context's last partial page is recomputed with the turn
+        assert len(ctx) - reused["host"] < 64, ("the host tier gave the context back", reused)
         data[k] = {**med, "restore_ms": restore_ms, "reused": reused, "file_bytes": sizes[k]}
+        fresh_ms = med["fresh"]
         rows.append(
             [
                 k,
                 f"{med['retained']:,.1f}",
-                f"{med['restored']:,.1f} ({restore_ms:,.0f} restore)",
-                f"{med['fresh']:,.1f}",
-                f"{med['restored'] / med['fresh']:.3f}",
-                f"{med['fresh'] / med['restored']:.1f}x",
+                f"{med['host']:,.1f} ({med['host'] / fresh_ms:.3f})",
+                f"{med['restored']:,.1f} ({med['restored'] / fresh_ms:.3f}; {restore_ms:,.0f} restore)",
+                f"{fresh_ms:,.1f}",
                 f"{sizes[k] / 2**20:,.0f} MiB",
-                reused,
+                f"{reused['host']} / {reused['restored']}",
             ]
         )
-        sessions[k].close()
-        restorers[k].close()
+        for m in (sessions[k], held[k], restorers[k], hosts[k]):
+            m.close()
     for f in files.values():
         f.unlink(missing_ok=True)
     folder.rmdir()
     header = [
         "engine",
         "retained TTFT ms",
-        "restored from file TTFT ms",
+        "from the host tier TTFT ms (/ fresh)",
+        "from its file TTFT ms (/ fresh)",
         "fresh prefill TTFT ms",
-        "restored / fresh",
-        "speedup",
         "file",
-        "reused",
+        "reused: host / file",
     ]
-    title = f"resume: a {args.turn}-token turn on a {args.context}-token conversation: kept, restored from its file, recomputed"
+    title = (
+        f"resume: a {args.turn}-token turn on a {args.context}-token conversation: kept, restored from host memory,"
+        " restored from its file, recomputed"
+    )
     return title, u.table(rows, header), data
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """KV bytes one token takes in every layer (keys and values, the package's KV dtype)."""
+    import numpy as np
+
+    spec = model.spec
+    size = 2 if spec.kv_dtype in ("bfloat16", "float16") else np.dtype(spec.kv_dtype).itemsize
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * size
+
+
+def rss_bytes() -> tuple[int, int]:
+    """This process's resident memory now and at its peak (Linux: /proc/self/status)."""
+    fields = dict(
+        line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line
+    )
+    return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
+
+
+def idle(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]]) -> tuple[str, str, Any]:
+    """--idle sessions of --context tokens sharing a --shared-token prefix on a paged pool for --pool-sessions
+    contexts and a host tier for --host-sessions; each opened with one prefill of its own tokens, then each
+    resumed with a --turn-token turn. RSS sampled as they go; the host tier's size after every request."""
+    rows, data = [], {}
+    for k, opts in specs.items():
+        row, data[k] = idle_run(args, pkg, opts)
+        rows.append([k, *row])
+    header = [
+        "engine",
+        "sessions x tokens",
+        "pool / host tier",
+        "open all / resume all",
+        "RSS: shared prefix / largest opening / after resuming / peak",
+        "host tier at most",
+        "resumed whole / at least the prefix / all",
+        "reused min / median",
+    ]
+    title = (
+        f"idle: {args.idle} sessions of {args.context} tokens, a pool for {args.pool_sessions} contexts, "
+        f"a host tier for {args.host_sessions}, each resumed with a {args.turn}-token turn"
+    )
+    return title, u.table(rows, header), data
+
+
+def idle_run(args: Any, pkg: u.Package, opts: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """One engine's idle run: its table row and its numbers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    probe = u.load(pkg, args.device, {**opts, "kv_bytes": 1 << 24}, args.threads)
+    per_token, vocab = kv_bytes_per_token(probe), probe.spec.vocab_size
+    probe.close()
+    del probe
+    u.release(args.device)
+    pool = args.pool_sessions * args.context * per_token
+    bound = args.host_sessions * args.context * per_token
+    m = u.load(pkg, args.device, {**opts, "kv_bytes": pool, "host_kv_bytes": bound}, args.threads)
+    assert m.paged, "the idle section runs on a paged pool (the native backend)"
+    shared = u.random_ids(args.shared, vocab, 5)
+    own = [u.random_ids(args.context - args.shared, vocab, 100 + i) for i in range(args.idle)]
+    turns = [u.random_ids(args.turn, vocab, 5000 + i) for i in range(args.idle)]
+    m.generate(shared + own[0][:8], max_new_tokens=1, **GREEDY)  # the shared prefix, computed once
+    rss0 = rss_bytes()[0]
+    sessions = [m.session() for _ in range(args.idle)]
+    largest, samples = [0], []
+
+    def request(i: int, ids: list[int]) -> int:
+        r = sessions[i].generate(ids, max_new_tokens=1, **GREEDY)
+        largest[0] = max(largest[0], m.kv_snapshot().get("host_pages_bytes", 0))
+        if i % max(args.idle // 20, 1) == 0:
+            samples.append(rss_bytes()[0])
+        return r.stats.reused_tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.idle_threads) as ex:
+        list(ex.map(lambda i: request(i, shared + own[i]), range(args.idle)))
+    opened_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.idle_threads) as ex:
+        reused = list(ex.map(lambda i: request(i, shared + own[i] + turns[i]), range(args.idle)))
+    resumed_s = time.perf_counter() - t0
+    rss_now, peak = rss_bytes()
+    st = m.kv_stats()
+    host = max(largest[0], st.get("host_pages_bytes", 0))
+    assert host <= bound, (host, bound)
+    P = st["page_size"]
+    whole = sum(r >= args.context // P * P for r in reused)
+    prefix = sum(r >= args.shared // P * P for r in reused)
+    for s in sessions:
+        s.close()
+    m.close()
+    gib = 1 << 30
+    row = [
+        f"{args.idle:,} x {args.context:,} ({args.shared:,} shared)",
+        f"{pool / gib:.2f} / {bound / gib:.2f} GiB",
+        f"{opened_s:,.0f} s / {resumed_s:,.0f} s",
+        f"{rss0 / gib:.2f} / {max(samples, default=0) / gib:.2f} / {rss_now / gib:.2f} / {peak / gib:.2f} GiB",
+        f"{host / gib:.2f} GiB ({host / bound:.0%})",
+        f"{whole:,} / {prefix:,} / {args.idle:,}",
+        f"{min(reused):,} / {u.median(reused):,.0f}",
+    ]
+    numbers = {
+        "per_token": per_token,
+        "pool_bytes": pool,
+        "host_bound": bound,
+        "host_largest": host,
+        "opened_s": opened_s,
+        "resumed_s": resumed_s,
+        "rss_after_shared": rss0,
+        "rss_samples": samples,
+        "rss_resumed": rss_now,
+        "rss_peak": peak,
+        "reused": reused,
+        "kv_stats": st,
+    }
+    return row, numbers
 
 
 def growing(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
@@ -507,6 +651,11 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--chunks", default="256,512,1024")
     ap.add_argument("--image", type=int, default=448, help="images: the picture's side in pixels")
+    ap.add_argument("--idle", type=int, default=1000, help="idle: how many sessions")
+    ap.add_argument("--shared", type=int, default=1920, help="idle: the prefix every session starts with")
+    ap.add_argument("--pool-sessions", type=int, default=50, help="idle: the pool holds this many contexts")
+    ap.add_argument("--host-sessions", type=int, default=50, help="idle: the host tier holds this many")
+    ap.add_argument("--idle-threads", type=int, default=8, help="idle: sessions opened / resumed at once")
     args = ap.parse_args()
     u.check_args(ap, args)
     u.require_cuda(args.device, "sessions.py")
@@ -516,7 +665,7 @@ def main() -> int:
     sections = args.sections.split(",")
     loaded = (
         {k: u.load(pkg, args.device, o, args.threads) for k, o in specs.items()}
-        if sections != ["chunks"]
+        if not set(sections) <= {"chunks", "idle"}
         else {}
     )
     tables, data = [], {}
@@ -533,11 +682,11 @@ def main() -> int:
             out = retokenize(args, loaded)
         elif name == "images":
             out = images(args, loaded)
-        elif name == "chunks":
+        elif name in ("chunks", "idle"):
             for m in loaded.values():
                 m.close()
             loaded = {}
-            out = chunks(args, pkg, specs)
+            out = chunks(args, pkg, specs) if name == "chunks" else idle(args, pkg, specs)
         else:
             ap.error(f"unknown section {name!r}")
         tables.append(out[:2])

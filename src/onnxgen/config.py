@@ -126,9 +126,11 @@ class CacheConfig:
     most bytes sessions' kept KV may hold together (None: no bound but `max_sessions`). kv_dir: a folder where
     the sessions those bounds push out spill their KV as session files, resumed from at their next request
     (None: they recompute; `engine/spill.py`). kv_dir_bytes: the most bytes those files take together (least
-    recently spilled deleted first). host_kv_bytes: host memory for the KV of sessions pushed out, before the
-    disk (None: none; its copies out of the device run under the engine's lock, and on the CPU the pool is
-    host memory already).
+    recently spilled deleted first). host_kv_bytes: host memory for KV that leaves the device (None: none;
+    asked for where wanted, its copies costing the device time at each eviction; on the CPU the pool is host
+    memory already, and the next tier is `kv_dir`). With paged KV it holds the pages the prefix index evicts
+    and those of sessions pushed out, restored by a later request that continues their prefix (`kv/tiers.py`);
+    with a decoder per request, the contexts of sessions pushed out (`engine/spill.py`).
     """
 
     paged: bool | None = None

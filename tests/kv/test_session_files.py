@@ -89,39 +89,40 @@ def test_a_restored_session_continues_exactly_as_the_retained_one(models, tiny_d
         fresh.close()
 
 
-def test_a_session_file_survives_a_process_restart(tiny_dir, tmp_path):
-    """Save in one process, restore in another: the next turn reuses the file and equals the retained turn."""
+@pytest.mark.parametrize("mode", ["ort-shared", pytest.param("native-paged", marks=NATIVE)])
+def test_a_session_file_survives_a_process_restart(models, tiny_dir, tmp_path, mode):
+    """Save here, restore in another process: the next turn reuses the file and equals the retained turn here
+    (identical tokens, logits within 1e-5)."""
     code = """
 import json, sys, numpy as np, onnxgen
-mode, path, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-m = onnxgen.load(sys.argv[4], device="cpu", backend="ort")
-if mode == "save":
-    s = m.session()
-    r = s.generate(ids[:200], max_new_tokens=5, temperature=0)
-    ctx = [*r.prompt_ids, *r.tokens]
-    s.save(path, note=json.dumps(ctx))  # the note: the conversation as the application keeps it
-else:
-    s = m.restore_session(path)
-    ctx = json.loads(s.note)
+path, follow = sys.argv[1], json.loads(sys.argv[2])
+m = onnxgen.load(sys.argv[3], device="cpu", backend=sys.argv[4])
+s = m.restore_session(path)
 held = s.retained_tokens
-r2 = s.generate(ctx + ids[200:], max_new_tokens=5, temperature=0)
-print(json.dumps({"tokens": r2.tokens, "reused": r2.stats.reused_tokens, "held": held}))
+r = s.generate(json.loads(s.note) + follow, max_new_tokens=5, temperature=0, output_logits=True)
+logits = np.asarray(r.logits, dtype=np.float64).tolist()
+print(json.dumps({"tokens": r.tokens, "reused": r.stats.reused_tokens, "held": held, "logits": logits}))
+m.close()  # NOTE: the engine loop and the native backend's threads stop before the interpreter does
 """
-    vocab = onnxgen.load(str(tiny_dir), device="cpu", backend="ort").spec.vocab_size
-    ids = json.dumps(_ids(230, 5, vocab))
-    path = str(tmp_path / "s.onnxgen")
+    model = models(mode)
+    vocab = model.spec.vocab_size
+    s = model.session()
+    ctx = _context(s.generate(_ids(200, 5, vocab), max_new_tokens=5, temperature=0))
+    path = tmp_path / "s.onnxgen"
+    s.save(path, note=json.dumps(ctx))  # the note: the conversation as the application keeps it
+    follow = _ids(30, 6, vocab)
+    kept = s.generate(ctx + follow, max_new_tokens=5, temperature=0, output_logits=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(onnxgen.__file__).parents[1]), *sys.path])}
-    out = []
-    for mode in ("save", "restore"):
-        proc = subprocess.run(
-            [sys.executable, "-c", code, mode, path, ids, str(tiny_dir)],
-            capture_output=True, text=True, timeout=300, env=env, check=False,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    saved, restored = out
-    assert restored["tokens"] == saved["tokens"]
-    assert restored["reused"] == restored["held"] == saved["held"] == saved["reused"] > 200
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path), json.dumps(follow), str(tiny_dir), MODES[mode]["backend"]],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    restored = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert restored["tokens"] == kept.tokens
+    np.testing.assert_allclose(restored["logits"], np.asarray(kept.logits), rtol=0, atol=1e-5)
+    assert restored["reused"] == restored["held"] == kept.stats.reused_tokens == len(ctx) - 1 > 200
+    s.close()
 
 
 # --- files that do not fit: typed errors, nothing attached -----------------------------------------------

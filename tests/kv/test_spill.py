@@ -113,7 +113,8 @@ def test_metrics_report_the_disk_tier(tiny_dir, tmp_path):
     m.close()
 
 
-# --- the host tier (on by default on CUDA; here set explicitly) -------------------------------------------
+# --- the session-level host tier of the decoder-per-request executors (a paged pool's own tier of pages:
+# tests/kv/test_host_tier.py); off unless host_kv_bytes is set ---------------------------------------------
 
 
 def _session_bytes(tiny_dir, n: int) -> int:
@@ -122,15 +123,14 @@ def _session_bytes(tiny_dir, n: int) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_size * 4 * n
 
 
-@pytest.mark.parametrize("mode", _modes())
-def test_sessions_resume_from_host_memory_and_overflow_to_disk(tiny_dir, tmp_path, mode):
+def test_sessions_resume_from_host_memory_and_overflow_to_disk(tiny_dir, tmp_path):
     """Host tier sized for about two sessions, disk behind it: every session resumes with its whole context
     (from host memory or its file), the host tier never holds more than its bound."""
     one = _session_bytes(tiny_dir, 203)
     bound = int(one * 2.5)
     kv_dir = tmp_path / "spill"
     engine, m = loaded(
-        tiny_dir, device="cpu", max_sessions=1, host_kv_bytes=bound, kv_dir=str(kv_dir), **MODES[mode]
+        tiny_dir, device="cpu", max_sessions=1, host_kv_bytes=bound, kv_dir=str(kv_dir), backend="ort"
     )
     try:
         vocab = m.spec.vocab_size

@@ -98,8 +98,12 @@ class Engine:
             self.executor, self.scheduler, self.policy, paged=self.paged, finish=self._finish, fail=self._fail
         )
         cache = config.cache
-        host = cache.host_bytes_for(cuda)
-        tiers = Spill(self, cache.kv_dir, cache.kv_dir_bytes, host) if cache.kv_dir or host else None
+        host = cache.host_bytes_for(cuda)  # a paged pool holds its host tier itself (`kv/tiers.py`)
+        tiers = (
+            Spill(self, cache.kv_dir, cache.kv_dir_bytes, 0 if self.paged else host)
+            if cache.kv_dir or host
+            else None
+        )
         self.registry = SessionRegistry(cache.max_sessions, cache.max_kv_bytes, tiers)
         self.kv_lock = threading.RLock()  # held by the step, and by whoever changes KV state from outside
         self._snapshot: dict[str, Any] = {}  # the last `kv_stats`, for `kv_snapshot` while a step runs

@@ -28,7 +28,8 @@ def build_executor(spec: ModelSpec, config: Config, backend: str) -> Any:
             from onnxgen.engine.paged import PagedKV
 
             max_batch = config.scheduler.running_for(config.model.cuda, True)
-            return PagedKV(create_runner(spec, backend, device, max_batch=max_batch, **options))
+            runner = create_runner(spec, backend, device, max_batch=max_batch, **options)
+            return PagedKV(runner, host_bytes=config.cache.host_bytes_for(config.model.cuda))
         except BackendUnavailable:
             if config.cache.paged:
                 raise

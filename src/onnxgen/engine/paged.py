@@ -19,6 +19,12 @@ under (`_digest`): a request whose tokens exceed the switch when admitted comput
 position 0, as a fresh run of all its tokens would; one admitted below it holds short keys valid up to the
 switch (`Request.kv_limit`), and the scheduler recomputes it when it grows past (`Scheduler._recompute`).
 
+The host tier (`kv/tiers.py`, `CacheConfig.host_kv_bytes`): pages the index evicts are copied to host memory
+under their path's key, and a waiting request whose tokens continue its indexed prefix into pages the tier
+holds gets them copied back before it is admitted (`defer`: the copy runs while the other requests step; the
+request waits for it alone, and waits on the host only when nothing else runs). A session pushed out of the
+registry (`offload`) unpins its context and has its pages copied out ahead of their eviction.
+
 Sliding windows: where every layer of the model attends within a window (the runner's `kv_window`, e.g.
 Mistral; not Gemma, whose global layers read the whole context), a request that no session keeps gives back
 the pages that fell out of the window as it runs (`KVManager.trim`, before each step it is scheduled in), so a
@@ -40,9 +46,10 @@ from onnxgen.engine.identity import Identity
 from onnxgen.engine.request import Request
 from onnxgen.engine.scheduler import Chunk
 from onnxgen.errors import DeviceOutOfMemory
-from onnxgen.kv.manager import InFlight, KVManager, PageTable, common_pages
+from onnxgen.kv.manager import InFlight, KVManager, Landing, PageTable, common_pages
 from onnxgen.kv.pages import PageAllocator
 from onnxgen.kv.prefix import Anchor, Node, PrefixIndex
+from onnxgen.kv.tiers import HostPages
 from onnxgen.sampling.choice import RowChooser
 
 
@@ -75,12 +82,16 @@ class PagedKV:
 
     paged = True
 
-    def __init__(self, runner: BatchRunner) -> None:
+    def __init__(self, runner: BatchRunner, host_bytes: int = 0) -> None:
+        """`host_bytes`: the host tier's bound (0: evicted pages are dropped)."""
         self.runner = runner
         self.page_size = runner.page_size
         allocator = PageAllocator(runner.num_pages)
         self.index = PrefixIndex(allocator, runner.page_size)
-        self.kv = KVManager(allocator, self.index, runner.storage)
+        self.tier = HostPages(runner.storage, host_bytes) if host_bytes > 0 else None
+        self.kv = KVManager(allocator, self.index, runner.storage, self.tier)
+        self._landing: dict[int, Landing] = {}  # waiting requests' pages on their way back, by id(request)
+        self._admitted = 0  # requests holding pages now
         self.bytes_per_page = runner.storage.nbytes() // runner.num_pages
         self.pinned_sessions = 0
         self._running: dict[bytes, list[Request]] = {}  # admitted requests that may share, by identity digest
@@ -127,6 +138,7 @@ class PagedKV:
         table, cached = self.kv.open(digest, req.tokens, inflight, self._anchor(req, digest))
         req.kv = table
         req.computed = cached
+        self._admitted += 1
         if digest is not None:
             self._running.setdefault(digest, []).append(req)
         return True
@@ -150,6 +162,8 @@ class PagedKV:
         its pages, `admit`). The running request moves on every step, so the wait ends."""
         if not req.reuse or req.digest is None:
             return False
+        if self.tier is not None and self._landing_wait(req):
+            return True
         tokens, P = req.tokens, self.page_size
         most = (len(tokens) - 1) // P
         for r in self._running.get(self._digest(req), ()):
@@ -159,6 +173,23 @@ class PagedKV:
                 continue
             if common_pages(tokens, r.prompt, most, P) > r.computed // P:
                 return True
+        return False
+
+    def _landing_wait(self, req: Request) -> bool:
+        """Start copying back the pages of `req`'s tokens the host tier holds, and whether `req` must wait for
+        that copy (it waits alone: other requests step meanwhile; with none running, the wait is here)."""
+        landing = self._landing.get(id(req))
+        if landing is None:
+            digest = self._digest(req)
+            assert digest is not None
+            landing = self.kv.plan_restore(digest, req.tokens, start=self._anchor(req, digest))
+            if landing is None:
+                return False
+            self._landing[id(req)] = landing
+        if not landing.ready() and self._admitted > 0:
+            return True
+        del self._landing[id(req)]
+        self.kv.land(landing)
         return False
 
     def _forget(self, req: Request) -> None:
@@ -178,9 +209,13 @@ class PagedKV:
 
     def release(self, req: Request) -> None:
         self._forget(req)
+        landing = self._landing.pop(id(req), None)
+        if landing is not None:  # its pages are indexed all the same
+            self.kv.land(landing)
         if req.kv is not None:
             self.kv.release(req.kv)
             req.kv = None
+            self._admitted -= 1
 
     # --- the engine's calls ------------------------------------------------------------------------
 
@@ -278,6 +313,7 @@ class PagedKV:
         digest = self._digest(req)
         table: PageTable = req.kv
         req.kv = None
+        self._admitted -= 1
         if not req.reuse or digest is None:
             self.kv.release(table)
             return None
@@ -294,6 +330,23 @@ class PagedKV:
         if state is not None:
             self.index.unpin(state.node)
             self.pinned_sessions -= 1
+
+    def offload(self, state: Pinned, now: bool = False) -> None:
+        """A session's context leaves the device: unpinned, its full pages copied to the host tier (ahead of
+        their eviction, on the copy stream), and with `now` the pages only the index holds freed at once, the
+        copies waited for (the context is in host memory when this returns)."""
+        nodes, node = [], state.node
+        while node.parent is not None:
+            if len(node.tokens) == self.page_size:
+                nodes.append(node)
+            node = node.parent
+        self.drop(state)
+        if self.tier is None:
+            return
+        self.tier.backup([self.index.key(n) for n in reversed(nodes)], [n.page for n in reversed(nodes)])
+        if now:
+            self.index.evict_path(state.node, self.tier.save)
+            self.tier.settle()
 
     def state_bytes(self, state: Pinned | None) -> int:
         """The bytes of the pages a pinned context spans (shared pages counted in full)."""
@@ -375,9 +428,15 @@ class PagedKV:
             "prefix_hit_tokens": c.hit_tokens,
             "prefix_inflight_hits": c.inflight_hits,
             "pages_trimmed": self.trimmed_pages,
+            "prefix_restored_tokens": c.restored_tokens,
             "cuda_graphs": bool(getattr(self.runner, "cuda_graphs", False)),
-        }
+        } | (self.tier.stats() if self.tier is not None else {})
 
     def close(self) -> None:
-        """Drop every unpinned indexed page (the sessions' pins are dropped first by the engine)."""
+        """Drop every unpinned indexed page (the sessions' pins are dropped first by the engine) and the host
+        tier's pages."""
+        for landing in self._landing.values():
+            landing.wait()
         self.index.clear()
+        if self.tier is not None:
+            self.tier.clear()

@@ -113,15 +113,26 @@ class Session:
             self._retained = state
             self.last_used = time.monotonic()
 
-    def spill(self, spill: Any) -> int:
+    def spill(self, spill: Any, now: bool = False) -> int:
         """Hand the retained KV to the host and disk tiers (`Spill.put`: moved and freed off this thread); the
         next request resumes from there. Returns the bytes the session held (0: it held nothing)."""
         state = self._take()
         if state is None:
             return 0
         freed = self.engine.state_bytes(state)
-        self._spilled = spill.put(state, self.salt, self.name)
+        self._spilled = spill.put(state, self.salt, self.name, now)
         return freed
+
+    def offload(self) -> int:
+        """Move the retained context out of device memory now, into the tiers the model was loaded with
+        (`host_kv_bytes`: host memory; `kv_dir`: a session file); the next request restores it from there
+        instead of recomputing it. Returns the bytes the session held on the device (0: nothing retained, or
+        no tier). Waits for the session's running requests."""
+        spill = self.engine.registry.spill
+        if spill is None:
+            return 0
+        self.wait_idle()
+        return self.spill(spill, now=True)
 
     def _unspill(self) -> None:
         """Before a request, on its caller's thread, with the session busy: the spilled context back from the

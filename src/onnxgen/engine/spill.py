@@ -7,11 +7,14 @@
     the session's next request (its caller's thread) ── Session._unspill ──> Spill.take(item): attached from
         the host arrays (`persist.attach`) or from its file (`persist.load`, checked first)
 
-The host tier is for devices with memory of their own (CUDA: `CacheConfig.host_kv_bytes`, off unless set); on
-the CPU the pool already is host memory and the next tier is the disk. The copies out of the device are plain
-ones under the engine's lock (not pinned, not overlapped with the step). Files are this process's (named by a random id, deleted
-when their session resumes, clears or closes, or the model closes). Neither tier ever holds more than its
-bound. A context that cannot be written or restored costs the speedup only (logged; the session recomputes).
+A paged pool has a host tier of its own (`kv/tiers.py`: pages, not sessions): there a session pushed out is
+handed to `PagedKV.offload` (unpinned, its pages copied out ahead of their eviction, found again by its next
+request's prefix lookup) unless a disk tier is given, and the session-level host tier here serves the decoder
+per request executors (ort, the native decoder), whose copies out of the device are plain ones under the engine's
+lock. `CacheConfig.host_kv_bytes` bounds either (none unless set; on the CPU the pool already is host memory
+and the next tier is the disk). Files are this process's (named by a random id, deleted when their
+session resumes, clears or closes, or the model closes). No tier ever holds more than its bound. A context that
+cannot be written or restored costs the speedup only (logged; the session recomputes).
 """
 
 from __future__ import annotations
@@ -64,9 +67,19 @@ class Spill:
         self._thread: threading.Thread | None = None
         self._pending: set[int] = set()
         self.spills = self.unspills = self.dropped = 0
+        # a paged pool's own host tier takes sessions pushed out, when there is no disk tier
+        self.pages = getattr(engine.executor, "tier", None) is not None and self.folder is None
 
-    def put(self, state: Any, salt: str | None, name: str) -> Spilled:
-        """Hand `state` over (exported, then freed, on the spill thread); returns the handle it resumes by."""
+    def put(self, state: Any, salt: str | None, name: str, now: bool = False) -> Spilled | None:
+        """Hand `state` over (exported, then freed, on the spill thread); returns the handle it resumes by. With
+        a paged pool's host tier: offloaded there at once (`now`: its device pages freed now, not when the pool
+        needs them) and None (its next request finds the pages by its prefix)."""
+        if self.pages:
+            with self.engine.kv_lock:
+                self.engine.executor.offload(state, now)
+            with self._lock:
+                self.spills += 1
+            return None
         item = Spilled(tuple(state.identity.tokens), salt, name, next(self._keys))
         with self._lock:
             self._pending.add(item.key)

@@ -16,6 +16,12 @@ It puts the page allocator (`kv/pages.py`), the prefix index (`kv/prefix.py`) an
                                               # nothing of the request becomes visible
     kv.trim(table, below)                     # sliding windows on every layer: give back the pages wholly
                                               # below `below` that only the request holds (HOLE entries)
+    landing = kv.plan_restore(digest, tokens) # with a host tier (`kv/tiers.py`): the pages after the indexed
+    kv.land(landing)                          # prefix that the tier holds, copied into new pages; once the
+                                              # copy is done, indexed (then `open` shares them)
+
+Pages the index evicts go to the host tier when there is one (full pages, under their path's key), so a later
+request whose tokens continue an indexed prefix into them restores them instead of recomputing.
 
 Pages a request shares from the index are never written: writes go to positions >= `cached`, which lie in
 the request's own pages (allocated, or the copy of a partly matched page). A `PageTable` maps the
@@ -33,11 +39,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from onnxgen.errors import OutOfPages
 from onnxgen.kv.pages import PageAllocator
 from onnxgen.kv.prefix import Anchor, Node, PrefixIndex
+from onnxgen.kv.tiers import HostPages, page_key
 
 
 class PageCopier(Protocol):
@@ -82,6 +89,7 @@ class KVCounters:
     hit_tokens: int = 0
     cow_copies: int = 0
     inflight_hits: int = 0
+    restored_tokens: int = 0
 
 
 class InFlight(NamedTuple):
@@ -105,14 +113,42 @@ def common_pages(a: Sequence[int], b: Sequence[int], most: int, page_size: int) 
     return lo
 
 
+@dataclass
+class Landing:
+    """Pages on their way back from the host tier: `tokens` (whole pages) will be indexed under `digest` with
+    `held` (the indexed prefix they continue, held so that it stays) followed by `pages` (new, copied into
+    by the copy whose `event` is None once done)."""
+
+    digest: bytes
+    tokens: Sequence[int]
+    held: list[int]
+    pages: list[int]
+    event: Any
+
+    def ready(self) -> bool:
+        """Whether the copy is done (never waits)."""
+        if self.event is not None and self.event.query():
+            self.event = None
+        return self.event is None
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
 class KVManager:
     """Pages for requests: open, grow, commit, release. Not thread-safe: the engine's step owns it."""
 
-    def __init__(self, allocator: PageAllocator, index: PrefixIndex, storage: PageCopier) -> None:
+    def __init__(
+        self, allocator: PageAllocator, index: PrefixIndex, storage: PageCopier, tier: HostPages | None = None
+    ) -> None:
+        """`tier`: where evicted pages go (None: they are dropped)."""
         assert index.allocator is allocator
         self.allocator = allocator
         self.index = index
         self.storage = storage
+        self.tier = tier
         self.page_size = index.page_size
         self.counters = KVCounters()
 
@@ -236,5 +272,51 @@ class KVManager:
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.num_free
         if short > 0:
-            self.index.evict(short)
+            self.index.evict(short, self.tier.save if self.tier is not None else None)
         return self.allocator.alloc(n)
+
+    # --- the host tier -------------------------------------------------------------------------------
+
+    def plan_restore(
+        self, digest: bytes, tokens: Sequence[int], most: int | None = None, start: Anchor | None = None
+    ) -> Landing | None:
+        """When the tier holds full pages of `tokens[:most]` (default: all but the last token) right after
+        the prefix the index holds: new pages for them (evicting others if need be), their KV copied in, and
+        the `Landing` to pass to `land` once `ready`. None when there is nothing to restore or no room."""
+        tier, P = self.tier, self.page_size
+        if tier is None or not len(tier):
+            return None
+        most = len(tokens) - 1 if most is None else most
+        m = self.index.match(digest, tokens, most, start)
+        key = self.index.key(m.node) if m.node is not None else digest
+        i0, keys = len(m.pages), []
+        for i in range(i0, most // P):
+            key = page_key(key, tokens[i * P : (i + 1) * P])
+            if key not in tier:
+                break
+            keys.append(key)
+        if not keys or tier.find(keys) == 0:
+            return None
+        held = list(m.pages)
+        self.allocator.incref(held)  # NOTE: the prefix the pages continue stays indexed while they land
+        pages: list[int] = []
+        try:
+            pages = self._alloc(len(keys))
+        except OutOfPages:  # as many as there is room for (`_alloc` evicted what it could)
+            pages = self.allocator.alloc(min(self.allocator.num_free, len(keys)))
+        n = tier.find(keys[: len(pages)])  # evictions while allocating may have pushed some keys out
+        self.allocator.decref(pages[n:])
+        if n == 0:
+            self.allocator.decref(held)
+            return None
+        pages = pages[:n]
+        event = tier.load(keys[:n], pages)
+        self.counters.restored_tokens += n * P
+        return Landing(digest, tokens[: (i0 + n) * P], held, pages, event)
+
+    def land(self, landing: Landing) -> None:
+        """Index a landing's pages (waiting for its copy first if it is not done) and drop its holds."""
+        landing.wait()
+        pages = landing.held + landing.pages
+        self.index.insert_path(landing.digest, landing.tokens, pages)
+        self.allocator.decref(pages)

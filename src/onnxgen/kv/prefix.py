@@ -32,16 +32,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from onnxgen.kv.pages import PageAllocator
+from onnxgen.kv.tiers import page_key
+
+# called with the (key, page) of the full pages an eviction drops, before their pages are freed
+OnEvict = Callable[[list[bytes], list[int]], None]
 
 
 class Node:
     """One page of an indexed prefix. `tokens` has `page_size` ids except in a partial leaf."""
 
-    __slots__ = ("children", "digest", "page", "parent", "pins", "stamp", "tokens")
+    __slots__ = ("children", "digest", "key", "page", "parent", "pins", "stamp", "tokens")
 
     def __init__(self, digest: bytes, page: int, tokens: tuple[int, ...], parent: Node | None) -> None:
         self.digest = digest
@@ -51,6 +55,7 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}
         self.pins = 0
         self.stamp = 0
+        self.key: bytes | None = None  # the path's key (`PrefixIndex.key`), computed when first asked
 
     @property
     def is_root(self) -> bool:
@@ -248,24 +253,59 @@ class PrefixIndex:
             not node.children and not node.is_root and node.pins == 0 and self.allocator.refs(node.page) == 1
         )
 
-    def evict(self, n: int) -> int:
+    def evict(self, n: int, on_evict: OnEvict | None = None) -> int:
         """Free up to `n` pages by dropping least recently used leaves that only the index holds (no pin,
         no running request). A parent left without children becomes a candidate in turn. Returns the
-        number of pages freed."""
+        number of pages freed. `on_evict(keys, pages)`: told the full pages dropped (their keys, `key`),
+        before any of them can be handed out again (the host tier copies them out)."""
         if n <= 0:
             return 0
         heap = [(leaf.stamp, id(leaf), leaf) for leaf in self._leaves if self._evictable(leaf)]
         heapq.heapify(heap)
-        freed = 0
-        while heap and freed < n:
+        gone: list[Node] = []
+        while heap and len(gone) < n:
             _, _, leaf = heapq.heappop(heap)
             if not self._evictable(leaf):  # a stale entry
                 continue
-            parent = self._remove_leaf(leaf)
-            freed += len(self.allocator.decref([leaf.page]))
+            parent = self._drop(leaf, gone, on_evict)
             if parent is not None and self._evictable(parent):
                 heapq.heappush(heap, (parent.stamp, id(parent), parent))
-        return freed
+        return self._free(gone, on_evict)
+
+    def evict_path(self, node: Node, on_evict: OnEvict | None = None) -> int:
+        """Drop `node` and then each ancestor in turn while it is a leaf only the index holds (a session's
+        context leaving the device: what other paths or holders share stays). Returns the pages freed."""
+        gone: list[Node] = []
+        current: Node | None = node
+        while current is not None and self._evictable(current):
+            current = self._drop(current, gone, on_evict)
+        return self._free(gone, on_evict)
+
+    def _drop(self, leaf: Node, gone: list[Node], on_evict: OnEvict | None) -> Node | None:
+        if on_evict is not None and len(leaf.tokens) == self.page_size:
+            self.key(leaf)  # NOTE: while the path to the root is still there
+        gone.append(leaf)
+        return self._remove_leaf(leaf)
+
+    def _free(self, gone: list[Node], on_evict: OnEvict | None) -> int:
+        if on_evict is not None:
+            full = [g for g in gone if g.key is not None and len(g.tokens) == self.page_size]
+            if full:
+                on_evict([g.key for g in full], [g.page for g in full])  # type: ignore[misc]
+        return len(self.allocator.decref([g.page for g in gone])) if gone else 0
+
+    def key(self, node: Node) -> bytes:
+        """The key of the path ending at `node`: its root's digest, then `kv.tiers.page_key` over each page's
+        tokens in turn (the same tokens under the same identity give the same key in any index). Computed
+        once per node."""
+        todo = []
+        while node.key is None and node.parent is not None:
+            todo.append(node)
+            node = node.parent
+        key = node.key if node.key is not None else node.digest
+        for n in reversed(todo):
+            key = n.key = page_key(key, n.tokens)
+        return key
 
     def clear(self) -> int:
         """Drop every unpinned path the index alone holds (as `evict` would, all of them). Returns pages freed."""

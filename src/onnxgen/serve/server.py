@@ -208,6 +208,13 @@ class Server:
                 "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
                 lambda: _hit_rate(kv()),
             )
+            for key, what in (  # the pool's host tier (kv/tiers.py)
+                ("host_pages", "KV pages in the host tier now."),
+                ("host_pages_bytes", "Bytes of KV pages in the host tier now."),
+                ("host_pages_saved", "KV pages copied to the host tier since start."),
+                ("host_pages_restored", "KV pages copied back from the host tier since start."),
+            ):
+                m.gauge(f"onnxgen_{key}", what, lambda k=key: kv().get(k, 0))
         else:
             m.gauge(
                 "onnxgen_stateless_contexts",
