@@ -121,6 +121,19 @@ class DeviceOutOfMemory(OnnxgenError):
     """The device ran out of memory while running the model. The original error is chained."""
 
 
+class UnsupportedSharding(UnsupportedModel):
+    """Tensor parallelism cannot shard a node of the graph (`backends/native/tp/shard.py`). `op` and `node` name
+    it; the message says why."""
+
+    def __init__(self, op: str, node: str, why: str, world: int) -> None:
+        super().__init__(
+            f"tensor_parallel={world} cannot shard node {node!r} ({op}): {why}. "
+            "Load this package with tensor_parallel=1."
+        )
+        self.op = op
+        self.node = node
+
+
 class UnsupportedOp(UnsupportedModel):
     """The native backend cannot lower an op of the graph."""
 

@@ -131,13 +131,22 @@ def plain_ctx() -> O.RunCtx:
     return O.RunCtx(None, 0, 0, None, static=False)
 
 
-def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse: bool = True) -> Program:
+def lower(
+    path: Path,
+    spec: Any,
+    device: torch.device,
+    int4: str = "dense",
+    fuse: bool = True,
+    shard: Callable[[list[O.Node], dict[str, torch.Tensor], Any], list[O.Node]] | None = None,
+) -> Program:
     """Read `path` (the package's decoder graph) and build its Program for `device`. `int4`: "dense"
     dequantizes MatMulNBits weights at load; "packed" keeps them packed on the device and runs them as
     `Int4Linear` (ops.quant: a Triton GEMV on the packed bytes for decode rows). `fuse=False` leaves out the
     fusions across ops that compute the same values (LinearSiluMul, RmsLinear): one op per ONNX node, as
     the per-op error diagnostics (`numerics`) need. `spec` a `GraphOnly`: a graph without KV (`lower_graph`):
-    the decoder's passes (KV binding, the cut before the lm_head and its moves, LongRoPE) are left out."""
+    the decoder's passes (KV binding, the cut before the lm_head and its moves, LongRoPE) are left out.
+    `shard`: tensor parallelism's pass (`tp.shard.Sharder`), run on a decoder's nodes before the products are
+    prepared and fused, so that this process reads, fuses and places its part of the weights only."""
     decoder = getattr(spec, "decoder", True)
     import onnx
 
@@ -167,6 +176,8 @@ def lower(path: Path, spec: Any, device: torch.device, int4: str = "dense", fuse
     nodes = _fuse_silu(nodes, spec.logits_name)
     nodes = _dce(nodes, [spec.logits_name])
     nodes = _fold_constants(nodes, consts)
+    if shard is not None and decoder:
+        nodes = shard(nodes, consts, spec)
     on_device: set[str] = set()  # packed int4 weights, scales and zero points: never host tensors
     nodes = _prepare_linear(nodes, consts, device, int4_meta, packed=int4 == "packed", on_device=on_device)
     # MoE / QMoE experts prepared once (`ops.moe`): dense, or QMoE's 4-bit experts kept packed

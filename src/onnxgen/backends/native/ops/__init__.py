@@ -5,13 +5,15 @@ A builder takes a `Node` (op type, domain, attributes, input/output names) and r
 families: `elementwise`, `tensor` (shapes, data movement, reductions), `linear`, `norms`, `rotary`,
 `attention` (the ops bound to the runtime's KV), `quant` (int4: dequantization at load, or the
 lowering's Int4Linear on packed weights), `moe` (mixture of experts: MoE, QMoE, their weights prepared at
-load by `prepare_moe`) and `control` (`If` with constant branches).
+load by `prepare_moe`), `control` (`If` with constant branches) and `collective` (tensor parallelism's
+all-reduce).
 """
 
 from __future__ import annotations
 
 from onnxgen.backends.native.ops import (
     attention,
+    collective,
     control,
     elementwise,
     linear,
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 BUILDERS: dict[tuple[str, str], Builder] = {}
-for _family in (elementwise, tensor, linear, norms, rotary, attention, quant, moe, control):
+for _family in (elementwise, tensor, linear, norms, rotary, attention, quant, moe, control, collective):
     _twice = BUILDERS.keys() & _family.BUILDERS.keys()
     assert not _twice, f"ops registered by two families: {sorted(_twice)}"
     BUILDERS.update(_family.BUILDERS)
