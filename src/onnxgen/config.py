@@ -65,6 +65,8 @@ class ModelConfig:
     part_steps: a run of decode steps reaches the host in parts of this many steps (native paged; None: 4).
     first_multi: a greedy run's first replay is a several-step graph where it fits (native on CUDA; None: yes).
     tool_parser: the tool-call format (hermes | llama3_json | mistral; None: detected from the template).
+    tensor_parallel: ranks the native backend shards every layer over (docs/tensor-parallel.md): this process and
+    N-1 workers it starts, gloo on the CPU, NCCL on CUDA (one device per rank); a decoder per request (1: off).
     warmup: run a synthetic burst at load (`engine.warmup`), so that first requests do not pay for kernels'
     first compilations and choices (None: on CUDA; it adds its run to the load time).
     """
@@ -83,9 +85,11 @@ class ModelConfig:
     first_multi: bool | None = None
     tool_parser: str | None = None
     warmup: bool | None = None
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
+        _positive("tensor_parallel", self.tensor_parallel, optional=False)
         _choice("device", self.device, DEVICES)
         _choice("int4", self.int4, (None, "dense", "packed"))
         _positive("threads", self.threads)
@@ -293,6 +297,7 @@ class Config:
             "part_steps": m.part_steps,
             "first_multi": m.first_multi,
             "int4": m.int4,
+            "tensor_parallel": m.tensor_parallel if m.tensor_parallel > 1 else None,
             "kv_floor": c.kv_floor,
             "kv_bytes": c.kv_bytes,
             "page_size": c.page_size,

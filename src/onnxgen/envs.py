@@ -149,6 +149,16 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
+# Not onnxgen's: set (never read) in every process of a tensor-parallel group on CUDA, before its communicator
+# starts: NVLink multicast (NVLS, symmetric-memory multicast) stays off on the machines the project runs on.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def set_in_process(values: dict[str, str]) -> None:
+    """Set variables in this process's environment (inherited by the processes it starts later)."""
+    os.environ.update(values)
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(name, default, what it does) of every variable, in registry order."""
     return [(v.name, v.default, v.doc) for v in _VARS]

@@ -70,7 +70,13 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
             raise BackendUnavailable(
                 f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
             ) from exc
-        decoder = NativeDecoder(spec, device=device, **mine)
+        tp = mine.pop("tensor_parallel", 1)
+        if tp > 1:
+            from onnxgen.backends.native.tp.decoder import TPDecoder
+
+            decoder = TPDecoder.start(spec, device, tp, **mine)
+        else:
+            decoder = NativeDecoder(spec, device=device, **mine)
     if spec.multimodal is None:
         return decoder
     from onnxgen.backends.multimodal import MultimodalDecoder, Parts  # the image pipeline ahead of it

@@ -13,7 +13,7 @@ from typing import Any
 from onnxgen.backends import create_decoder, create_runner
 from onnxgen.config import Config
 from onnxgen.engine.slots import DecoderPool, SlotKV
-from onnxgen.errors import BackendUnavailable
+from onnxgen.errors import BackendUnavailable, InvalidRequest
 from onnxgen.package.spec import ModelSpec
 
 
@@ -23,7 +23,15 @@ def build_executor(spec: ModelSpec, config: Config, backend: str) -> Any:
     weights). Raises `BackendUnavailable` (the backend's dependencies are missing, or `cache.paged=True`
     where it cannot batch) and the backend's load errors."""
     device, options = config.model.device, config.backend_options()
-    if config.cache.paged is not False and backend == "native":
+    tp = config.model.tensor_parallel
+    if tp > 1 and backend != "native":
+        raise InvalidRequest(
+            f"tensor_parallel={tp} needs the native backend (this engine runs {backend})",
+            field="tensor_parallel",
+        )
+    if tp > 1 and config.cache.paged:
+        raise BackendUnavailable("paged KV does not run tensor-parallel yet: load with paged=False")
+    if config.cache.paged is not False and backend == "native" and tp == 1:
         try:
             from onnxgen.engine.paged import PagedKV
 
@@ -46,4 +54,11 @@ def build_executor(spec: ModelSpec, config: Config, backend: str) -> Any:
     pool.release(prototype)  # the prototype is an ordinary decoder too
     parts = getattr(prototype, "parts", None)  # a vision package's graphs, shared by the forks
     # stateless requests' contexts, matched by longest prefix: as many as sessions may retain
-    return SlotKV(pool, stateless=config.cache.max_sessions, counters=parts.counters if parts else None)
+    return SlotKV(
+        pool,
+        stateless=config.cache.max_sessions,
+        counters=parts.counters if parts else None,
+        on_close=getattr(
+            prototype, "shutdown", None
+        ),  # a tensor-parallel group's workers stop with the model
+    )

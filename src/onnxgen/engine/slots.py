@@ -148,11 +148,17 @@ class SlotKV:
     verify_sizes: tuple[int, ...] = ()  # a decoder's verify step costs what its positions do
 
     def __init__(
-        self, pool: DecoderPool, stateless: int = 0, counters: Callable[[], dict[str, int]] | None = None
+        self,
+        pool: DecoderPool,
+        stateless: int = 0,
+        counters: Callable[[], dict[str, int]] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
+        """`on_close`: called last by `close` (a tensor-parallel group's workers stop there)."""
         self.pool = pool
         self.stash = Stash(pool, stateless)
         self._counters = counters
+        self._on_close = on_close
 
     # --- the scheduler's calls ---------------------------------------------------------------------
 
@@ -258,3 +264,5 @@ class SlotKV:
     def close(self) -> None:
         self.stash.clear()
         self.pool.close()
+        if self._on_close is not None:
+            self._on_close()

@@ -38,7 +38,20 @@ Ranges = tuple[tuple[int, int], ...]
 
 _ELEMENTWISE = {
     ("", op)
-    for op in ("Sigmoid", "Mul", "Add", "Sub", "Div", "Tanh", "Erf", "Relu", "Gelu", "Neg", "Cast", "Identity")
+    for op in (
+        "Sigmoid",
+        "Mul",
+        "Add",
+        "Sub",
+        "Div",
+        "Tanh",
+        "Erf",
+        "Relu",
+        "Gelu",
+        "Neg",
+        "Cast",
+        "Identity",
+    )
 } | {
     ("com.microsoft", "FastGelu"),
     ("com.microsoft", "QuickGelu"),
@@ -161,13 +174,26 @@ class _Pass:
             out.append(n)
             if any(n is r for r in self.reduce_after):
                 partial = n.outputs[0] + "::partial"
-                out.append(Node("AllReduce", "onnxgen", n.name + "::all_reduce", [partial], [n.outputs[0]],
-                                {"_comm": self.sh.comm}))
+                out.append(
+                    Node(
+                        "AllReduce",
+                        "onnxgen",
+                        n.name + "::all_reduce",
+                        [partial],
+                        [n.outputs[0]],
+                        {"_comm": self.sh.comm},
+                    )
+                )
                 n.outputs = [partial, *n.outputs[1:]]
         return out
 
     def _is_product(self, n: Node) -> bool:
-        return n.domain == "" and n.op == "MatMul" and (w := self.const(n.inputs[1])) is not None and w.dim() == 2
+        return (
+            n.domain == ""
+            and n.op == "MatMul"
+            and (w := self.const(n.inputs[1])) is not None
+            and w.dim() == 2
+        )
 
     def _lm_head(self) -> Node | None:
         """The product that computes the logits (through per-position ops): replicated."""
@@ -179,7 +205,9 @@ class _Pass:
 
     def _attention(self, g: Node) -> None:
         if not (g.op == "GroupQueryAttention" and g.domain == "com.microsoft"):
-            raise self.bad(g, "only GroupQueryAttention is sharded (this attention's KV is not split by heads)")
+            raise self.bad(
+                g, "only GroupQueryAttention is sharded (this attention's KV is not split by heads)"
+            )
         ins = g.inputs + [""] * 17
         if ins[10]:
             raise self.bad(g, "an attention bias input is not sharded yet")
@@ -264,15 +292,20 @@ class _Pass:
                 elif c.dim() == 1 and c.numel() == width:  # a bias over the features
                     n.inputs[i] = self.put(x, c[_cut(ranges)])
                 else:
-                    raise self.bad(n, f"its constant {x!r} of shape {tuple(c.shape)} is not a scalar or a bias")
+                    raise self.bad(
+                        n, f"its constant {x!r} of shape {tuple(c.shape)} is not a scalar or a bias"
+                    )
             return
         if key == ("", "Reshape"):
             self._reshape(n, ranges, width)
             return
         if key in _NORMS:
             w = self.const(n.inputs[1]) if len(n.inputs) > 1 else None
-            if int(n.attr("axis", -1)) != -1 or w is None or w.numel() != self.d or any(
-                a % self.d or b % self.d for a, b in ranges
+            if (
+                int(n.attr("axis", -1)) != -1
+                or w is None
+                or w.numel() != self.d
+                or any(a % self.d or b % self.d for a, b in ranges)
             ):
                 raise self.bad(n, "a norm across sharded features (only per-head norms are sharded)")
             self.ask(n, n.inputs[0], ranges, width)
