@@ -151,6 +151,11 @@ class _Pass:
 
     def run(self) -> list[Node]:
         lm_head = self._lm_head()
+        for n in self.nodes:
+            if n.domain == "com.microsoft" and n.op in ("MoE", "QMoE"):
+                raise self.bad(n, "mixtures of experts are not sharded yet")
+            if n.domain == "com.microsoft" and n.op == "MatMulNBits" and n is not lm_head:
+                raise self.bad(n, "int4 products (MatMulNBits) are not sharded yet")
         for n in self.nodes:  # attention first: its output projections are not the MLP's
             if n.layer is not None:
                 self._attention(n)
@@ -161,10 +166,6 @@ class _Pass:
                 self._propagate(n)
             elif self._is_product(n) and n is not lm_head:
                 self._row_parallel(n)
-            elif n.domain == "com.microsoft" and n.op in ("MoE", "QMoE"):
-                raise self.bad(n, "mixtures of experts are not sharded yet")
-            elif n.domain == "com.microsoft" and n.op == "MatMulNBits" and n is not lm_head:
-                raise self.bad(n, "int4 products (MatMulNBits) are not sharded yet")
         for value in self.need:
             for r in self.readers.get(value, []):
                 if id(r) not in self.region:
