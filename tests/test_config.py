@@ -115,5 +115,5 @@ def test_the_config_passes_on_exactly_the_options_the_backends_declare():
     declared = {o for opts in backend_options().values() for o in opts}
     every = {name: 1 for name in declared}
     every.update(int4="packed", kv_mode="shared", cuda_graphs=True, static_steps=True, spinning=True)
-    every.update(last_logits=True, first_multi=True)
+    every.update(last_logits=True, first_multi=True, tensor_parallel=2)  # 1 is off: not passed on
     assert set(Config().replace(**every).backend_options()) == declared

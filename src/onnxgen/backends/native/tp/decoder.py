@@ -1,5 +1,5 @@
-"""`TPDecoder`: the Decoder contract (`backends/base.py`) over a tensor-parallel group, on rank 0; `Twins`: the
-same calls on a worker.
+"""`TPDecoder`: the Decoder contract (`backends/base.py`) over a tensor-parallel group, on rank 0 (the workers'
+side of each call: `workers.Twins`).
 
 Rank 0's `TPDecoder` wraps a `NativeDecoder` running rank 0's sharded program (its heads' KV); every worker
 holds a twin `NativeDecoder` of the same id running its part. A call that changes a cache is sent to the
@@ -161,40 +161,3 @@ class TPDecoder:
 
 def _host(v: Any) -> Any:
     return v.detach().cpu() if isinstance(v, torch.Tensor) else v
-
-
-class Twins:
-    """A worker's decoders, by the id rank 0 gave them; `run` applies one of rank 0's calls."""
-
-    def __init__(self, spec: Any, device: str, options: dict[str, Any], program: Any) -> None:
-        self._decoders: dict[int, NativeDecoder] = {
-            0: NativeDecoder(spec, device, **options, _program=program)
-        }
-
-    def drop(self, decoder_id: int) -> None:
-        d = self._decoders.pop(decoder_id, None)
-        if d is not None:
-            d.close()
-
-    def run(self, call: tuple[Any, ...]) -> Any:
-        kind, i, *args = call
-        d = self._decoders[i]
-        if kind == "forward":
-            tokens, start, inputs, rows = args
-            d.forward(tokens, start, inputs, rows)
-            return None
-        if kind == "fork":
-            self._decoders[args[0]] = d.fork()
-        elif kind == "rewind":
-            return d.rewind_to(args[0])
-        elif kind == "reset":
-            d.reset()
-        elif kind == "close":
-            d.close()
-        elif kind == "export":
-            return d.export_kv()
-        elif kind == "import":
-            d.import_kv(args[0], args[1])
-        else:
-            raise AssertionError(f"unknown call {kind!r}")
-        return None

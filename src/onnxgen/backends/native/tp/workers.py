@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 import onnxgen.envs as envs
+from onnxgen.backends.native.decoder import NativeDecoder
 from onnxgen.backends.native.device import int4_mode, torch_device
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.backends.native.tp.comm import TIMEOUT_S, Comm
@@ -217,8 +218,6 @@ def _worker_main(rank: int, launch: Launch, conn: Any) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world))
     else:  # pragma: cuda
         torch.cuda.set_device(rank)
-    from onnxgen.backends.native.tp.decoder import Twins
-
     try:
         comm = Comm(
             rank,
@@ -252,3 +251,40 @@ def _worker_main(rank: int, launch: Launch, conn: Any) -> None:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("error", _portable(exc)))
             return  # the group's state is unknown: rank 0 stops it
+
+
+class Twins:
+    """A worker's decoders, by the id rank 0 gave them; `run` applies one of rank 0's calls."""
+
+    def __init__(self, spec: Any, device: str, options: dict[str, Any], program: Any) -> None:
+        self._decoders: dict[int, NativeDecoder] = {
+            0: NativeDecoder(spec, device, **options, _program=program)
+        }
+
+    def drop(self, decoder_id: int) -> None:
+        d = self._decoders.pop(decoder_id, None)
+        if d is not None:
+            d.close()
+
+    def run(self, call: tuple[Any, ...]) -> Any:
+        kind, i, *args = call
+        d = self._decoders[i]
+        if kind == "forward":
+            tokens, start, inputs, rows = args
+            d.forward(tokens, start, inputs, rows)
+            return None
+        if kind == "fork":
+            self._decoders[args[0]] = d.fork()
+        elif kind == "rewind":
+            return d.rewind_to(args[0])
+        elif kind == "reset":
+            d.reset()
+        elif kind == "close":
+            d.close()
+        elif kind == "export":
+            return d.export_kv()
+        elif kind == "import":
+            d.import_kv(args[0], args[1])
+        else:
+            raise AssertionError(f"unknown call {kind!r}")
+        return None
