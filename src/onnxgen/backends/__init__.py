@@ -26,7 +26,7 @@ def backend_options() -> dict[str, tuple[str, ...]]:
     backend name (imports no backend)."""
     from onnxgen.backends import native, ort
 
-    return {"ort": ort.OPTIONS, "native": (*native.OPTIONS, *native.RUNNER_OPTIONS)}
+    return {"ort": ort.OPTIONS, "native": (*native.OPTIONS, *native.RUNNER_OPTIONS, *native.TP_OPTIONS)}
 
 
 def resolve_backend(backend: str, device: str) -> str:
@@ -57,7 +57,8 @@ def create_decoder(spec: ModelSpec, backend: str, device: str, **options: Any) -
     )
     from onnxgen.backends import native, ort
 
-    mine = {k: v for k, v in options.items() if k in (ort.OPTIONS if backend == "ort" else native.OPTIONS)}
+    own = ort.OPTIONS if backend == "ort" else (*native.OPTIONS, *native.TP_OPTIONS)
+    mine = {k: v for k, v in options.items() if k in own}
     decoder: Any
     if backend == "ort":
         from onnxgen.backends.ort.decoder import OrtDecoder
