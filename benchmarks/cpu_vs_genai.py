@@ -5,8 +5,8 @@ conversation whose first answer is long.
 
     python benchmarks/cpu_vs_genai.py [--model default] [--engine backend=ort] [--engine backend=native]
         [--sections load,single,turn2] [--threads 2] [--runs 7] [--new-tokens 64] [--busy 1]
-    python benchmarks/cpu_vs_genai.py --sections chat --llama-server BIN [--gguf FILE] \
-        --engine model=smollm2-int4,label=ort-int4 --engine model=smollm2-fp32,label=ort-fp32
+    python benchmarks/cpu_vs_genai.py --sections chat --llama-server BIN [--gguf FILE] [--llama-args "--poll 0"] \
+        --engine model=default,label=ort-int4 --engine model=default-fp32,label=ort-fp32
 
 Sections (each contender interleaved with the others, the order reversed every other round, median of --runs):
   load    seconds from `onnxgen.load` / `og.Model` to a ready model, each in a fresh process
@@ -23,7 +23,10 @@ Sections (each contender interleaved with the others, the order reversed every o
           onnxgen: a session under a new salt each round (turn 1 shares nothing), its `Stats`; llama.cpp:
           `llama-server` (one slot, --threads for prompt and decode) given token ids, its own timings
           (`prompt_ms`: the prompt evaluated up to the first token's logits, `predicted_per_second`), turn 1
-          with `cache_prompt` off, turn 2 on (its prefix reuse)
+          with `cache_prompt` off, turn 2 on (its prefix reuse); each --llama-args (repeatable; "": its
+          defaults) one more server with those options (e.g. `--poll 0`: threads that sleep instead of
+          spinning while they wait), the ratios against the first. The caption gives the machine's load
+          average before and after (other jobs make spinning runtimes fall behind)
 Contenders: each --engine (default `backend=ort`; `model=NAME` among its options picks that engine's package,
 any --model name, else --model's), onnxruntime-genai in load/single/turn2 (on --model's package), llama.cpp in
 chat (with --llama-server). Ratios: onnxgen's time over the peer's (below 1: onnxgen faster) or its tok/s over
@@ -35,12 +38,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,11 +144,14 @@ def genai_turn2(model: Any, ids1: list[int], ids2: list[int], reply: int) -> flo
 
 class LlamaServer:
     """llama.cpp's `llama-server` on a GGUF: one slot, `threads` threads for prompt and decode (0: its
-    default), on 127.0.0.1:`port`, given token ids; answers with its own timings."""
+    default), on 127.0.0.1:`port`, `extra` options, given token ids; answers with its own timings."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, port: int, ctx: int = 4096) -> None:
+    def __init__(
+        self, binary: Path, gguf: Path, threads: int, port: int, ctx: int = 4096, extra: Sequence[str] = ()
+    ) -> None:
         cmd = [str(binary), "-m", str(gguf), "-c", str(ctx), "--parallel", "1", "--host", "127.0.0.1"]
         cmd += ["--port", str(port)] + (["-t", str(threads), "-tb", str(threads)] if threads else [])
+        cmd += list(extra)
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -246,7 +255,15 @@ def main() -> int:
     ap.add_argument(
         "--gguf", type=Path, default=None, help="chat: llama.cpp's model (default: SmolLM2's GGUF)"
     )
-    ap.add_argument("--llama-port", type=int, default=8191)
+    ap.add_argument(
+        "--llama-port", type=int, default=8191, help="chat: the first server's port (then +1, ...)"
+    )
+    ap.add_argument(
+        "--llama-args",
+        action="append",
+        default=None,
+        help='chat: one llama-server per use with these extra options ("": its defaults; default: one such)',
+    )
     ap.add_argument("--load-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.load_worker:  # a child of the load section: print the seconds one load takes
@@ -381,31 +398,39 @@ def _chat(args: Any, ours: dict[str, Any], pkgs: dict[str, u.Package], data: dic
     ids1 = first.encode(turn1)
     follow = follow_up_ids(first, turn1, CHAT_FOLLOW_UP)
     contenders = {label: (lambda m=m: ours_chat(m, ids1, follow, args.chat_new)) for label, m in ours.items()}
-    server = None
-    if args.llama_server is not None:
-        from onnxgen.package.home import sources_dir
-
-        gguf = args.gguf or sources_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        server = LlamaServer(args.llama_server, gguf, args.threads, args.llama_port)
-        data["llama.cpp"] = {"gguf": str(gguf), "version": server.version}
-        contenders[LLAMA] = lambda: llama_chat(server, ids1, follow, args.chat_new)
+    servers: list[LlamaServer] = []
+    llamas: list[str] = []
     try:
+        if args.llama_server is not None:
+            from onnxgen.package.home import sources_dir
+
+            gguf = args.gguf or sources_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            for i, extra in enumerate(args.llama_args or [""]):
+                server = LlamaServer(
+                    args.llama_server, gguf, args.threads, args.llama_port + i, extra=shlex.split(extra)
+                )
+                servers.append(server)
+                llamas.append(f"{LLAMA} {extra}".strip())
+                data["llama.cpp"] = {"gguf": str(gguf), "version": server.version}
+                contenders[llamas[-1]] = lambda s=server: llama_chat(s, ids1, follow, args.chat_new)
         for fn in contenders.values():
             fn()  # warm-up
+        load = os.getloadavg()[0]
         samples = u.interleave(args.runs, contenders)
+        load_after = os.getloadavg()[0]
     finally:
-        if server is not None:
+        for server in servers:
             server.close()
     med = {k: {m: u.median(s[m] for s in v) for m in v[0]} for k, v in samples.items()}
-    data["chat"] = {"prompt_tokens": len(ids1), "samples": samples, "median": med}
-    peer = med.get(LLAMA)
+    data["chat"] = {"prompt_tokens": len(ids1), "samples": samples, "median": med, "load": [load, load_after]}
+    peer = med.get(llamas[0]) if llamas else None
     rows = []
     for name, m in med.items():
         where = pkgs[name].name if name in pkgs else "GGUF"
         drafts = f"{m['accepted']:.0f}/{m['drafted']:.0f}" if m.get("drafted") else "-"
         turn2 = f"{m['turn2_ms']:,.1f} ms ({m['turn2_reused']:.0f}/{m['turn2_prompt']:.0f})"
         vs = ["-"] * 3
-        if peer is not None and name != LLAMA:
+        if peer is not None and name not in llamas:
             vs = [
                 u.ratio(m["tok_s"], peer["tok_s"]),
                 u.ratio(peer["ttft_ms"], m["ttft_ms"]),
@@ -420,8 +445,11 @@ def _chat(args: Any, ours: dict[str, Any], pkgs: dict[str, u.Package], data: dic
         "TTFT fresh",
         "TTFT turn 2 (reused/prompt)",
     ]
-    header += ["decode vs llama.cpp", "TTFT fresh speedup", "turn 2 speedup"]
-    caption = f"chat: {len(ids1)}-token prompt, {args.chat_new} tokens (EOS suppressed), then turn 2"
+    header += [f"decode vs {llamas[0] if llamas else LLAMA}", "TTFT fresh speedup", "turn 2 speedup"]
+    caption = (
+        f"chat: {len(ids1)}-token prompt, {args.chat_new} tokens (EOS suppressed), then turn 2; load average "
+        f"{load:.1f} before, {load_after:.1f} after"
+    )
     return caption + "\n\n" + u.table(rows, header)
 
 
