@@ -3,7 +3,8 @@ interleaved timing, medians, the device's name, the copy-bandwidth floor, onnxru
 transformers peers, and markdown tables.
 
 Models (`--model`, comma-separated where a tool takes several):
-    default                      the embedded SmolLM2-135M-Instruct fp32 package (built on first use)
+    default                      the embedded SmolLM2-135M-Instruct int4 package (built on first use);
+                                 default-fp32: its fp32 reference, from the same GGUF
     PATH                         any package folder
     synthetic:PRESET[:k=v,...]   onnxgen's own writer (`onnxgen.convert.synthetic`): tiny, 1b, 8b, with
                                  SyntheticConfig fields overridden (`synthetic:8b:num_layers=4,quant=int4`)
@@ -258,8 +259,11 @@ def default_tokenizer() -> Path | None:
         return carried
     from onnxgen.convert.default import resolve_model_path
 
-    home = resolve_model_path("default", build=False)
-    return home if (home / "tokenizer.json").is_file() else None
+    for name in ("default", "default-fp32"):
+        home = resolve_model_path(name, build=False)
+        if (home / "tokenizer.json").is_file():
+            return home
+    return None
 
 
 def _split_precision(rest: str, default: str = "bf16") -> tuple[str, str, str]:
@@ -274,10 +278,13 @@ def _split_precision(rest: str, default: str = "bf16") -> tuple[str, str, str]:
 def resolve(spec: str, *, work: Path = WORK, tokenizer: Path | None = None, device: str = "cpu") -> Package:
     """A `--model` string -> a package on disk, built under `work` when it is not there yet."""
     kind, _, rest = spec.partition(":")
-    if spec in ("", "default"):
+    from onnxgen.package.home import default_precision
+
+    precision = default_precision(spec)
+    if precision is not None:
         from onnxgen.convert.default import resolve_model_path
 
-        return Package("SmolLM2-135M-Instruct fp32", resolve_model_path(None))
+        return Package(f"SmolLM2-135M-Instruct {precision}", resolve_model_path(spec))
     if kind == "synthetic" and rest:
         from onnxgen.convert.synthetic import LLAMA_1B, LLAMA_8B, SyntheticConfig, write_package
 

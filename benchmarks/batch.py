@@ -327,7 +327,7 @@ def shared(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                 f"{med['prefilled']:,.0f}",
             ]
         )
-    n_prompt = len(next(iter(loaded.values())).encode_prompt([{"role": "system", "content": words}]))
+    n_prompt = len(next(iter(loaded.values())).encode([{"role": "system", "content": words}]))
     header = ["contender", "aggregate tok/s", "TTFT p50 ms", "TTFT max ms", "prompt tokens prefilled"]
     return (
         f"shared: {args.clients} requests at once, a {n_prompt}-token system prompt",

@@ -55,7 +55,7 @@ if [ "${1:-}" = prepare ]; then
         --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl onnxruntime-genai==0.18.0
     [ -n "$(ls .gguf_py/*.whl 2>/dev/null)" ] || "$PY" -m pip download -q --no-deps --only-binary :all: \
         -d .gguf_py gguf accelerate
-    model=$("$PY" -c "from onnxgen.convert.default import resolve_model_path; print(resolve_model_path(None))")
+    model=$("$PY" -c "from onnxgen.convert.default import resolve_model_path; print(resolve_model_path('default-fp32'))")
     mkdir -p .carry/tok
     cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/chat_template.jinja .carry/tok/
     if [ -n "${2:-}" ]; then

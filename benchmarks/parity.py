@@ -224,7 +224,7 @@ def engines(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]]) -> tupl
     for k, o in specs.items():
         m = u.load(pkg, args.device, o, args.threads)
         ids = (
-            m.encode_prompt(msgs)
+            m.encode(msgs)
             if m.chat_template is not None
             else u.random_ids(40 * args.repeat, m.spec.vocab_size, 5)
         )

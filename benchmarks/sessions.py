@@ -74,7 +74,7 @@ def chat(args: Any, models: dict[str, Any], pkg: u.Package) -> tuple[str, str, A
     prompts = []
     for q in QUESTIONS[: args.turns]:
         msgs = [*msgs, {"role": "user", "content": q}]
-        prompts.append(first.encode_prompt(msgs))
+        prompts.append(first.encode(msgs))
         r = first.generate(msgs, max_new_tokens=args.reply_tokens, reuse=False, **GREEDY)
         msgs = [*msgs, {"role": "assistant", "content": r.text}]
 
@@ -574,7 +574,7 @@ def retokenize(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
             history = [{"role": "user", "content": q}]
             r1 = s.generate(history, max_new_tokens=args.reply_tokens, **GREEDY)
             held = s.retained_tokens
-            plain = m.encode_prompt([*history, {"role": "assistant", "content": r1.text}])
+            plain = m.encode([*history, {"role": "assistant", "content": r1.text}])
             sampled = [t for t in r1.tokens if t not in m.eos_token_ids]
             same = plain[len(r1.prompt_ids) : len(r1.prompt_ids) + len(sampled)] == sampled
             history += [

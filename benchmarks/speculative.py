@@ -88,7 +88,7 @@ def main() -> int:
             plain_rs = runs[(k, "plain")][-1][0]
             plain = u.median(t for _, t in runs[(k, "plain")])
             if len(batch) == 1 and k == next(iter(loaded)):
-                saved[name] = {"prompt": m.encode_prompt(batch[0]), "greedy": list(plain_rs[0].tokens)}
+                saved[name] = {"prompt": m.encode(batch[0]), "greedy": list(plain_rs[0].tokens)}
             for mode in modes:
                 rs = runs[(k, mode)][-1][0]
                 spec = u.median(t for _, t in runs[(k, mode)])

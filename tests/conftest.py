@@ -55,10 +55,11 @@ def _release_cuda_memory(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The embedded default package (SmolLM2-135M-Instruct, fp32), built once if missing."""
+    """The embedded default model's fp32 package (SmolLM2-135M-Instruct; `default-fp32`, the reference the
+    tests compare against), built once if missing."""
     from onnxgen.convert.default import ensure_default_model
 
-    return ensure_default_model()
+    return ensure_default_model(precision="fp32")
 
 
 @pytest.fixture(scope="session")

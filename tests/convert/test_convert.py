@@ -279,15 +279,24 @@ def test_fast_path_imports_nothing_heavy(tiny_pkg: Path, tmp_path: Path) -> None
 
 def test_resolve_model_path(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("ONNXGEN_HOME", str(tmp_path))
-    calls: list[int] = []
-    monkeypatch.setattr(dflt, "ensure_default_model", lambda progress=True: calls.append(1) or Path("/built"))
-    for alias in (None, "", "default"):
-        assert dflt.resolve_model_path(alias) == Path("/built")
+    calls: list[str] = []
+
+    def ensure(progress: object = True, precision: str = "int4") -> Path:
+        calls.append(precision)
+        return Path("/built") / precision
+
+    monkeypatch.setattr(dflt, "ensure_default_model", ensure)
+    for alias in (None, "", "default", "default-int4"):
+        assert dflt.resolve_model_path(alias) == Path("/built/int4")
         assert dflt.resolve_model_path(alias, build=False) == default_model_dir()
-    assert len(calls) == 3
+    assert dflt.resolve_model_path("default-fp32") == Path("/built/fp32")
+    assert dflt.resolve_model_path("default-fp32", build=False) == default_model_dir("fp32")
+    assert default_model_dir().name.endswith("-int4") and default_model_dir("fp32").name.endswith("-fp32")
+    assert calls == ["int4"] * 4 + ["fp32"]
     assert dflt.resolve_model_path("~/m") == Path.home() / "m"
     assert dflt.resolve_model_path(str(tmp_path / "x")) == tmp_path / "x"
-    assert len(calls) == 3
+    assert dflt.resolve_model_path("default-fp16") == Path("default-fp16")  # not an alias: a folder name
+    assert len(calls) == 5
 
 
 def _env(home: Path) -> dict[str, str]:

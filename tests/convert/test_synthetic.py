@@ -319,7 +319,7 @@ def test_same_op_set_as_the_builder_package() -> None:
     """The gqa style uses exactly the op types of the real builder package (when it is present)."""
     from onnxgen.package.home import default_model_dir
 
-    real = default_model_dir()
+    real = default_model_dir("fp32")
     if not (real / "model.onnx").is_file():
         pytest.skip("default model not built")
     import tempfile
@@ -458,7 +458,7 @@ def test_onnxruntime_genai_runs_the_package(tmp: Path, kw: dict) -> None:
 def test_tokenizer_dir_from_the_default_model(tmp: Path) -> None:
     from onnxgen.package.home import default_model_dir
 
-    real = default_model_dir()
+    real = default_model_dir("fp32")
     if not (real / "tokenizer.json").is_file():
         pytest.skip("default model not built")
     pkg = write_package(tmp / "smoltok", SyntheticConfig(num_layers=1, vocab_size=49152), tokenizer_dir=real)

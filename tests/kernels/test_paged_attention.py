@@ -26,8 +26,10 @@ def _batch(
     seed: int = 0,
     heads: int = N,
     kv_heads: int = HKV,
+    consecutive: bool = False,
 ):
-    """Random pool contents, a shuffled page assignment and a step of (start, new tokens) chunks."""
+    """Random pool contents, a shuffled page assignment (`consecutive`: each sequence's pages a run of
+    consecutive ones, which the torch path reads in place) and a step of (start, new tokens) chunks."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     num_pages = 160
@@ -46,9 +48,18 @@ def _batch(
 
 
 def _dense(
-    st: PageStorage, step: BatchStep, q: torch.Tensor, layer: int, scale: float, window: int
+    st: PageStorage,
+    step: BatchStep,
+    q: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Each sequence on its own: its positions copied out page by page, float64 SDPA with an explicit mask."""
+    """Each sequence on its own: its positions copied out page by page, float64 attention with an explicit
+    mask (SDPA; with `softcap` or `sink`, the scores capped and one more logit per head in the softmax's
+    denominator, written out)."""
     out = []
     t0 = 0
     for s in step.seqs:
@@ -61,9 +72,19 @@ def _dense(
         qpos = torch.arange(total - m, total).unsqueeze(1)
         kpos = torch.arange(total).unsqueeze(0)
         keep = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qi, k, v, attn_mask=keep.to(q.device), scale=scale
-        )
+        if softcap <= 0 and sink is None:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qi, k, v, attn_mask=keep.to(q.device), scale=scale
+            )
+        else:
+            sc = qi @ k.transpose(1, 2) * scale  # [N, m, total]
+            if softcap > 0:
+                sc = softcap * torch.tanh(sc / softcap)
+            e = torch.exp(sc.masked_fill(~keep, float("-inf")))
+            den = e.sum(-1, keepdim=True)
+            if sink is not None:
+                den = den + torch.exp(sink.double()).view(N, 1, 1)
+            o = (e / den) @ v
         out.append(o.transpose(0, 1))
         t0 += m
     return torch.cat(out)
@@ -73,11 +94,26 @@ SHAPES = [(0, 5), (37, 1), (100, 1), (16, 20), (3, 1), (300, 1), (0, 1)]
 
 
 @pytest.mark.parametrize("window", [-1, 8])
-def test_torch_path_equals_dense_attention(window: int) -> None:
-    st, step, q = _batch("cpu", torch.float32, SHAPES)
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_torch_path_equals_dense_attention(window: int, consecutive: bool) -> None:
+    st, step, q = _batch("cpu", torch.float32, SHAPES, consecutive=consecutive)
     ps = paged.build_step(step, st, P, torch.device("cpu"))
     got = paged.attention_ref(ps, 1, q, 0.2, window=window)
     want = _dense(st, step, q, 1, 0.2, window)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize(("window", "softcap", "sinks"), [(-1, 4.0, False), (8, 0.0, True), (-1, 2.0, True)])
+def test_torch_path_with_softcap_and_sinks_equals_dense_attention(
+    window: int, softcap: float, sinks: bool, consecutive: bool
+) -> None:
+    """Soft-capped scores and attention sinks (per query head), over pages shuffled or consecutive."""
+    st, step, q = _batch("cpu", torch.float32, SHAPES, consecutive=consecutive)
+    sink = torch.randn(N, generator=torch.Generator().manual_seed(1)) if sinks else None
+    ps = paged.build_step(step, st, P, torch.device("cpu"))
+    got = paged.attention_ref(ps, 1, q, 0.2, softcap, window, sink)
+    want = _dense(st, step, q, 1, 0.2, window, softcap, sink)
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
 
 

@@ -45,7 +45,7 @@ def phi4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, int]:
     tok = (
         Path(os.environ["ONNXGEN_TEST_TOKENIZER"])
         if "ONNXGEN_TEST_TOKENIZER" in os.environ
-        else ensure_default_model()
+        else ensure_default_model(precision="fp32")
     )
     work = os.environ.get("ONNXGEN_TEST_LONGROPE_WORK")
     root = Path(work) if work else tmp_path_factory.mktemp("longrope_bf16")

@@ -351,7 +351,7 @@ def gptoss_20b(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tok = (
         Path(os.environ["ONNXGEN_TEST_TOKENIZER"])
         if "ONNXGEN_TEST_TOKENIZER" in os.environ
-        else ensure_default_model()
+        else ensure_default_model(precision="fp32")
     )
     root = tmp_path_factory.mktemp("gptoss_20b")
     hf = random_checkpoint(root / "hf", SHAPES["gptoss-20bx2"], tok, device="cuda")

@@ -35,7 +35,7 @@ def builder_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tok = (
         Path(os.environ["ONNXGEN_TEST_TOKENIZER"])
         if "ONNXGEN_TEST_TOKENIZER" in os.environ
-        else ensure_default_model()
+        else ensure_default_model(precision="fp32")
     )
     root = tmp_path_factory.mktemp("builder_bf16")
     hf = random_llama_checkpoint(root / "hf", SHAPES["2048x4"], tok)

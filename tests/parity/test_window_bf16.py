@@ -34,7 +34,7 @@ def _build(root: Path, shape: str, device: str) -> tuple[Path, Path]:
     tok = (
         Path(os.environ["ONNXGEN_TEST_TOKENIZER"])
         if "ONNXGEN_TEST_TOKENIZER" in os.environ
-        else ensure_default_model()
+        else ensure_default_model(precision="fp32")
     )
     hf = random_checkpoint(root / "hf", SHAPES[shape], tok, device=device)
     pkg = convert_checkpoint(hf, root / "pkg", precision="bf16", execution_provider="cuda", progress=False)

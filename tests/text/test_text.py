@@ -27,8 +27,8 @@ PROP = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCh
 
 
 def smollm2_dir() -> Path:
-    """The default SmolLM2 package (the lead will replace this with the `smollm2_dir` fixture)."""
-    d = default_model_dir()
+    """The default SmolLM2 fp32 package (the lead will replace this with the `smollm2_dir` fixture)."""
+    d = default_model_dir("fp32")
     if not (d / "tokenizer.json").is_file():
         pytest.skip(f"default model package not built at {d}")
     return d

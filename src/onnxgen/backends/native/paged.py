@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import onnxgen.envs as envs
 from onnxgen.backends.batch import BatchStep
@@ -49,10 +50,17 @@ class PagedStep:
     # tile, a batch-1 decode's key splits): a verify step whose rows must equal plain decoding's bits
     per_token: bool = False
     _work: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _tables: list[Sequence[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.q_starts[-1]
+
+    def pages_of(self, b: int) -> Sequence[int]:
+        """Sequence `b`'s page table on the host: the step's own lists, else `page_table` read back once."""
+        if self._tables is None:
+            self._tables = self.page_table.tolist()
+        return self._tables[b]
 
     def work(self, group: int, block_m: int) -> torch.Tensor:
         """`[W, 3]` int32 work items (sequence, first row, end row) for a kernel that takes up to `block_m`
@@ -114,6 +122,7 @@ def build_step(step: BatchStep, storage: Any, page_size: int, device: torch.devi
         narrow[b * maxp + b + 1 :],
         q_starts,
         seq_lens,
+        _tables=tables,
     )
 
 
@@ -365,16 +374,32 @@ def attention_ref(
     if len(ps.seq_lens) > 1 and ps.q_starts[-1] == len(ps.seq_lens):
         return _decode_batched(ps, layer, q, scale, softcap, window, sink)
     out = torch.empty_like(q)
-    n, P = q.shape[1], ps.page_size
+    P = ps.page_size
     for b, total in enumerate(ps.seq_lens):
         qs, qe = ps.q_starts[b], ps.q_starts[b + 1]
         p0 = first_page(total - (qe - qs), window, P)
-        kk, vv = ps.storage.gather(layer, ps.page_table[b, p0 : -(-total // P)].long(), total - p0 * P)
+        kk, vv = _sequence_kv(ps, layer, b, p0, total)
         if window > 0:  # from the first query's window start
             lo = max(0, total - (qe - qs) - window + 1) - p0 * P
-            kk, vv = kk[:, lo:], vv[:, lo:]
-        out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, n, scale, softcap, window, sink)
+            kk, vv = kk[lo:], vv[lo:]
+        out[qs:qe] = _attend_one(q[qs:qe], kk, vv, total, scale, softcap, window, sink)
     return out
+
+
+def _sequence_kv(ps: PagedStep, layer: int, b: int, p0: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of sequence `b`'s positions `[p0 * P, total)` as `[L, kv_heads, head_dim]`: a view of
+    the pool where its pages from `p0` on are consecutive (no copy), else gathered page by page."""
+    P = ps.page_size
+    pages = ps.pages_of(b)[p0 : -(-total // P)]
+    keys, values = ps.storage.keys(layer), ps.storage.values(layer)  # [pages, P, Hkv, D]
+    n = total - p0 * P
+    first = pages[0]
+    if pages[-1] - first == len(pages) - 1 and all(x == first + i for i, x in enumerate(pages)):
+        return keys[first : first + len(pages)].flatten(0, 1)[:n], values[first : first + len(pages)].flatten(
+            0, 1
+        )[:n]
+    idx = torch.tensor(pages, dtype=torch.int64, device=keys.device)
+    return keys.index_select(0, idx).flatten(0, 1)[:n], values.index_select(0, idx).flatten(0, 1)[:n]
 
 
 def first_page(pos: int, window: int, page_size: int) -> int:
@@ -425,28 +450,39 @@ def _attend_one(
     k: torch.Tensor,
     v: torch.Tensor,
     total: int,
-    n: int,
     scale: float,
     softcap: float,
     window: int,
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[Hkv, L, D]`: positions
-    `total - L .. total - 1` (all of them, or from the first query's window start). float32 inside."""
-    m = q.shape[0]
-    hkv, length = k.shape[0], k.shape[1]
-    qf = q.transpose(0, 1).float()  # [N, m, D]
-    kf = k.float().repeat_interleave(n // hkv, dim=0)
-    vf = v.float().repeat_interleave(n // hkv, dim=0)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [N, m, L]
+    """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[L, Hkv, D]` (views of the pool are
+    fine): positions `total - L .. total - 1` (all of them, or from the first query's window start). float32
+    inside; the keys and values are read in place by every query head of their group (no copy per head):
+    torch's fused attention (grouped heads), or with soft-capping or sinks the query heads of a KV head as one
+    product's rows."""
+    m, n, d = q.shape
+    length, hkv = k.shape[0], k.shape[1]
+    g = n // hkv
+    keep = None
+    if m > 1 or window > 0:
+        qpos = torch.arange(total - m, total, device=q.device).unsqueeze(1)
+        kpos = torch.arange(total - length, total, device=q.device).unsqueeze(0)
+        keep = kpos <= qpos
+        if window > 0:
+            keep = keep & (kpos > qpos - window)
+    kf, vf = k.float().permute(1, 0, 2), v.float().permute(1, 0, 2)  # [Hkv, L, D]
+    if softcap <= 0 and sink is None:
+        o = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1).unsqueeze(0), kf[None], vf[None], keep, scale=scale, enable_gqa=True
+        )  # [1, N, m, D]
+        return o[0].transpose(0, 1).to(q.dtype)
+    qg = q.float().view(m, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * m, d)  # rows (head, token)
+    s = torch.bmm(qg, kf.transpose(1, 2)) * scale  # [Hkv, G * m, L]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    qpos = torch.arange(total - m, total, device=q.device).unsqueeze(1)
-    kpos = torch.arange(total - length, total, device=q.device).unsqueeze(0)
-    keep = kpos <= qpos
-    if window > 0:
-        keep = keep & (kpos > qpos - window)
-    if m > 1 or window > 0:
-        s = s.masked_fill(~keep, float("-inf"))
-    o = torch.matmul(softmax_with_sink(s, sink.view(n, 1, 1) if sink is not None else None), vf)  # [N, m, D]
-    return o.transpose(0, 1).to(q.dtype)
+    s = s.view(hkv, g, m, length)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))  # [m, L] broadcast over (head, group)
+    p = softmax_with_sink(s, sink.view(hkv, g, 1, 1) if sink is not None else None)
+    o = torch.bmm(p.view(hkv, g * m, length), vf)  # [Hkv, G * m, D]
+    return o.view(hkv, g, m, d).permute(2, 0, 1, 3).reshape(m, n, d).to(q.dtype)
