@@ -371,7 +371,48 @@ def test_cuda_gptoss_20b_moe_layers_within_1p5x_of_transformers_bf16(gptoss_20b:
 @pytest.mark.gpu
 def test_cuda_gptoss_20b_logits_within_1p5x_of_transformers_bf16(gptoss_20b: tuple[Path, Path]) -> None:
     """The whole 2-layer package on CUDA against transformers fp32 (last-position logits, prompts of 16 to
-    2048 tokens), within 1.5x of transformers-bf16's error (`test_parity_bf16`'s check)."""
-    from tests.parity.test_parity_bf16 import _check_parity
+    2048 tokens): at each length the median error over 8 random prompts within 1.5x of transformers-bf16's
+    median; argmax equal to fp32's on at least 3/4 of the prompts where fp32's top-2 margin is clear.
 
-    _check_parity(*gptoss_20b, "cuda", (16, 256, 1024, 2048))
+    Per prompt the bar is not well posed for a random router: its top-k choices sit near ties, a bf16
+    rounding flips an expert somewhere, and the last logits then move far (on this shape, 10 prompts of 256
+    tokens: transformers-bf16 0.045-0.440 against fp32, the native backend 0.038-0.332, each the larger one
+    on different prompts; with the paged attention replaced by its torch reference the same prompts move
+    the same way). The median over prompts is what bf16 arithmetic costs."""
+    from transformers import AutoModelForCausalLM
+
+    import onnxgen
+
+    hf, pkg = gptoss_20b
+    model = onnxgen.load(str(pkg), backend="native", device="cuda", kv_bytes=2 << 30)
+    refs = {
+        dt: AutoModelForCausalLM.from_pretrained(hf, dtype=dt).to("cuda").eval()
+        for dt in (torch.float32, torch.bfloat16)
+    }
+    g = torch.Generator().manual_seed(0)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    try:
+        for n in (16, 256, 1024, 2048):
+            nat_err, yard_err, clear, agree = [], [], 0, 0
+            for _ in range(8):
+                ids = torch.randint(100, model.spec.vocab_size - 100, (1, n), generator=g)
+                with torch.no_grad():
+                    r32, r16 = (
+                        refs[dt](ids.cuda(), logits_to_keep=1).logits[0, -1].float().cpu() for dt in refs
+                    )
+                got = model.generate(ids[0].tolist(), max_new_tokens=1, output_logits=True, reuse=False)
+                nat = torch.from_numpy(np.asarray(got.logits[0])).float()
+                nat_err.append(rel(nat, r32))
+                yard_err.append(rel(r16, r32))
+                top2 = r32.topk(2).values
+                if float(top2[0] - top2[1]) > 2 * float((r16 - r32).abs().max()):
+                    clear += 1
+                    agree += int(nat.argmax()) == int(r32.argmax())
+            e_nat, e_16 = float(np.median(nat_err)), float(np.median(yard_err))
+            assert e_nat <= 1.5 * e_16, (n, nat_err, yard_err)
+            assert 4 * agree >= 3 * clear, (n, agree, clear)
+    finally:
+        model.close()
