@@ -212,3 +212,20 @@ def test_step_says_whether_there_was_work(tiny_dir):
     assert m.step() is True and q.done()  # a step that only finds a cancelled request still did work
     with pytest.raises(onnxgen.errors.Cancelled):
         q.result()
+
+
+def test_loops_are_stopped_and_joined_at_interpreter_exit(tiny_dir):
+    """`engine.loop.stop_all` (an atexit hook): every live model's loop thread ends and is joined before the
+    interpreter finalizes, so no daemon thread is left inside a step's native code (which aborts the process
+    there: "terminate called without an active exception")."""
+    from onnxgen.engine import loop
+
+    models = [onnxgen.load(str(tiny_dir), device="cpu") for _ in range(2)]
+    for m in models:
+        assert len(m.generate([1, 2, 3], max_new_tokens=2, temperature=0).tokens) == 2
+    threads = [m._loop.thread for m in models]
+    assert all(t is not None and t.is_alive() for t in threads)
+    loop.stop_all()
+    assert not any(t.is_alive() for t in threads)
+    for m in models:
+        m.close()

@@ -7,6 +7,7 @@ an engine nobody uses any more is collected, and its loop's finalizer ends the t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import weakref
@@ -16,6 +17,16 @@ if TYPE_CHECKING:
     from onnxgen.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def stop_all(timeout: float = 10.0) -> None:
+    """Stop every live loop and wait for its thread (at interpreter exit: a daemon thread still inside a step's
+    native code when the interpreter finalizes is unwound there and aborts the process)."""
+    for loop in list(_LIVE):
+        loop.stop(timeout)
 
 
 class _Signal:
@@ -67,6 +78,7 @@ class EngineLoop:
         self._start_lock = threading.Lock()
         weakref.finalize(self, self._signal.stop)
         engine.notify = self.wake
+        _LIVE.add(self)
 
     @property
     def thread(self) -> threading.Thread | None:
