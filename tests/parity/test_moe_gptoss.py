@@ -382,6 +382,7 @@ def test_cuda_gptoss_20b_logits_within_1p5x_of_transformers_bf16(gptoss_20b: tup
     from transformers import AutoModelForCausalLM
 
     import onnxgen
+    from tests.parity.test_parity_bf16 import _rel
 
     hf, pkg = gptoss_20b
     model = onnxgen.load(str(pkg), backend="native", device="cuda", kv_bytes=2 << 30)
@@ -390,10 +391,6 @@ def test_cuda_gptoss_20b_logits_within_1p5x_of_transformers_bf16(gptoss_20b: tup
         for dt in (torch.float32, torch.bfloat16)
     }
     g = torch.Generator().manual_seed(0)
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.double() - b.double()).norm() / b.double().norm())
-
     try:
         for n in (16, 256, 1024, 2048):
             nat_err, yard_err, clear, agree = [], [], 0, 0
@@ -405,8 +402,8 @@ def test_cuda_gptoss_20b_logits_within_1p5x_of_transformers_bf16(gptoss_20b: tup
                     )
                 got = model.generate(ids[0].tolist(), max_new_tokens=1, output_logits=True, reuse=False)
                 nat = torch.from_numpy(np.asarray(got.logits[0])).float()
-                nat_err.append(rel(nat, r32))
-                yard_err.append(rel(r16, r32))
+                nat_err.append(_rel(nat, r32))
+                yard_err.append(_rel(r16, r32))
                 top2 = r32.topk(2).values
                 if float(top2[0] - top2[1]) > 2 * float((r16 - r32).abs().max()):
                     clear += 1
