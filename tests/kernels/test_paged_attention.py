@@ -16,6 +16,8 @@ from onnxgen.backends.batch import BatchStep, SeqChunk  # noqa: E402
 from onnxgen.backends.native import paged  # noqa: E402
 from onnxgen.kv.storage import PageStorage  # noqa: E402
 
+from .dense_attention import dense_attention as _dense  # noqa: E402
+
 P, HKV, N, D = 16, 2, 8, 32
 
 
@@ -45,49 +47,6 @@ def _batch(
     step = BatchStep(tuple(seqs))
     q = torch.randn(step.num_tokens, heads, D, generator=g).to(device=device, dtype=dtype)
     return st, step, q
-
-
-def _dense(
-    st: PageStorage,
-    step: BatchStep,
-    q: torch.Tensor,
-    layer: int,
-    scale: float,
-    window: int,
-    softcap: float = 0.0,
-    sink: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Each sequence on its own: its positions copied out page by page, float64 attention with an explicit
-    mask (SDPA; with `softcap` or `sink`, the scores capped and one more logit per head in the softmax's
-    denominator, written out)."""
-    out = []
-    t0 = 0
-    for s in step.seqs:
-        m, total = len(s.tokens), s.end
-        rows = [st.keys(layer)[s.pages[p // P], p % P] for p in range(total)]  # [Hkv, D] each
-        k = torch.stack(rows, 1).double()  # [Hkv, total, D]
-        v = torch.stack([st.values(layer)[s.pages[p // P], p % P] for p in range(total)], 1).double()
-        k, v = k.repeat_interleave(N // HKV, 0), v.repeat_interleave(N // HKV, 0)
-        qi = q[t0 : t0 + m].transpose(0, 1).double()
-        qpos = torch.arange(total - m, total).unsqueeze(1)
-        kpos = torch.arange(total).unsqueeze(0)
-        keep = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
-        if softcap <= 0 and sink is None:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qi, k, v, attn_mask=keep.to(q.device), scale=scale
-            )
-        else:
-            sc = qi @ k.transpose(1, 2) * scale  # [N, m, total]
-            if softcap > 0:
-                sc = softcap * torch.tanh(sc / softcap)
-            e = torch.exp(sc.masked_fill(~keep, float("-inf")))
-            den = e.sum(-1, keepdim=True)
-            if sink is not None:
-                den = den + torch.exp(sink.double()).view(N, 1, 1)
-            o = (e / den) @ v
-        out.append(o.transpose(0, 1))
-        t0 += m
-    return torch.cat(out)
 
 
 SHAPES = [(0, 5), (37, 1), (100, 1), (16, 20), (3, 1), (300, 1), (0, 1)]

@@ -23,6 +23,9 @@ from onnxgen.backends.batch import BatchStep, SeqChunk  # noqa: E402
 from onnxgen.backends.native import paged  # noqa: E402
 from onnxgen.kv.storage import PageStorage  # noqa: E402
 
+from .dense_attention import dense_attention as _dense  # noqa: E402
+from .dense_attention import softmax_with_sink as _softmax  # noqa: E402
+
 P, HKV, N, D = 16, 2, 4, 16
 POISON = 0  # the pool's page of NaN (never any sequence's)
 
@@ -74,46 +77,6 @@ def _pool(device: str, dtype: torch.dtype, shapes: list[tuple[int, int]], window
 def _sink(device: str, seed: int = 7) -> torch.Tensor:
     """A head_sink logit per query head (gpt-oss's attention sinks), float32."""
     return (torch.randn(N, generator=torch.Generator().manual_seed(seed)) * 2).to(device)
-
-
-def _softmax(sc: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
-    """float64 softmax over the last axis, a sink logit per head (axis 0) in the denominator."""
-    if sink is None:
-        return torch.softmax(sc, -1)
-    col = sink.double().cpu().view(-1, *([1] * (sc.dim() - 1))).expand(*sc.shape[:-1], 1)
-    return torch.softmax(torch.cat([sc, col], -1), -1)[..., :-1]
-
-
-def _dense(
-    st: PageStorage,
-    step: BatchStep,
-    q: torch.Tensor,
-    layer: int,
-    scale: float,
-    window: int,
-    cap: float,
-    sink: torch.Tensor | None = None,
-):
-    """float64, each sequence's window of keys copied out position by position (never a poisoned one)."""
-    out, t0 = [], 0
-    for s in step.seqs:
-        m = len(s.tokens)
-        lo = max(0, s.start - window + 1) if window > 0 else 0
-        pos = range(lo, s.end)
-        k = torch.stack([st.keys(layer)[s.pages[p // P], p % P] for p in pos], 1).double().cpu()
-        v = torch.stack([st.values(layer)[s.pages[p // P], p % P] for p in pos], 1).double().cpu()
-        k, v = k.repeat_interleave(N // HKV, 0), v.repeat_interleave(N // HKV, 0)
-        qi = q[t0 : t0 + m].transpose(0, 1).double().cpu()
-        qpos = torch.arange(s.start, s.end).unsqueeze(1)
-        kpos = torch.tensor(list(pos)).unsqueeze(0)
-        keep = (kpos <= qpos) & ((kpos > qpos - window) if window > 0 else True)
-        sc = qi @ k.transpose(-1, -2) * scale
-        if cap > 0:
-            sc = cap * torch.tanh(sc / cap)
-        sc = sc.masked_fill(~keep, float("-inf"))
-        out.append((_softmax(sc, sink) @ v).transpose(0, 1))
-        t0 += m
-    return torch.cat(out)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
