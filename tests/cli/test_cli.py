@@ -222,3 +222,16 @@ def test_serve_replicas_starts_the_cluster_with_the_servers_options(tiny_dir, mo
     }
     assert "2 replica(s)" in capsys.readouterr().err
     assert main(["serve", str(tiny_dir), "--replicas", "0"]) != 0
+
+
+def test_generate_with_tensor_parallel_equals_one_process(tiny_dir, capsys):
+    """`--tensor-parallel 2` shards the native backend over two processes (gloo on the CPU) and prints what one
+    process prints; `--backend auto` becomes native (the only backend that shards); the ort backend is refused
+    by name."""
+    argv = ["generate", str(tiny_dir), "--prompt", "hello", "--max-new-tokens", "6", "--no-stream"]
+    assert main([*argv, "--backend", "native"]) == 0
+    one = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel", "2"]) == 0
+    assert capsys.readouterr().out == one
+    assert main([*argv, "--backend", "ort", "--tensor-parallel", "2"]) == 2
+    assert "tensor_parallel=2 needs the native backend" in capsys.readouterr().err

@@ -34,6 +34,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the ort backend")
     p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard every layer over N processes (the native backend; gloo on the CPU, NCCL over N GPUs on "
+        "CUDA; docs/tensor-parallel.md; default: 1)",
+    )
+    p.add_argument(
         "--tool-parser",
         choices=("hermes", "llama3_json", "mistral"),
         default=None,
@@ -79,13 +87,16 @@ def load_model(args: argparse.Namespace, **options: Any) -> Any:
         opts["threads"] = args.threads
     if args.tool_parser:
         opts["tool_parser"] = args.tool_parser
+    backend = args.backend
+    if args.tensor_parallel != 1:
+        opts["tensor_parallel"] = args.tensor_parallel
+        if backend == "auto":  # only the native backend shards
+            backend = "native"
     from onnxgen.cli.progress import RichReporter
     from onnxgen.convert.default import resolve_model_path
 
     path = resolve_model_path(args.model, progress=RichReporter())  # builds the default model with bars, once
-    return onnxgen.load(
-        str(path), backend=args.backend, device=args.device, chunk_size=args.prefill_chunk, **opts
-    )
+    return onnxgen.load(str(path), backend=backend, device=args.device, chunk_size=args.prefill_chunk, **opts)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -186,6 +186,12 @@ def run(args: argparse.Namespace) -> int:
         allow_remote_images=args.allow_remote_images,
     )
     if args.replicas is not None:
+        if args.tensor_parallel != 1:
+            raise InvalidRequest(
+                "--tensor-parallel with --replicas is not supported yet: run one server with "
+                "--tensor-parallel N, or replicas of one rank each",
+                field="tensor_parallel",
+            )
         return run_replicas(args, config)
     spill = str(Path(args.kv_dir) / "spill") if args.kv_dir else None  # sessions pushed out of memory
     model = load_model(args, max_sessions=args.max_sessions, kv_dir=spill)
