@@ -62,17 +62,7 @@ class TPDecoder:
     def _call(
         self, call: tuple[Any, ...], mine: Callable[[], Any], per_rank: list[tuple[Any, ...]] | None = None
     ) -> tuple[Any, list[Any]]:
-        g = self._group
-        with g.lock:
-            g.send(*call, per_rank=per_rank)
-            try:
-                out = mine()
-            except BaseException as exc:
-                g.fail(exc)
-                if g.broken is None:
-                    g.answers()
-                raise
-            return out, g.answers()
+        return self._group.call(call, mine, per_rank)
 
     # --- the seam ----------------------------------------------------------------------------------
 
