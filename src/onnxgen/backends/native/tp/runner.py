@@ -33,21 +33,21 @@ from onnxgen.backends.native.tp.workers import Group, Launch, rank_program
 from onnxgen.errors import BackendUnavailable
 
 
-def kv_heads(spec: Any, world: int) -> list[tuple[int, int]]:
-    """Each rank's KV heads `[a, b)` of the whole cache (replicated heads: several ranks hold the same)."""
+def splits(spec: Any, world: int) -> list[tuple[int, int, int, int]]:
+    """Each rank's `head_split`: query heads `[qa, qb)`, KV heads `[ka, kb)` of the whole model."""
     out = []
     for rank in range(world):
         split = head_split(spec.num_heads, spec.num_kv_heads, rank, world)
         assert split is not None, "the sharding pass checked the heads"
-        out.append((split[2], split[3]))
+        out.append(split)
     return out
 
 
 def pool_size(spec: Any, device: str, world: int, options: dict[str, Any]) -> int:
     """The pages of every rank's pool: as many as `kv_bytes` (`device.pool_pages`'s default: a share of rank 0's
     free device memory) holds for the rank holding the most KV heads, so no rank's pool exceeds it."""
-    widest = max(b - a for a, b in kv_heads(spec, world))
-    part = dataclasses.replace(spec, num_kv_heads=widest)
+    qa, qb, ka, kb = max(splits(spec, world), key=lambda s: s[3] - s[2])
+    part = dataclasses.replace(spec, num_heads=qb - qa, num_kv_heads=kb - ka)
     page_size = options.get("page_size", PAGE_SIZE)
     return pool_pages(part, torch_device(device), page_size, kv_dtype(spec), options.get("kv_bytes"))[1]
 
@@ -63,7 +63,8 @@ class TPRunner:
         self.device = local.device
         self.page_size, self.num_pages = local.page_size, local.num_pages
         self.rope_switch, self.kv_window = local.rope_switch, local.kv_window
-        self.storage = TPStorage(group, local.storage, kv_heads(group.launch.spec, group.world))
+        heads = [(ka, kb) for _, _, ka, kb in splits(group.launch.spec, group.world)]
+        self.storage = TPStorage(group, local.storage, heads)
 
     @staticmethod
     def start(spec: Any, device: str, tensor_parallel: int, *, max_batch: int, **options: Any) -> TPRunner:
@@ -80,7 +81,9 @@ class TPRunner:
             comm.connect(group.launch.store)
             pages = pool_size(spec, device, tensor_parallel, options)
             group.send("pages", pages)
-            local = NativeRunner(local_spec, device, max_batch=max_batch, **opts, _program=program, _pages=pages)
+            local = NativeRunner(
+                local_spec, device, max_batch=max_batch, **opts, _program=program, _pages=pages
+            )
             group.wait("ready")
         except BaseException:
             group.stop("loading failed")
@@ -139,7 +142,7 @@ class TPRunner:
 class TPStorage:
     """The engine's view of the pools (`kv.storage.PageStorage`'s calls it makes): rank 0's pool for what is
     read locally (`data`: its dtype and device), each change made on every rank, a gather of every rank's
-    heads. `heads`: each rank's KV heads of the whole cache (`kv_heads`)."""
+    heads. `heads`: each rank's KV heads `[ka, kb)` of the whole cache (`splits`)."""
 
     def __init__(self, group: Group, local: Any, heads: list[tuple[int, int]]) -> None:
         self._group, self.local, self._heads = group, local, heads
@@ -211,7 +214,9 @@ class RunnerTwin:
 
             first = None
             if has_first:
-                first = DeviceTokens(self._comm.broadcast(torch.empty(b, dtype=torch.int64, device=dev)).view(1, b))
+                first = DeviceTokens(
+                    self._comm.broadcast(torch.empty(b, dtype=torch.int64, device=dev)).view(1, b)
+                )
             r.launch_decodes(step, k, received, offset, first)
         elif kind == "copy_prefix":
             st.copy_prefix(*args)
