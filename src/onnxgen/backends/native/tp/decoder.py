@@ -1,5 +1,5 @@
 """`TPDecoder`: the Decoder contract (`backends/base.py`) over a tensor-parallel group, on rank 0 (the workers'
-side of each call: `workers.Twins`).
+side of each call: `twins.Twins`).
 
 Rank 0's `TPDecoder` wraps a `NativeDecoder` running rank 0's sharded program (its heads' KV); every worker
 holds a twin `NativeDecoder` of the same id running its part. A call that changes a cache is sent to the

@@ -23,14 +23,13 @@ from typing import Any
 import torch
 
 from onnxgen.backends.batch import BatchStep, DeviceTokens
-from onnxgen.backends.native.batching import batchable
 from onnxgen.backends.native.device import kv_dtype, pool_pages, torch_device
 from onnxgen.backends.native.runner import PAGE_SIZE, NativeRunner
 from onnxgen.backends.native.runs import DecodeRun
 from onnxgen.backends.native.tp.comm import Comm
 from onnxgen.backends.native.tp.shard import head_split
-from onnxgen.backends.native.tp.workers import Group, Launch, rank_program
-from onnxgen.errors import BackendUnavailable
+from onnxgen.backends.native.tp.twins import check_batchable
+from onnxgen.backends.native.tp.workers import Group, rank_program
 
 
 def splits(spec: Any, world: int) -> list[tuple[int, int, int, int]]:
@@ -184,57 +183,3 @@ class TPStorage:
         order = [parts[a] for a in sorted(parts)]
         dev = self.local.device
         return torch.cat([k.to(dev) for k, _ in order]), torch.cat([v.to(dev) for _, v in order])
-
-
-class RunnerTwin:
-    """A worker's runner over its pool of `pages` pages; `run` applies one of rank 0's calls."""
-
-    def __init__(self, spec: Any, launch: Launch, program: Any, comm: Comm, pages: int) -> None:
-        assert launch.runner is not None
-        self.runner = NativeRunner(
-            spec, launch.device, **launch.options, **launch.runner, _program=program, _pages=pages
-        )
-        self._comm = comm
-
-    def drop(self, decoder_id: int) -> None:
-        """No decoders here (the group's decoder protocol only)."""
-
-    def run(self, call: tuple[Any, ...]) -> Any:
-        kind, *args = call
-        r, st = self.runner, self.runner.storage
-        dev = st.device
-        if kind == "run":
-            r.run(args[0])
-        elif kind == "decodes":
-            step, k, offset, has_first = args
-            b = len(step.seqs)
-
-            def received(logits: torch.Tensor, j: int) -> torch.Tensor:
-                return self._comm.broadcast(torch.empty(b, dtype=torch.int64, device=dev))
-
-            first = None
-            if has_first:
-                first = DeviceTokens(
-                    self._comm.broadcast(torch.empty(b, dtype=torch.int64, device=dev)).view(1, b)
-                )
-            r.launch_decodes(step, k, received, offset, first)
-        elif kind == "copy_prefix":
-            st.copy_prefix(*args)
-        elif kind == "write":
-            layer, slots, k, v = args
-            st.write(layer, slots.to(dev), k.to(dev, st.dtype), v.to(dev, st.dtype))
-        elif kind == "gather":
-            layer, pages, n = args
-            k, v = st.gather(layer, pages.to(dev), n)
-            return k.cpu(), v.cpu()
-        else:
-            raise AssertionError(f"unknown call {kind!r}")
-        return None
-
-
-def check_batchable(program: Any, spec: Any) -> None:
-    """Raise `BackendUnavailable` when a rank's program cannot run batched (`batching.batchable`): every rank
-    checks before joining the group, so none waits on it."""
-    why = batchable(program, spec)
-    if why is not None:
-        raise BackendUnavailable(f"{spec.path}: cannot batch this package: {why}")

@@ -33,11 +33,11 @@ import torch
 import torch.multiprocessing as mp
 
 import onnxgen.envs as envs
-from onnxgen.backends.native.decoder import NativeDecoder
 from onnxgen.backends.native.device import int4_mode, torch_device
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.backends.native.tp.comm import TIMEOUT_S, Comm
 from onnxgen.backends.native.tp.shard import Sharder
+from onnxgen.backends.native.tp.twins import RunnerTwin, Twins, check_batchable
 from onnxgen.errors import BackendUnavailable, ContextOverflow, InvalidRequest, MissingRequiredInput
 
 log = logging.getLogger(__name__)
@@ -249,8 +249,6 @@ def _worker_main(rank: int, launch: Launch, conn: Any) -> None:
         )
         program, local = rank_program(launch, rank, comm)
         if launch.runner is not None:
-            from onnxgen.backends.native.tp.runner import RunnerTwin, check_batchable
-
             check_batchable(program, local)
         conn.send(("lowered", None))
         comm.connect(launch.store)
@@ -261,7 +259,8 @@ def _worker_main(rank: int, launch: Launch, conn: Any) -> None:
             sized = conn.recv()  # ("pages", n) once rank 0 has sized the pool, or ("stop",)
             if sized[0] != "pages":
                 return
-            twins = RunnerTwin(local, launch, program, comm, sized[1])
+            opts = {**launch.options, **launch.runner}
+            twins = RunnerTwin(local, launch.device, opts, program, comm, sized[1])
         conn.send(("ready", None))
     except BaseException as exc:
         with contextlib.suppress(OSError, ValueError):  # rank 0 may be gone already
@@ -286,40 +285,3 @@ def _worker_main(rank: int, launch: Launch, conn: Any) -> None:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("error", _portable(exc)))
             return  # the group's state is unknown: rank 0 stops it
-
-
-class Twins:
-    """A worker's decoders, by the id rank 0 gave them; `run` applies one of rank 0's calls."""
-
-    def __init__(self, spec: Any, device: str, options: dict[str, Any], program: Any) -> None:
-        self._decoders: dict[int, NativeDecoder] = {
-            0: NativeDecoder(spec, device, **options, _program=program)
-        }
-
-    def drop(self, decoder_id: int) -> None:
-        d = self._decoders.pop(decoder_id, None)
-        if d is not None:
-            d.close()
-
-    def run(self, call: tuple[Any, ...]) -> Any:
-        kind, i, *args = call
-        d = self._decoders[i]
-        if kind == "forward":
-            tokens, start, inputs, rows = args
-            d.forward(tokens, start, inputs, rows)
-            return None
-        if kind == "fork":
-            self._decoders[args[0]] = d.fork()
-        elif kind == "rewind":
-            return d.rewind_to(args[0])
-        elif kind == "reset":
-            d.reset()
-        elif kind == "close":
-            d.close()
-        elif kind == "export":
-            return d.export_kv()
-        elif kind == "import":
-            d.import_kv(args[0], args[1])
-        else:
-            raise AssertionError(f"unknown call {kind!r}")
-        return None
