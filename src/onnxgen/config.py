@@ -66,7 +66,7 @@ class ModelConfig:
     first_multi: a greedy run's first replay is a several-step graph where it fits (native on CUDA; None: yes).
     tool_parser: the tool-call format (hermes | llama3_json | mistral; None: detected from the template).
     tensor_parallel: ranks the native backend shards every layer over (docs/tensor-parallel.md): this process and
-    N-1 workers it starts, gloo on the CPU, NCCL on CUDA (one device per rank); a decoder per request (1: off).
+    N-1 workers it starts, gloo on the CPU, NCCL on CUDA (one device per rank); paged as with one process (1: off).
     warmup: run a synthetic burst at load (`engine.warmup`), so that first requests do not pay for kernels'
     first compilations and choices (None: on CUDA; it adds its run to the load time).
     """

@@ -1,7 +1,8 @@
 """Tensor parallelism (`backends/native/tp`) on the CPU: the sharding pass against the unsharded program, and
-`onnxgen.load(..., tensor_parallel=2)` (gloo, a worker process) against the single-process native decoder on
-the same package: greedy tokens and logits, sessions and reuse, saved KV, the workers' lifetime, and the graphs
-the pass refuses.
+`onnxgen.load(..., tensor_parallel=2)` (gloo, a worker process) against the single-process native backend on
+the same package, with a decoder per request and with the paged batched runner: greedy tokens and logits,
+concurrent requests, sessions and reuse, prefix sharing, a pool under pressure, saved KV, the workers'
+lifetime, and the graphs the pass refuses.
 
 The pass is checked without processes too: the ranks run as threads over an in-process all-reduce, so each
 world size costs one lowering per rank.
@@ -15,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -150,7 +152,8 @@ def tp_children() -> list[Any]:
 @pytest.fixture(scope="module")
 def tiny_pair(tiny_dir: Path):
     one = onnxgen.load(str(tiny_dir), backend="native", paged=False)
-    two = onnxgen.load(str(tiny_dir), backend="native", tensor_parallel=2)
+    two = onnxgen.load(str(tiny_dir), backend="native", tensor_parallel=2, paged=False)
+    assert not two.paged
     yield one, two
     two.close()
 
@@ -215,9 +218,167 @@ def test_tp2_saved_kv_is_the_whole_cache(tiny_dir: Path):
         d.forward([1], d.kv_len())
 
 
-def test_closing_the_model_ends_its_workers(tiny_dir: Path):
+# --- the paged runner: a pool per rank, one engine ---------------------------------------------------------
+
+POOL_PAGES = 32  # each rank's pool (tokens: 32 x 16)
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def paged_pair(tiny_dir: Path):
+    """The single-process paged run (the reference) and a TP=2 paged model over a small pool, whose workers
+    must be gone after the module: module-scoped, so the tests below share one group."""
+    spec = load_spec(tiny_dir)
+    page_bytes = 2 * spec.num_layers * PAGE * (spec.num_kv_heads // 2) * spec.head_size * 4  # a rank's heads
+    one = onnxgen.load(str(tiny_dir), backend="native", paged=True)
+    two = onnxgen.load(
+        str(tiny_dir),
+        backend="native",
+        tensor_parallel=2,
+        paged=True,
+        kv_bytes=POOL_PAGES * page_bytes,
+        max_running=8,
+    )
+    assert one.paged and two.paged and two.kv_stats()["pages_total"] == POOL_PAGES
+    yield one, two
+    two.close()
+
+
+def prompts(seed: int, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab - 1, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def concurrent(model: Any, batch: list[list[int]], n: int, **kw: Any) -> list[Any]:
+    """`batch` submitted at once (batched into the same steps), greedy."""
+    handles = [model.submit(p, max_new_tokens=n, temperature=0, output_logits=True, **kw) for p in batch]
+    return [h.result() for h in handles]
+
+
+def same(got: Any, ref: Any, tol: float = 1e-4) -> None:
+    assert got.tokens == ref.tokens
+    assert abs(got.logits - ref.logits).max() <= tol * abs(ref.logits).max()
+
+
+def check_pool(model: Any) -> None:
+    """Nothing leaked: every page in use is the index's (no request holds any)."""
+    kv = model._engine.executor.kv
+    kv.allocator.check_integrity()
+    kv.index.check_integrity()
+    stats = model.kv_stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["pages_used"] == len(kv.index.pages())
+
+
+def test_tp2_paged_concurrent_requests_equal_one_process(paged_pair):
+    one, two = paged_pair
+    batch = prompts(1, 6, 8, 30, two.spec.vocab_size)
+    steps = two._engine.executor.runner.local.steps["eager"]
+    for got, ref in zip(concurrent(two, batch, 8), concurrent(one, batch, 8), strict=True):
+        same(got, ref)
+    # batched: 6 requests of 8 tokens each took far fewer steps than one per token and request
+    assert two._engine.executor.runner.local.steps["eager"] - steps < 6 * 9
+    assert len(two._engine.executor.runner.workers) == 1
+    check_pool(two)
+
+
+def test_tp2_paged_decode_runs_feed_rank_0s_tokens_to_every_rank(paged_pair):
+    """Runs of decode steps (CUDA's default, here forced): rank 0 chooses each step's tokens and broadcasts
+    them; a worker that fed anything else would compute other keys, and later tokens would differ."""
+    from tests.harness import set_policy
+
+    one, two = paged_pair
+    runner = two._engine.executor.runner
+    launched = []
+    original = runner.launch_decodes
+
+    def counting(step: Any, k: int, *args: Any, **kw: Any) -> Any:
+        launched.append(k)
+        return original(step, k, *args, **kw)
+
+    runner.launch_decodes = counting
+    set_policy(two._engine, decode_steps=4, launch_first=True)
+    try:
+        batch = prompts(4, 4, 8, 30, two.spec.vocab_size)
+        handles = [two.submit(p, max_new_tokens=14, temperature=0) for p in batch]
+        got = [h.result().tokens for h in handles]
+    finally:
+        set_policy(two._engine, decode_steps=1, launch_first=False)
+        del runner.launch_decodes
+    assert launched and max(launched) == 4
+    assert got == [greedy(one, p, n=14, reuse=False).tokens for p in batch]
+    check_pool(two)
+
+
+def test_tp2_paged_session_reuses_its_prefix_and_equals_a_fresh_run(paged_pair):
+    one, two = paged_pair
+    s = two.session()
+    r1 = greedy(s, PROMPT)
+    turn2 = PROMPT + r1.tokens + [70, 71, 72]
+    r2 = greedy(s, turn2)
+    assert r2.stats.reused_tokens == len(PROMPT) + len(r1.tokens) - 1
+    fresh = greedy(two, turn2, reuse=False)
+    same(r2, fresh)
+    same(r2, greedy(one, turn2, reuse=False))
+    back = greedy(s, PROMPT[:6])  # its first page partly shared: a copy of 5 positions on every rank
+    assert back.stats.reused_tokens == 5
+    same(back, greedy(one, PROMPT[:6], reuse=False))
+    s.close()
+    check_pool(two)
+
+
+def test_tp2_paged_prefix_shared_under_one_salt(paged_pair):
+    one, two = paged_pair
+    system = prompts(2, 1, 40, 41, two.spec.vocab_size)[0]  # 2 full pages and 8 positions of a third
+    a, b = system + [11, 12, 13], system + [21, 22]
+    ra = greedy(two.session(salt="team"), a)
+    rb = greedy(two.session(salt="team"), b)
+    assert ra.stats.reused_tokens == 0 and rb.stats.reused_tokens == len(system)
+    other = greedy(two.session(salt="another-tenant"), b)
+    assert other.stats.reused_tokens == 0, "another salt shares nothing"
+    for got, prompt in ((ra, a), (rb, b), (other, b)):
+        same(got, greedy(one, prompt, reuse=False))
+    check_pool(two)
+
+
+def test_tp2_paged_pool_pressure_preempts_and_every_result_is_right(paged_pair):
+    one, two = paged_pair
+    # 8 requests of 40-60 + 12 tokens (4-5 pages each) over 32 pages: some wait, running ones are preempted
+    batch = prompts(3, 8, 40, 60, two.spec.vocab_size)
+    before = two.kv_stats()["preemptions"]
+    for got, p in zip(concurrent(two, batch, 12), batch, strict=True):
+        same(got, greedy(one, p, reuse=False))
+    assert two.kv_stats()["preemptions"] > before, "the pool was meant to run out while requests decode"
+    check_pool(two)
+
+
+def test_tp2_paged_saved_sessions_move_between_tp2_and_one_process(paged_pair, tmp_path: Path):
+    """A session file written at TP=2 holds the whole cache (every rank's heads gathered): the single-process
+    model continues it; one written by the single process is split into every rank's pool on restore. Each
+    under a salt of its own, so no indexed page stands in for the restored KV."""
+    one, two = paged_pair
+    turn2 = None
+    for src, dst, salt in ((two, one, "from-tp2"), (one, two, "from-one")):
+        s = src.session(salt=salt)
+        r1 = greedy(s, PROMPT)
+        path = tmp_path / f"{salt}.kv"
+        s.save(path)
+        s.close()
+        back = dst.restore_session(path, salt=salt)
+        turn2 = PROMPT + r1.tokens + [70, 71]
+        r2 = greedy(back, turn2)
+        assert r2.stats.reused_tokens == len(PROMPT) + len(r1.tokens) - 1
+        same(r2, greedy(one, turn2, reuse=False))
+        back.close()
+    assert turn2 is not None
+    check_pool(two)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_closing_the_model_ends_its_workers(tiny_dir: Path, paged: bool):
     before = {p.pid for p in tp_children()}
-    model = onnxgen.load(str(tiny_dir), backend="native", tensor_parallel=2)
+    model = onnxgen.load(str(tiny_dir), backend="native", tensor_parallel=2, paged=paged)
+    assert model.paged is paged
     mine = [p for p in tp_children() if p.pid not in before]
     assert len(mine) == 1 and mine[0].is_alive()
     greedy(model, PROMPT, n=2)
@@ -239,14 +400,18 @@ def test_tensor_parallel_options_are_checked(tiny_dir: Path):
         onnxgen.load(str(tiny_dir), backend="native", tensor_parallel=0)
     with pytest.raises(InvalidRequest, match="native backend"):
         onnxgen.load(str(tiny_dir), backend="ort", tensor_parallel=2)
-    with pytest.raises(BackendUnavailable, match="paged"):
-        onnxgen.load(str(tiny_dir), backend="native", tensor_parallel=2, paged=True)
+    before = {p.pid for p in tp_children()}
+    with pytest.raises(BackendUnavailable, match="host KV tier"):
+        onnxgen.load(str(tiny_dir), backend="native", tensor_parallel=2, host_kv_bytes=1 << 20)
+    assert {p.pid for p in tp_children()} <= before
 
 
 def test_tp2_default_model_greedy_equals_one_process(smollm2_dir: Path):
-    """The builder-made default model: 9 query heads in 3 KV groups, split unevenly (1 + 2 groups)."""
+    """The builder-made default model: 9 query heads in 3 KV groups, split unevenly (1 + 2 groups); paged, as
+    tensor parallelism loads by default (each rank's pool of its heads, the same pages)."""
     one = onnxgen.load(str(smollm2_dir), backend="native", paged=False)
     two = onnxgen.load(str(smollm2_dir), backend="native", tensor_parallel=2)
+    assert two.paged
     try:
         msgs = [{"role": "user", "content": "What is the capital of France?"}]
         a, b = greedy(one, msgs, n=16), greedy(two, msgs, n=16)

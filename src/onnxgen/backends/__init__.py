@@ -89,8 +89,9 @@ def create_runner(
     spec: ModelSpec, backend: str, device: str, *, max_batch: int, **options: Any
 ) -> BatchRunner:
     """Build a batched runner over a paged KV pool for `spec` (see `backends/batch.py`) for steps of up to
-    `max_batch` sequences, with the runner options its backend declares (others are ignored). Raises
-    `BackendUnavailable` when the backend has no batched runner or cannot batch this package."""
+    `max_batch` sequences, with the runner options its backend declares (others are ignored); with
+    `tensor_parallel` N > 1 a `tp.runner.TPRunner` over N ranks. Raises `BackendUnavailable` when the backend
+    has no batched runner or cannot batch this package."""
     assert backend in ("ort", "native") and device in DEVICES, (backend, device)
     if backend != "native":
         raise BackendUnavailable(f"the {backend} backend runs one request per decoder (no batched runner)")
@@ -107,4 +108,9 @@ def create_runner(
             f"the native backend needs the 'native' extra ({exc}): pip install 'onnxgen[native]'"
         ) from exc
     mine = {k: v for k, v in options.items() if k in native.RUNNER_OPTIONS}
+    tp = options.get("tensor_parallel", 1)
+    if tp > 1:
+        from onnxgen.backends.native.tp.runner import TPRunner
+
+        return TPRunner.start(spec, device, tp, max_batch=max_batch, **mine)
     return NativeRunner(spec, device=device, max_batch=max_batch, **mine)

@@ -19,7 +19,7 @@ from onnxgen.package.spec import ModelSpec
 
 def build_executor(spec: ModelSpec, config: Config, backend: str) -> Any:
     """The paged pool when the backend is native, `cache.paged` is not False and the backend can batch the
-    package; otherwise a `SlotKV` over a pool of decoders forked from one loaded prototype (which shares the
+    package (with `tensor_parallel`, over a `TPRunner`); otherwise a `SlotKV` over a pool of decoders forked from one loaded prototype (which shares the
     weights). Raises `BackendUnavailable` (the backend's dependencies are missing, or `cache.paged=True`
     where it cannot batch) and the backend's load errors."""
     device, options = config.model.device, config.backend_options()
@@ -29,15 +29,19 @@ def build_executor(spec: ModelSpec, config: Config, backend: str) -> Any:
             f"tensor_parallel={tp} needs the native backend (this engine runs {backend})",
             field="tensor_parallel",
         )
-    if tp > 1 and config.cache.paged:
-        raise BackendUnavailable("paged KV does not run tensor-parallel yet: load with paged=False")
-    if config.cache.paged is not False and backend == "native" and tp == 1:
+    if config.cache.paged is not False and backend == "native":
+        host_bytes = config.cache.host_bytes_for(config.model.cuda)
+        if tp > 1 and host_bytes > 0:
+            raise BackendUnavailable(
+                "the host KV tier does not run tensor-parallel yet: load with host_kv_bytes=0 or paged=False"
+            )
         try:
             from onnxgen.engine.paged import PagedKV
 
             max_batch = config.scheduler.running_for(config.model.cuda, True)
             runner = create_runner(spec, backend, device, max_batch=max_batch, **options)
-            return PagedKV(runner, host_bytes=config.cache.host_bytes_for(config.model.cuda))
+            # a tensor-parallel runner's workers stop with the model
+            return PagedKV(runner, host_bytes=host_bytes, on_close=getattr(runner, "shutdown", None))
         except BackendUnavailable:
             if config.cache.paged:
                 raise

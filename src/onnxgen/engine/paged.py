@@ -37,7 +37,7 @@ what the session retains and reuses.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,9 +82,13 @@ class PagedKV:
 
     paged = True
 
-    def __init__(self, runner: BatchRunner, host_bytes: int = 0) -> None:
-        """`host_bytes`: the host tier's bound (0: evicted pages are dropped)."""
+    def __init__(
+        self, runner: BatchRunner, host_bytes: int = 0, on_close: Callable[[], None] | None = None
+    ) -> None:
+        """`host_bytes`: the host tier's bound (0: evicted pages are dropped). `on_close`: called last by `close`
+        (a tensor-parallel runner's workers stop there)."""
         self.runner = runner
+        self._on_close = on_close
         self.page_size = runner.page_size
         allocator = PageAllocator(runner.num_pages)
         self.index = PrefixIndex(allocator, runner.page_size)
@@ -434,9 +438,11 @@ class PagedKV:
 
     def close(self) -> None:
         """Drop every unpinned indexed page (the sessions' pins are dropped first by the engine) and the host
-        tier's pages."""
+        tier's pages, then call `on_close`."""
         for landing in self._landing.values():
             landing.wait()
         self.index.clear()
         if self.tier is not None:
             self.tier.clear()
+        if self._on_close is not None:
+            self._on_close()

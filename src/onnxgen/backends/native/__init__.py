@@ -2,14 +2,15 @@
 
 Import `onnxgen.backends.native.decoder.NativeDecoder` (torch is imported there, not here).
 
-`OPTIONS` declares the keyword options `NativeDecoder` takes (`onnxgen.load(..., **options)` passes them
-on): kv_floor (smallest KV capacity bucket), cuda_graphs, graph_max_tokens, static_steps (testing), int4
-("dense": MatMulNBits dequantized at load, the default; "packed": executed on the packed bytes). See
-`NativeDecoder` for each. `TP_OPTIONS`: tensor_parallel (N > 1: a `tp.decoder.TPDecoder` over N ranks, each
-running a `NativeDecoder` with the options above on its part of every layer). `RUNNER_OPTIONS` are those of the batched `NativeRunner` (paged KV): kv_bytes
-(the pool's size), page_size, cuda_graphs (decode steps replayed from CUDA graphs), int4, part_steps (a run
-of decode steps reaches the host in parts of this many steps; 0: whole), first_multi (a greedy run's first
-replay may be its several-step graph). See `NativeRunner`.
+`OPTIONS` declares the keyword options `NativeDecoder` takes (`onnxgen.load(..., **options)` passes them on):
+kv_floor (smallest KV capacity bucket), cuda_graphs, graph_max_tokens, static_steps (testing), int4 ("dense":
+MatMulNBits dequantized at load, the default; "packed": executed on the packed bytes). See `NativeDecoder` for
+each. `TP_OPTIONS`: tensor_parallel (N > 1: a `tp.runner.TPRunner` over N ranks, each running a `NativeRunner`
+with the runner options below on its part of every layer and its pool; or with a decoder per request a
+`tp.decoder.TPDecoder`, each rank a `NativeDecoder` with the options above). `RUNNER_OPTIONS` are those of the
+batched `NativeRunner` (paged KV): kv_bytes (the pool's size), page_size, cuda_graphs (decode steps replayed
+from CUDA graphs), int4, part_steps (a run of decode steps reaches the host in parts of this many steps; 0:
+whole), first_multi (a greedy run's first replay may be its several-step graph). See `NativeRunner`.
 
 Kernel switches are environment variables, not options (`onnxgen.envs`).
 """

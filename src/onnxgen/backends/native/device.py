@@ -147,12 +147,20 @@ def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Pro
 
 
 def pool_pages(
-    spec: Any, dev: torch.device, page_size: int, dtype: torch.dtype, kv_bytes: int | None
+    spec: Any,
+    dev: torch.device,
+    page_size: int,
+    dtype: torch.dtype,
+    kv_bytes: int | None,
+    pages: int | None = None,
 ) -> tuple[int, int]:
     """A paged KV pool's size: `(kv_bytes, pages)` for `kv_bytes` (None: `CPU_KV_BYTES` on the CPU,
-    `GPU_KV_FRACTION` of the device memory free now on CUDA), at least one page. Logs a warning when the pool
-    holds less than one full context."""
+    `GPU_KV_FRACTION` of the device memory free now on CUDA), at least one page; `pages` given: that many
+    (a tensor-parallel rank's pool, sized by rank 0), and their bytes. Logs a warning when the pool holds less
+    than one full context."""
     per_page = page_bytes(spec.num_layers, page_size, spec.num_kv_heads, spec.head_size, dtype.itemsize)
+    if pages is not None:
+        return pages * per_page, pages
     if kv_bytes is None:
         if dev.type == "cuda":  # pragma: cuda
             free, _total = torch.cuda.mem_get_info(dev)

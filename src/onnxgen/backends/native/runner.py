@@ -86,6 +86,8 @@ class NativeRunner:
         int4: str | None = None,
         part_steps: int = PART_STEPS,
         first_multi: bool = True,
+        _program: Any = None,
+        _pages: int | None = None,
     ) -> None:
         """`kv_bytes`: the pool's size in bytes (default: `device.pool_pages`'s share of the device). `cuda_graphs`: replay decode steps of up to `max_batch` sequences from
         CUDA graphs (captured at load). `int4`: MatMulNBits weights "dense" (dequantized at load) or "packed"
@@ -95,8 +97,9 @@ class NativeRunner:
         `first_multi`: a run's first replay is the several-step graph too where it fits. Read from the
         environment here (`onnxgen.envs`): RUN_GRAPH_STEPS (decode graphs of up to `RUN_GRAPH_BATCH`
         sequences also captured that many steps deep, for greedy runs; 1: off) and ROWWISE (`computes_rowwise`).
-        Raises `BackendUnavailable` when the package cannot be batched, `DeviceOutOfMemory` when the pool
-        cannot be allocated, `InvalidRequest` for a bad `part_steps`."""
+        `_program`, `_pages`: a tensor-parallel rank's sharded program and the pool's pages every rank holds
+        (`tp.runner`). Raises `BackendUnavailable` when the package cannot be batched, `DeviceOutOfMemory` when
+        the pool cannot be allocated, `InvalidRequest` for a bad `part_steps`."""
         t0 = time.perf_counter()
         if not isinstance(part_steps, int) or isinstance(part_steps, bool) or part_steps < 0:
             raise InvalidRequest(f"part_steps must be an int >= 0, got {part_steps!r}", field="part_steps")
@@ -108,7 +111,7 @@ class NativeRunner:
         self._rowwise_on = envs.read("ROWWISE")
         self._dev = torch_device(device)
         dtype = kv_dtype(spec)
-        self.program = shared_program(spec, self._dev, int4)
+        self.program = _program if _program is not None else shared_program(spec, self._dev, int4)
         self.rope_switch: int | None = self.program.rope_switch
         why = batchable(self.program, spec)
         if why is not None:
@@ -117,7 +120,7 @@ class NativeRunner:
         # within (0 when some layer reads the whole context), below which a sequence's pages are never read
         self.windows = layer_windows((st.node for st in self.program.steps), spec.num_layers)
         self.kv_window = max(self.windows) if min(self.windows, default=0) > 0 else 0
-        kv_bytes, num_pages = pool_pages(spec, self._dev, page_size, dtype, kv_bytes)
+        kv_bytes, num_pages = pool_pages(spec, self._dev, page_size, dtype, kv_bytes, _pages)
         try:  # one page more than the pool: the scratch page padding rows of graph steps write into
             self.storage = PageStorage(
                 spec.num_layers,

@@ -43,5 +43,11 @@ class Comm:
         self._pg.allreduce([t]).wait()
         return t
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as rank 0 holds it, on every rank, in place (the paged runner's chosen token ids)."""
+        assert self._pg is not None, "the tensor-parallel group is not connected"
+        self._pg.broadcast(t, 0).wait()
+        return t
+
     def close(self) -> None:
         self._pg = None

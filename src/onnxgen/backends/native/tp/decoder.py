@@ -1,5 +1,5 @@
 """`TPDecoder`: the Decoder contract (`backends/base.py`) over a tensor-parallel group, on rank 0 (the workers'
-side of each call: `workers.Twins`).
+side of each call: `twins.Twins`).
 
 Rank 0's `TPDecoder` wraps a `NativeDecoder` running rank 0's sharded program (its heads' KV); every worker
 holds a twin `NativeDecoder` of the same id running its part. A call that changes a cache is sent to the
@@ -62,17 +62,7 @@ class TPDecoder:
     def _call(
         self, call: tuple[Any, ...], mine: Callable[[], Any], per_rank: list[tuple[Any, ...]] | None = None
     ) -> tuple[Any, list[Any]]:
-        g = self._group
-        with g.lock:
-            g.send(*call, per_rank=per_rank)
-            try:
-                out = mine()
-            except BaseException as exc:
-                g.fail(exc)
-                if g.broken is None:
-                    g.answers()
-                raise
-            return out, g.answers()
+        return self._group.call(call, mine, per_rank)
 
     # --- the seam ----------------------------------------------------------------------------------
 

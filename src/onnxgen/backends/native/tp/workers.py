@@ -2,10 +2,12 @@
 by rank 0 (`Group`, held by rank 0's `TPDecoder`s).
 
 Every rank lowers the package with its own `Sharder` (`rank_program`), then the ranks join one process group
-(`Comm`). Rank 0 runs the engine: each decoder call that changes a cache (`forward`, `rewind_to`, `reset`,
-`close`, `import_kv`, a new fork) is sent to every worker over its pipe first, then run by rank 0 itself; the
-workers run the same call on their decoder of the same id, so the collectives inside the sharded program
-meet. Each worker answers every call (`ok` or the error), and rank 0 reads the answers after its own part.
+(`Comm`). Rank 0 runs the engine: each call that changes a cache is sent to every worker over its pipe first,
+then run by rank 0 itself (`Group.call`); the workers run the same call on their twin, so the collectives
+inside the sharded program meet. Each worker answers every call (`ok` or the error), and rank 0 reads the
+answers after its own part. A group runs decoders (`Twins`: a decoder per request, by the id rank 0 gave
+it; `tp.decoder`) or one batched runner over a paged pool per rank (`Launch.runner`; `tp.runner`: the
+worker's pool is as many pages as rank 0's, sent once every rank has loaded its weights).
 
 Lifetime: `Group.stop` (the model closed, the group collected, the interpreter exiting: `weakref.finalize`)
 sends `stop`, waits briefly, then terminates what is left; a worker whose pipe closes (rank 0 gone) exits. An
@@ -23,6 +25,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +33,11 @@ import torch
 import torch.multiprocessing as mp
 
 import onnxgen.envs as envs
-from onnxgen.backends.native.decoder import NativeDecoder
 from onnxgen.backends.native.device import int4_mode, torch_device
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.backends.native.tp.comm import TIMEOUT_S, Comm
 from onnxgen.backends.native.tp.shard import Sharder
+from onnxgen.backends.native.tp.twins import RunnerTwin, Twins, check_batchable
 from onnxgen.errors import BackendUnavailable, ContextOverflow, InvalidRequest, MissingRequiredInput
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class Launch:
     options: dict[str, Any]  # NativeDecoder's
     world: int
     store: str  # the FileStore's path
+    runner: dict[str, Any] | None = None  # the paged runner's own arguments (None: decoders)
 
 
 def rank_program(launch: Launch, rank: int, comm: Comm) -> tuple[Program, Any]:
@@ -81,12 +85,15 @@ class Group:
         self._finalizer = weakref.finalize(self, _stop, procs, conns, tmp)
 
     @staticmethod
-    def start(spec: Any, device: str, options: dict[str, Any], world: int) -> tuple[Group, Comm]:
+    def start(
+        spec: Any, device: str, options: dict[str, Any], world: int, runner: dict[str, Any] | None = None
+    ) -> tuple[Group, Comm]:
         """Start ranks 1..world-1 and join them as rank 0 (after every rank lowered its program, so a graph
         that cannot be sharded is refused before anyone waits on the group). Returns the group and rank 0's
-        `Comm` (connected; rank 0 lowers its own program with it before `connect`: see `TPDecoder.start`)."""
+        `Comm` (connected; rank 0 lowers its own program with it before `connect`: see `TPDecoder.start`).
+        `runner`: the workers run a paged runner each (`Launch.runner`), else decoders."""
         tmp = tempfile.mkdtemp(prefix="onnxgen-tp-")
-        launch = Launch(spec, device, dict(options), world, os.path.join(tmp, "store"))
+        launch = Launch(spec, device, dict(options), world, os.path.join(tmp, "store"), runner)
         ctx = mp.get_context("spawn")
         procs, conns = [], []
         for rank in range(1, world):
@@ -134,6 +141,22 @@ class Group:
         except OSError as exc:
             self.stop(f"a worker's pipe failed ({exc})")
             raise BackendUnavailable(f"the tensor-parallel workers have stopped: {self.broken}") from exc
+
+    def call(
+        self, call: tuple[Any, ...], mine: Callable[[], Any], per_rank: list[tuple[Any, ...]] | None = None
+    ) -> tuple[Any, list[Any]]:
+        """Send `call` (or `per_rank`, as `send`) to every worker, run rank 0's part `mine`, then read the
+        answers: `(mine's result, the workers' results)`. Rank 0's failure stops the group unless `BENIGN`."""
+        with self.lock:
+            self.send(*call, per_rank=per_rank)
+            try:
+                out = mine()
+            except BaseException as exc:
+                self.fail(exc)
+                if self.broken is None:
+                    self.answers()
+                raise
+            return out, self.answers()
 
     def answers(self, timeout_s: float = TIMEOUT_S) -> list[Any]:
         """Every worker's answer to the last call, in rank order; a worker's error is raised (an onnxgen error
@@ -225,12 +248,23 @@ def _worker_main(rank: int, launch: Launch, conn: Any) -> None:
             torch_device(launch.device) if launch.device == "cpu" else torch.device("cuda", rank),
         )
         program, local = rank_program(launch, rank, comm)
+        if launch.runner is not None:
+            check_batchable(program, local)
         conn.send(("lowered", None))
         comm.connect(launch.store)
-        twins = Twins(local, launch.device, launch.options, program)
+        twins: Any
+        if launch.runner is None:
+            twins = Twins(local, launch.device, launch.options, program)
+        else:
+            sized = conn.recv()  # ("pages", n) once rank 0 has sized the pool, or ("stop",)
+            if sized[0] != "pages":
+                return
+            opts = {**launch.options, **launch.runner}
+            twins = RunnerTwin(local, launch.device, opts, program, comm, sized[1])
         conn.send(("ready", None))
     except BaseException as exc:
-        conn.send(("error", _portable(exc)))
+        with contextlib.suppress(OSError, ValueError):  # rank 0 may be gone already
+            conn.send(("error", _portable(exc)))
         return
     while True:
         try:
@@ -251,40 +285,3 @@ def _worker_main(rank: int, launch: Launch, conn: Any) -> None:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("error", _portable(exc)))
             return  # the group's state is unknown: rank 0 stops it
-
-
-class Twins:
-    """A worker's decoders, by the id rank 0 gave them; `run` applies one of rank 0's calls."""
-
-    def __init__(self, spec: Any, device: str, options: dict[str, Any], program: Any) -> None:
-        self._decoders: dict[int, NativeDecoder] = {
-            0: NativeDecoder(spec, device, **options, _program=program)
-        }
-
-    def drop(self, decoder_id: int) -> None:
-        d = self._decoders.pop(decoder_id, None)
-        if d is not None:
-            d.close()
-
-    def run(self, call: tuple[Any, ...]) -> Any:
-        kind, i, *args = call
-        d = self._decoders[i]
-        if kind == "forward":
-            tokens, start, inputs, rows = args
-            d.forward(tokens, start, inputs, rows)
-            return None
-        if kind == "fork":
-            self._decoders[args[0]] = d.fork()
-        elif kind == "rewind":
-            return d.rewind_to(args[0])
-        elif kind == "reset":
-            d.reset()
-        elif kind == "close":
-            d.close()
-        elif kind == "export":
-            return d.export_kv()
-        elif kind == "import":
-            d.import_kv(args[0], args[1])
-        else:
-            raise AssertionError(f"unknown call {kind!r}")
-        return None
