@@ -1,14 +1,31 @@
 """The scheduler: which requests feed which tokens in the next engine step.
 
-Each step has a token budget. Running requests come first, in the order they were admitted: every
-decode (one token) and then the next chunk of every request still prefilling. Waiting requests are then
-admitted first come, first served while the budget and the running set allow, each starting with a
-prefill chunk. Chunked prefill is the scheduler's: a request's prompt is fed over several steps in
-chunks of at most `chunk_size` (the request's) and of what is left of the budget.
+Each step has a token budget (`max_batch_tokens`). Chunked prefill is the scheduler's: a request's prompt is
+fed over several steps in chunks of at most `chunk_size` (the request's) and of its share of the budget.
+The budget goes, in this order (`prefill_policy="fair"`, the default):
 
-    budget 8, running A (decode), B (prefill, 9 pending), waiting C
-    step:  A 1 token | B 7 tokens          (C waits: no budget left)
-    next:  A 1 | B 2 (sampled) | C 5 ...
+1. decodes: every running request past its prompt feeds its one token (and its drafts), so that requests
+   already streaming keep their pace whatever arrives;
+2. running prefills, within a share: all that is left, or half of it while requests wait that could be
+   admitted (the other half is theirs). The oldest prefill (by arrival: a preempted request keeps its age)
+   goes first, so it always progresses (half of the share when other prefills run beside it); the others
+   go shortest-left first, so a short prompt is not held behind a long one;
+3. admissions: waiting requests in arrival order while the budget and `max_running` allow, each starting
+   with a prefill chunk. A request the KV adapter defers (it will share pages a running request is still
+   computing: agents under one system prompt wait for the first to compute it) keeps its place and takes
+   nothing, and later arrivals may pass it; the deferred ones are admitted together the step after the
+   pages they share are computed;
+4. top-up: budget the admissions left goes back to the running prefills in the order of 2 (no budget is
+   left unused while a prompt wants it).
+
+    budget 8, running A (decode), B (prefill, 9 pending), waiting C (5)
+    step:  A 1 | B 4 (its half of 7) | C 3                  (C admitted beside B's prefill)
+    next:  A 1 | B 5 (sampled)| C 2 (sampled)                (B oldest: its chunk first)
+
+This is vLLM's and SGLang's shape of chunked prefill (decode first, long prefills chunked so that short
+prompts pass them) with no starvation: the oldest prefill gets at least a quarter of a step's prefill
+tokens and arrivals at least half. `prefill_policy="fifo"` is the plain order: running prefills in
+admission order, each taking what is left, then admissions first come first served.
 
 KV comes from a `KVAdapter` (a paged pool, or one decoder per request). When it cannot supply the
 positions a running request needs, the most recently admitted running request is preempted: its KV is
