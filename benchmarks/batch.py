@@ -26,9 +26,12 @@ Sections (contenders interleaved, the order reversed every other round, median o
           prompt for all against a distinct one each (a fresh salt every round: only sharing within the
           round counts): aggregate tok/s, TTFT p50 / max, prompt tokens prefilled in the round
   agents  --agents sessions under one salt sharing a --system-token system prompt, --turns turns each
-          (64-token user turns, up to 128 tokens answered), all arriving at once, one run per engine: tok/s, TTFT and
-          inter-token latency p50 / p99, KV pages held against one system prompt plus every session's own
-          turns, prefix hit rate (`Model.kv_stats`; paged engines)
+          (64-token user turns, up to --new tokens answered), all arriving at once; --runs runs per engine on
+          the same engine, a new salt each (the first run meets the engine's first uses, later ones do not):
+          tok/s, TTFT p50 / p99 (and their ratio), the first turn's TTFT (p50 / max: it computes the system
+          prompt) and the later turns' (p50 / p99), the first run's TTFT p50 / p99, inter-token latency
+          p50 / p99, KV pages held against one system prompt plus every session's own turns, prefix hits over
+          looked-up prompt tokens (`Model.kv_stats`; paged engines); medians over the runs
   trace   against the server(s) at --url (started on their own), or with --cluster N against one server and,
           per --routers mode, N Ray Serve replicas of it (onnxgen.serve.cluster; all started here, from --model),
           the servers interleaved, each run the same trace for each: --agents conversations
@@ -336,19 +339,21 @@ def shared(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
     )
 
 
-def team(args: Any, label: str, model: Any) -> dict[str, Any]:
-    """--agents sessions under one salt, each --turns turns after the shared system prompt, all at once."""
+def team(args: Any, label: str, model: Any, run: int = 0) -> dict[str, Any]:
+    """--agents sessions under one salt (new each run: nothing of an earlier run is shared), each --turns turns
+    after the shared system prompt, all at once."""
     model.close()  # what earlier sections left in the prefix cache: count this section's pages alone
     vocab = model.spec.vocab_size
     system = u.random_ids(args.system, vocab, 7)
-    ttft: list[float] = []
+    ttft: list[tuple[int, float]] = []  # (turn, ms)
     itl: list[float] = []
     lock = threading.Lock()
     barrier = threading.Barrier(args.agents)
     gen = {key: v for key, v in gen_kwargs(args).items() if key != "reuse"}  # sessions reuse
+    before = model.kv_stats()
 
     def agent(i: int) -> tuple[int, int]:
-        s = model.session(salt=f"{label}-team")
+        s = model.session(salt=f"{label}-team-{run}")
         ctx = list(system)
         made = 0
         barrier.wait()
@@ -356,7 +361,7 @@ def team(args: Any, label: str, model: Any) -> dict[str, Any]:
             ctx += u.random_ids(64, vocab, 1000 * i + t)
             r = s.generate(ctx, max_new_tokens=args.new, **gen)
             with lock:
-                ttft.append(r.stats.ttft_s * 1e3)
+                ttft.append((t, r.stats.ttft_s * 1e3))
                 if r.stats.generated_tokens > 1 and r.stats.decode_tok_s > 0:
                     itl.append(1e3 / r.stats.decode_tok_s)
             made += r.stats.generated_tokens
@@ -368,31 +373,53 @@ def team(args: Any, label: str, model: Any) -> dict[str, Any]:
         out = list(ex.map(agent, range(args.agents)))
     wall = time.perf_counter() - t0
     st = model.kv_stats()
+    looked = st.get("prefix_lookup_tokens", 0) - before.get("prefix_lookup_tokens", 0)
+    first = [ms for t, ms in ttft if t == 0]
+    later = [ms for t, ms in ttft if t > 0]
     return {
         "tok_s": sum(g for _, g in out) / wall,
-        "ttft": ttft,
+        "ttft": [ms for _, ms in ttft],
+        "ttft_p50": u.median(ms for _, ms in ttft),
+        "ttft_p99": u.p99(ms for _, ms in ttft),
+        "first_p50": u.median(first),
+        "first_max": max(first),
+        "later_p50": u.median(later) if later else 0.0,
+        "later_p99": u.p99(later) if later else 0.0,
         "itl": itl,
         "held": st.get("pages_used", 0) * st.get("page_size", 0),
         "needed": args.system + sum(n - args.system for n, _ in out),
-        "hits": st.get("prefix_hit_tokens", 0) / max(st.get("prefix_lookup_tokens", 0), 1),
+        "hits": (st.get("prefix_hit_tokens", 0) - before.get("prefix_hit_tokens", 0)) / max(looked, 1),
         "kv_stats": st,
     }
 
 
+MEDIANS = ("tok_s", "ttft_p50", "ttft_p99", "first_p50", "first_max", "later_p50", "later_p99", "hits")
+
+
 def agents(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
+    runs = iter(range(1 << 30))
+    got = u.interleave(
+        args.runs, {k: (lambda k=k, m=m: team(args, k, m, next(runs))) for k, m in loaded.items()}
+    )
     rows, data = [], {}
-    for k, model in loaded.items():
-        d = data[k] = team(args, k, model)
-        held, need, ttft, itl = d["held"], d["needed"], d["ttft"], d["itl"]
+    for k, ds in got.items():
+        data[k] = ds
+        d = ds[-1]  # pages held: the last run's (each run the same trace)
+        med = {key: u.median(x[key] for x in ds) for key in MEDIANS}
+        itl = [v for x in ds for v in x["itl"]]
+        held, need = d["held"], d["needed"]
         rows.append(
             [
                 k,
                 f"{args.agents} x {args.turns}",
-                u.fmt(d["tok_s"], 0),
-                f"{u.median(ttft):,.1f} / {u.p99(ttft):,.1f}",
+                u.fmt(med["tok_s"], 0),
+                f"{med['ttft_p50']:,.1f} / {med['ttft_p99']:,.1f} ({med['ttft_p99'] / med['ttft_p50']:.1f}x)",
+                f"{med['first_p50']:,.1f} / {med['first_max']:,.1f}",
+                f"{med['later_p50']:,.1f} / {med['later_p99']:,.1f}" if args.turns > 1 else "-",
+                f"{ds[0]['ttft_p50']:,.1f} / {ds[0]['ttft_p99']:,.1f}",
                 f"{u.median(itl):,.2f} / {u.p99(itl):,.2f}" if itl else "-",
                 f"{held:,} / {need:,} ({held / need:.2f}x)" if held else "-",
-                f"{d['hits']:.1%}" if d["kv_stats"].get("paged") else "-",
+                f"{med['hits']:.1%}" if d["kv_stats"].get("paged") else "-",
             ]
         )
     header = [
@@ -400,11 +427,15 @@ def agents(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
         "agents x turns",
         "tok/s",
         "TTFT p50 / p99 ms",
+        "turn 1 TTFT p50 / max",
+        "later turns p50 / p99",
+        "first run TTFT p50 / p99",
         "ITL p50 / p99 ms",
         "tokens held / needed",
         "prefix hits",
     ]
-    return f"agents: a {args.system}-token system prompt shared under one salt", u.table(rows, header), data
+    title = f"agents: a {args.system}-token system prompt shared under one salt (median of {args.runs} runs)"
+    return title, u.table(rows, header), data
 
 
 RULES = [
@@ -642,8 +673,6 @@ def main() -> int:
     ap.add_argument("--sessions", default="off", help="trace: on (onnxgen's X-Session-Id), off, or both")
     ap.add_argument("--eos", default="2", help="trace: EOS ids to suppress, comma-separated")
     args = ap.parse_args()
-    if set(args.sections.split(",")) <= {"agents"}:
-        args.dry_run = True  # one run: --runs does not apply
     if args.sections == "trace":
         if args.url is None and not args.cluster:
             ap.error("--sections trace needs --url or --cluster")

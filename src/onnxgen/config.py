@@ -28,6 +28,7 @@ from onnxgen.errors import InvalidRequest
 BACKENDS = ("auto", "ort", "native")
 DEVICES = ("cpu", "cuda")
 SPECULATIVE = ("prompt_lookup", "off")
+PREFILL_POLICIES = ("fair", "fifo")
 
 
 def _positive(name: str, v: Any, *, optional: bool = True, least: int = 1) -> None:
@@ -171,16 +172,26 @@ class SchedulerConfig:
     max_running: requests decoding at once (None: 64 on CUDA, 16 on the CPU with paged KV, 8 with a
     decoder per request). max_batch_tokens: tokens per step (None: 4096 on CUDA, 512 on the CPU with paged
     KV; unbounded with decoders). chunk_size: the longest prefill chunk (None: the package's, else whole).
+    prefill_policy: how a step's tokens left after the decodes go to prompts (`engine/scheduler.py`): "fair"
+    (running prefills take at most half while requests wait to be admitted, the oldest first, then the
+    shortest left; what is left over goes back to them) or "fifo" (in admission order, then arrivals).
     """
 
     max_running: int | None = None
     max_batch_tokens: int | None = None
     chunk_size: int | None = None
+    prefill_policy: str = "fair"
 
     def __post_init__(self) -> None:
         _positive("max_running", self.max_running)
         _positive("max_batch_tokens", self.max_batch_tokens)
         _positive("chunk_size", self.chunk_size)
+        _choice("prefill_policy", self.prefill_policy, PREFILL_POLICIES)
+
+    @property
+    def fair(self) -> bool:
+        """Whether prompts share a step's tokens fairly (`prefill_policy` "fair")."""
+        return self.prefill_policy == "fair"
 
     def running_for(self, cuda: bool, paged: bool) -> int:
         """`max_running`, or its default on this device and KV kind."""

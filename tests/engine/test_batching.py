@@ -292,3 +292,37 @@ def test_a_request_larger_than_the_pool_fails_clearly(tiny_dir: Path) -> None:
     r = model.generate(list(range(3, 20)), max_new_tokens=2)  # the engine is fine afterwards
     assert r.stats.generated_tokens == 2
     check_pool(model)
+
+
+@pytest.mark.parametrize("policy", ["fair", "fifo"])
+def test_short_prompts_are_not_held_behind_a_long_prefill(
+    tiny_dir: Path, alone_model: Any, policy: str
+) -> None:
+    """A 700-token prompt prefills within 64 tokens a step; three short prompts arriving a step later get their
+    first tokens within two engine steps (`prefill_policy="fair"`; first come first served held them for the
+    long prompt's prefill), the long prompt's first token comes within a few steps of its own 11, and every
+    request gets what it gets alone."""
+    model = stepper(tiny_dir, backend="native", max_batch_tokens=64, prefill_policy=policy)
+    rng = np.random.default_rng(21)
+    long = rng.integers(3, 380, size=700).tolist()
+    shorts = [rng.integers(3, 380, size=9 + i).tolist() for i in range(3)]
+    lead = model.submit(long, max_new_tokens=4, output_logits=True)
+    model.step()
+    after = [model.submit(p, max_new_tokens=4, output_logits=True) for p in shorts]
+    first: dict[int, int] = {}
+    step = 1
+    while not all(t.done() for t in (lead, *after)):
+        model.step()
+        step += 1
+        for i, t in enumerate((lead, *after)):
+            if i not in first and t.request.output:
+                first[i] = step - (0 if i == 0 else 1)
+    waits = [first[i] for i in (1, 2, 3)]
+    if policy == "fifo":
+        assert min(waits) >= 10, waits
+    else:
+        assert max(waits) <= 2, waits
+        assert first[0] <= 700 // 64 + 3, first[0]
+    for p, t in zip((long, *shorts), (lead, *after), strict=True):
+        same(t.result(), alone(alone_model, p, 4))
+    check_pool(model)

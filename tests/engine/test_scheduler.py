@@ -217,3 +217,82 @@ def test_a_request_is_recomputed_where_its_kv_stops_being_valid_and_no_draft_cro
     assert plan(chunks) == [(other.id, 4, 1, True), (r.id, 0, 11, True)]
     assert r.kv_limit is None and r.status is Status.RUNNING and kv.released == [r.id]
     assert s.preemptions == 0 and r.admissions == 2 and r.cached == 0
+
+
+# --- fair prefill (`prefill_policy="fair"`) --------------------------------------------------------------
+
+
+def first_token_steps(s: Scheduler, arrivals: dict[int, list[Request]], steps: int) -> dict[int, int]:
+    """Run `s` for `steps` steps, adding `arrivals[k]` before step k; the step at which each request sampled
+    its first token, counted from its arrival. Asserts every step uses the whole budget while prefills want it."""
+    came: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for k in range(steps):
+        for r in arrivals.get(k, []):
+            s.add(r)
+            came[r.id] = k
+        wanted = sum(min(r.pending, r.chunk_size or r.pending) for r in s.pending())
+        chunks, _ = s.schedule()
+        assert sum(c.n for c in chunks) == min(s.token_budget, wanted), "no budget is left unused"
+        feed(chunks)
+        for c in chunks:
+            if c.sample and c.req.id not in first:
+                first[c.req.id] = k - came[c.req.id] + 1
+    return first
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_short_prompt_is_not_held_behind_a_long_prefill(fair: bool) -> None:
+    """A 400-token prompt prefills at 32 tokens a step; short prompts arriving one step later each get their
+    first token within two steps (first come first served held them for the long prompt's 12 more steps),
+    and the long prompt is not starved: it still ends its prefill within a few steps of its own 13."""
+    s = Scheduler(PagesKV(1000), max_running=8, token_budget=32, preempt=True, fair=fair)
+    long, shorts = request(400), [request(6) for _ in range(3)]
+    first = first_token_steps(s, {0: [long], 1: shorts}, 24)
+    waits = [first.get(r.id, 99) for r in shorts]
+    if not fair:
+        assert min(waits) > 10, "first come first served: the shorts wait for the whole long prefill"
+        return
+    assert max(waits) <= 2, waits
+    assert first[long.id] <= 400 // 32 + 3, first[long.id]
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_among_running_prefills_the_shortest_left_goes_first_and_the_oldest_always_progresses(fair) -> None:
+    """A long prompt and a shorter one (chunked by 16) arriving together: the shorter one's prefill is not
+    held for the long one's; the oldest still gets a share every step."""
+    s = Scheduler(PagesKV(1000), max_running=8, token_budget=32, preempt=True, fair=fair)
+    long, mid = request(300), request(40, chunk=16)
+    first = first_token_steps(s, {0: [long, mid]}, 14)
+    if not fair:
+        assert first[mid.id] > 8, "first come first served: the long prefill takes every step's budget"
+        return
+    assert first[mid.id] <= 4, first[mid.id]
+    assert first[long.id] <= 300 // 32 + 3
+
+
+def test_fair_prefill_keeps_arrival_order_for_a_burst_of_equal_prompts() -> None:
+    """Equal prompts arriving together are admitted first come first served, each with its whole prompt
+    where the budget allows: the first get their tokens first (no processor sharing that would delay all)."""
+    s = Scheduler(PagesKV(1000), max_running=16, token_budget=32, preempt=True)
+    burst = [request(10) for _ in range(6)]
+    first = first_token_steps(s, {0: burst}, 6)
+    assert [first[r.id] for r in burst] == [1, 1, 1, 2, 2, 2]
+
+
+def test_fair_prefill_gives_a_prompt_everything_while_its_followers_are_deferred() -> None:
+    """Requests deferred behind a running prefill (they will share its pages) take nothing from it: it keeps the
+    whole budget every step, as they need it done."""
+    kv = PagesKV(1000)
+    s = Scheduler(kv, max_running=16, token_budget=32, preempt=True)
+    lead, followers = request(100), [request(110) for _ in range(4)]
+    kv.deferred = frozenset(r.id for r in followers)
+    s.add(lead)
+    for r in followers:
+        s.add(r)
+    sizes = []
+    for _ in range(4):
+        chunks, _ = s.schedule()
+        sizes.append([(c.req.id, c.n) for c in chunks])
+        feed(chunks)
+    assert sizes == [[(lead.id, 32)], [(lead.id, 32)], [(lead.id, 32)], [(lead.id, 4)]]

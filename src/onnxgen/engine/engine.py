@@ -92,7 +92,7 @@ class Engine:
         running = sch.running_for(cuda, self.paged)
         budget = max(sch.budget_for(cuda, self.paged), running)
         self.scheduler = Scheduler(
-            self.executor, max_running=running, token_budget=budget, preempt=self.paged
+            self.executor, max_running=running, token_budget=budget, preempt=self.paged, fair=sch.fair
         )
         self.pipeline = DecodePipeline(
             self.executor, self.scheduler, self.policy, paged=self.paged, finish=self._finish, fail=self._fail

@@ -1,14 +1,31 @@
 """The scheduler: which requests feed which tokens in the next engine step.
 
-Each step has a token budget. Running requests come first, in the order they were admitted: every
-decode (one token) and then the next chunk of every request still prefilling. Waiting requests are then
-admitted first come, first served while the budget and the running set allow, each starting with a
-prefill chunk. Chunked prefill is the scheduler's: a request's prompt is fed over several steps in
-chunks of at most `chunk_size` (the request's) and of what is left of the budget.
+Each step has a token budget (`max_batch_tokens`). Chunked prefill is the scheduler's: a request's prompt is
+fed over several steps in chunks of at most `chunk_size` (the request's) and of its share of the budget.
+The budget goes, in this order (`prefill_policy="fair"`, the default):
 
-    budget 8, running A (decode), B (prefill, 9 pending), waiting C
-    step:  A 1 token | B 7 tokens          (C waits: no budget left)
-    next:  A 1 | B 2 (sampled) | C 5 ...
+1. decodes: every running request past its prompt feeds its one token (and its drafts), so that requests
+   already streaming keep their pace whatever arrives;
+2. running prefills, within a share: all that is left, or half of it while requests wait that could be
+   admitted (the other half is theirs). The oldest prefill (by arrival: a preempted request keeps its age)
+   goes first, so it always progresses (half of the share when other prefills run beside it); the others
+   go shortest-left first, so a short prompt is not held behind a long one;
+3. admissions: waiting requests in arrival order while the budget and `max_running` allow, each starting
+   with a prefill chunk. A request the KV adapter defers (it will share pages a running request is still
+   computing: agents under one system prompt wait for the first to compute it) keeps its place and takes
+   nothing, and later arrivals may pass it; the deferred ones are admitted together the step after the
+   pages they share are computed;
+4. top-up: budget the admissions left goes back to the running prefills in the order of 2 (no budget is
+   left unused while a prompt wants it).
+
+    budget 8, running A (decode), B (prefill, 9 pending), waiting C (5)
+    step:  A 1 | B 4 (its half of 7) | C 3                  (C admitted beside B's prefill)
+    next:  A 1 | B 5 (sampled)| C 2 (sampled)                (B oldest: its chunk first)
+
+This is vLLM's and SGLang's shape of chunked prefill (decode first, long prefills chunked so that short
+prompts pass them) with no starvation: the oldest prefill gets at least a quarter of a step's prefill
+tokens and arrivals at least half. `prefill_policy="fifo"` is the plain order: running prefills in
+admission order, each taking what is left, then admissions first come first served.
 
 KV comes from a `KVAdapter` (a paged pool, or one decoder per request). When it cannot supply the
 positions a running request needs, the most recently admitted running request is preempted: its KV is
@@ -64,13 +81,16 @@ class Scheduler:
     """Waiting queue and running set over a `KVAdapter`. `add` is thread-safe; everything else belongs
     to the engine's step."""
 
-    def __init__(self, kv: KVAdapter, *, max_running: int, token_budget: int, preempt: bool) -> None:
+    def __init__(
+        self, kv: KVAdapter, *, max_running: int, token_budget: int, preempt: bool, fair: bool = True
+    ) -> None:
         if max_running < 1 or token_budget < 1:
             raise ValueError(f"max_running and token_budget must be >= 1, got {max_running}, {token_budget}")
         self.kv = kv
         self.max_running = max_running
         self.token_budget = token_budget
         self.preempt = preempt
+        self.fair = fair
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._incoming: deque[Request] = deque()
@@ -124,30 +144,25 @@ class Scheduler:
         for req in self.running:
             (decodes if req.pending == 1 else prefills).append(req)
         batch = len(self.running) + len(self.waiting)  # the requests this step may hold (for `_draft`)
-        for req in (*decodes, *prefills):
+        for req in decodes:
             if req.status is not Status.RUNNING or budget <= 0:  # preempted meanwhile, or no budget
                 continue
-            n = self._chunk(req, budget)
-            if req.kv_limit is not None and req.computed + n > req.kv_limit:
-                self._recompute(req)
+            chunks, budget = self._feed(req, chunks, budget, budget, batch)
+        # running prefills: within their share (all of the budget left, or half of it while requests wait
+        # to be admitted), the oldest first (half of the share when others prefill beside it), then the
+        # shortest remaining first
+        fair = self.fair and bool(prefills)
+        share = budget
+        if fair and self.waiting and len(self.running) < self.max_running:
+            share = budget - budget // 2
+        order = self._prefill_order(prefills) if fair else prefills
+        for i, req in enumerate(order):
+            if req.status is not Status.RUNNING or budget <= 0 or share <= 0:
                 continue
-            draft = self._draft(req, budget, batch) if n == 1 == req.pending else ()
-            while n and not self.kv.reserve(req, req.computed + n + len(draft)):
-                if draft:  # no room for the drafts: a plain decode step
-                    draft = ()
-                    continue
-                victim = self._victim()
-                if victim is None:
-                    n = 0
-                    break
-                budget += sum(c.n for c in chunks if c.req is victim)
-                chunks = [c for c in chunks if c.req is not victim]
-                self._preempt(victim)
-                if victim is req:
-                    n = 0
-            if n:
-                chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens, draft))
-                budget -= n + len(draft)
+            cap = share // 2 if fair and i == 0 and len(order) > 1 else share
+            before = budget
+            chunks, budget = self._feed(req, chunks, budget, max(cap, 1), batch)
+            share -= before - budget
         # waiting requests, first come first served (none in a step that had to preempt); a deferred one
         # keeps its place
         i = 0
@@ -175,7 +190,64 @@ class Scheduler:
             self.running.append(req)
             chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens))
             budget -= n
+        if fair and budget > 0:  # what the admissions left goes back to the running prefills, in order
+            chunks, budget = self._top_up(order, chunks, budget)
         return chunks, cancelled
+
+    def _prefill_order(self, prefills: list[Request]) -> list[Request]:
+        """Running prefills in the order they are fed: the oldest (by arrival, `Request.id`: a preempted
+        request keeps its age) first, so that it always progresses, then the fewest prompt tokens left first
+        (ties by arrival), so that a short prompt is not held behind a long one."""
+        oldest = min(prefills, key=lambda r: r.id)
+        rest = sorted((r for r in prefills if r is not oldest), key=lambda r: (r.pending, r.id))
+        return [oldest, *rest]
+
+    def _feed(
+        self, req: Request, chunks: list[Chunk], budget: int, cap: int, batch: int
+    ) -> tuple[list[Chunk], int]:
+        """Schedule `req`'s next chunk (at most `cap` tokens of the `budget` left), making room by preempting
+        where the KV runs short; returns the chunks and the budget left."""
+        n = self._chunk(req, min(budget, cap))
+        if req.kv_limit is not None and req.computed + self._chunk(req, budget) > req.kv_limit:
+            self._recompute(req)
+            return chunks, budget
+        draft = self._draft(req, budget, batch) if n == 1 == req.pending else ()
+        while n and not self.kv.reserve(req, req.computed + n + len(draft)):
+            if draft:  # no room for the drafts: a plain decode step
+                draft = ()
+                continue
+            victim = self._victim()
+            if victim is None:
+                n = 0
+                break
+            budget += sum(c.n for c in chunks if c.req is victim)
+            chunks = [c for c in chunks if c.req is not victim]
+            self._preempt(victim)
+            if victim is req:
+                n = 0
+        if n:
+            chunks.append(Chunk(req, req.computed, n, req.computed + n == req.num_tokens, draft))
+            budget -= n + len(draft)
+        return chunks, budget
+
+    def _top_up(self, order: list[Request], chunks: list[Chunk], budget: int) -> tuple[list[Chunk], int]:
+        """Lengthen the running prefills' chunks of this step with the budget left (in `order`, within each
+        request's chunk size, its KV limit and the pages the KV can still give; nobody is preempted for it)."""
+        at = {id(c.req): i for i, c in enumerate(chunks)}
+        for req in order:
+            i = at.get(id(req))
+            if budget <= 0:
+                break
+            if i is None or req.status is not Status.RUNNING:
+                continue
+            c = chunks[i]
+            n = self._chunk(req, c.n + budget)
+            if req.kv_limit is not None:
+                n = min(n, req.kv_limit - c.start)
+            if n > c.n and self.kv.reserve(req, c.start + n):
+                chunks[i] = c._replace(n=n, sample=c.start + n == req.num_tokens)
+                budget -= n - c.n
+        return chunks, budget
 
     @staticmethod
     def _draft(req: Request, budget: int, batch: int) -> tuple[int, ...]:
