@@ -110,10 +110,10 @@ for section in "${@}"; do
                    --engine paged=false,max_running=1,label=serial ;;
         burst) for w in false true; do
                    TRITON_CACHE_DIR=$(mktemp -d) run 300 benchmarks/batch.py --model builder:8b16k --device cuda \
-                       --concurrency 16 --prompt 512 --new 256 --no-warmup --runs 1 --engine warmup=$w,label=warmup-$w
-               done
+                       --concurrency 16 --prompt 512 --new 256 --no-warmup --runs 1 --dry-run --engine warmup=$w,label=warmup-$w
+               done  # a fresh engine's first burst happens once a process: one sample each (--dry-run allows it)
                run 300 benchmarks/batch.py --model builder:8b16k --device cuda --concurrency 16 --prompt 512 --new 256 \
-                   --runs 3 --engine label=warm ;;
+                   --engine label=warm ;;
         sessions) run 400 benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks ;;
         parity) run 300 benchmarks/parity.py --model builder:2048x4,builder:1b --device cuda --sections logits
                 run 300 benchmarks/parity.py --model builder:8b --device cuda --sections logits,sessions ;;
