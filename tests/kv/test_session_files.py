@@ -375,3 +375,47 @@ def test_host_copies_round_trip_every_kv_dtype_bit_for_bit():
     np.testing.assert_array_equal(from_host(host, arr).view(np.uint16), arr.view(np.uint16))
     host[...] = 0
     assert arr.view(np.uint16).any()
+
+
+def _next_turn(model, path, ctx):
+    s = model.restore_session(path)
+    try:
+        return _turn(s, ctx + [5, 6, 7]).tokens
+    finally:
+        s.close()
+
+
+def test_a_file_read_in_many_chunks_and_one_in_another_order_restore_alike(saved, tmp_path, monkeypatch):
+    """The tensors are hashed chunk by chunk while they are read: with chunks far smaller than the file the
+    restore equals the one-chunk restore and a flipped byte in the last chunk is still refused; a file whose
+    tensors lie in another order than the header's layers (any safetensors writer may) restores too (its
+    checksum is over the tensors in layer order: hashed again in that order)."""
+    import onnxgen.kv.files as files
+
+    model, path, ctx = saved
+    want = _next_turn(model, path, ctx)
+    monkeypatch.setattr(files, "READ_CHUNK", 4096)
+    assert path.stat().st_size > 8 * 4096
+    assert _next_turn(model, path, ctx) == want
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    bad = tmp_path / "late_flip.onnxgen"
+    bad.write_bytes(bytes(data))
+    _restore_fails(model, bad, "checksum")
+
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    table = json.loads(raw[8 : 8 + hlen])
+    body = raw[8 + hlen :]
+    names = [n for n in table if n != "__metadata__"]
+    blobs = {n: body[table[n]["data_offsets"][0] : table[n]["data_offsets"][1]] for n in names}
+    out, offset = b"", 0
+    for n in [names[1], names[0], *names[2:]]:  # the first layer's values before its keys
+        table[n]["data_offsets"] = [offset, offset + len(blobs[n])]
+        out += blobs[n]
+        offset += len(blobs[n])
+    head = json.dumps(table, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    moved = tmp_path / "reordered.onnxgen"
+    moved.write_bytes(struct.pack("<Q", len(head)) + head + out)
+    assert _next_turn(model, moved, ctx) == want

@@ -40,6 +40,7 @@ DTYPES: dict[str, tuple[str, Any]] = {
     "bfloat16": ("BF16", np.uint16),
 }
 MAX_HEADER = 64 << 20  # a header past this is not one this module wrote
+READ_CHUNK = 32 << 20  # the tensors are read in chunks of this, each hashed while the next is read
 
 
 def salt_tag(salt: str | None) -> str:
@@ -88,13 +89,51 @@ class SessionHeader:
         }
 
 
-def _checksum(meta: dict[str, str], chunks: Sequence[Any]) -> str:
-    h = hashlib.sha256(
+def _hasher(meta: dict[str, str]) -> Any:
+    """SHA-256 over the metadata (all but `checksum`), ready for the tensors' bytes in file order."""
+    return hashlib.sha256(
         json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode()
     )
+
+
+def _checksum(meta: dict[str, str], chunks: Sequence[Any]) -> str:
+    h = _hasher(meta)
     for c in chunks:
         h.update(c)
     return h.hexdigest()
+
+
+def _read_hashing(f: Any, data: bytearray, h: Any | None) -> int:
+    """Fill `data` from `f` in `READ_CHUNK`s; with a hasher, each chunk is hashed on a worker thread while the
+    next is read (hashlib and file reads release the GIL), so a restore costs the slower of the two, not
+    their sum. Returns the bytes read (fewer than `len(data)` where the file ended)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    view, got = memoryview(data), 0
+    if h is None:
+        return f.readinto(data)
+    with ThreadPoolExecutor(1, thread_name_prefix="onnxgen-hash") as ex:
+        pending = None
+        while got < len(data):
+            n = f.readinto(view[got : got + READ_CHUNK])
+            if not n:
+                break
+            if pending is not None:
+                pending.result()
+            pending = ex.submit(h.update, view[got : got + n])
+            got += n
+        if pending is not None:
+            pending.result()
+    return got
+
+
+def _header_meta(head: bytes) -> dict[str, str] | None:
+    """The `__metadata__` table of a header, or None where it does not parse (reported later, in order)."""
+    try:
+        meta = json.loads(head.decode("utf-8")).get("__metadata__")
+    except Exception:
+        return None
+    return meta if isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()) else None
 
 
 def write_session(path: str | Path, header: SessionHeader, layers: Sequence[tuple[Any, Any]]) -> int:
@@ -171,7 +210,9 @@ def read_session(path: str | Path, expect: Expected) -> tuple[SessionHeader, lis
                 )
             head = f.read(hlen)
             data = bytearray(size - 8 - hlen)
-            got = f.readinto(data)
+            early = _header_meta(head)
+            streamed = _hasher(early) if early is not None else None
+            got = _read_hashing(f, data, streamed)
     except OSError as exc:
         raise _fail(path, "unreadable", f"{type(exc).__name__}: {exc}") from exc
     if got != len(data):
@@ -211,7 +252,12 @@ def read_session(path: str | Path, expect: Expected) -> tuple[SessionHeader, lis
     if any(not 0 <= a <= b <= len(data) for *_, a, b in spans) or (spans and spans[-1][4] != len(data)):
         raise _fail(path, "truncated", "its tensors run past the end of the file")
     view = memoryview(data)
-    if _checksum(meta, [view[a:b] for *_, a, b in spans]) != meta.get("checksum"):
+    in_order = all(s[3] == (spans[i - 1][4] if i else 0) for i, s in enumerate(spans))
+    if streamed is not None and in_order:  # the tensors fill the data section in order: hashed as read
+        digest = streamed.hexdigest()
+    else:
+        digest = _checksum(meta, [view[a:b] for *_, a, b in spans])
+    if digest != meta.get("checksum"):
         raise _fail(path, "checksum", "its bytes do not match their checksum (corrupted or edited)")
     _check(path, header, expect)
     code, np_type = DTYPES[shape.kv_dtype]
