@@ -81,7 +81,9 @@ def test_lowered_products_read_packed_weights_and_give_the_unpacked_logits(
         out = program.execute(env, RunCtx(kv, pos0, s, positions))
         return out.reshape(-1, out.shape[-1])[-1].float()
 
-    kvs = [KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, torch.float32, cpu) for _ in range(2)]
+    kvs = [
+        KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, torch.float32, cpu) for _ in range(2)
+    ]
     a, b = run(on, ids, 0, kvs[0]), run(off, ids, 0, kvs[1])
     assert float((a - b).norm() / b.norm()) < 1e-5 and int(a.argmax()) == int(b.argmax())
     run(off, ids, 0, kvs[0])  # the same KV on both sides, then one decode step each

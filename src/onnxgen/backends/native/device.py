@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 import onnxgen.envs as envs
-
 from onnxgen.backends.native.kernels.dispatch import load_switches
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.errors import BackendUnavailable
