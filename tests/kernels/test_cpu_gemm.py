@@ -1,5 +1,5 @@
-"""CPU products over prepacked float32 weights (`kernels.cpu_gemm`): several rows through oneDNN against a
-float64 product; one row exactly torch's `x @ w`; the lowering's packed copies and the logits they give
+"""CPU products over prepacked float32 weights (`kernels.cpu_gemm`): a few rows through oneDNN (and a longer
+chunk through MKL) against a float64 product; one row exactly torch's `x @ w`; the lowering's packed copies and the logits they give
 against a program lowered without them."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch bui
 
 @pytest.mark.parametrize("rows", [2, 5, 8, 16, 33])
 @pytest.mark.parametrize(("k", "n"), [(64, 96), (576, 960), (96, 1000)])
-def test_several_rows_over_the_packed_weight_equal_a_float64_product(rows: int, k: int, n: int) -> None:
+def test_rows_over_the_packed_weight_equal_a_float64_product(rows: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(rows * k + n)
     w = torch.randn(k, n, generator=g)
     x = torch.randn(1, rows, k, generator=g)

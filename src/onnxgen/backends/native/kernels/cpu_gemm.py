@@ -1,14 +1,14 @@
 """Products of several rows over a constant float32 `[K, N]` weight on the CPU: oneDNN over a copy of the
 weight prepacked once at load.
 
-MKL's `x @ w` packs the weight again at every call; at the row counts of verify steps and short prefill
-chunks (2..32 rows) that costs several times the product itself (the lm_head's `[5, 576] x [576, 49152]`
-measured about 3x oneDNN's time over the prepacked copy, `docs/benchmarks/cpu.md`). One-row products (decode
-steps) keep `x @ w`: MKL's GEMV reads the mapped weight as fast, and a decode step's values stay what they
-were. The cost: a second copy of every float32 product weight in memory (`ONNXGEN_CPU_PREPACK=0`: none).
+MKL's `x @ w` packs the weight again at every call; at the row counts of verify steps (2..16 rows) that
+costs several times the product itself, most of all in the lm_head (`docs/benchmarks/cpu.md`). One-row
+products (decode steps) keep `x @ w`: MKL's GEMV reads the mapped weight as fast, and a decode step's values
+stay what they were. The cost: a second copy of every float32 product weight in memory
+(`ONNXGEN_CPU_PREPACK=0`: none).
 
 - `prepack(w)`: the packed copy of a `[K, N]` float32 CPU weight, or None where oneDNN is unavailable.
-- `product(x, w, packed)`: `x @ w` (any leading dims); over `packed` when x has several rows.
+- `product(x, w, packed)`: `x @ w` (any leading dims); over `packed` when x has a few rows (`FEW_ROWS`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import onnxgen.envs as envs
 
 # the row count the packed layout is chosen for (oneDNN's batch hint): a verify step's few rows
 PACK_ROWS = 8
+# products of 2..this many rows read the packed copy; prompt chunks keep MKL (slower through oneDNN end to
+# end, `docs/benchmarks/cpu.md`: each new row count has oneDNN build a new kernel)
+FEW_ROWS = 16
 
 
 @functools.cache
@@ -46,11 +49,11 @@ def prepack(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def product(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """`x @ w` for `w` `[K, N]`: one row (or no `packed`) by torch's matmul, several rows by oneDNN over
-    `packed` (`prepack(w)`), float32 accumulation either way."""
+    """`x @ w` for `w` `[K, N]`: 2..`FEW_ROWS` rows by oneDNN over `packed` (`prepack(w)`), others (or
+    without `packed`) by torch's matmul; float32 accumulation either way."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if packed is None or rows <= 1 or x.dtype != torch.float32:
+    if packed is None or not 1 < rows <= FEW_ROWS or x.dtype != torch.float32:
         return torch.matmul(x, w)
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, k), packed, None, "none", [], "")
     return y.view(*x.shape[:-1], w.shape[1])
