@@ -124,6 +124,12 @@ _VARS: tuple[Var, ...] = (
         "1",
         "verify steps compute each row exactly as a one-token step (exact speculation)",
     ),
+    Var(
+        "CPU_PREPACK",
+        _flag(True),
+        "1",
+        "CPU float32 products of several rows run oneDNN over weights prepacked at load (a second copy of each)",
+    ),
 )
 VARS: dict[str, Var] = {v.key: v for v in _VARS}
 

@@ -207,6 +207,43 @@ def test_rotary_write_gives_q_in_the_token_major_layout_paged_attention_reads(de
     assert torch.equal(st.values(1)[page, row], qkv[0, 0, (N + HKV) * D :].view(HKV, D))
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_write_on_the_cpu_equals_q_and_k_rotated_apart(interleaved: bool) -> None:
+    """The torch path rotates q's and k's heads in one call: the bits of `rotary.rope` applied to q and to k
+    on their own, k and v at each token's slot, q token-major."""
+    from onnxgen.backends.native.kernels import attention
+    from onnxgen.backends.native.rotary import rope
+
+    st, step, _ = _batch("cpu", torch.float32, [(37, 1), (16, 20), (0, 3)])
+    ps = paged.build_step(step, st, P, torch.device("cpu"))
+    t = step.num_tokens
+    qkv = torch.randn(1, t, (N + 2 * HKV) * D, generator=torch.Generator().manual_seed(2))
+    ang = torch.arange(100.0)[:, None] * (0.5 ** torch.arange(D // 2))[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    got = attention.rope_qkv_write(
+        qkv,
+        cos,
+        sin,
+        ps.positions,
+        paged.PoolRows(st),
+        1,
+        N,
+        HKV,
+        D,
+        interleaved,
+        slots=ps.slots,
+        token_major=True,
+    )
+    c, s_ = cos[ps.positions].unsqueeze(1), sin[ps.positions].unsqueeze(1)
+    q = rope(qkv[0, :, : N * D].reshape(t, N, D), c, s_, interleaved)
+    k = rope(qkv[0, :, N * D : (N + HKV) * D].reshape(t, HKV, D), c, s_, interleaved)
+    v = qkv[0, :, (N + HKV) * D :].reshape(t, HKV, D)
+    assert torch.equal(got[0].transpose(0, 1), q)
+    for i, slot in enumerate(ps.slots.tolist()):
+        page, row = divmod(slot, P)
+        assert torch.equal(st.keys(1)[page, row], k[i]) and torch.equal(st.values(1)[page, row], v[i])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_copy_page_prefix_copies_the_prefix_in_every_layer_and_nothing_else(device: str) -> None:
     """`kernels.advance.copy_page_prefix` (copy on write of a shared partial page; one launch on a Triton device)

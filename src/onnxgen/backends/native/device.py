@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+import onnxgen.envs as envs
 from onnxgen.backends.native.kernels.dispatch import load_switches
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.errors import BackendUnavailable
@@ -138,6 +139,7 @@ def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Pro
         spec.past_key_names,
         spec.logits_name,
         int4,
+        dev.type == "cpu" and envs.read("CPU_PREPACK"),  # products' packed weights (`kernels.cpu_gemm`)
     )
     prog = _PROGRAMS.get(key)
     if prog is None:

@@ -168,15 +168,18 @@ def rope_qkv_write(
     kb, vb = kv.keys[layer], kv.values[layer]
     s = qkv.shape[1]
     if not use_triton(qkv):
-        q = qkv[..., : n * d].reshape(1, s, n, d)
-        k = qkv[..., n * d : (n + hkv) * d].reshape(1, s, hkv, d)
         v = qkv[..., (n + hkv) * d :].reshape(1, s, hkv, d)
-        if qk_norm is not None:
-            q = rms_norm_ref(q, None, qk_norm.q_weight, qk_norm.q_eps)[0]
-            k = rms_norm_ref(k, None, qk_norm.k_weight, qk_norm.k_eps)[0]
         cos = cos_c.index_select(0, positions).unsqueeze(1)
         sin = sin_c.index_select(0, positions).unsqueeze(1)
-        q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
+        if qk_norm is None:  # q and k heads rotated together (the same values, half the torch calls)
+            qk = rope(qkv[..., : (n + hkv) * d].reshape(1, s, n + hkv, d), cos, sin, interleaved)
+            q, k = qk[:, :, :n], qk[:, :, n:]
+        else:
+            q = qkv[..., : n * d].reshape(1, s, n, d)
+            k = qkv[..., n * d : (n + hkv) * d].reshape(1, s, hkv, d)
+            q = rms_norm_ref(q, None, qk_norm.q_weight, qk_norm.q_eps)[0]
+            k = rms_norm_ref(k, None, qk_norm.k_weight, qk_norm.k_eps)[0]
+            q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)
         kv.write_at(layer, slots, k.transpose(1, 2), v.transpose(1, 2))
         return q.contiguous().transpose(1, 2) if token_major else q.transpose(1, 2).contiguous()
     # pragma: cuda-begin (Triton launch: CUDA, or the Triton interpreter)

@@ -82,7 +82,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) 
     overwrites `g` (callers guarantee nobody else reads it)."""
     if not use_triton(g) or g.shape != u.shape or not (g.is_contiguous() and u.is_contiguous()):
         if g.dtype == torch.float32:
-            if out is g and g.shape == torch.broadcast_shapes(g.shape, u.shape):
+            if out is g and (g.shape == u.shape or g.shape == torch.broadcast_shapes(g.shape, u.shape)):
                 return F.silu(g, inplace=True).mul_(u)
             return F.silu(g) * u
         y = F.silu(g.float()).mul_(u.float())

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from onnxgen.backends.native.kernels import cpu_gemm
 from onnxgen.backends.native.kernels.linear import Rope, linear, linear_rope, rms_linear
 from onnxgen.backends.native.kernels.norms import gelu_mul_halves, rms_norm, silu_mul_halves
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
@@ -37,6 +38,7 @@ def _linear(node: Node) -> Fn:
     qkv = node.attr("_rope", None)
     switch = node.attr("_rope_switch")  # LongRoPE's tables (`ops.rotary.rope_rows`)
     out = torch.float32 if node.attr("_out_float", 0) else None
+    packed = node.attr("_packed")
 
     def f(
         ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None, residual: Any = None
@@ -45,7 +47,7 @@ def _linear(node: Node) -> Fn:
             done = _qkv_rope(ctx, qkv, x, w, cos, sin, None, switch)
             if done is not None:
                 return (done[0],)
-        return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out),)
+        return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out, packed),)
 
     return f
 
@@ -82,10 +84,13 @@ def _product(
     rowwise: bool = False,
     residual: Any = None,
     out_dtype: torch.dtype | None = None,
+    packed: Any = None,
 ) -> Any:
     """`x @ W (+ bias) (+ residual)`: W `[N, K]` (`transposed`) or `[K, N]`; a residual (never with a bias)
     is added to the product before it is rounded where the kernels can (`kernels.linear.linear`);
-    `out_dtype`: the result (rounded to x's dtype first) in that dtype."""
+    `out_dtype`: the result (rounded to x's dtype first) in that dtype. `packed`: a `[K, N]` float32 CPU
+    weight's oneDNN copy (the lowering's `_packed`), which products of several rows read
+    (`kernels.cpu_gemm`)."""
     assert bias is None or residual is None
     if transposed and _upcast_cpu_matmul(x):
         y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
@@ -93,11 +98,11 @@ def _product(
     elif transposed and bias is None:
         return linear(x, w, rowwise=rowwise, residual=residual, out_dtype=out_dtype)
     else:
-        y = F.linear(x, w, bias) if transposed else torch.matmul(x, w)
+        y = F.linear(x, w, bias) if transposed else cpu_gemm.product(x, w, packed)
         if bias is not None and not transposed:
             y = y + bias
         if residual is not None:  # float32 here ([K, N] weights are the CPU's float32 layout)
-            y = (y.float() + residual.float()).to(y.dtype)
+            y = y.add_(residual) if y.dtype == residual.dtype else (y.float() + residual.float()).to(y.dtype)
     return y if out_dtype is None else y.to(out_dtype)
 
 
@@ -106,11 +111,12 @@ def _linear_silu_mul(node: Node) -> Fn:
     one product (one-row products: one fused GEMV on a Triton device), the same values as the two Linears
     and SiluMul it replaces."""
     transposed = bool(node.attr("_transposed", 0))
+    packed = node.attr("_packed")
 
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         if transposed and not _upcast_cpu_matmul(x):
             return (linear(x, w, silu_halves=True, rowwise=is_rowwise(ctx)),)
-        return (silu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx))),)
+        return (silu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx), packed=packed)),)
 
     return f
 
@@ -119,7 +125,10 @@ def _linear_gelu_mul(node: Node) -> Fn:
     """`gelu_tanh(x @ Wg) * (x @ Wu)` over the merged weight (as `LinearSiluMul`'s): one product, then one
     activation launch over its halves (`gelu_mul_halves`)."""
     transposed = bool(node.attr("_transposed", 0))
-    return lambda ctx, x, w: (gelu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx))),)
+    packed = node.attr("_packed")
+    return lambda ctx, x, w: (
+        gelu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx), packed=packed)),
+    )
 
 
 def _rms_linear(node: Node) -> Fn:
@@ -132,6 +141,7 @@ def _rms_linear(node: Node) -> Fn:
     qkv = node.attr("_rope", None)
     switch = node.attr("_rope_switch")
     out = torch.float32 if node.attr("_out_float", 0) else None  # (never with silu)
+    packed = node.attr("_packed")
 
     def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
         if qkv is not None and transposed:
@@ -141,7 +151,7 @@ def _rms_linear(node: Node) -> Fn:
         if transposed and not _upcast_cpu_matmul(x):
             return rms_linear(x, skip, nw, eps, w, silu, is_rowwise(ctx), out_dtype=out)
         h, s = rms_norm(x, skip, nw, eps)
-        y = _product(h, w, None, transposed, is_rowwise(ctx), out_dtype=out)
+        y = _product(h, w, None, transposed, is_rowwise(ctx), out_dtype=out, packed=packed)
         return (silu_mul_halves(y) if silu else y), s
 
     return f

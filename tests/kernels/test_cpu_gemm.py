@@ -1,0 +1,91 @@
+"""CPU products over prepacked float32 weights (`kernels.cpu_gemm`): a few rows through oneDNN (and a longer
+chunk through MKL) against a float64 product; one row exactly torch's `x @ w`; the lowering's packed copies and the logits they give
+against a program lowered without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxgen.backends.native.kernels import cpu_gemm  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch build has no oneDNN linear")
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8, 16, 33])
+@pytest.mark.parametrize(("k", "n"), [(64, 96), (576, 960), (96, 1000)])
+def test_rows_over_the_packed_weight_equal_a_float64_product(rows: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(rows * k + n)
+    w = torch.randn(k, n, generator=g)
+    x = torch.randn(1, rows, k, generator=g)
+    packed = cpu_gemm.prepack(w)
+    assert packed is not None
+    got = cpu_gemm.product(x, w, packed)
+    want = x.double() @ w.double()
+    assert got.shape == (1, rows, n) and got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_one_row_is_torchs_product_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 300, generator=g)
+    x = torch.randn(1, 1, 128, generator=g)
+    assert torch.equal(cpu_gemm.product(x, w, cpu_gemm.prepack(w)), torch.matmul(x, w))
+
+
+def test_nothing_is_packed_for_other_dtypes_or_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(32, 48)
+    assert cpu_gemm.prepack(w.bfloat16()) is None
+    monkeypatch.setenv("ONNXGEN_CPU_PREPACK", "0")
+    assert cpu_gemm.prepack(w) is None
+    x = torch.randn(4, 32)
+    assert torch.equal(cpu_gemm.product(x, w, None), x @ w)
+
+
+def test_lowered_products_read_packed_weights_and_give_the_unpacked_logits(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny fp32 package lowered twice: with packed copies (every float32 product holds one) and without;
+    a prefill chunk's logits (several rows through oneDNN) agree, and a decode step over the same KV gives
+    the same bits."""
+    from onnxgen.backends.native.lowering import lower
+    from onnxgen.backends.native.ops import RunCtx
+    from onnxgen.kv.buffers import KVBuffers
+    from onnxgen.package.spec import load_spec
+
+    spec = load_spec(tiny_dir)
+    cpu = torch.device("cpu")
+    on = lower(spec.decoder_path, spec, cpu)
+    monkeypatch.setenv("ONNXGEN_CPU_PREPACK", "0")
+    off = lower(spec.decoder_path, spec, cpu)
+    packed = [st.node for st in on.steps if st.node.op in ("Linear", "RmsLinear", "LinearSiluMul")]
+    assert packed and all(n.attr("_packed") is not None for n in packed)
+    assert not any(st.node.attr("_packed") is not None for st in off.steps)
+
+    ids = torch.tensor([[5, 17, 3, 42, 9, 11, 60]])
+
+    def run(program, tokens: torch.Tensor, pos0: int, kv: KVBuffers) -> torch.Tensor:
+        """One forward as `NativeDecoder._run_eager` runs it: the last position's logits."""
+        env = program.new_env()
+        env[program.input_slots[spec.input_ids_name]] = tokens
+        s = tokens.shape[1]
+        kv.reserve(pos0 + s)
+        positions = torch.arange(pos0, pos0 + s)
+        if spec.position_ids_name in program.input_slots:
+            env[program.input_slots[spec.position_ids_name]] = positions.view(1, s)
+        if spec.attention_mask_name in program.input_slots:
+            env[program.input_slots[spec.attention_mask_name]] = torch.ones((1, pos0 + s), dtype=torch.int64)
+        out = program.execute(env, RunCtx(kv, pos0, s, positions))
+        return out.reshape(-1, out.shape[-1])[-1].float()
+
+    kvs = [
+        KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, torch.float32, cpu) for _ in range(2)
+    ]
+    a, b = run(on, ids, 0, kvs[0]), run(off, ids, 0, kvs[1])
+    assert float((a - b).norm() / b.norm()) < 1e-5 and int(a.argmax()) == int(b.argmax())
+    run(off, ids, 0, kvs[0])  # the same KV on both sides, then one decode step each
+    nxt = torch.tensor([[int(a.argmax())]])
+    assert torch.equal(run(on, nxt, 7, kvs[0]), run(off, nxt, 7, kvs[1]))
