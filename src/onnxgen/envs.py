@@ -126,9 +126,10 @@ _VARS: tuple[Var, ...] = (
     ),
     Var(
         "CPU_PREPACK",
-        _flag(True),
-        "1",
-        "CPU float32 products of several rows run oneDNN over weights prepacked at load (a second copy of each)",
+        _flag(False),
+        "0",
+        "CPU float32 products of several rows (verify steps) run oneDNN over weights prepacked at load: faster "
+        "speculative verify steps for a second copy of every product weight in memory (off by default)",
     ),
 )
 VARS: dict[str, Var] = {v.key: v for v in _VARS}

@@ -15,6 +15,12 @@ from onnxgen.backends.native.kernels import cpu_gemm  # noqa: E402
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch build has no oneDNN linear")
 
 
+@pytest.fixture(autouse=True)
+def _prepack_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prepacking is opt-in (`ONNXGEN_CPU_PREPACK=1`): on for this module unless a test turns it off."""
+    monkeypatch.setenv("ONNXGEN_CPU_PREPACK", "1")
+
+
 @pytest.mark.parametrize("rows", [2, 5, 8, 16, 33])
 @pytest.mark.parametrize(("k", "n"), [(64, 96), (576, 960), (96, 1000)])
 def test_rows_over_the_packed_weight_equal_a_float64_product(rows: int, k: int, n: int) -> None:

@@ -5,7 +5,7 @@ MKL's `x @ w` packs the weight again at every call; at the row counts of verify 
 costs several times the product itself, most of all in the lm_head (`docs/benchmarks/cpu.md`). One-row
 products (decode steps) keep `x @ w`: MKL's GEMV reads the mapped weight as fast, and a decode step's values
 stay what they were. The cost: a second copy of every float32 product weight in memory
-(`ONNXGEN_CPU_PREPACK=0`: none).
+(only with `ONNXGEN_CPU_PREPACK=1`: it doubles the products' weight memory).
 
 - `prepack(w)`: the packed copy of a `[K, N]` float32 CPU weight, or None where oneDNN is unavailable.
 - `product(x, w, packed)`: `x @ w` (any leading dims); over `packed` when x has a few rows (`FEW_ROWS`).
