@@ -8,7 +8,10 @@ import time
 import pytest
 
 import onnxgen
+from tests.conftest import native_available
 from tests.harness import stepper
+
+NATIVE = pytest.mark.skipif(not native_available(), reason="the native backend needs torch")
 
 STEP = 0.2  # seconds a processor sleeps before each sample
 
@@ -229,3 +232,21 @@ def test_loops_are_stopped_and_joined_at_interpreter_exit(tiny_dir):
     assert not any(t.is_alive() for t in threads)
     for m in models:
         m.close()
+
+
+@pytest.mark.parametrize("backend", ["ort", pytest.param("native", marks=NATIVE)])
+def test_a_closed_and_dropped_model_is_freed_at_the_next_collection(tiny_dir, backend):
+    """`close()` returns once the loop thread has let go of the engine (right after a result is delivered it may
+    still be finishing that step), so dropping the model and collecting frees the engine, its caches and its
+    weights there and then (a benchmark that loads another model next relies on it)."""
+    import gc
+    import weakref
+
+    for i in range(8):
+        m = onnxgen.load(str(tiny_dir), backend=backend)
+        m.generate([5, 6, 7, 8 + i], max_new_tokens=3, temperature=0)
+        engine = weakref.ref(m._engine)
+        m.close()
+        del m
+        gc.collect()
+        assert engine() is None, f"round {i}: the engine outlived its model's close, drop and collection"

@@ -36,11 +36,12 @@ class _Signal:
         self.cv = threading.Condition()
         self.work = False
         self.stopping = False
+        self.idle = True  # the thread holds no engine (waiting for work, or not started)
 
     def stop(self) -> None:
         with self.cv:
             self.stopping = True
-            self.cv.notify()
+            self.cv.notify_all()
 
 
 def _drive(signal: _Signal, engine_ref: weakref.ref[Engine]) -> None:
@@ -53,6 +54,7 @@ def _drive(signal: _Signal, engine_ref: weakref.ref[Engine]) -> None:
             if signal.stopping:
                 return
             signal.work = False
+            signal.idle = False
         engine = engine_ref()
         if engine is None:
             return
@@ -63,6 +65,9 @@ def _drive(signal: _Signal, engine_ref: weakref.ref[Engine]) -> None:
                 log.exception("an engine step failed")
                 engine.fail_all(exc)
         del engine
+        with signal.cv:
+            signal.idle = True
+            signal.cv.notify_all()
 
 
 class EngineLoop:
@@ -91,7 +96,7 @@ class EngineLoop:
             if sig.stopping:
                 return
             sig.work = True
-            sig.cv.notify()
+            sig.cv.notify_all()  # the thread, and not only a caller of `wait_idle`
         if self._thread is None:
             with self._start_lock:
                 if self._thread is None:
@@ -99,6 +104,16 @@ class EngineLoop:
                         target=_drive, args=(sig, weakref.ref(self.engine)), name=self.name, daemon=True
                     )
                     self._thread.start()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until the thread holds no reference to the engine (between bursts of work it drops it; right
+        after a request's result is delivered it may still be finishing that step). Returns whether it is
+        idle. From the loop's own thread: returns at once."""
+        if self._thread is threading.current_thread():
+            return False
+        sig = self._signal
+        with sig.cv:
+            return sig.cv.wait_for(lambda: sig.idle or sig.stopping, timeout)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """End the thread after the step it is in (requests still queued stay queued)."""

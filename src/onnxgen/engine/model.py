@@ -249,8 +249,11 @@ class Model:
 
     def close(self) -> None:
         """Free every cache's device memory (sessions stay usable and reuse nothing next time; requests running
-        go on). The model can still generate; the weights go with the last reference."""
+        go on). The model can still generate; the weights go with the last reference. With no request left, it
+        returns once the engine's thread has let go of the engine, so that dropping the model then frees it."""
         self._engine.close()
+        if not self._engine.has_work():
+            self._loop.wait_idle(5.0)
 
     def __enter__(self) -> Model:
         return self
