@@ -714,12 +714,14 @@ def _prepare_linear(
                 n.attrs["_transposed"] = 1
             n.op, n.domain = "Linear", "onnxgen"
         elif n.domain == "com.microsoft" and n.op == "MatMulNBits":
-            if len(n.inputs) > 4 and n.inputs[4]:
-                raise UnsupportedOp("MatMulNBits(g_idx)", n.domain, n.name, O.supported_ops())
             if not all(x in consts for x in n.inputs[1:4] if x):
                 raise UnsupportedOp("MatMulNBits(non-constant weights)", n.domain, n.name, O.supported_ops())
             k, nn = int(n.attr("K")), int(n.attr("N"))
             bits, block = int(n.attr("bits", 4)), int(n.attr("block_size"))
+            if len(n.inputs) > 4 and n.inputs[4]:
+                g = consts.get(n.inputs[4])
+                if g is None or not O.trivial_g_idx(g, k, block):  # a trivial one says nothing
+                    raise UnsupportedOp("MatMulNBits(g_idx)", n.domain, n.name, O.supported_ops())
             zp = consts[n.inputs[3]] if len(n.inputs) > 3 and n.inputs[3] else None
             scales = consts[n.inputs[2]]
             if packed:

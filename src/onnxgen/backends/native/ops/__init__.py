@@ -25,7 +25,7 @@ from onnxgen.backends.native.ops import (
 )
 from onnxgen.backends.native.ops.base import AI, INTERNAL, Builder, Fn, Node, RunCtx
 from onnxgen.backends.native.ops.moe import prepare_moe
-from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits, kmajor
+from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits, kmajor, trivial_g_idx
 from onnxgen.errors import UnsupportedOp
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "kmajor",
     "prepare_moe",
     "supported_ops",
+    "trivial_g_idx",
 ]
 
 BUILDERS: dict[tuple[str, str], Builder] = {}

@@ -17,6 +17,12 @@ from onnxgen.backends.native.ops.base import INTERNAL, Builder, Fn, Node, RunCtx
 from onnxgen.package.int4 import unpack_nibbles
 
 
+def trivial_g_idx(g: torch.Tensor, k: int, block: int) -> bool:
+    """Whether `g` (MatMulNBits' g_idx) maps each input feature k to its own block `k // block` (the order
+    MatMulNBits assumes without one: such a g_idx says nothing)."""
+    return g.numel() == k and bool(torch.equal(g.reshape(-1).long().cpu(), torch.arange(k) // block))
+
+
 def dequant_matmul_nbits(
     b: torch.Tensor,
     scales: torch.Tensor,

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from onnxgen.backends.native.ops import Node
+from onnxgen.backends.native.tp import nbits
 from onnxgen.errors import UnsupportedSharding
 
 Ranges = tuple[tuple[int, int], ...]
@@ -154,8 +155,8 @@ class _Pass:
         for n in self.nodes:
             if n.domain == "com.microsoft" and n.op in ("MoE", "QMoE"):
                 raise self.bad(n, "mixtures of experts are not sharded yet")
-            if n.domain == "com.microsoft" and n.op == "MatMulNBits" and n is not lm_head:
-                raise self.bad(n, "int4 products (MatMulNBits) are not sharded yet")
+            if nbits.is_nbits(n) and n is not lm_head and (why := nbits.problem(n, self.consts)):
+                raise self.bad(n, why)
         for n in self.nodes:  # attention first: its output projections are not the MLP's
             if n.layer is not None:
                 self._attention(n)
@@ -189,12 +190,36 @@ class _Pass:
         return out
 
     def _is_product(self, n: Node) -> bool:
+        """A product over a constant weight: a MatMul's `[K, N]` or an int4 MatMulNBits' packed `[N, K]`."""
+        if nbits.is_nbits(n):
+            return n.inputs[1] in self.consts
         return (
             n.domain == ""
             and n.op == "MatMul"
             and (w := self.const(n.inputs[1])) is not None
             and w.dim() == 2
         )
+
+    def _features(self, n: Node) -> tuple[int, int]:
+        """A product's `(input, output)` feature counts."""
+        if nbits.is_nbits(n):
+            k, nn, _, _ = nbits.dims(n)
+            return k, nn
+        w = self.consts[n.inputs[1]]
+        return int(w.shape[0]), int(w.shape[1])
+
+    def _keep_inputs(self, n: Node, a: int, b: int) -> None:
+        """Row-parallel: product `n` reads its input features `[a, b)` only (int4: whole blocks)."""
+        if nbits.is_nbits(n):
+            k, _, block, _ = nbits.dims(n)
+            if a % block or (b % block and b != k):
+                raise self.bad(n, f"this rank's input features [{a}, {b}) are not whole int4 blocks of {block}")
+            nbits.keep_blocks(n, self.consts, self.put, a // block, -(-b // block), self.sh.rank)
+        else:
+            n.inputs = [n.inputs[0], self.put(n.inputs[1], self.consts[n.inputs[1]][a:b])]
+        self.region.add(id(n))
+        self.reduce_after.append(n)
+        self.sh.sharded["row"] = self.sh.sharded.get("row", 0) + 1
 
     def _lm_head(self) -> Node | None:
         """The product that computes the logits (through per-position ops): replicated."""
@@ -244,25 +269,26 @@ class _Pass:
         if len(users) != 1 or not self._is_product(users[0]) or users[0].inputs[0] != g.outputs[0]:
             raise self.bad(g, "its output is not read by exactly one output projection (MatMul)")
         o = users[0]
-        w = self.consts[o.inputs[1]]
-        if w.shape[0] != n * d:
-            raise self.bad(o, f"the output projection reads {w.shape[0]} features, not {n} heads x {d}")
-        o.inputs = [o.inputs[0], self.put(o.inputs[1], w[qa * d : qb * d])]
-        self.region.add(id(o))
-        self.reduce_after.append(o)
-        self.sh.sharded["row"] = self.sh.sharded.get("row", 0) + 1
+        k = self._features(o)[0]
+        if k != n * d:
+            raise self.bad(o, f"the output projection reads {k} features, not {n} heads x {d}")
+        self._keep_inputs(o, qa * d, qb * d)
 
     def _row_parallel(self, n: Node) -> None:
         """A product that is no attention's output projection nor the lm_head: row-parallel over its input
-        features (the MLP's down projection), the ops before it column-parallel."""
-        w = self.consts[n.inputs[1]]
-        k = int(w.shape[0])
-        a, b = even_split(k, self.sh.rank, self.sh.world)
-        n.inputs = [n.inputs[0], self.put(n.inputs[1], w[a:b])]
-        self.region.add(id(n))
-        self.reduce_after.append(n)
+        features (the MLP's down projection; int4: its whole blocks split evenly), the ops before it
+        column-parallel."""
+        k = self._features(n)[0]
+        if nbits.is_nbits(n):
+            _, _, block, nb = nbits.dims(n)
+            if nb < self.sh.world:
+                raise self.bad(n, f"its {nb} int4 blocks of input features cannot be split over the ranks")
+            ba, bb = even_split(nb, self.sh.rank, self.sh.world)
+            a, b = ba * block, min(bb * block, k)
+        else:
+            a, b = even_split(k, self.sh.rank, self.sh.world)
+        self._keep_inputs(n, a, b)
         self.ask(n, n.inputs[0], ((a, b),), k)
-        self.sh.sharded["row"] = self.sh.sharded.get("row", 0) + 1
 
     def _propagate(self, n: Node) -> None:
         """`n` produces a value needed in part: cut what it reads accordingly."""
@@ -275,10 +301,14 @@ class _Pass:
             raise self.bad(n, "produces several values read later")
         ranges, width = self.need[n.outputs[0]]
         if self._is_product(n):
-            w = self.consts[n.inputs[1]]
-            if w.shape[1] != width:
-                raise self.bad(n, f"its {w.shape[1]} output features are not the {width} expected")
-            n.inputs = [n.inputs[0], self.put(n.inputs[1], w.index_select(1, _cut(ranges)))]
+            out = self._features(n)[1]
+            if out != width:
+                raise self.bad(n, f"its {out} output features are not the {width} expected")
+            if nbits.is_nbits(n):
+                nbits.keep_rows(n, self.consts, self.put, _cut(ranges))
+            else:
+                w = self.consts[n.inputs[1]]
+                n.inputs = [n.inputs[0], self.put(n.inputs[1], w.index_select(1, _cut(ranges)))]
             self.sh.sharded["column"] = self.sh.sharded.get("column", 0) + 1
             return
         if key in _ELEMENTWISE:
