@@ -54,7 +54,9 @@ class ThreadComm:
         return View()
 
 
-def threaded_logits(spec: Any, world: int, steps: list[tuple[list[int], int]]) -> list[list[Any]]:
+def threaded_logits(
+    spec: Any, world: int, steps: list[tuple[list[int], int]], int4: str = "dense"
+) -> list[list[Any]]:
     """Each rank's logits for `steps` (tokens, start) run in order, ranks as threads."""
     comm = ThreadComm(world)
     out: list[Any] = [None] * world
@@ -63,7 +65,7 @@ def threaded_logits(spec: Any, world: int, steps: list[tuple[list[int], int]]) -
     def run(r: int) -> None:
         try:
             sh = Sharder(r, world, comm.rank(r))
-            prog = lower(spec.decoder_path, spec, torch.device("cpu"), shard=sh)
+            prog = lower(spec.decoder_path, spec, torch.device("cpu"), int4, shard=sh)
             local = dataclasses.replace(spec, num_heads=sh.heads, num_kv_heads=sh.kv_heads)
             d = NativeDecoder(local, _program=prog)
             out[r] = [d.forward(t, s) for t, s in steps]
@@ -112,8 +114,10 @@ def test_sharded_ranks_compute_the_unsharded_logits(tiny_dir: Path, world: int):
             assert int(got.argmax()) == int(exp.argmax())
 
 
-def test_rank_weights_are_its_part(tiny_dir: Path):
-    spec = load_spec(tiny_dir)
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_rank_weights_are_its_part(tiny_dir: Path, tiny_int4_dir: Path, quant: str | None):
+    """fp32 products cut, or int4 ones cut on their packed constants (then dequantized to fp32 at load)."""
+    spec = load_spec(tiny_int4_dir if quant else tiny_dir)
     whole = lower(spec.decoder_path, spec, torch.device("cpu"))
     sh = Sharder(1, 2, ThreadComm(2).rank(1))
     part = lower(spec.decoder_path, spec, torch.device("cpu"), shard=sh)
@@ -127,12 +131,96 @@ def test_rank_weights_are_its_part(tiny_dir: Path):
     assert whole.weight_bytes - part.weight_bytes == spec.num_layers * layer_bytes // 2
 
 
+# --- int4 (MatMulNBits) products: cut on their packed constants ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_int4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every product (lm_head too) int4 MatMulNBits, block 32, with packed zero points: 4 heads of 16, so the
+    attention output projection's 64 input features are 2 blocks."""
+    cfg = SyntheticConfig(num_layers=2, context_length=1024, quant="int4", quant_zero_points=True)
+    return write_package(tmp_path_factory.mktemp("tiny_int4") / "pkg", cfg)
+
+
+@pytest.fixture(scope="module")
+def int4_wide_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """int4 without zero points, 4 heads of 32 in 2 KV groups: one block per head."""
+    cfg = SyntheticConfig(num_layers=2, context_length=256, head_size=32, quant="int4")
+    return write_package(tmp_path_factory.mktemp("int4_wide") / "pkg", cfg)
+
+
+def check_threaded(spec: Any, world: int, int4: str = "dense") -> None:
+    steps = [(PROMPT, 0), ([9], len(PROMPT)), ([11], len(PROMPT) + 1)]
+    ref = NativeDecoder(spec, int4=int4)
+    want = [ref.forward(t, s) for t, s in steps]
+    for rank_out in threaded_logits(spec, world, steps, int4):
+        for got, exp in zip(rank_out, want, strict=True):
+            assert torch.allclose(got, exp, atol=1e-4, rtol=0)
+            assert int(got.argmax()) == int(exp.argmax())
+
+
+@pytest.mark.parametrize("int4", ["dense", "packed"])
+def test_int4_sharded_ranks_compute_the_unsharded_logits(tiny_int4_dir: Path, int4: str):
+    """2 ranks: QKV / gate / up cut by rows of the packed weights, scales and zero points; the attention
+    output (1 block each) and down projections (2 blocks each) by whole blocks, the zero points re-packed;
+    dequantized at load or kept packed (`int4="packed"`)."""
+    check_threaded(load_spec(tiny_int4_dir), 2, int4)
+
+
+def test_int4_four_ranks_one_block_per_head(int4_wide_heads_dir: Path):
+    """4 ranks over 2 KV heads (each replicated on two ranks): each rank one head, one block of the output
+    projection and one of the down projection's 4."""
+    check_threaded(load_spec(int4_wide_heads_dir), 4)
+
+
+def test_int4_a_head_that_is_part_of_a_block_is_refused(tiny_int4_dir: Path):
+    """4 ranks over heads of 16: each rank's 16 input features of the output projection are half a block."""
+    spec = load_spec(tiny_int4_dir)
+    with pytest.raises(UnsupportedSharding, match=r"o_proj.*MatMulNBits.*whole int4 blocks of 32") as info:
+        lower(spec.decoder_path, spec, torch.device("cpu"), shard=Sharder(0, 4, ThreadComm(4).rank(0)))
+    assert "tensor_parallel=4" in str(info.value)
+
+
+def with_g_idx(src: Path, dst: Path, trivial: bool) -> Path:
+    """A copy of package `src` whose every MatMulNBits reads a g_idx: each feature's own block, or reversed."""
+    import shutil
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    shutil.copytree(src, dst)
+    model = onnx.load(str(dst / "model.onnx"), load_external_data=False)
+    added: set[str] = set()
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        k, block = int(attrs["K"]), int(attrs["block_size"])
+        name = f"g_idx_{k}_{trivial}"
+        if name not in added:
+            g = np.arange(k, dtype=np.int32) // block
+            model.graph.initializer.append(numpy_helper.from_array(g if trivial else g[::-1].copy(), name))
+            added.add(name)
+        while len(node.input) < 4:
+            node.input.append("")
+        node.input.append(name)
+    onnx.save(model, str(dst / "model.onnx"))
+    return dst
+
+
+def test_int4_g_idx_trivial_is_sharded_and_a_reordering_one_refused(tiny_int4_dir: Path, tmp_path: Path):
+    trivial = load_spec(with_g_idx(tiny_int4_dir, tmp_path / "trivial", True))
+    check_threaded(trivial, 2)  # a g_idx naming each feature's own block says nothing
+    spec = load_spec(with_g_idx(tiny_int4_dir, tmp_path / "reordered", False))
+    with pytest.raises(UnsupportedSharding, match="MatMulNBits.*g_idx"):
+        lower(spec.decoder_path, spec, torch.device("cpu"), shard=Sharder(0, 2, ThreadComm(2).rank(0)))
+
+
 @pytest.mark.parametrize(
     ("cfg", "node"),
     [
         (SyntheticConfig(num_layers=1, context_length=256, attention="plain"), "Concat"),
         (SyntheticConfig(num_layers=1, context_length=256, attention="onnx23"), "Attention"),
-        (SyntheticConfig(num_layers=1, context_length=256, quant="int4"), "MatMulNBits"),
     ],
 )
 def test_graphs_it_cannot_shard_are_refused_by_name(tmp_path: Path, cfg: SyntheticConfig, node: str):
@@ -419,6 +507,27 @@ def test_tp2_default_model_greedy_equals_one_process(smollm2_dir: Path):
         assert abs(b.logits - a.logits).max() <= 1e-3 * abs(a.logits).max()
     finally:
         two.close()
+
+
+def test_tp2_default_int4_model_greedy_equals_one_process():
+    """The project's default model (int4 MatMulNBits, block 32, no zero points; 9 heads of 64 in 3 groups, so
+    the output projection splits at block 6 of 18 and the down projection 24 + 24 of 48): paged, the same
+    options in one process and over 2 ranks."""
+    from onnxgen.convert.default import resolve_model_path
+
+    path = str(resolve_model_path("default"))
+    one = onnxgen.load(path, backend="native")
+    two = onnxgen.load(path, backend="native", tensor_parallel=2)
+    assert one.paged and two.paged
+    try:
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        for prompt in (msgs, PROMPT):
+            a, b = greedy(one, prompt, n=16), greedy(two, prompt, n=16)
+            assert b.tokens == a.tokens
+            assert abs(b.logits - a.logits).max() <= 1e-3 * abs(a.logits).max()
+    finally:
+        two.close()
+        one.close()
 
 
 def test_workers_exit_when_rank_0_dies(tiny_dir: Path):
