@@ -181,8 +181,9 @@ def test_int4_a_head_that_is_part_of_a_block_is_refused(tiny_int4_dir: Path):
     assert "tensor_parallel=4" in str(info.value)
 
 
-def with_g_idx(src: Path, dst: Path, trivial: bool) -> Path:
-    """A copy of package `src` whose every MatMulNBits reads a g_idx: each feature's own block, or reversed."""
+def with_inputs(src: Path, dst: Path, g_idx: str | None, bias: bool = False) -> Path:
+    """A copy of package `src` whose every MatMulNBits also reads a g_idx ("trivial": each feature's own
+    block; "reordered": reversed) and/or a random bias."""
     import shutil
 
     import onnx
@@ -190,29 +191,37 @@ def with_g_idx(src: Path, dst: Path, trivial: bool) -> Path:
 
     shutil.copytree(src, dst)
     model = onnx.load(str(dst / "model.onnx"), load_external_data=False)
-    added: set[str] = set()
-    for node in model.graph.node:
-        if node.op_type != "MatMulNBits":
-            continue
+    rng = np.random.default_rng(0)
+    for i, node in enumerate(n for n in model.graph.node if n.op_type == "MatMulNBits"):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        k, block = int(attrs["K"]), int(attrs["block_size"])
-        name = f"g_idx_{k}_{trivial}"
-        if name not in added:
+        k, nn, block = int(attrs["K"]), int(attrs["N"]), int(attrs["block_size"])
+        extra = ["", ""]
+        if g_idx:
             g = np.arange(k, dtype=np.int32) // block
-            model.graph.initializer.append(numpy_helper.from_array(g if trivial else g[::-1].copy(), name))
-            added.add(name)
+            extra[0] = f"g_idx_{i}"
+            model.graph.initializer.append(
+                numpy_helper.from_array(g if g_idx == "trivial" else g[::-1].copy(), extra[0])
+            )
+        if bias:
+            extra[1] = f"bias_{i}"
+            b = rng.standard_normal(nn).astype(np.float32)
+            model.graph.initializer.append(numpy_helper.from_array(b, extra[1]))
         while len(node.input) < 4:
             node.input.append("")
-        node.input.append(name)
+        node.input.extend(extra)
     onnx.save(model, str(dst / "model.onnx"))
     return dst
 
 
-def test_int4_g_idx_trivial_is_sharded_and_a_reordering_one_refused(tiny_int4_dir: Path, tmp_path: Path):
-    trivial = load_spec(with_g_idx(tiny_int4_dir, tmp_path / "trivial", True))
-    check_threaded(trivial, 2)  # a g_idx naming each feature's own block says nothing
-    spec = load_spec(with_g_idx(tiny_int4_dir, tmp_path / "reordered", False))
-    with pytest.raises(UnsupportedSharding, match="MatMulNBits.*g_idx"):
+def test_int4_biases_and_a_trivial_g_idx_are_sharded(tiny_int4_dir: Path, tmp_path: Path):
+    """Biases: cut with the rows (QKV, gate, up) or added by rank 0 only (output and down projections: a bias
+    on every rank would be added twice); a g_idx naming each feature's own block says nothing."""
+    check_threaded(load_spec(with_inputs(tiny_int4_dir, tmp_path / "pkg", "trivial", bias=True)), 2)
+
+
+def test_int4_a_reordering_g_idx_is_refused(tiny_int4_dir: Path, tmp_path: Path):
+    spec = load_spec(with_inputs(tiny_int4_dir, tmp_path / "pkg", "reordered"))
+    with pytest.raises(UnsupportedSharding, match=r"MatMulNBits.*g_idx"):
         lower(spec.decoder_path, spec, torch.device("cpu"), shard=Sharder(0, 2, ThreadComm(2).rank(0)))
 
 

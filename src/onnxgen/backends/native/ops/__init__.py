@@ -25,7 +25,12 @@ from onnxgen.backends.native.ops import (
 )
 from onnxgen.backends.native.ops.base import AI, INTERNAL, Builder, Fn, Node, RunCtx
 from onnxgen.backends.native.ops.moe import prepare_moe
-from onnxgen.backends.native.ops.quant import dequant_gather_block, dequant_matmul_nbits, kmajor, trivial_g_idx
+from onnxgen.backends.native.ops.quant import (
+    dequant_gather_block,
+    dequant_matmul_nbits,
+    kmajor,
+    trivial_g_idx,
+)
 from onnxgen.errors import UnsupportedOp
 
 __all__ = [

@@ -11,11 +11,15 @@ rewritten to compute one rank's part of every layer, holding that rank's part of
 - MLP: every other product over a constant weight (not the lm_head) is row-parallel over its input
   features, split evenly by `even_split`: the elementwise ops before it (SiLU / GELU gates, the gate * up
   product, scalar constants) and the products feeding them (gate, up) keep the same columns.
+- int4 products (MatMulNBits) likewise, cut on their packed constants (`tp.nbits`): by rows (column-parallel)
+  or by whole quantization blocks of the input features (row-parallel: the down projection's blocks split
+  evenly, the output projection's at this rank's heads, which must be whole blocks).
 - The lm_head, the embedding, the norms and everything else stay replicated.
 
 What it cannot shard raises `UnsupportedSharding` naming the node and why: attention other than
-GroupQueryAttention (plain Concat KV, ai.onnx Attention), an attention bias, int4 products (MatMulNBits),
-mixtures of experts, a reshape to a heads axis, a sharded value read by a replicated node.
+GroupQueryAttention (plain Concat KV, ai.onnx Attention), an attention bias, an int4 product whose part is
+not whole blocks or with a reordering g_idx, mixtures of experts, a reshape to a heads axis, a sharded value
+read by a replicated node.
 
 The pass works backwards over "needs": a value that must be computed only in part is mapped to the column
 ranges (of its per-token feature vector, flattened) this rank keeps; walking the nodes in reverse order, each
@@ -213,7 +217,9 @@ class _Pass:
         if nbits.is_nbits(n):
             k, _, block, _ = nbits.dims(n)
             if a % block or (b % block and b != k):
-                raise self.bad(n, f"this rank's input features [{a}, {b}) are not whole int4 blocks of {block}")
+                raise self.bad(
+                    n, f"this rank's input features [{a}, {b}) are not whole int4 blocks of {block}"
+                )
             nbits.keep_blocks(n, self.consts, self.put, a // block, -(-b // block), self.sh.rank)
         else:
             n.inputs = [n.inputs[0], self.put(n.inputs[1], self.consts[n.inputs[1]][a:b])]
