@@ -268,21 +268,6 @@ def test_tp2_greedy_equals_one_process(tiny_pair):
         assert abs(b.logits - a.logits).max() <= 1e-4 * abs(a.logits).max()
 
 
-def test_tp2_session_reuses_its_prefix_and_equals_a_fresh_run(tiny_pair):
-    one, two = tiny_pair
-    s = two.session()
-    r1 = greedy(s, PROMPT)
-    turn2 = PROMPT + r1.tokens + [70, 71, 72]
-    r2 = greedy(s, turn2)
-    assert r2.stats.reused_tokens == len(PROMPT) + len(r1.tokens) - 1
-    fresh = greedy(two, turn2, reuse=False)
-    alone = greedy(one, turn2, reuse=False)
-    assert r2.tokens == fresh.tokens == alone.tokens
-    back = greedy(s, PROMPT[:6])  # a rewind on every rank
-    assert back.stats.reused_tokens == 5 and back.tokens == greedy(one, PROMPT[:6], reuse=False).tokens
-    s.close()
-
-
 def test_tp2_a_refused_request_leaves_the_group_working(tiny_pair):
     one, two = tiny_pair
     from onnxgen.errors import ContextOverflow
@@ -407,21 +392,24 @@ def test_tp2_paged_decode_runs_feed_rank_0s_tokens_to_every_rank(paged_pair):
     check_pool(two)
 
 
-def test_tp2_paged_session_reuses_its_prefix_and_equals_a_fresh_run(paged_pair):
-    one, two = paged_pair
+@pytest.mark.parametrize("pair", ["tiny_pair", "paged_pair"])
+def test_tp2_session_reuses_its_prefix_and_equals_a_fresh_run(pair: str, request: pytest.FixtureRequest):
+    """A decoder per request and the paged runner alike: turn 2 reuses turn 1 and equals a fresh run and one
+    process; a rewind (on the paged pool its first page partly shared: a copy of 5 positions) on every rank."""
+    one, two = request.getfixturevalue(pair)
     s = two.session()
     r1 = greedy(s, PROMPT)
     turn2 = PROMPT + r1.tokens + [70, 71, 72]
     r2 = greedy(s, turn2)
     assert r2.stats.reused_tokens == len(PROMPT) + len(r1.tokens) - 1
-    fresh = greedy(two, turn2, reuse=False)
-    same(r2, fresh)
+    same(r2, greedy(two, turn2, reuse=False))
     same(r2, greedy(one, turn2, reuse=False))
-    back = greedy(s, PROMPT[:6])  # its first page partly shared: a copy of 5 positions on every rank
+    back = greedy(s, PROMPT[:6])
     assert back.stats.reused_tokens == 5
     same(back, greedy(one, PROMPT[:6], reuse=False))
     s.close()
-    check_pool(two)
+    if two.paged:
+        check_pool(two)
 
 
 def test_tp2_paged_prefix_shared_under_one_salt(paged_pair):
