@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import onnxgen  # noqa: E402
 from onnxgen.backends.native.decoder import NativeDecoder  # noqa: E402
 from onnxgen.backends.native.lowering import lower  # noqa: E402
-from onnxgen.backends.native.tp.shard import Sharder, head_split  # noqa: E402
+from onnxgen.backends.native.tp.shard import Sharder, even_split, head_split  # noqa: E402
 from onnxgen.convert.synthetic import SyntheticConfig, write_package  # noqa: E402
 from onnxgen.errors import BackendUnavailable, InvalidRequest, UnsupportedSharding  # noqa: E402
 from onnxgen.package.spec import load_spec  # noqa: E402
@@ -33,7 +33,8 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 81, 64, 12, 200, 33]
 
 
 class ThreadComm:
-    """An all-reduce between threads (each rank a thread): what `tp.comm.Comm` does between processes."""
+    """An all-reduce and an all-gather between threads (each rank a thread): what `tp.comm.Comm` does between
+    processes."""
 
     def __init__(self, world: int) -> None:
         self.world = world
@@ -51,21 +52,35 @@ class ThreadComm:
                 comm.barrier.wait()
                 return x.copy_(total)
 
+            def all_gather(self, x: Any) -> Any:
+                comm.parts[r] = x.clone()
+                comm.barrier.wait()
+                out = torch.stack(comm.parts)
+                comm.barrier.wait()
+                return out
+
         return View()
 
 
 def threaded_logits(
-    spec: Any, world: int, steps: list[tuple[list[int], int]], int4: str = "dense"
+    spec: Any,
+    world: int,
+    steps: list[tuple[list[int], int]],
+    int4: str = "dense",
+    ranks: list[Any] | None = None,
 ) -> list[list[Any]]:
-    """Each rank's logits for `steps` (tokens, start) run in order, ranks as threads."""
+    """Each rank's logits for `steps` (tokens, start) run in order, ranks as threads. `ranks`, when given,
+    gets each rank's `(Sharder, Program)` in rank order."""
     comm = ThreadComm(world)
     out: list[Any] = [None] * world
+    kept: list[Any] = [None] * world
     errors: list[BaseException] = []
 
     def run(r: int) -> None:
         try:
             sh = Sharder(r, world, comm.rank(r))
             prog = lower(spec.decoder_path, spec, torch.device("cpu"), int4, shard=sh)
+            kept[r] = (sh, prog)
             local = dataclasses.replace(spec, num_heads=sh.heads, num_kv_heads=sh.kv_heads)
             d = NativeDecoder(local, _program=prog)
             out[r] = [d.forward(t, s) for t, s in steps]
@@ -80,6 +95,8 @@ def threaded_logits(
         t.join()
     if errors:
         raise errors[0]
+    if ranks is not None:
+        ranks.extend(kept)
     return out
 
 
@@ -121,14 +138,104 @@ def test_rank_weights_are_its_part(tiny_dir: Path, tiny_int4_dir: Path, quant: s
     whole = lower(spec.decoder_path, spec, torch.device("cpu"))
     sh = Sharder(1, 2, ThreadComm(2).rank(1))
     part = lower(spec.decoder_path, spec, torch.device("cpu"), shard=sh)
-    # 2 layers: attention output and down projections row-parallel, QKV / gate / up column-parallel
-    assert sh.sharded == {"row": 4, "column": 6} and (sh.heads, sh.kv_heads) == (2, 1)
+    # 2 layers: attention output and down projections row-parallel, QKV / gate / up column-parallel, the
+    # lm_head vocab-parallel (the second half of the vocabulary)
+    assert sh.sharded == {"row": 4, "column": 6, "vocab": 1} and (sh.heads, sh.kv_heads) == (2, 1)
+    assert sh.vocab == (spec.vocab_size // 2, spec.vocab_size)
     assert sum(1 for s in part.steps if s.node.op == "AllReduce") == 4
-    # each layer's products (QKV 8 heads of 16, o, gate, up, down: fp32): half of each on this rank; the
-    # embedding, lm_head and rotary tables replicated
+    assert sum(1 for s in part.steps if s.node.op == "AllGather") == 1
+    # each layer's products (QKV 8 heads of 16, o, gate, up, down: fp32) and the lm_head: half of each on
+    # this rank; the embedding and rotary tables replicated
     h, i, qkv = spec.hidden_size, 128, (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_size
     layer_bytes = 4 * (h * qkv + h * h + 3 * h * i)
-    assert whole.weight_bytes - part.weight_bytes == spec.num_layers * layer_bytes // 2
+    lm_head_bytes = 4 * h * spec.vocab_size
+    assert whole.weight_bytes - part.weight_bytes == (spec.num_layers * layer_bytes + lm_head_bytes) // 2
+
+
+# --- the vocab-parallel lm_head ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[None, "int4"])
+def tied_vocab_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tied embeddings, a vocabulary of 385 (split unevenly over 2, 3 and 4 ranks), 6 heads in 6 KV groups
+    (split over 2, 3 and 4 ranks): fp32 (the embedding gathered from the lm_head weight's Transpose) or
+    int4 (GatherBlockQuantized over the lm_head's packed MatMulNBits weights; heads of 32, one block each)."""
+    quant = request.param
+    cfg = SyntheticConfig(
+        num_layers=1,
+        context_length=256,
+        hidden_size=192 if quant else 96,
+        num_heads=6,
+        num_kv_heads=6,
+        vocab_size=385,
+        tie_embeddings=True,
+        quant=quant,
+    )
+    return write_package(tmp_path_factory.mktemp(f"tied_{quant}") / "pkg", cfg)
+
+
+def _const_inputs(prog: Any, step: Any) -> list[Any]:
+    return [prog.consts[i] for i in step.ins if i in prog.consts]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_vocab_parallel_lm_head_gathers_the_unsharded_logits(tied_vocab_dir: Path, world: int):
+    """Each rank computes its (uneven) slice of the vocabulary's logits from its rows of the lm_head alone;
+    one all-gather joins them into the unsharded logits on every rank; the tied embedding stays whole."""
+    spec = load_spec(tied_vocab_dir)
+    v, h = spec.vocab_size, spec.hidden_size
+    steps = [(PROMPT, 0), ([9], len(PROMPT)), ([11], len(PROMPT) + 1)]
+    ref = NativeDecoder(spec)
+    want = [ref.forward(t, s) for t, s in steps]
+    ranks: list[Any] = []
+    for rank_out in threaded_logits(spec, world, steps, ranks=ranks):
+        for got, exp in zip(rank_out, want, strict=True):
+            assert got.shape == exp.shape
+            assert torch.allclose(got, exp, atol=1e-4, rtol=0)
+            assert int(got.argmax()) == int(exp.argmax())
+    held = 0
+    for r, (sh, prog) in enumerate(ranks):
+        a, b = even_split(v, r, world)
+        assert sh.vocab == (a, b) and sh.sharded["vocab"] == 1
+        (gather,) = [s for s in prog.steps if s.node.op == "AllGather"]
+        assert prog.logits_slot in gather.outs
+        (head,) = [s for s in prog.steps if gather.ins[0] in s.outs]
+        weight = max(_const_inputs(prog, head), key=lambda t: t.numel())
+        assert weight.numel() == (b - a) * h  # this rank's vocabulary rows of the lm_head only (fp32)
+        held += weight.numel() * weight.element_size()
+        (embed,) = [s for s in prog.steps if s.node.op in ("Gather", "GatherBlockQuantized")]
+        table = max(_const_inputs(prog, embed), key=lambda t: t.numel())
+        assert table.shape == (v, h)  # the tied embedding whole
+    assert held == 4 * v * h  # the ranks' slices: the lm_head once
+
+
+def test_an_lm_head_it_cannot_split_stays_replicated(tiny_dir: Path, tmp_path: Path):
+    """A bias of shape [1, vocab] added to the logits (not a per-vocab vector the pass cuts): the lm_head
+    stays whole on every rank, no all-gather, the logits still the unsharded ones."""
+    import shutil
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    shutil.copytree(tiny_dir, tmp_path / "pkg")
+    model = onnx.load(str(tmp_path / "pkg" / "model.onnx"), load_external_data=False)
+    (last,) = [n for n in model.graph.node if "logits" in n.output]
+    last.output[list(last.output).index("logits")] = "logits_unbiased"
+    bias = np.random.default_rng(0).standard_normal((1, 384)).astype(np.float32)
+    model.graph.initializer.append(numpy_helper.from_array(bias, "logits_bias"))
+    model.graph.node.append(helper.make_node("Add", ["logits_unbiased", "logits_bias"], ["logits"], "bias"))
+    onnx.save(model, str(tmp_path / "pkg" / "model.onnx"))
+    spec = load_spec(tmp_path / "pkg")
+    ranks: list[Any] = []
+    steps = [(PROMPT, 0), ([9], len(PROMPT))]
+    ref = NativeDecoder(spec)
+    want = [ref.forward(t, s) for t, s in steps]
+    for rank_out in threaded_logits(spec, 2, steps, ranks=ranks):
+        for got, exp in zip(rank_out, want, strict=True):
+            assert torch.allclose(got, exp, atol=1e-4, rtol=0)
+    for sh, prog in ranks:
+        assert sh.vocab is None and "vocab" not in sh.sharded
+        assert not any(s.node.op == "AllGather" for s in prog.steps)
 
 
 # --- int4 (MatMulNBits) products: cut on their packed constants ---------------------------------------------

@@ -1,5 +1,5 @@
-"""A tensor-parallel group's process group, as the lowered `AllReduce` op calls it: gloo on the CPU, NCCL on
-CUDA. Each group is a process group of its own over a `FileStore` in a temporary folder (no global
+"""A tensor-parallel group's process group, as the lowered collectives (`AllReduce`, `AllGather`) call it:
+gloo on the CPU, NCCL on CUDA. Each group is a process group of its own over a `FileStore` in a temporary folder (no global
 `torch.distributed` state, no port to pick), so one process may hold several tensor-parallel models."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ TIMEOUT_S = 300.0
 
 
 class Comm:
-    """Rank `rank` of `world`. Built before the lowering (its `AllReduce` nodes hold it); `connect` joins the
+    """Rank `rank` of `world`. Built before the lowering (its collective nodes hold it); `connect` joins the
     group once every rank has lowered its program."""
 
     def __init__(self, rank: int, world: int, device: torch.device) -> None:
@@ -42,6 +42,14 @@ class Comm:
         assert self._pg is not None, "the tensor-parallel group is not connected"
         self._pg.allreduce([t]).wait()
         return t
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (the same shape and dtype on every rank), stacked in rank order: `[world, *shape]`
+        on every rank."""
+        assert self._pg is not None, "the tensor-parallel group is not connected"
+        out = torch.empty((self.world, *t.shape), dtype=t.dtype, device=t.device)
+        self._pg.allgather([list(out.unbind(0))], [t.contiguous()]).wait()
+        return out
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """`t` as rank 0 holds it, on every rank, in place (the paged runner's chosen token ids)."""

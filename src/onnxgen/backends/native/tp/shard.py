@@ -14,7 +14,15 @@ rewritten to compute one rank's part of every layer, holding that rank's part of
 - int4 products (MatMulNBits) likewise, cut on their packed constants (`tp.nbits`): by rows (column-parallel)
   or by whole quantization blocks of the input features (row-parallel: the down projection's blocks split
   evenly, the output projection's at this rank's heads, which must be whole blocks).
-- The lm_head, the embedding, the norms and everything else stay replicated.
+- The lm_head: vocab-parallel. Each rank keeps a contiguous run of the vocabulary (`even_split`, uneven
+  allowed): its columns of the weight (int4: its rows, `tp.nbits.keep_rows`), copied alone, and of any
+  per-vocab bias; the per-position ops between it and the logits (a Cast to float32, a scale, a bias) work on
+  that slice, and one `AllGather` after the last of them joins the slices into the whole logits on every
+  rank (so rank 0's sampling reads what one process computes). An lm_head it cannot split this way (no
+  product over a constant weight, a Gemm, an op between it and the logits that is not elementwise, a value
+  on the way read elsewhere, an int4 lm_head with a reordering g_idx) stays replicated, as does the
+  embedding (a tied one too: the lm_head's slice is a copy of its own).
+- The norms, the rotary tables and everything else stay replicated.
 
 What it cannot shard raises `UnsupportedSharding` naming the node and why: attention other than
 GroupQueryAttention (plain Concat KV, ai.onnx Attention), an attention bias, an int4 product whose part is
@@ -102,15 +110,17 @@ def _width(ranges: Ranges) -> int:
 @dataclass
 class Sharder:
     """One rank's sharding of a decoder graph: `__call__(nodes, consts, spec)` is the lowering's `shard` hook
-    (`lowering.lower(..., shard=...)`). `all_reduce` builds the collective node's attributes (the group it
-    runs over). After the call, `heads` / `kv_heads` are this rank's attention heads (a KV cache of
-    `kv_heads` heads per layer) and `sharded` counts the products cut."""
+    (`lowering.lower(..., shard=...)`); `comm` is the group its collective nodes run over. After the call,
+    `heads` / `kv_heads` are this rank's attention heads (a KV cache of `kv_heads` heads per layer), `vocab`
+    this rank's vocabulary rows `[a, b)` of the lm_head (None: replicated) and `sharded` counts the products
+    cut ("row", "column", "vocab")."""
 
     rank: int
     world: int
-    comm: Any  # what the AllReduce op calls (`tp.comm.Comm`)
+    comm: Any  # what the collective ops call (`tp.comm.Comm`)
     heads: int = 0
     kv_heads: int = 0
+    vocab: tuple[int, int] | None = None
     sharded: dict[str, int] = field(default_factory=dict)
 
     def __call__(self, nodes: list[Node], consts: dict[str, torch.Tensor], spec: Any) -> list[Node]:
@@ -130,6 +140,7 @@ class _Pass:
         self.need: dict[str, tuple[Ranges, int]] = {}  # value -> (kept ranges, full width)
         self.region: set[int] = set()  # nodes computing a part (their outputs' readers must be too)
         self.reduce_after: list[Node] = []  # row-parallel products
+        self.head: Node | None = None  # the lm_head
 
     def bad(self, n: Node, why: str) -> UnsupportedSharding:
         return UnsupportedSharding(f"{n.domain + '::' if n.domain else ''}{n.op}", n.name, why, self.sh.world)
@@ -155,7 +166,8 @@ class _Pass:
     # --- the pass ---------------------------------------------------------------------------------------
 
     def run(self) -> list[Node]:
-        lm_head = self._lm_head()
+        lm_head = self.head = self._lm_head()
+        gather = self._vocab_parallel(lm_head)
         for n in self.nodes:
             if n.domain == "com.microsoft" and n.op in ("MoE", "QMoE"):
                 raise self.bad(n, "mixtures of experts are not sharded yet")
@@ -191,6 +203,8 @@ class _Pass:
                     )
                 )
                 n.outputs = [partial, *n.outputs[1:]]
+            if gather is not None and gather.inputs[0] in n.outputs:
+                out.append(gather)
         return out
 
     def _is_product(self, n: Node) -> bool:
@@ -228,12 +242,55 @@ class _Pass:
         self.sh.sharded["row"] = self.sh.sharded.get("row", 0) + 1
 
     def _lm_head(self) -> Node | None:
-        """The product that computes the logits (through per-position ops): replicated."""
+        """The product that computes the logits (through per-position ops), if any."""
         cur = self.producer.get(self.spec.logits_name)
         while cur is not None and cur.op in _PER_POSITION and cur.domain == "":
             dyn = [x for x in cur.inputs if x and x not in self.consts]
             cur = self.producer.get(dyn[0]) if len(dyn) == 1 else None
         return cur
+
+    def _vocab_parallel(self, head: Node | None) -> Node | None:
+        """Cut the lm_head `head` to this rank's vocabulary rows and gather the logits after it: the
+        `AllGather` node (placed after the logits' producer, which now writes this rank's slice), or None
+        when the lm_head stays replicated (see the module's docstring)."""
+        if head is None or not self._is_product(head) or len(head.outputs) != 1:
+            return None
+        if nbits.is_nbits(head) and nbits.problem(head, self.consts):
+            return None
+        vocab = self._features(head)[1]
+        logits = self.spec.logits_name
+        if vocab < self.sh.world or self.readers.get(logits):
+            return None
+        cur = self.producer[logits]
+        while cur is not head:  # per-position ops with one dynamic input (`_lm_head`)
+            if (cur.domain, cur.op) not in _ELEMENTWISE or len(cur.outputs) != 1:
+                return None
+            consts = [c for x in cur.inputs if (c := self.const(x)) is not None]
+            if any(c.numel() != 1 and (c.dim() != 1 or c.numel() != vocab) for c in consts):
+                return None
+            (x,) = [x for x in cur.inputs if x and x not in self.consts]
+            if len(self.readers.get(x, [])) != 1:
+                return None
+            cur = self.producer[x]
+        world = self.sh.world
+        sizes = [b - a for a, b in (even_split(vocab, r, world) for r in range(world))]
+        a, b = even_split(vocab, self.sh.rank, world)
+        last = self.producer[logits]
+        local = logits + "::local"
+        last.outputs = [local if o == logits else o for o in last.outputs]
+        gather = Node(
+            "AllGather",
+            "onnxgen",
+            "onnxgen/lm_head_all_gather",
+            [local],
+            [logits],
+            {"_comm": self.sh.comm, "sizes": sizes},
+        )
+        self.producer[local], self.readers[local] = last, [gather]
+        self.region.add(id(gather))
+        self.ask(gather, local, ((a, b),), vocab)
+        self.sh.vocab = (a, b)
+        return gather
 
     def _attention(self, g: Node) -> None:
         if not (g.op == "GroupQueryAttention" and g.domain == "com.microsoft"):
@@ -315,7 +372,8 @@ class _Pass:
             else:
                 w = self.consts[n.inputs[1]]
                 n.inputs = [n.inputs[0], self.put(n.inputs[1], w.index_select(1, _cut(ranges)))]
-            self.sh.sharded["column"] = self.sh.sharded.get("column", 0) + 1
+            how = "vocab" if n is self.head else "column"
+            self.sh.sharded[how] = self.sh.sharded.get(how, 0) + 1
             return
         if key in _ELEMENTWISE:
             for i, x in enumerate(n.inputs):
