@@ -5,7 +5,7 @@ Every rank holds a `NativeRunner` over its sharded program and a paged pool of i
 the same pages (`pool_size`, decided by rank 0). Rank 0's engine runs unchanged: its scheduler plans each
 step and its `PagedKV` allocates, shares and evicts the pages, so a step (`BatchStep`: tokens, positions,
 page tables) is sent to every worker as it is and run there on the worker's pool, the collectives inside
-the sharded program meeting; the logits are rank 0's (the lm_head is replicated). A run of decode steps
+the sharded program meeting; the logits are rank 0's (the vocab-parallel lm_head's slices gathered). A run of decode steps
 (`launch_decodes`) is one call: rank 0 chooses each step's tokens (the requests' sampling) and broadcasts
 them over the group (`Comm.broadcast`); each worker feeds them to its next step. The pool operations the
 engine makes itself go through `TPStorage`: a partly shared page's copy on every rank; a saved context's
