@@ -23,6 +23,10 @@
 #             an empty Triton cache, with the load-time warm-up off and on (`warmup`), then the same on a warm engine
 #   sessions  sessions.py: a 64-token turn on a retained 8k context, a conversation growing 7,900 -> 9,000,
 #             chunked prefill of 8k tokens (8B shape)
+#   tiers     sessions.py resume: a turn on an 8k session kept, from the host tier, from its file, recomputed
+#             (8B shape; three models of 3 GB pools on one card)
+#   agents    batch.py agents: 32 agents x 10 turns under a 4,096-token system prompt, fair vs fifo prefill
+#             (each run a new salt on the same engine; turn-1 TTFT and the first run apart)
 #   parity    parity.py: logits against transformers to 8k tokens (2048x4, 1B; 8B with sessions)
 #   window    the Gemma-3-1B-like shape (builder bf16: sliding windows of 512 on 5 of every 6 layers): its GPU
 #             tests, logits and sessions against transformers to 8k, batch-1 decode vs floor, 1 and 64 requests
@@ -115,6 +119,10 @@ for section in "${@}"; do
                run 300 benchmarks/batch.py --model builder:8b16k --device cuda --concurrency 16 --prompt 512 --new 256 \
                    --engine label=warm ;;
         sessions) run 400 benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks ;;
+        tiers) run 340 benchmarks/sessions.py --model builder:8b16k --device cuda --sections resume --context 8000 \
+                   --turn 64 --engine backend=native,kv_bytes=3000000000 ;;
+        agents) run 400 benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --agents 32 --turns 10 \
+                    --system 4096 --engine label=fair --engine prefill_policy=fifo,label=fifo ;;
         parity) run 300 benchmarks/parity.py --model builder:2048x4,builder:1b --device cuda --sections logits
                 run 300 benchmarks/parity.py --model builder:8b --device cuda --sections logits,sessions ;;
         window) timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/parity/test_window_bf16.py \
