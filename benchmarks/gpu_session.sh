@@ -122,7 +122,8 @@ for section in "${@}"; do
         tiers) run 340 benchmarks/sessions.py --model builder:8b16k --device cuda --sections resume --context 8000 \
                    --turn 64 --engine backend=native,kv_bytes=3000000000 ;;
         agents) run 400 benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --agents 32 --turns 10 \
-                    --system 4096 --engine label=fair --engine prefill_policy=fifo,label=fifo ;;
+                    --system 4096 --engine label=fair,kv_bytes=12000000000 \
+                    --engine prefill_policy=fifo,label=fifo,kv_bytes=12000000000 ;;
         parity) run 300 benchmarks/parity.py --model builder:2048x4,builder:1b --device cuda --sections logits
                 run 300 benchmarks/parity.py --model builder:8b --device cuda --sections logits,sessions ;;
         window) timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/parity/test_window_bf16.py \
