@@ -672,3 +672,21 @@ def _running(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_two_cuts_of_one_constant_get_two_names() -> None:
+    """A rank's copies of an initializer cut two ways (e.g. read by two sharded nodes) do not overwrite each
+    other."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from onnxgen.backends.native.tp.shard import Sharder, _Pass
+
+    consts = {"w": torch.arange(12.0).reshape(3, 4)}
+    p = _Pass(Sharder(rank=1, world=2, comm=None), [], consts, SimpleNamespace(head_size=4))
+    a = p.put("w", consts["w"][:, :2])
+    b = p.put("w", consts["w"][:, 2:])
+    assert a != b and a != "w" and b != "w"
+    assert torch.equal(consts[a], torch.tensor([[0.0, 1], [4, 5], [8, 9]]))
+    assert torch.equal(consts[b], torch.tensor([[2.0, 3], [6, 7], [10, 11]]))

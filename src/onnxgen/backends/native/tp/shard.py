@@ -149,8 +149,12 @@ class _Pass:
         return self.consts.get(name) if name else None
 
     def put(self, base: str, t: torch.Tensor) -> str:
-        """A new constant (a copy: this rank holds its part only) under a name of its own."""
-        name = f"{base}::tp{self.sh.rank}"
+        """A new constant (a copy: this rank holds its part only) under a name of its own (two cuts of one
+        initializer, e.g. by two nodes, get two names)."""
+        name, k = f"{base}::tp{self.sh.rank}", 0
+        while name in self.consts:
+            k += 1
+            name = f"{base}::tp{self.sh.rank}.{k}"
         self.consts[name] = t.contiguous().clone() if t.is_contiguous() else t.contiguous()
         return name
 
