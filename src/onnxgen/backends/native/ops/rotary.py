@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, RunCtx, same_device
+from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, RunCtx, same_device
 from onnxgen.backends.native.rotary import rope
 from onnxgen.errors import UnsupportedModel
 
@@ -50,6 +50,44 @@ def rope_rows(
     if key is not None:
         ctx.memo[key] = rows
     return rows
+
+
+def step_rows(ctx: RunCtx) -> torch.Tensor:
+    """`arange(ctx.n)` on the device, once per forward: the rows of per-step rotary tables (`MRopeTables`),
+    whose row i is the step's token i (static steps: the bucket's rows, padding included)."""
+    rows = ctx.memo.get("step_rows")
+    if rows is None:
+        assert ctx.positions is not None, "step rows need the step's positions (for their device)"
+        rows = ctx.memo["step_rows"] = torch.arange(ctx.n, device=ctx.positions.device)
+    return rows
+
+
+def mrope_tables(
+    pos: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, section: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MRoPE's cos / sin of each token, `[B * S, half]` (contiguous): frequency j of token i read at row
+    `pos[r, i]` of the tables, where r is j's section (`section` [t, h, w] sizes, one after the other) —
+    `MRotaryEmbedding`'s values, so a rotary over these tables at rows `arange(B * S)` equals it."""
+    assert sum(section) == cos_c.shape[1], f"mrope_section {section} vs tables of {cos_c.shape[1]}"
+    p = pos.reshape(len(section), -1).long()
+    cos, sin, a = [], [], 0
+    for r, w in enumerate(section):
+        cos.append(cos_c[:, a : a + w].index_select(0, p[r]))
+        sin.append(sin_c[:, a : a + w].index_select(0, p[r]))
+        a += w
+    return torch.cat(cos, dim=1), torch.cat(sin, dim=1)
+
+
+def _mrope_tables(node: Node) -> Fn:
+    """onnxgen MRopeTables(position_ids [3, B, S], cos_cache, sin_cache) -> the step's tables `[B * S, half]`
+    (`mrope_tables`), computed once per forward for every layer (the lowering's `_mrope_into_gqa`)."""
+    section = tuple(int(n) for n in node.attr("mrope_section"))
+
+    def f(ctx: Any, pos: Any, cos_c: Any, sin_c: Any) -> tuple[Any, ...]:
+        pos, cos_c, sin_c = same_device(ctx, pos, cos_c, sin_c)
+        return mrope_tables(pos, cos_c, sin_c, section)
+
+    return f
 
 
 def _rotate(
@@ -135,6 +173,7 @@ def _mrotary(node: Node) -> Fn:
 
 BUILDERS: dict[tuple[str, str], Builder] = {
     (MS, "MRotaryEmbedding"): _mrotary,
+    (INTERNAL, "MRopeTables"): _mrope_tables,
     (MS, "RotaryEmbedding"): _rotary_ms,
     (AI, "RotaryEmbedding"): _rotary_23,
 }
