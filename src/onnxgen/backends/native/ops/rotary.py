@@ -155,17 +155,13 @@ def _mrotary(node: Node) -> Fn:
             f"MRotaryEmbedding {node.name!r}: only the sectioned layout of three sections is supported "
             f"(mrope_layout {node.attr('mrope_layout', 0)}, mrope_section {section})"
         )
-    row_of = [r for r, n in enumerate(section) for _ in range(n)]
 
     def f(ctx: Any, x: Any, pos: Any, cos_c: Any, sin_c: Any) -> tuple[Any, ...]:
         x, pos, cos_c, sin_c = same_device(ctx, x, pos, cos_c, sin_c)
         half = cos_c.shape[1]
-        assert half == len(row_of), f"mrope_section sums to {len(row_of)}, the rotary tables hold {half}"
-        rows = torch.as_tensor(row_of, device=pos.device)
-        idx = pos.long()[rows]  # [half, B, S]: each frequency's position
-        col = torch.arange(half, device=pos.device).view(half, 1, 1)
-        cos = cos_c[idx, col].permute(1, 2, 0).unsqueeze(2)  # [B, S, 1, half]
-        sin = sin_c[idx, col].permute(1, 2, 0).unsqueeze(2)
+        cos, sin = mrope_tables(pos, cos_c, sin_c, tuple(section))
+        b, s = pos.shape[1], pos.shape[2]
+        cos, sin = cos.view(b, s, 1, half), sin.view(b, s, 1, half)
         return (_rotate(x, cos, sin, interleaved, num_heads or x.shape[-1] // (2 * half)),)
 
     return f
