@@ -101,3 +101,44 @@ def test_cuda_graph_decode_steps_of_a_vision_package_equal_eager(qwen_vl_dir, pr
     assert t_graphs == t_eager
     assert np.abs(l_graphs - l_eager).max() <= 1e-4 * np.abs(l_eager).max()
     assert graphs.info["static_forwards"].get(1) == STEPS and any(m == 1 for m, _ in graphs.info["graphs"])
+
+
+def _parts(pkg):
+    from onnxgen.backends.multimodal import Parts
+    from onnxgen.package.spec import load_spec
+
+    return Parts(load_spec(pkg), "native", "cpu")
+
+
+def test_text_tokens_are_read_from_the_embedding_table_as_the_graph_gives_them(qwen_vl_dir):
+    parts = _parts(qwen_vl_dir)
+    assert parts._table is not None
+    ids = np.array([0, 7, 200, 383, 9], dtype=np.int64)
+    fast = parts.embed(ids, parts.rows([]))
+    table, parts._table = parts._table, None
+    assert torch.equal(fast, parts.embed(ids, parts.rows([])))  # the graph's own output
+    parts._table = table
+    assert fast.shape == (1, 5, parts.spec.hidden_size)
+
+
+def test_an_embedding_graph_that_is_not_a_plain_lookup_keeps_running(qwen_vl_dir, tmp_path):
+    """A graph scaling the looked-up rows fails the load-time probe: every forward runs the graph."""
+    import shutil
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    pkg = tmp_path / "pkg"
+    shutil.copytree(qwen_vl_dir, pkg)
+    model = onnx.load(str(pkg / "embedding.onnx"))
+    g = model.graph
+    gather = next(n for n in g.node if n.op_type == "Gather" and n.input[1] == "input_ids")
+    raw, out = gather.output[0] + "_raw", gather.output[0]
+    gather.output[0] = raw
+    g.initializer.append(numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"))
+    g.node.insert(list(g.node).index(gather) + 1, helper.make_node("Mul", [raw, "two"], [out]))
+    onnx.save(model, str(pkg / "embedding.onnx"))
+    parts = _parts(pkg)
+    assert parts._table is None
+    table = _parts(qwen_vl_dir).embed(np.array([7, 9]), parts.rows([]))
+    assert torch.equal(parts.embed(np.array([7, 9]), parts.rows([])), 2 * table)

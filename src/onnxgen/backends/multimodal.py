@@ -87,6 +87,16 @@ class _NativeGraph:
         with torch.inference_mode():
             return self.program.execute(env, self._ctx())
 
+    def table(self, ids: str) -> Any:
+        """The constant `[vocab, hidden]` table an axis-0 Gather of the input `ids` reads, or None."""
+        for st in self.program.steps:
+            n = st.node
+            if n.op == "Gather" and n.domain == "" and n.inputs[1:2] == [ids] and not n.attr("axis", 0):
+                t = self.program.consts.get(st.ins[0])
+                if t is not None and t.dim() == 2:
+                    return t
+        return None
+
     def rows(self, n: int, hidden: int, like: str) -> Any:
         dtype = self._dtypes.get(like) or self._torch.float32
         return self._torch.zeros((n, hidden), dtype=dtype, device=self.device)
@@ -119,6 +129,7 @@ class Parts:
             self.vision = _OrtGraph(v.path, v.image_features, threads)
             self.embedding = _OrtGraph(e.path, e.inputs_embeds, threads)
         self._empty = self.embedding.rows(0, spec.hidden_size, e.image_features)
+        self._table = self._text_table() if backend == "native" else None
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
         self._held = 0
@@ -188,9 +199,33 @@ class Parts:
 
     def embed(self, ids: np.ndarray, rows: Any) -> Any:
         """`[1, n, hidden]` embeddings of `ids` (`[n]`, placeholders where images go) with `rows` (`[k, hidden]`)
-        at the k placeholders."""
+        at the k placeholders. Text alone (a decode step): read from the graph's table where `_text_table`
+        found it (the graph's values, one gather instead of the whole graph)."""
+        if self._table is not None and rows.shape[0] == 0 and not (ids == self.mm.image_token_id).any():
+            import torch
+
+            idx = torch.as_tensor(np.ascontiguousarray(ids, dtype=np.int64)).to(self._table.device)
+            return self._table.index_select(0, idx).unsqueeze(0)
         e = self.mm.embedding
         return self.embedding.run({e.input_ids: ids.reshape(1, -1), e.image_features: rows})
+
+    def _text_table(self) -> Any:
+        """The native embedding graph's token table when the graph gives text tokens its rows: a constant
+        `[vocab, hidden]` gathered by `input_ids` (`_NativeGraph.table`) whose rows equal the graph's output,
+        dtype and bits, for probe ids across the vocabulary (any scaling, cast or other op on the way fails
+        the check: the graph then runs for every forward). None otherwise."""
+        import torch
+
+        t = self.embedding.table(self.mm.embedding.input_ids)
+        if t is None or t.shape[1] != self.spec.hidden_size:
+            return None
+        probe = np.unique(np.linspace(0, t.shape[0] - 1, 9).astype(np.int64))
+        probe = probe[probe != self.mm.image_token_id]
+        e = self.mm.embedding
+        out = self.embedding.run({e.input_ids: probe.reshape(1, -1), e.image_features: self._empty})
+        want = t.index_select(0, torch.as_tensor(probe).to(t.device))
+        ok = out.dtype == want.dtype and torch.equal(out.reshape(want.shape), want)
+        return t if ok else None
 
 
 class MultimodalDecoder:
