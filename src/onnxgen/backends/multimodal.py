@@ -68,11 +68,12 @@ class _NativeGraph:
         import onnx
         import torch
 
-        from onnxgen.backends.native.device import torch_device
+        from onnxgen.backends.native.device import Staging, torch_device
         from onnxgen.backends.native.lowering import lower_graph, plain_ctx
 
         self._torch, self._ctx = torch, plain_ctx
         self.device = torch_device(device)
+        self._staging, self._lock = Staging(self.device), threading.Lock()  # `lookup`'s uploads
         self.program = lower_graph(path, output, self.device)
         graph = onnx.load(str(path), load_external_data=False).graph
         names = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
@@ -96,6 +97,14 @@ class _NativeGraph:
                 if t is not None and t.dim() == 2:
                     return t
         return None
+
+    def lookup(self, table: Any, ids: np.ndarray) -> Any:
+        """`[1, n, hidden]`: rows `ids` of `table` (a device tensor), the ids uploaded without a stream sync."""
+        torch = self._torch
+        idx = torch.empty(len(ids), dtype=torch.int64, device=self.device)
+        with self._lock:
+            self._staging.upload(torch.as_tensor(np.ascontiguousarray(ids, dtype=np.int64)), idx)
+        return table.index_select(0, idx).unsqueeze(0)
 
     def rows(self, n: int, hidden: int, like: str) -> Any:
         dtype = self._dtypes.get(like) or self._torch.float32
@@ -202,10 +211,7 @@ class Parts:
         at the k placeholders. Text alone (a decode step): read from the graph's table where `_text_table`
         found it (the graph's values, one gather instead of the whole graph)."""
         if self._table is not None and rows.shape[0] == 0 and not (ids == self.mm.image_token_id).any():
-            import torch
-
-            idx = torch.as_tensor(np.ascontiguousarray(ids, dtype=np.int64)).to(self._table.device)
-            return self._table.index_select(0, idx).unsqueeze(0)
+            return self.embedding.lookup(self._table, ids)
         e = self.mm.embedding
         return self.embedding.run({e.input_ids: ids.reshape(1, -1), e.image_features: rows})
 

@@ -159,9 +159,8 @@ class NativeDecoder:
         self._ids_dtype = input_dtype(spec, spec.input_ids_name, torch.int64)
         self._extra = [i for i in spec.extra_inputs if i.name in p.input_slots]
         fed = self._in_embeds >= 0 and static_ok and (self._use_graphs or self._static_steps)
-        self._fed = FedInputs(
-            spec, self._in_embeds, self._in_pos, self._graph_max if fed else 0, self._pos_dtype, self._dev
-        )
+        rows = self._graph_max if fed else 0
+        self._fed = FedInputs(spec, self._in_embeds, self._in_pos, rows, self._pos_dtype, self._staging)
         self._static_forwards: dict[int, int] = {}
         self._eager_forwards = 0
         self._warmed: tuple[int, ...] = ()
@@ -319,8 +318,10 @@ class NativeDecoder:
                 )
                 raise MissingRequiredInput(name, hint)
             v = inputs[name]
-            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
-            out[self.program.input_slots[name]] = t.to(self._dev)
+            # host values stay there until used: an eager forward moves them, a static step uploads them
+            out[self.program.input_slots[name]] = (
+                v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
+            )
         return out
 
     def _run_eager(
@@ -338,7 +339,7 @@ class NativeDecoder:
         if self._in_pos >= 0:
             env[self._in_pos] = positions.to(self._pos_dtype).unsqueeze(0)
         for s, t in extra.items():
-            env[s] = t
+            env[s] = t.to(self._dev)
         last = torch.arange(n - rows, n, device=self._dev) if rows > 1 else None  # logits of these positions
         ctx = RunCtx(self.kv, start, n, positions, last=last)
         out = self.program.execute(env, ctx)
