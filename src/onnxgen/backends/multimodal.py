@@ -9,7 +9,8 @@ themselves come with the request (`inputs[IMAGES]`, `ImageInput`s). For each for
    output cached by the image's digest (`Parts.features`: an LRU bounded in bytes, shared by the decoder's
    forks), so a later turn or another request repeating the image does not run it again;
 2. the embedding graph over the tokens (keys made placeholders again) and the feature rows of the keys, in
-   order: the k-th key's row is row k of its image's features, so a chunk may start or end inside an image;
+   order: the k-th key's row is row k of its image's features, so a chunk may start or end inside an image
+   (text alone, on the native backend: a gather from the graph's token table where it gives those rows);
 3. the 3-row (temporal, height, width) position of each token, as transformers' `get_rope_index`: a text
    token one past the largest position before it; the tokens of an image laid out on its merged grid from
    the position its first token would have had as text, the position after the image that plus the larger

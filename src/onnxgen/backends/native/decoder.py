@@ -11,7 +11,9 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   n <= `graph_max_tokens` (1024) tokens, the next power of two >= max(n, 16) (the chunk is padded with
   copies of its last token; the padding's keys land past the valid length and are never read). The start
   position, the token ids and the index of the last real token are copied into device buffers first
-  (pinned staging, no stream sync). Decode graphs are captured on first use, prefill graphs on the
+  (pinned staging, no stream sync); a graph fed embeddings (a vision pipeline's) reads its embeddings and
+  MRoPE positions from device buffers as well (`fed_inputs.FedInputs`, the padding a copy of the last
+  token's). Decode graphs are captured on first use, prefill graphs on the
   second use of their shape (the first runs eagerly), so one-off prompt shapes never pay a capture.
   Every other forward runs the lowered program eagerly. int4 weights (MatMulNBits,
   GatherBlockQuantized) are dequantized once at load into the model's float dtype; `int4="packed"`
