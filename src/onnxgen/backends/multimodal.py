@@ -9,7 +9,8 @@ themselves come with the request (`inputs[IMAGES]`, `ImageInput`s). For each for
    output cached by the image's digest (`Parts.features`: an LRU bounded in bytes, shared by the decoder's
    forks), so a later turn or another request repeating the image does not run it again;
 2. the embedding graph over the tokens (keys made placeholders again) and the feature rows of the keys, in
-   order: the k-th key's row is row k of its image's features, so a chunk may start or end inside an image;
+   order: the k-th key's row is row k of its image's features, so a chunk may start or end inside an image
+   (text alone, on the native backend: a gather from the graph's token table where it gives those rows);
 3. the 3-row (temporal, height, width) position of each token, as transformers' `get_rope_index`: a text
    token one past the largest position before it; the tokens of an image laid out on its merged grid from
    the position its first token would have had as text, the position after the image that plus the larger
@@ -68,11 +69,12 @@ class _NativeGraph:
         import onnx
         import torch
 
-        from onnxgen.backends.native.device import torch_device
+        from onnxgen.backends.native.device import Staging, torch_device
         from onnxgen.backends.native.lowering import lower_graph, plain_ctx
 
         self._torch, self._ctx = torch, plain_ctx
         self.device = torch_device(device)
+        self._staging, self._lock = Staging(self.device), threading.Lock()  # `lookup`'s uploads
         self.program = lower_graph(path, output, self.device)
         graph = onnx.load(str(path), load_external_data=False).graph
         names = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
@@ -86,6 +88,24 @@ class _NativeGraph:
             env[self.program.input_slots[name]] = t.to(self.device)
         with torch.inference_mode():
             return self.program.execute(env, self._ctx())
+
+    def table(self, ids: str) -> Any:
+        """The constant `[vocab, hidden]` table an axis-0 Gather of the input `ids` reads, or None."""
+        for st in self.program.steps:
+            n = st.node
+            if n.op == "Gather" and n.domain == "" and n.inputs[1:2] == [ids] and not n.attr("axis", 0):
+                t = self.program.consts.get(st.ins[0])
+                if t is not None and t.dim() == 2:
+                    return t
+        return None
+
+    def lookup(self, table: Any, ids: np.ndarray) -> Any:
+        """`[1, n, hidden]`: rows `ids` of `table` (a device tensor), the ids uploaded without a stream sync."""
+        torch = self._torch
+        idx = torch.empty(len(ids), dtype=torch.int64, device=self.device)
+        with self._lock:
+            self._staging.upload(torch.as_tensor(np.ascontiguousarray(ids, dtype=np.int64)), idx)
+        return table.index_select(0, idx).unsqueeze(0)
 
     def rows(self, n: int, hidden: int, like: str) -> Any:
         dtype = self._dtypes.get(like) or self._torch.float32
@@ -119,6 +139,7 @@ class Parts:
             self.vision = _OrtGraph(v.path, v.image_features, threads)
             self.embedding = _OrtGraph(e.path, e.inputs_embeds, threads)
         self._empty = self.embedding.rows(0, spec.hidden_size, e.image_features)
+        self._table = self._text_table() if backend == "native" else None
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[bytes, Any] = OrderedDict()
         self._held = 0
@@ -188,9 +209,30 @@ class Parts:
 
     def embed(self, ids: np.ndarray, rows: Any) -> Any:
         """`[1, n, hidden]` embeddings of `ids` (`[n]`, placeholders where images go) with `rows` (`[k, hidden]`)
-        at the k placeholders."""
+        at the k placeholders. Text alone (a decode step): read from the graph's table where `_text_table`
+        found it (the graph's values, one gather instead of the whole graph)."""
+        if self._table is not None and rows.shape[0] == 0 and not (ids == self.mm.image_token_id).any():
+            return self.embedding.lookup(self._table, ids)
         e = self.mm.embedding
         return self.embedding.run({e.input_ids: ids.reshape(1, -1), e.image_features: rows})
+
+    def _text_table(self) -> Any:
+        """The native embedding graph's token table when the graph gives text tokens its rows: a constant
+        `[vocab, hidden]` gathered by `input_ids` (`_NativeGraph.table`) whose rows equal the graph's output,
+        dtype and bits, for probe ids across the vocabulary (any scaling, cast or other op on the way fails
+        the check: the graph then runs for every forward). None otherwise."""
+        import torch
+
+        t = self.embedding.table(self.mm.embedding.input_ids)
+        if t is None or t.shape[1] != self.spec.hidden_size:
+            return None
+        probe = np.unique(np.linspace(0, t.shape[0] - 1, 9).astype(np.int64))
+        probe = probe[probe != self.mm.image_token_id]
+        e = self.mm.embedding
+        out = self.embedding.run({e.input_ids: probe.reshape(1, -1), e.image_features: self._empty})
+        want = t.index_select(0, torch.as_tensor(probe).to(t.device))
+        ok = out.dtype == want.dtype and torch.equal(out.reshape(want.shape), want)
+        return t if ok else None
 
 
 class MultimodalDecoder:

@@ -11,7 +11,9 @@ See `onnxgen.backends.base` for the Decoder contract. Specifics:
   n <= `graph_max_tokens` (1024) tokens, the next power of two >= max(n, 16) (the chunk is padded with
   copies of its last token; the padding's keys land past the valid length and are never read). The start
   position, the token ids and the index of the last real token are copied into device buffers first
-  (pinned staging, no stream sync). Decode graphs are captured on first use, prefill graphs on the
+  (pinned staging, no stream sync); a graph fed embeddings (a vision pipeline's) reads its embeddings and
+  MRoPE positions from device buffers as well (`fed_inputs.FedInputs`, the padding a copy of the last
+  token's). Decode graphs are captured on first use, prefill graphs on the
   second use of their shape (the first runs eagerly), so one-off prompt shapes never pay a capture.
   Every other forward runs the lowered program eagerly. int4 weights (MatMulNBits,
   GatherBlockQuantized) are dequantized once at load into the model's float dtype; `int4="packed"`
@@ -53,6 +55,7 @@ from onnxgen.backends.native.device import (
     shared_program,
     torch_device,
 )
+from onnxgen.backends.native.fed_inputs import FedInputs
 from onnxgen.backends.native.graphs import GraphKey, Graphs
 from onnxgen.backends.native.lowering import Program, describe
 from onnxgen.backends.native.ops import RunCtx
@@ -135,8 +138,11 @@ class NativeDecoder:
             raise InvalidRequest(
                 f"graph_max_tokens must be >= 0, got {graph_max_tokens}", field="graph_max_tokens"
             )
-        # static steps feed token ids (a graph fed embeddings, a vision pipeline's, runs eagerly)
-        static_ok = self.program.static_ok and spec.input_ids_name in self.program.input_slots
+        p = self.program
+        self._in_ids = p.input_slots.get(spec.input_ids_name, -1)
+        # a vision pipeline's decoder: fed `inputs_embeds` and MRoPE position ids `[3, 1, n]` by the pipeline
+        self._in_embeds = p.input_slots.get(spec.inputs_embeds_name or "", -1)
+        static_ok = p.static_ok and (self._in_ids >= 0 or self._in_embeds >= 0)
         self._use_graphs = bool(cuda_graphs) and device == "cuda" and static_ok
         self._static_steps = bool(static_steps) and static_ok
         self._graph_max = static_step_size(graph_max_tokens, 1 << 30) if graph_max_tokens > 1 else 1
@@ -148,16 +154,15 @@ class NativeDecoder:
         # device step buffer: [start, index of the last real token, token ids (padded)...]
         self._step_dev = torch.zeros(2 + self._graph_max, dtype=torch.int64, device=self._dev)
         self._arange = torch.arange(self._graph_max, dtype=torch.int64, device=self._dev)
-        p = self.program
-        self._in_ids = p.input_slots.get(spec.input_ids_name, -1)
         self._in_mask = p.input_slots.get(spec.attention_mask_name or "", -1)
         self._in_pos = p.input_slots.get(spec.position_ids_name or "", -1)
         self._mask_dtype = input_dtype(spec, spec.attention_mask_name, torch.int64)
         self._pos_dtype = input_dtype(spec, spec.position_ids_name, torch.int64)
         self._ids_dtype = input_dtype(spec, spec.input_ids_name, torch.int64)
         self._extra = [i for i in spec.extra_inputs if i.name in p.input_slots]
-        # a vision pipeline's decoder: fed `inputs_embeds` (and MRoPE position ids) by the pipeline
-        self._in_embeds = p.input_slots.get(spec.inputs_embeds_name or "", -1)
+        fed = self._in_embeds >= 0 and static_ok and (self._use_graphs or self._static_steps)
+        rows = self._graph_max if fed else 0
+        self._fed = FedInputs(spec, self._in_embeds, self._in_pos, rows, self._pos_dtype, self._staging)
         self._static_forwards: dict[int, int] = {}
         self._eager_forwards = 0
         self._warmed: tuple[int, ...] = ()
@@ -289,7 +294,8 @@ class NativeDecoder:
         try:
             with self.device_lock:
                 self.kv.reserve(total)
-                logits = None if extra or rows > 1 else self._static_forward(tokens, start_pos)
+                static = rows == 1 and (not extra or self._fed.takes(extra))
+                logits = self._static_forward(tokens, start_pos, extra) if static else None
                 if logits is None:
                     logits = self._run_eager(tokens, start_pos, extra, rows)
                     self._eager_forwards += 1
@@ -314,8 +320,10 @@ class NativeDecoder:
                 )
                 raise MissingRequiredInput(name, hint)
             v = inputs[name]
-            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
-            out[self.program.input_slots[name]] = t.to(self._dev)
+            # host values stay there until used: an eager forward moves them, a static step uploads them
+            out[self.program.input_slots[name]] = (
+                v if isinstance(v, torch.Tensor) else torch.as_tensor(np.ascontiguousarray(v))
+            )
         return out
 
     def _run_eager(
@@ -333,7 +341,7 @@ class NativeDecoder:
         if self._in_pos >= 0:
             env[self._in_pos] = positions.to(self._pos_dtype).unsqueeze(0)
         for s, t in extra.items():
-            env[s] = t
+            env[s] = t.to(self._dev)
         last = torch.arange(n - rows, n, device=self._dev) if rows > 1 else None  # logits of these positions
         ctx = RunCtx(self.kv, start, n, positions, last=last)
         out = self.program.execute(env, ctx)
@@ -368,8 +376,11 @@ class NativeDecoder:
         self._warmed = tuple(steps)
         return time.perf_counter() - t
 
-    def _static_forward(self, tokens: Sequence[int], start: int) -> torch.Tensor | None:
-        """Run `tokens` as a static step (a CUDA graph replay on CUDA); None when it cannot be one."""
+    def _static_forward(
+        self, tokens: Sequence[int], start: int, extra: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """Run `tokens` as a static step (a CUDA graph replay on CUDA); None when it cannot be one. `extra`:
+        a graph fed embeddings' embeddings and positions (`FedInputs.takes`), copied into the step's buffers."""
         if not (self._use_graphs or self._static_steps):
             return None
         n = len(tokens)
@@ -377,7 +388,7 @@ class NativeDecoder:
         if m == 0 or start + m > self.kv.capacity:
             return None
         if not self._use_graphs:  # the captured code path, run eagerly (tests, CPU)
-            logits = _last_logits(self._run_static(tokens, start, m))
+            logits = _last_logits(self._run_static(tokens, start, m, extra))
             self._count_static(m)
             return logits
         # pragma: cuda-begin (CUDA graphs)
@@ -392,7 +403,7 @@ class NativeDecoder:
         if g is None and m > 1 and key not in self._seen:
             self._seen.add(key)  # a prefill shape is captured on its second use
             return None
-        self._set_step(tokens, start, m)
+        self._set_step(tokens, start, m, extra)
         if g is None:
             try:
                 g = self._graphs.capture(key, lambda: self.program.execute(*self._static_env(m)), None)
@@ -415,15 +426,21 @@ class NativeDecoder:
     def _count_static(self, m: int) -> None:
         self._static_forwards[m] = self._static_forwards.get(m, 0) + 1
 
-    def _run_static(self, tokens: Sequence[int], start: int, m: int) -> torch.Tensor:
+    def _run_static(
+        self, tokens: Sequence[int], start: int, m: int, extra: dict[int, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Run `tokens` at `start` as a static step of `m` positions, uncaptured; returns the program's
         logits output."""
-        self._set_step(tokens, start, m)
+        self._set_step(tokens, start, m, extra)
         env, ctx = self._static_env(m)
         return self.program.execute(env, ctx)
 
-    def _set_step(self, tokens: Sequence[int], start: int, m: int) -> None:
+    def _set_step(
+        self, tokens: Sequence[int], start: int, m: int, extra: dict[int, torch.Tensor] | None = None
+    ) -> None:
         n = len(tokens)
+        if extra:
+            self._fed.stage(extra, n, m)
         step = torch.empty(2 + m, dtype=torch.int64)
         step[0], step[1] = start, n - 1
         step[2 : 2 + n] = torch.as_tensor(tokens, dtype=torch.int64)
@@ -432,10 +449,13 @@ class NativeDecoder:
 
     def _static_env(self, m: int) -> tuple[list[Any], RunCtx]:
         env = self.program.new_env()
-        env[self._in_ids] = self._step_dev[2 : 2 + m].view(1, m).to(self._ids_dtype)
+        if self._in_ids >= 0:
+            env[self._in_ids] = self._step_dev[2 : 2 + m].view(1, m).to(self._ids_dtype)
         past = self._step_dev[0:1]
         positions = self._arange[:m] + past
-        if self._in_pos >= 0:
+        if self._in_embeds >= 0:
+            self._fed.bind(env, m)
+        elif self._in_pos >= 0:
             env[self._in_pos] = positions.view(1, m).to(self._pos_dtype)
         ctx = RunCtx(self.kv, -1, m, positions, past=past, last=self._step_dev[1:2] if m > 1 else None)
         return env, ctx

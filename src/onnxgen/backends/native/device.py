@@ -75,6 +75,7 @@ class Staging:
     (an event per buffer), so back-to-back forwards cannot race their own uploads."""
 
     def __init__(self, dev: torch.device, slots: int = 4) -> None:
+        self.device = dev
         self._cuda = dev.type == "cuda"
         self._bufs: list[torch.Tensor | None] = [None] * slots
         self._events: list[Any] = [None] * slots

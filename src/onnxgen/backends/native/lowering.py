@@ -188,6 +188,7 @@ def lower(
         nodes = _cast_into_norm(nodes)
         nodes = _fuse_gelu_mul(nodes)
         nodes = _merge_gate_up(nodes, consts, device, on_device)
+        nodes = _mrope_into_gqa(nodes, consts, device)
         if envs.read("RESIDUAL_INTO_PRODUCT"):
             _residual_into_product(nodes, spec.logits_name)
         nodes = _cut_before_final_norm(nodes)
@@ -853,6 +854,113 @@ def _merge_gate_up(
     return [n for n in nodes if id(n) not in drop]
 
 
+def _mrope_into_gqa(
+    nodes: list[O.Node], consts: dict[str, torch.Tensor], device: torch.device
+) -> list[O.Node]:
+    """`GroupQueryAttention(MRotaryEmbedding(Linear(x, Wq)), MRotaryEmbedding(Linear(x, Wk)), Linear(x, Wv))`
+    (Qwen-VL's decoder from the builder: MRoPE outside the attention, do_rotary 0) -> `GroupQueryAttention(
+    Linear(x, [Wq | Wk | Wv]))` with do_rotary 1 over the step's own rotary tables: one `MRopeTables` node
+    per graph (`ops.rotary.mrope_tables`, placed at the first MRoPE) gathers each token's cos / sin by its
+    section's position row once per forward, and the attention (`_step_tables`) reads row i for token i. The
+    same values (rotary in float32 over the same cos / sin, one rounding); the layer then takes the text
+    decoders' fused paths (packed QKV: the norm into the product, `_rope_into_qkv`, `rope_qkv_write`).
+    Only when the three Linears have no bias, constant weights of one layout and dtype, and feed nothing else,
+    and both rotaries share positions, tables and the sectioned layout."""
+    producer = {o: n for n in nodes for o in n.outputs if o}
+    readers = _readers(nodes)
+    drop: set[int] = set()
+    tables: dict[tuple[str, str, str, tuple[int, ...]], tuple[str, str]] = {}
+    before: dict[int, O.Node] = {}  # id(first MRoPE of a table set) -> its MRopeTables node
+    for g in nodes:
+        if not (g.op == "GroupQueryAttention" and g.domain == "com.microsoft" and g.layer is not None):
+            continue
+        ins = g.inputs + [""] * 12
+        if int(g.attr("do_rotary", 0)) or not (ins[0] and ins[1] and ins[2]) or any(ins[7:10]):
+            continue
+        rq, rk = producer.get(ins[0]), producer.get(ins[1])
+        if any(
+            r is None
+            or r.op != "MRotaryEmbedding"
+            or r.domain != "com.microsoft"
+            or len(readers.get(r.outputs[0], ())) != 1
+            or int(r.attr("mrope_layout", 0)) != 0
+            or int(r.attr("rotary_embedding_dim", 0))
+            or int(r.attr("is_packed_batching", 0))
+            for r in (rq, rk)
+        ):
+            continue
+        assert rq is not None and rk is not None
+        section = tuple(int(v) for v in rq.attr("mrope_section", []))
+        if (
+            rq.inputs[1:] != rk.inputs[1:]
+            or tuple(int(v) for v in rk.attr("mrope_section", [])) != section
+            or len(section) != 3
+            or int(rq.attr("interleaved", 0)) != int(rk.attr("interleaved", 0))
+            or any(x not in consts for x in rq.inputs[2:4])
+            or sum(section) != consts[rq.inputs[2]].shape[-1]
+        ):
+            continue
+        lins = [producer.get(rq.inputs[0]), producer.get(rk.inputs[0]), producer.get(ins[2])]
+        if any(
+            p is None
+            or p.op != "Linear"
+            or p.domain != "onnxgen"
+            or len(p.inputs) != 2
+            or p.inputs[1] not in consts
+            or len(readers.get(p.outputs[0], ())) != 1
+            or p.inputs[0] != lins[0].inputs[0]  # type: ignore[union-attr]
+            or bool(p.attrs.get("_transposed", 0)) != bool(lins[0].attrs.get("_transposed", 0))  # type: ignore[union-attr]
+            or set(p.attrs) - {"_transposed"}
+            for p in lins
+        ):
+            continue
+        lq, lk, lv = lins
+        assert lq is not None and lk is not None and lv is not None
+        t = bool(lq.attrs.get("_transposed", 0))
+        ws = [consts[p.inputs[1]] for p in lins]
+        n, hkv = int(g.attr("num_heads")), int(g.attr("kv_num_heads"))
+        cat = 0 if t else 1
+        if (
+            len({w.dtype for w in ws}) != 1
+            or any(w.dim() != 2 for w in ws)
+            or len({w.shape[1 - cat] for w in ws}) != 1
+            or ws[0].shape[cat] * hkv != ws[1].shape[cat] * n
+            or ws[1].shape != ws[2].shape
+        ):
+            continue
+        key = (rq.inputs[1], rq.inputs[2], rq.inputs[3], section)
+        if key not in tables:
+            tables[key] = (f"{rq.inputs[1]}::mrope_cos", f"{rq.inputs[1]}::mrope_sin")
+            before[id(rq)] = O.Node(
+                "MRopeTables",
+                O.INTERNAL,
+                f"onnxgen/mrope_tables/{len(tables)}",
+                list(rq.inputs[1:4]),
+                list(tables[key]),
+                {"mrope_section": list(section)},
+            )
+        name = "+".join(p.inputs[1] for p in lins)
+        if name not in consts:
+            consts[name] = torch.cat([w.to(device) for w in ws] if device.type == "cuda" else ws, dim=cat)
+        qkv = f"{lq.outputs[0]}::qkv"
+        lq.inputs, lq.outputs = [lq.inputs[0], name], [qkv]
+        g.inputs = [qkv, "", "", *ins[3:7], *tables[key], *g.inputs[9:]]
+        g.attrs.update(
+            do_rotary=1,
+            rotary_interleaved=int(rq.attr("interleaved", 0)),
+            _step_tables=1,
+            _rot_half=int(consts[rq.inputs[2]].shape[-1]),
+        )
+        drop.update((id(lk), id(lv), id(rq), id(rk)))
+    out: list[O.Node] = []
+    for n in nodes:
+        if id(n) in before:
+            out.append(before[id(n)])
+        if id(n) not in drop:
+            out.append(n)
+    return out
+
+
 def _merge_int4_pair(
     m: O.Node,
     g: O.Node,
@@ -1170,8 +1278,7 @@ def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device:
             or p is None
             or p.domain != "onnxgen"
             or len(readers.get(ins[0], ())) != 1
-            or ins[7] not in consts
-            or ins[8] not in consts
+            or not (g.attrs.get("_step_tables") or (ins[7] in consts and ins[8] in consts))
         ):
             continue
         if p.op == "Linear" and len(p.inputs) == 2:
@@ -1183,7 +1290,7 @@ def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device:
         w = consts.get(p.inputs[wi])
         axis = 0 if p.attrs.get("_transposed") else 1  # `[N, K]`, or `[K, N]` (the CPU's float32 layout)
         n, hkv = int(g.attr("num_heads")), int(g.attr("kv_num_heads"))
-        half = int(consts[ins[7]].shape[-1])
+        half = int(g.attrs["_rot_half"]) if g.attrs.get("_step_tables") else int(consts[ins[7]].shape[-1])
         if w is None or w.dim() != 2 or w.shape[axis] % (n + 2 * hkv):
             continue
         d = w.shape[axis] // (n + 2 * hkv)
@@ -1204,6 +1311,8 @@ def _rope_into_qkv(nodes: list[O.Node], consts: dict[str, torch.Tensor], device:
         p.attrs["_rope"] = (g.layer, n, hkv, d)
         if "_rope_switch" in g.attrs:
             p.attrs["_rope_switch"] = g.attrs["_rope_switch"]
+        if g.attrs.get("_step_tables"):
+            p.attrs["_step_tables"] = 1
         g.attrs["rotary_interleaved"] = 1
 
 

@@ -26,7 +26,7 @@ from onnxgen.backends.native.ops.base import (
     same_device,
 )
 from onnxgen.backends.native.ops.norms import rms
-from onnxgen.backends.native.ops.rotary import rope_rows
+from onnxgen.backends.native.ops.rotary import rope_rows, step_rows
 from onnxgen.backends.native.rotary import rope
 from onnxgen.errors import NotCapturable
 
@@ -181,8 +181,14 @@ def _gqa(node: Node) -> Fn:
     qn_eps = float(node.attr("q_norm_epsilon", node.attr("qk_norm_epsilon", 1e-6)))
     kn_eps = float(node.attr("k_norm_epsilon", node.attr("qk_norm_epsilon", 1e-6)))
     switch = node.attr("_rope_switch")  # LongRoPE: short and long tables in one (`ops.rotary.rope_rows`)
+    # `_step_tables` (the lowering's `_mrope_into_gqa`): the rotary tables are the step's own (MRoPE's,
+    # `ops.rotary.MRopeTables`), row i for token i
+    step_tables = bool(node.attr("_step_tables", 0))
     layer = node.layer
-    assert layer is not None
+    assert layer is not None and not (step_tables and switch)
+
+    def rows(ctx: RunCtx) -> Any:
+        return step_rows(ctx) if step_tables else rope_rows(ctx, switch)
 
     def f(
         ctx: RunCtx,
@@ -234,7 +240,7 @@ def _gqa(node: Node) -> Fn:
                 query,
                 cos_c,
                 sin_c,
-                rope_rows(ctx, switch),
+                rows(ctx),
                 ctx.kv,
                 layer,
                 n,
@@ -253,7 +259,7 @@ def _gqa(node: Node) -> Fn:
             q = rms(q, qnw, qn_eps)
             k = rms(k, knw, kn_eps)
         if do_rotary:
-            pos = rope_rows(ctx, switch)
+            pos = rows(ctx)
             cos = cos_c.index_select(0, pos).unsqueeze(1)  # [S, 1, rd/2]
             sin = sin_c.index_select(0, pos).unsqueeze(1)
             q, k = rope(q, cos, sin, interleaved), rope(k, cos, sin, interleaved)

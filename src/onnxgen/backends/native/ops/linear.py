@@ -14,7 +14,7 @@ from onnxgen.backends.native.kernels import cpu_gemm
 from onnxgen.backends.native.kernels.linear import Rope, linear, linear_rope, rms_linear
 from onnxgen.backends.native.kernels.norms import gelu_mul_halves, rms_norm, silu_mul_halves
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
-from onnxgen.backends.native.ops.rotary import rope_rows
+from onnxgen.backends.native.ops.rotary import rope_rows, step_rows
 
 
 def _matmul(node: Node) -> Fn:
@@ -30,13 +30,14 @@ def _linear(node: Node) -> Fn:
 
     The weight input is either `[K, N]` (CPU: `x @ w`) or `[N, K]` (`transposed`, CUDA: `F.linear`). With
     `_rope` (the lowering's `_rope_into_qkv`: a layer's packed QKV, rotation pairs in adjacent rows; inputs
-    3 and 4 the rotary tables) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`).
+    3 and 4 the rotary tables, with `_step_tables` the step's own: MRoPE's) a one-row product may rotate q and k and write k and v itself (`_qkv_rope`).
     Input 5, a residual (the lowering's `_residual_into_product`; never with a bias or `_rope`): `residual
     + x @ W`, the sum formed before the product is rounded (`kernels.linear.linear`). `_out_float` (the
     lowering's `_cast_into_product`): the product's values, rounded to x's dtype, returned as float32."""
     transposed = bool(node.attr("_transposed", 0))
     qkv = node.attr("_rope", None)
     switch = node.attr("_rope_switch")  # LongRoPE's tables (`ops.rotary.rope_rows`)
+    step = bool(node.attr("_step_tables", 0))  # the step's own tables (MRoPE's): row i for token i
     out = torch.float32 if node.attr("_out_float", 0) else None
     packed = node.attr("_packed")
 
@@ -44,7 +45,7 @@ def _linear(node: Node) -> Fn:
         ctx: Any, x: Any, w: Any, bias: Any = None, cos: Any = None, sin: Any = None, residual: Any = None
     ) -> tuple[Any, ...]:
         if qkv is not None and transposed and bias is None:
-            done = _qkv_rope(ctx, qkv, x, w, cos, sin, None, switch)
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, None, switch, step)
             if done is not None:
                 return (done[0],)
         return (_product(x, w, bias, transposed, is_rowwise(ctx), residual, out, packed),)
@@ -61,6 +62,7 @@ def _qkv_rope(
     sin: Any,
     norm: tuple[Any, Any, float] | None,
     switch: tuple[int, int] | None = None,
+    step_tables: bool = False,
 ) -> tuple[Any, Any] | None:
     """A one-token step's QKV product with rotary and the KV write (`kernels.linear.linear_rope`; a rowwise
     step's tokens each as one), recorded in `ctx.prepared` so the layer's attention takes q as it is and writes
@@ -69,7 +71,8 @@ def _qkv_rope(
     if ctx is None or ctx.kv is None or (ctx.n != 1 and not ctx.rowwise) or ctx.positions is None:
         return None
     slot = ctx.paged.slots if ctx.paged is not None else ctx.positions
-    rope = Rope(cos, sin, rope_rows(ctx, switch), slot, ctx.kv, layer, n, hkv, d)
+    rows = step_rows(ctx) if step_tables else rope_rows(ctx, switch)
+    rope = Rope(cos, sin, rows, slot, ctx.kv, layer, n, hkv, d)
     out = linear_rope(x, w, rope, norm, rowwise=ctx.rowwise)
     if out is not None:
         ctx.prepared.add(layer)
@@ -140,12 +143,13 @@ def _rms_linear(node: Node) -> Fn:
     eps = float(node.attr("epsilon", 1e-5))
     qkv = node.attr("_rope", None)
     switch = node.attr("_rope_switch")
+    step = bool(node.attr("_step_tables", 0))
     out = torch.float32 if node.attr("_out_float", 0) else None  # (never with silu)
     packed = node.attr("_packed")
 
     def f(ctx: Any, x: Any, skip: Any, nw: Any, w: Any, cos: Any = None, sin: Any = None) -> tuple[Any, ...]:
         if qkv is not None and transposed:
-            done = _qkv_rope(ctx, qkv, x, w, cos, sin, (skip, nw, eps), switch)
+            done = _qkv_rope(ctx, qkv, x, w, cos, sin, (skip, nw, eps), switch, step)
             if done is not None:
                 return done
         if transposed and not _upcast_cpu_matmul(x):

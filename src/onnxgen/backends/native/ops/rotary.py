@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from onnxgen.backends.native.ops.base import AI, MS, Builder, Fn, Node, RunCtx, same_device
+from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, RunCtx, same_device
 from onnxgen.backends.native.rotary import rope
 from onnxgen.errors import UnsupportedModel
 
@@ -50,6 +50,44 @@ def rope_rows(
     if key is not None:
         ctx.memo[key] = rows
     return rows
+
+
+def step_rows(ctx: RunCtx) -> torch.Tensor:
+    """`arange(ctx.n)` on the device, once per forward: the rows of per-step rotary tables (`MRopeTables`),
+    whose row i is the step's token i (static steps: the bucket's rows, padding included)."""
+    rows = ctx.memo.get("step_rows")
+    if rows is None:
+        assert ctx.positions is not None, "step rows need the step's positions (for their device)"
+        rows = ctx.memo["step_rows"] = torch.arange(ctx.n, device=ctx.positions.device)
+    return rows
+
+
+def mrope_tables(
+    pos: torch.Tensor, cos_c: torch.Tensor, sin_c: torch.Tensor, section: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MRoPE's cos / sin of each token, `[B * S, half]` (contiguous): frequency j of token i read at row
+    `pos[r, i]` of the tables, where r is j's section (`section` [t, h, w] sizes, one after the other) —
+    `MRotaryEmbedding`'s values, so a rotary over these tables at rows `arange(B * S)` equals it."""
+    assert sum(section) == cos_c.shape[1], f"mrope_section {section} vs tables of {cos_c.shape[1]}"
+    p = pos.reshape(len(section), -1).long()
+    cos, sin, a = [], [], 0
+    for r, w in enumerate(section):
+        cos.append(cos_c[:, a : a + w].index_select(0, p[r]))
+        sin.append(sin_c[:, a : a + w].index_select(0, p[r]))
+        a += w
+    return torch.cat(cos, dim=1), torch.cat(sin, dim=1)
+
+
+def _mrope_tables(node: Node) -> Fn:
+    """onnxgen MRopeTables(position_ids [3, B, S], cos_cache, sin_cache) -> the step's tables `[B * S, half]`
+    (`mrope_tables`), computed once per forward for every layer (the lowering's `_mrope_into_gqa`)."""
+    section = tuple(int(n) for n in node.attr("mrope_section"))
+
+    def f(ctx: Any, pos: Any, cos_c: Any, sin_c: Any) -> tuple[Any, ...]:
+        pos, cos_c, sin_c = same_device(ctx, pos, cos_c, sin_c)
+        return mrope_tables(pos, cos_c, sin_c, section)
+
+    return f
 
 
 def _rotate(
@@ -117,17 +155,13 @@ def _mrotary(node: Node) -> Fn:
             f"MRotaryEmbedding {node.name!r}: only the sectioned layout of three sections is supported "
             f"(mrope_layout {node.attr('mrope_layout', 0)}, mrope_section {section})"
         )
-    row_of = [r for r, n in enumerate(section) for _ in range(n)]
 
     def f(ctx: Any, x: Any, pos: Any, cos_c: Any, sin_c: Any) -> tuple[Any, ...]:
         x, pos, cos_c, sin_c = same_device(ctx, x, pos, cos_c, sin_c)
         half = cos_c.shape[1]
-        assert half == len(row_of), f"mrope_section sums to {len(row_of)}, the rotary tables hold {half}"
-        rows = torch.as_tensor(row_of, device=pos.device)
-        idx = pos.long()[rows]  # [half, B, S]: each frequency's position
-        col = torch.arange(half, device=pos.device).view(half, 1, 1)
-        cos = cos_c[idx, col].permute(1, 2, 0).unsqueeze(2)  # [B, S, 1, half]
-        sin = sin_c[idx, col].permute(1, 2, 0).unsqueeze(2)
+        cos, sin = mrope_tables(pos, cos_c, sin_c, tuple(section))
+        b, s = pos.shape[1], pos.shape[2]
+        cos, sin = cos.view(b, s, 1, half), sin.view(b, s, 1, half)
         return (_rotate(x, cos, sin, interleaved, num_heads or x.shape[-1] // (2 * half)),)
 
     return f
@@ -135,6 +169,7 @@ def _mrotary(node: Node) -> Fn:
 
 BUILDERS: dict[tuple[str, str], Builder] = {
     (MS, "MRotaryEmbedding"): _mrotary,
+    (INTERNAL, "MRopeTables"): _mrope_tables,
     (MS, "RotaryEmbedding"): _rotary_ms,
     (AI, "RotaryEmbedding"): _rotary_23,
 }
