@@ -14,6 +14,8 @@
 #   .gguf_py/      the pure-Python `gguf` and `accelerate` wheels (GGUF -> Hugging Face folder on the host)
 # Sections on the host (packages are built once under /tmp/onnxgen_bench and reused while the host is warm):
 #   card      the card's name; `ifh200` the same, and on anything but an H200 skips the sections after it
+#   clean     removes the packages built so far (the host's disk holds about four shapes' packages and
+#             checkpoints: clean between the 8B shape and the others)
 #   tests     the GPU-marked tests, then the kernel tests in 8 processes
 #   decode    gpu_decode.py: batch-1 decode of the 0.5B, 1B and 8B shapes (builder bf16) vs floor, transformers
 #   int4      gpu_decode.py: the 8B shape's builder int4 package, dequantized at load vs packed
@@ -160,6 +162,7 @@ for section in "${@}"; do
                     else
                         echo "cpucompare: no .carry/base (bash benchmarks/gpu_session.sh prepare BASE, then carry .carry)"
                     fi ;;
+        clean) rm -rf /tmp/onnxgen_bench/* /tmp/onnxgen-convert-* /tmp/pytest-of-*; df -h /tmp | tail -1 ;;
         *) echo "unknown section $section" ;;
     esac
 done
