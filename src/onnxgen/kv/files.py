@@ -127,13 +127,17 @@ def _read_hashing(f: Any, data: bytearray, h: Any | None) -> int:
     return got
 
 
-def _header_meta(head: bytes) -> dict[str, str] | None:
-    """The `__metadata__` table of a header, or None where it does not parse (reported later, in order)."""
+def _parse_header(head: bytes) -> tuple[dict[str, Any], dict[str, str]] | Exception:
+    """A header's tensor table and its `__metadata__` table of strings, or why it is not a session file's
+    (returned, not raised: `read_session` reports it after the read, in the order of its checks)."""
     try:
-        meta = json.loads(head.decode("utf-8")).get("__metadata__")
-    except Exception:
-        return None
-    return meta if isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()) else None
+        table = json.loads(head.decode("utf-8"))
+        meta = table.pop("__metadata__")
+        if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+            raise ValueError("__metadata__ is not a table of strings")
+    except Exception as exc:
+        return exc
+    return table, meta
 
 
 def write_session(path: str | Path, header: SessionHeader, layers: Sequence[tuple[Any, Any]]) -> int:
@@ -210,19 +214,16 @@ def read_session(path: str | Path, expect: Expected) -> tuple[SessionHeader, lis
                 )
             head = f.read(hlen)
             data = bytearray(size - 8 - hlen)
-            early = _header_meta(head)
-            streamed = _hasher(early) if early is not None else None
+            parsed = _parse_header(head)
+            streamed = _hasher(parsed[1]) if isinstance(parsed, tuple) else None
             got = _read_hashing(f, data, streamed)
     except OSError as exc:
         raise _fail(path, "unreadable", f"{type(exc).__name__}: {exc}") from exc
     if got != len(data):
         raise _fail(path, "truncated", "the file changed while it was read")
-    try:
-        table = json.loads(head.decode("utf-8"))
-        meta = table.pop("__metadata__")
-        assert isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
-    except Exception as exc:
-        raise _fail(path, "format", "its header is not a session file's") from exc
+    if isinstance(parsed, Exception):
+        raise _fail(path, "format", "its header is not a session file's") from parsed
+    table, meta = parsed
     if meta.get("format") != FORMAT:
         raise _fail(path, "format", f"format {meta.get('format')!r}, expected {FORMAT!r}")
     try:
