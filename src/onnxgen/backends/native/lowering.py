@@ -844,14 +844,24 @@ def _merge_gate_up(
         wg, wu = consts[g.inputs[1]], consts[u.inputs[1]]
         if t != bool(u.attrs.get("_transposed", 0)) or wg.dtype != wu.dtype or wg.shape != wu.shape:
             continue
-        name = f"{g.inputs[1]}+{u.inputs[1]}"
-        if name not in consts:
-            parts = [w.to(device) for w in (wg, wu)] if device.type == "cuda" else [wg, wu]
-            consts[name] = torch.cat(parts, dim=0 if t else 1)
+        name = _joined_weight(consts, [g.inputs[1], u.inputs[1]], t, device)
         m.op = "LinearSiluMul" if m.op == "SiluMul" else "LinearGeluMul"
         m.inputs, m.attrs = [g.inputs[0], name], {"_transposed": int(t)}
         drop.update((id(g), id(u)))
     return [n for n in nodes if id(n) not in drop]
+
+
+def _joined_weight(
+    consts: dict[str, torch.Tensor], names: list[str], transposed: bool, device: torch.device
+) -> str:
+    """The name of one product weight of the products of weights `names` side by side along their output
+    features (rows of `[N, K]` when `transposed`, columns of `[K, N]` otherwise), made once (on CUDA on the
+    device)."""
+    name = "+".join(names)
+    if name not in consts:
+        ws = [consts[x].to(device) if device.type == "cuda" else consts[x] for x in names]
+        consts[name] = torch.cat(ws, dim=0 if transposed else 1)
+    return name
 
 
 def _mrope_into_gqa(
@@ -939,9 +949,7 @@ def _mrope_into_gqa(
                 list(tables[key]),
                 {"mrope_section": list(section)},
             )
-        name = "+".join(p.inputs[1] for p in lins)
-        if name not in consts:
-            consts[name] = torch.cat([w.to(device) for w in ws] if device.type == "cuda" else ws, dim=cat)
+        name = _joined_weight(consts, [p.inputs[1] for p in lins], t, device)
         qkv = f"{lq.outputs[0]}::qkv"
         lq.inputs, lq.outputs = [lq.inputs[0], name], [qkv]
         g.inputs = [qkv, "", "", *ins[3:7], *tables[key], *g.inputs[9:]]
