@@ -552,9 +552,11 @@ def _trace_run(args: Any, http: Any, model: str, mode: str, nonce: int) -> dict[
 @contextlib.contextmanager
 def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
     """The servers the trace runs against: (label, base URL). --url: "URL" (named --label) or "LABEL=URL,...";
-    --cluster N: started here from --model with the first --engine's load options, each engine one thread
-    (--threads, default 1): one server in this process, and for each --routers mode N Ray Serve replicas behind
-    an ingress (onnxgen.serve.cluster), each mode an application of one local Ray under its own route prefix."""
+    --cluster N: started here from --model on --device with the first --engine's load options, each engine one
+    thread (--threads, default 1): one server in this process, and for each --routers mode N Ray Serve replicas
+    behind an ingress (onnxgen.serve.cluster), each mode an application of one local Ray under its own route
+    prefix; on CUDA the replicas share the cards Ray sees (N replicas on one card: half of it each for N = 2).
+    Size the pools (`--engine kv_bytes=...`) so that every engine fits on the card at once."""
     if args.url:
         yield [tuple(x.split("=", 1)) if "=" in x else (args.label, x) for x in args.url.split(",")]
         return
@@ -569,7 +571,13 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
     pkg = u.models(args)[0]
     opts = {"threads": args.threads or 1, **next(iter(u.engines(args.engine).values()))}
     capacity = {"max_queue": 4 * args.agents}
-    one = RunningServer(create_app(u.load(pkg, "cpu", opts), ServerConfig(**capacity)))
+    one = RunningServer(create_app(u.load(pkg, args.device, opts), ServerConfig(**capacity)))
+    # on a GPU the replicas share the card(s) Ray sees: N replicas on one card take 1/N of it each
+    gpus = 0.0
+    if args.device == "cuda":
+        import torch
+
+        gpus = min(1.0, torch.cuda.device_count() / args.cluster)
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         with socket.socket() as sock:
@@ -578,7 +586,13 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         out = [("1 server", one.url)]
         for mode in args.routers.split(","):
-            config = ClusterConfig(replicas=args.cluster, mode=mode, load=opts, server=capacity)
+            config = ClusterConfig(
+                replicas=args.cluster,
+                mode=mode,
+                num_gpus=gpus,
+                load={**opts, "device": args.device},
+                server=capacity,
+            )
             serve.run(application(str(pkg.path), config), name=mode, route_prefix=f"/{mode}")
             out.append((f"{args.cluster} replicas, {mode}", f"http://127.0.0.1:{port}/{mode}"))
         yield out
@@ -677,9 +691,15 @@ def main() -> int:
         if args.url is None and not args.cluster:
             ap.error("--sections trace needs --url or --cluster")
         args.dry_run = True  # each run is a whole trace: --runs 1 is a measurement
+        if args.cluster:
+            u.require_cuda(args.device, "batch.py")
         title, text, d = trace(args, {})
-        where = args.url or f"started here from {args.model}, {args.threads or 1} thread(s) an engine"
-        u.report(f"servers: {where}; {u.describe('cpu', None)}; greedy", [(title, text)], args, {"trace": d})
+        where = (
+            args.url
+            or f"started here from {args.model} on {args.device}, {args.threads or 1} thread(s) an engine"
+        )
+        device = args.device if args.cluster else "cpu"
+        u.report(f"servers: {where}; {u.describe(device, None)}; greedy", [(title, text)], args, {"trace": d})
         return 0
     u.check_args(ap, args)
     u.require_cuda(args.device, "batch.py")
