@@ -30,7 +30,7 @@
 #   sessions  sessions.py: a 64-token turn on a retained 8k context, a conversation growing 7,900 -> 9,000,
 #             chunked prefill of 8k tokens (8B shape)
 #   tiers     sessions.py resume: a turn on an 8k session kept, from the host tier, from its file, recomputed
-#             (8B shape; three models of 3 GB pools on one card)
+#             (8B shape; three models of 3 GB pools on one card); first the disk's direct read speed (dd, 1 GiB)
 #   agents    batch.py agents: 32 agents x 10 turns under a 4,096-token system prompt, fair vs fifo prefill
 #             (each run a new salt on the same engine; turn-1 TTFT and the first run apart)
 #   parity    parity.py: logits against transformers to 8k tokens (2048x4, 1B; 8B with sessions)
@@ -150,7 +150,10 @@ for section in "${@}"; do
                run 300 benchmarks/batch.py --model builder:8b16k --device cuda --concurrency 16 --prompt 512 --new 256 \
                    --engine label=warm ;;
         sessions) run 400 benchmarks/sessions.py --model builder:8b16k --device cuda --sections retained,growing,chunks ;;
-        tiers) run 340 benchmarks/sessions.py --model builder:8b16k --device cuda --sections resume --context 8000 \
+        tiers) dd if=/dev/urandom of=/tmp/ddprobe bs=16M count=64 status=none && sync  # the disk's read speed
+               dd if=/tmp/ddprobe of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | sed 's/^/disk, direct read: /'
+               rm -f /tmp/ddprobe
+               run 340 benchmarks/sessions.py --model builder:8b16k --device cuda --sections resume --context 8000 \
                    --turn 64 --engine backend=native,kv_bytes=3000000000 ;;
         agents) run 400 benchmarks/batch.py --model builder:8b16k --device cuda --sections agents --agents 32 --turns 10 \
                     --system 4096 --engine label=fair,kv_bytes=12000000000 \

@@ -385,23 +385,38 @@ def _next_turn(model, path, ctx):
         s.close()
 
 
-def test_a_file_read_in_many_chunks_and_one_in_another_order_restore_alike(saved, tmp_path, monkeypatch):
-    """The tensors are hashed chunk by chunk while they are read: with chunks far smaller than the file the
-    restore equals the one-chunk restore and a flipped byte in the last chunk is still refused; a file whose
-    tensors lie in another order than the header's layers (any safetensors writer may) restores too (its
-    checksum is over the tensors in layer order: hashed again in that order)."""
+def test_a_file_of_many_pieces_read_by_many_threads_and_one_in_another_order_restore_alike(
+    models, saved, tmp_path, monkeypatch
+):
+    """A file is hashed piece by piece as its pieces are read, on several threads at once: a file saved with
+    pieces far smaller than itself, read by 4 threads, restores as the one-piece file does, and a flipped
+    byte in its last piece is still refused; a file whose tensors lie in another order than the header's
+    layers (any safetensors writer may) restores too (its checksum is over the tensors in layer order)."""
     import onnxgen.kv.files as files
 
     model, path, ctx = saved
     want = _next_turn(model, path, ctx)
-    monkeypatch.setattr(files, "READ_CHUNK", 4096)
-    assert path.stat().st_size > 8 * 4096
-    assert _next_turn(model, path, ctx) == want
-    data = bytearray(path.read_bytes())
+    monkeypatch.setattr(files, "CHUNK", 4096)
+    monkeypatch.setattr(files, "READERS", 4)
+    small = tmp_path / "small_pieces.onnxgen"
+    s = model.restore_session(path)
+    s.save(small)
+    s.close()
+    meta = json.loads(small.read_bytes()[8:][: struct.unpack("<Q", small.read_bytes()[:8])[0]])[
+        "__metadata__"
+    ]
+    assert meta["chunk"] == "4096" and small.stat().st_size > 8 * 4096
+    assert _next_turn(model, small, ctx) == want
+    data = bytearray(small.read_bytes())
     data[-3] ^= 0x10
     bad = tmp_path / "late_flip.onnxgen"
     bad.write_bytes(bytes(data))
     _restore_fails(model, bad, "checksum")
+    data = bytearray(small.read_bytes())
+    hlen = struct.unpack("<Q", data[:8])[0]
+    edited = data[: 8 + hlen].replace(b'"chunk":"4096"', b'"chunk":"8"') + data[8 + hlen :]
+    bad.write_bytes(bytes(edited))
+    _restore_fails(model, bad, "format")  # a piece size no writer uses: refused before any read
 
     raw = path.read_bytes()
     (hlen,) = struct.unpack("<Q", raw[:8])
@@ -419,3 +434,76 @@ def test_a_file_read_in_many_chunks_and_one_in_another_order_restore_alike(saved
     moved = tmp_path / "reordered.onnxgen"
     moved.write_bytes(struct.pack("<Q", len(head)) + head + out)
     assert _next_turn(model, moved, ctx) == want
+
+
+def test_a_format_1_file_still_restores_and_its_checksum_still_holds(saved, tmp_path):
+    """Files of the first format (SHA-256 over the metadata and the tensors' bytes) are still read: the same
+    KV rewritten as one restores to the same next turn, and an edited byte is refused."""
+    import hashlib
+
+    model, path, ctx = saved
+    want = _next_turn(model, path, ctx)
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    table = json.loads(raw[8 : 8 + hlen])
+    body = raw[8 + hlen :]
+    meta = table["__metadata__"]
+    meta["format"] = "onnxgen-session/1"
+    del meta["chunk"], meta["checksum"]
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    h.update(body)  # one writer's tensors: in layer order, end to end
+    meta["checksum"] = h.hexdigest()
+    head = json.dumps(table, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    old = tmp_path / "format1.onnxgen"
+    old.write_bytes(struct.pack("<Q", len(head)) + head + body)
+    assert _next_turn(model, old, ctx) == want
+    flipped = bytearray(old.read_bytes())
+    flipped[-5] ^= 0x01
+    bad = tmp_path / "format1_flip.onnxgen"
+    bad.write_bytes(bytes(flipped))
+    _restore_fails(model, bad, "checksum")
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_file_goes_straight_to_the_device_and_continues_as_the_retained_session(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """A paged pool on CUDA reads a session file through the pinned ring (`kv/staging.py`): with pieces far
+    smaller than the file and a ring of two slots (each reused many times, copies in flight while the next
+    pieces are read), the restored session's next turn equals the retained one's, and a file with a flipped
+    byte is refused with nothing attached."""
+    import onnxgen.kv.files as files
+    import onnxgen.kv.staging as staging
+
+    monkeypatch.setattr(files, "CHUNK", 4096)
+    monkeypatch.setattr(staging, "DEFAULT_SLOTS", 2)
+    finished = []
+    finish = staging.DeviceSink.finish
+    monkeypatch.setattr(staging.DeviceSink, "finish", lambda self: finished.append(1) or finish(self))
+    model = onnxgen.load(str(tiny_dir), device="cuda", backend="native")
+    other = onnxgen.load(str(tiny_dir), device="cuda", backend="native")
+    try:
+        vocab = model.spec.vocab_size
+        s = model.session()
+        first = _turn(s, _ids(300, 1, vocab))
+        path = tmp_path / "s.onnxgen"
+        s.save(path)
+        assert path.stat().st_size > 16 * 4096
+        follow = [*_context(first), *_ids(20, 2, vocab)]
+        kept = _turn(s, follow)
+        r = other.restore_session(path)
+        assert finished, "the file was not read through the device sink"
+        restored = _turn(r, follow)
+        assert restored.stats.reused_tokens == kept.stats.reused_tokens == len(_context(first)) - 1
+        assert restored.tokens == kept.tokens
+        np.testing.assert_allclose(restored.logits, kept.logits, rtol=0, atol=1e-5)
+        r.close()
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x04
+        bad = tmp_path / "flipped.onnxgen"
+        bad.write_bytes(bytes(data))
+        _restore_fails(other, bad, "checksum")
+    finally:
+        model.close()
+        other.close()

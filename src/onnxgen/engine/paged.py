@@ -49,6 +49,8 @@ from onnxgen.errors import DeviceOutOfMemory
 from onnxgen.kv.manager import InFlight, KVManager, Landing, PageTable, common_pages
 from onnxgen.kv.pages import PageAllocator
 from onnxgen.kv.prefix import Anchor, Node, PrefixIndex
+from onnxgen.kv.staging import DeviceStaging
+from onnxgen.kv.storage import PageStorage
 from onnxgen.kv.tiers import HostPages
 from onnxgen.sampling.choice import RowChooser
 
@@ -104,6 +106,12 @@ class PagedKV:
         # request's next position's window are never read again
         self.window = int(getattr(runner, "kv_window", 0) or 0)
         self.trimmed_pages = 0
+        storage = runner.storage
+        # a session file on a CUDA pool is read straight to the device (`kv/staging.py`; its pinned ring is
+        # host memory, kept while the executor is); the tensor-parallel runner's storage spans several devices
+        # and is fed from host memory
+        on_cuda = type(storage) is PageStorage and storage.device.type == "cuda"
+        self.file_sink: DeviceStaging | None = DeviceStaging(storage.device) if on_cuda else None
 
     @property
     def verify_sizes(self) -> tuple[int, ...]:
@@ -385,7 +393,7 @@ class PagedKV:
         them are shared, not written. Raises `DeviceOutOfMemory` when the pool cannot hold them."""
         import torch
 
-        from onnxgen.kv.storage import from_host
+        from onnxgen.kv.storage import to_device_like
 
         assert identity.digest is not None
         tokens, n, switch = identity.tokens, len(identity.tokens), self.rope_switch
@@ -404,8 +412,8 @@ class PagedKV:
             slots = (pages[pos // ps] * ps + pos % ps).to(storage.device)
             like = storage.data
             for layer, (k, v) in enumerate(layers):
-                hk = from_host(k[:, cached:n].copy(), like).transpose(0, 1)
-                hv = from_host(v[:, cached:n].copy(), like).transpose(0, 1)
+                hk = to_device_like(k[:, cached:n], like).transpose(0, 1)
+                hv = to_device_like(v[:, cached:n], like).transpose(0, 1)
                 storage.write(layer, slots, hk, hv)
         node = self.kv.commit(table, tokens)
         assert node is not None

@@ -90,7 +90,7 @@ def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader
     spec = engine.spec
     expect = Expected(_shape(engine), spec.vocab_size, spec.context_length, salt_tag(salt))
     t0 = time.perf_counter()
-    header, layers = read_session(path, expect)
+    header, layers = read_session(path, expect, getattr(engine.executor, "file_sink", None))
     c = engine.file_counters
     with c._lock:
         c.restored += 1

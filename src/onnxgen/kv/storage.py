@@ -34,6 +34,16 @@ def host_copy(a: Any) -> Any:
     return t.numpy()
 
 
+def to_device_like(a: Any, like: Any) -> Any:
+    """`a` (a host array as `host_copy` gives, possibly a strided view, or a torch tensor on any device) as a
+    tensor of `like`'s dtype and device (no copy where it already is one)."""
+    import numpy as np
+
+    if isinstance(a, np.ndarray):
+        return from_host(np.ascontiguousarray(a), like)
+    return a.to(device=like.device, dtype=like.dtype)
+
+
 def from_host(a: Any, like: Any) -> Any:
     """`a` (a host array as `host_copy` gives) as an array of `like`'s kind, dtype and device."""
     import numpy as np
