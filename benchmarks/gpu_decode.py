@@ -11,7 +11,8 @@ For each model and engine (engines interleaved, median of --runs; greedy, `specu
   CPU time per token (process CPU time over the generation; it includes the host's wait for the GPU);
 - TTFT at each --ttft length (the engine settled first: no earlier request's tail);
 - GPU time and kernels per decode step: two generations of different lengths under torch.profiler, the
-  difference of their kernels' summed time and count over the difference of their steps;
+  difference of their kernels' summed time and count over the difference of their steps; and where the
+  longest --ttft length is 1,024 or more, one prefill of it under torch.profiler, its kernels by name;
 - the floor: the bytes a step reads (the decoder's initializers but gathered-only embeddings, as stored,
   plus the KV of prompt + new tokens, of a sliding window's only on windowed layers) over the copy bandwidth
   measured at the start;
@@ -56,6 +57,29 @@ def profiled_step(
     (ms1, k1, n1), (ms2, k2, n2) = out
     steps = max(n2 - n1, 1)
     return (ms2 - ms1) / steps, (k2 - k1) / steps
+
+
+def profiled_prefill(m: Any, prompt: list[int], top: int = 12) -> None:
+    """One prefill of `prompt` (one token out) under torch.profiler: its kernels summed by name, most first."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    m.settle()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = m.generate(prompt, max_new_tokens=1, **GREEDY)
+        m.settle()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            by_name[e.name][0] += e.time_range.elapsed_us() / 1e3
+            by_name[e.name][1] += 1
+    busy = sum(v[0] for v in by_name.values())
+    print(
+        f"prefill of {len(prompt)}: TTFT {r.stats.ttft_s * 1e3:.1f} ms (profiled), kernels busy {busy:.1f} ms"
+    )
+    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:8.2f} ms {100 * ms / busy:5.1f} %  x{n:5d}  {name[:110]}")
 
 
 def hf_run(pkg: u.Package, prompt: list[int], new: int, ttft_len: int, device: str) -> dict[str, Any]:
@@ -138,6 +162,8 @@ def run_model(args: Any, pkg: u.Package, specs: dict[str, dict[str, Any]], bw: f
         gpu_ms, kernels = (
             (float("nan"), float("nan")) if args.no_profile else profiled_step(m, prompt, args.device)
         )
+        if not args.no_profile and args.device == "cuda" and max(lengths) >= 1024:
+            profiled_prefill(m, ttft_prompts[max(lengths)])
         rows.append(
             {
                 "model": pkg.name,
