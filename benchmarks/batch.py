@@ -16,8 +16,10 @@ Sections (contenders interleaved, the order reversed every other round, median o
           distinct chat questions) and --new tokens each, submitted together from B threads (`--modes
           serial`: one after another). Per contender (engine x mode x --api path): aggregate tok/s
           (all generated tokens over the wall time, prefill included), decode tok/s (the requests' own
-          decode rates summed: the batch's throughput while all decode; serial: one request's), ms per
-          decode step (one request's), ms per token of one request (its wall time over its tokens, prefill
+          decode rates summed; serial: one request's), all decoding (the tokens a second from the last
+          request's first token to the first request's last, when no step holds a prefill; python API
+          only) and its ms per step (B over it: the number a floor is compared with), ms per decode step
+          (one request's), ms per token of one request (its wall time over its tokens, prefill
           included), TTFT p50 / p99 (http: not seen; http-stream: the first streamed token), the most
           Python threads alive at once outside the B request threads (the main thread, the engine's loop,
           the server's event loop on the http paths: the server runs no thread per request). A warm-up
@@ -102,9 +104,18 @@ class Client:
         """One request: generated tokens, TTFT (None where the path does not show it), decode tok/s, wall."""
         t0 = time.perf_counter()
         if self.api == "python":
-            r = self.model.generate(prompt, max_new_tokens=new, **gen)
+            stamps: list[float] = []  # when each piece of text came out (the decode-phase window's tokens)
+            r = self.model.generate(
+                prompt, max_new_tokens=new, on_token=lambda _t: stamps.append(time.perf_counter()), **gen
+            )
             s = r.stats
-            return {"n": s.generated_tokens, "ttft": s.ttft_s, "tok_s": s.decode_tok_s, "wall": s.total_s}
+            return {
+                "n": s.generated_tokens,
+                "ttft": s.ttft_s,
+                "tok_s": s.decode_tok_s,
+                "wall": s.total_s,
+                "stamps": stamps,
+            }
         chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
         route = "/v1/chat/completions" if chat else "/v1/completions"
         body = {"model": self.model_id, "max_tokens": new, **gen, ("messages" if chat else "prompt"): prompt}
@@ -177,6 +188,7 @@ def at_once(fn: Callable[[Any], dict[str, Any]], prompts: list[Any], serial: boo
     rates = [o["tok_s"] for o in outs if o["tok_s"]]
     return {
         "agg_tok_s": gen / wall,
+        "phase_tok_s": decode_phase(outs) if not serial else None,
         "decode_tok_s": sum(rates) if rates and not serial else (u.median(rates) if rates else None),
         "ms_token": u.median(o["wall"] * 1e3 / o["n"] for o in outs if o["n"]) if gen else None,
         "ms_step": u.median(1e3 / r for r in rates) if rates else None,
@@ -186,6 +198,19 @@ def at_once(fn: Callable[[Any], dict[str, Any]], prompts: list[Any], serial: boo
         "threads": threads.peak,
         "outs": outs,
     }
+
+
+def decode_phase(outs: list[dict[str, Any]]) -> float | None:
+    """Tokens a second while every request decodes: from the last request's first token to the first
+    request's last, the tokens all of them gave in that window (no prefill in those steps). None without
+    token times (the HTTP paths) or without such a window."""
+    stamps = [o.get("stamps") for o in outs]
+    if not all(stamps):
+        return None
+    lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    if hi <= lo:
+        return None
+    return sum(sum(1 for t in s if lo < t <= hi) for s in stamps) / (hi - lo)
 
 
 def make_prompts(args: Any, n: int, vocab: int, seed: int) -> list[Any]:
@@ -235,7 +260,15 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
             for label, v in runs.items():
                 med = {
                     m: _med(x[m] for x in v)
-                    for m in ("agg_tok_s", "decode_tok_s", "ms_step", "ms_token", "ttft_p50", "ttft_p99")
+                    for m in (
+                        "agg_tok_s",
+                        "decode_tok_s",
+                        "phase_tok_s",
+                        "ms_step",
+                        "ms_token",
+                        "ttft_p50",
+                        "ttft_p99",
+                    )
                 }
                 med["threads"] = max(x["threads"] for x in v)
                 base = base or med["agg_tok_s"]
@@ -246,6 +279,8 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                         label,
                         u.fmt(med["agg_tok_s"]),
                         u.fmt(med["decode_tok_s"]),
+                        u.fmt(med["phase_tok_s"]),
+                        u.fmt(b / med["phase_tok_s"] * 1e3 if med["phase_tok_s"] else None, 2),
                         u.fmt(med["ms_step"], 2),
                         u.fmt(med["ms_token"], 2),
                         u.fmt(med["ttft_p50"]),
@@ -264,6 +299,8 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
         "contender",
         "aggregate tok/s",
         "decode tok/s",
+        "all decoding: tok/s",
+        "ms/step",
         "decode ms/step",
         "ms/token",
         "TTFT p50 ms",
