@@ -12,10 +12,10 @@
 #   .gguf_parts/   SmolLM2-135M-Instruct's Q4_1 GGUF in two parts under the 64 MiB carry limit (one per call,
 #                  joined on the host into /tmp/gg/m.gguf: the spec section's real weights)
 #   .gguf_py/      the pure-Python `gguf` and `accelerate` wheels (GGUF -> Hugging Face folder on the host)
-#   .ray_a/ .ray_b/ (with `prepare ... ray`) Ray Serve for the cluster section: the host has neither Ray nor
-#                  FastAPI/uvicorn/pydantic; ray's cp312 wheel is split in two under the carry limit (part.aa in
-#                  .ray_a, part.ab and the wheels of what Serve and onnxgen's server need in .ray_b: one folder a
-#                  call, within the warm window, joined and installed on the host once both have come)
+#   .ray/          (with `prepare ... ray`) Ray Serve for the cluster section: the host has neither Ray nor
+#                  FastAPI/uvicorn/pydantic. ray's cp312 wheel without what Serve does not use, as an xz tarball
+#                  (under the carry limit beside .whl and .carry), and the wheels of what Serve and onnxgen's
+#                  server import; unpacked into /tmp/site on the host once
 # Sections on the host (packages are built once under /tmp/onnxgen_bench and reused while the host is warm):
 #   card      the card's name; `ifh200` the same, and on anything but an H200 skips the sections after it
 #   clean     removes the packages built so far (the host's disk holds about four shapes' packages and
@@ -45,7 +45,7 @@
 #             parity against transformers below and past the switch, decoding across it, sessions growing past it
 #   longropebench gpu_decode.py (a prompt past the switch) and batch.py (1 and 64 requests) on that shape
 #   cluster   batch.py trace on the 1B shape: one server against two Ray Serve replicas sharing the card, affinity
-#             and round-robin routing, 16 conversations x 6 turns (needs .ray_a and .ray_b carried: see prepare)
+#             and round-robin routing, 16 conversations x 6 turns (needs .ray carried: see prepare)
 #   compare   compare.py .carry/base . on the 1B shape: batch-1 decode and 64 concurrent requests
 #   cpucompare compare.py .carry/base . on the host's CPU (quiet, 2 threads a side): SmolLM2-135M's shape in
 #             fp32 on the native backend, batch-1 decode and 64 concurrent requests
@@ -88,21 +88,30 @@ if [ "${1:-}" = prepare ]; then
         split -b 49181216 "$gguf" .gguf_parts/part.
     fi
     if [ "${2:-}" = ray ] || [ "${3:-}" = ray ]; then want_ray=1; else want_ray=0; fi
-    if [ "$want_ray" = 1 ] && [ ! -f .ray_b/part.ab ]; then
-        for d in /.ray_a/ /.ray_b/; do grep -qxF "$d" "$exclude" || echo "$d" >> "$exclude"; done
+    if [ "$want_ray" = 1 ] && [ ! -f .ray/ray.tar.xz ]; then
+        grep -qxF /.ray/ "$exclude" || echo /.ray/ >> "$exclude"
         tmp=$(mktemp -d)
-        cp13="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
-              --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
-        "$PY" -m pip download -q $cp13 -d "$tmp" "ray==$("$PY" -c 'import ray; print(ray.__version__)')"
-        mkdir -p .ray_a .ray_b/deps
-        (cd .ray_a && split -b 40000000 "$tmp"/ray-*.whl part.)
-        mv .ray_a/part.ab .ray_b/ && basename "$tmp"/ray-*.whl > .ray_b/name
+        cp312="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+               --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any"
+        "$PY" -m pip download -q $cp312 -d "$tmp" "ray==$("$PY" -c 'import ray; print(ray.__version__)')"
+        mkdir -p "$tmp/x" .ray/deps
+        "$PY" -c "
+import os, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+for info in z.infolist():  # the wheel's file modes kept (Ray's gcs_server and raylet are run as programs)
+    path = z.extract(info, sys.argv[2])
+    if info.external_attr >> 16:
+        os.chmod(path, (info.external_attr >> 16) & 0o777)
+" "$tmp"/ray-*.whl "$tmp/x"
+        # what Serve does not use (Java, the dashboard's web client, the libraries): under the carry limit
+        rm -rf "$tmp"/x/ray/{jars,dashboard/client/build,rllib,tune,train,data,llm}
+        tar -C "$tmp/x" -cf - . | xz -T2 -6 > .ray/ray.tar.xz
         # what Ray Serve imports and the host lacks, at this environment's versions
         deps=$("$PY" -m pip freeze | grep -i -E "^(fastapi|starlette|pydantic|pydantic.core|annotated.types|annotated.doc|typing.inspection|uvicorn|jsonschema|jsonschema.specifications|referencing|rpds.py|opentelemetry.api|opentelemetry.sdk|opentelemetry.semantic.conventions|opentelemetry.proto|opentelemetry.exporter.prometheus|grpcio|grpcio.reflection|protobuf|mmh3|aiohttp.cors|colorful)==")
-        "$PY" -m pip download -q $cp13 -d .ray_b/deps $deps
+        "$PY" -m pip download -q $cp312 -d .ray/deps $deps
         rm -rf "$tmp"
     fi
-    du -sh .whl .carry .gguf_parts/part.* .gguf_py .ray_a .ray_b 2>/dev/null
+    du -sh .whl .carry .gguf_parts/part.* .gguf_py .ray 2>/dev/null
     exit 0
 fi
 
@@ -113,13 +122,10 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 ONNXGEN_TEST_TOKENIZER=$
 mkdir -p /tmp/gg
 for p in .gguf_parts/part.*; do [ -f "$p" ] && cp -n "$p" /tmp/gg/; done  # parts carried by earlier calls stay
 [ -f /tmp/gg/m.gguf ] || { [ -f /tmp/gg/part.ab ] && cat /tmp/gg/part.aa /tmp/gg/part.ab > /tmp/gg/m.gguf; }
-mkdir -p /tmp/rayw
-for p in .ray_a/part.* .ray_b/part.* .ray_b/name; do [ -f "$p" ] && cp -n "$p" /tmp/rayw/; done
-[ -d .ray_b/deps ] && cp -rn .ray_b/deps /tmp/rayw/
-if [ -f /tmp/rayw/part.aa ] && [ -f /tmp/rayw/part.ab ] && [ ! -f /tmp/rayw/installed ]; then
-    cat /tmp/rayw/part.aa /tmp/rayw/part.ab > "/tmp/rayw/$(cat /tmp/rayw/name)"
+if [ -f .ray/ray.tar.xz ] && [ ! -f /tmp/site/.ray_installed ]; then  # Ray Serve, carried by `prepare ... ray`
+    python3 -c "import tarfile, sys; tarfile.open(sys.argv[1]).extractall('/tmp/site', filter='fully_trusted')" .ray/ray.tar.xz && \
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        /tmp/rayw/*.whl /tmp/rayw/deps/*.whl >/dev/null 2>&1 && touch /tmp/rayw/installed
+        .ray/deps/*.whl >/dev/null 2>&1 && touch /tmp/site/.ray_installed
 fi
 quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|FutureWarning\|_warn_once\|forward_call"; }
 run() { local limit=$1; shift; timeout "$limit" python3 "$@" ${BENCH_ARGS:-} 2>&1 | quiet | tail -40; }
@@ -183,12 +189,12 @@ for section in "${@}"; do
                       | cut -c1-300 | tail -16 ;;
         longropebench) run 300 benchmarks/gpu_decode.py --model builder:phi4mini --prompt 6000 --ttft 4096,8192
                        run 280 benchmarks/batch.py --model builder:phi4mini --device cuda --concurrency 1,64 ;;
-        cluster) if [ -f /tmp/rayw/installed ]; then
+        cluster) if [ -f /tmp/site/.ray_installed ]; then
                      run 560 benchmarks/batch.py --model builder:1b --device cuda --sections trace --cluster 2 \
                          --routers affinity,round_robin --agents 16 --turns 6 --system 200 --new 16 --runs 5 \
                          --engine backend=native,paged=true,max_sessions=32,kv_bytes=4000000000
                  else
-                     echo "cluster: no Ray on the host (carry .ray_a, then .ray_b, within the warm window)"
+                     echo "cluster: no Ray on the host (carry .ray: see prepare)"
                  fi ;;
         compare) if [ -d .carry/base/src ]; then
                      run "${COMPARE_S:-550}" benchmarks/compare.py .carry/base . --device cuda --model builder:1b
