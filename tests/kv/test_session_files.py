@@ -150,6 +150,15 @@ def _restore_fails(model, path, reason: str, **kw) -> SessionFileError:
     return info.value
 
 
+def _flipped(path: Path, tmp_path: Path, at: int, bit: int = 4) -> Path:
+    """A copy of `path` with one bit of byte `at` flipped."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1 << bit
+    out = tmp_path / f"flipped_{path.stem}_{at}.onnxgen"
+    out.write_bytes(bytes(data))
+    return out
+
+
 def test_a_truncated_file_is_refused(saved, tmp_path):
     model, path, _ = saved
     data = path.read_bytes()
@@ -402,16 +411,12 @@ def test_a_file_of_many_pieces_read_by_many_threads_and_one_in_another_order_res
     s = model.restore_session(path)
     s.save(small)
     s.close()
-    meta = json.loads(small.read_bytes()[8:][: struct.unpack("<Q", small.read_bytes()[:8])[0]])[
-        "__metadata__"
-    ]
+    raw = small.read_bytes()
+    meta = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"]
     assert meta["chunk"] == "4096" and small.stat().st_size > 8 * 4096
     assert _next_turn(model, small, ctx) == want
-    data = bytearray(small.read_bytes())
-    data[-3] ^= 0x10
-    bad = tmp_path / "late_flip.onnxgen"
-    bad.write_bytes(bytes(data))
-    _restore_fails(model, bad, "checksum")
+    _restore_fails(model, _flipped(small, tmp_path, -3), "checksum")
+    bad = tmp_path / "edited_piece_size.onnxgen"
     data = bytearray(small.read_bytes())
     hlen = struct.unpack("<Q", data[:8])[0]
     edited = data[: 8 + hlen].replace(b'"chunk":"4096"', b'"chunk":"8"') + data[8 + hlen :]
@@ -458,11 +463,7 @@ def test_a_format_1_file_still_restores_and_its_checksum_still_holds(saved, tmp_
     old = tmp_path / "format1.onnxgen"
     old.write_bytes(struct.pack("<Q", len(head)) + head + body)
     assert _next_turn(model, old, ctx) == want
-    flipped = bytearray(old.read_bytes())
-    flipped[-5] ^= 0x01
-    bad = tmp_path / "format1_flip.onnxgen"
-    bad.write_bytes(bytes(flipped))
-    _restore_fails(model, bad, "checksum")
+    _restore_fails(model, _flipped(old, tmp_path, -5), "checksum")
 
 
 @pytest.mark.gpu
@@ -499,11 +500,7 @@ def test_on_cuda_a_file_goes_straight_to_the_device_and_continues_as_the_retaine
         assert restored.tokens == kept.tokens
         np.testing.assert_allclose(restored.logits, kept.logits, rtol=0, atol=1e-5)
         r.close()
-        data = bytearray(path.read_bytes())
-        data[-100] ^= 0x04
-        bad = tmp_path / "flipped.onnxgen"
-        bad.write_bytes(bytes(data))
-        _restore_fails(other, bad, "checksum")
+        _restore_fails(other, _flipped(path, tmp_path, -100), "checksum")
     finally:
         model.close()
         other.close()
