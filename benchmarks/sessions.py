@@ -15,7 +15,8 @@ Sections (contenders interleaved, the order reversed every other round, median o
               the host tier (`Session.offload` before each run: its KV in host memory only; a third model of
               the engine, with `host_kv_bytes` set to twice the context), restored from its
               session file (the restore included; a second model of the same engine, its caches emptied after
-              each run, the file dropped from the page cache), and prefilled fresh; the file's size
+              each run, the file dropped from the page cache, and again with the file wholly in the page
+              cache), and prefilled fresh; the file's size
   idle        --idle sessions of --context tokens (a --shared-token prefix common to all, the rest their own)
               on a paged pool sized for --pool-sessions contexts and a host tier for --host-sessions: the
               time to open them (--idle-threads at once), RSS as they are made and as each resumes with a
@@ -196,9 +197,10 @@ def retained(args: Any, models: dict[str, Any]) -> tuple[str, str, Any]:
 def resume(
     args: Any, models: dict[str, Any], pkg: u.Package, specs: dict[str, dict[str, Any]]
 ) -> tuple[str, str, Any]:
-    """A --turn-token turn on a --context-token conversation three ways: retained in the session, restored from
-    its session file (`Model.restore_session` on a second model of the same engine whose caches are emptied
-    after each run, the file dropped from the OS page cache first: read from the disk), and prefilled fresh."""
+    """A --turn-token turn on a --context-token conversation: retained in the session, after a trip through the
+    host tier, restored from its session file (`Model.restore_session` on a second model of the same engine
+    whose caches are emptied after each run) twice, the file dropped from the OS page cache first (read from
+    the disk) and wholly in it (read from memory, as a file saved recently is), and prefilled fresh."""
     import os
     import tempfile
 
@@ -246,11 +248,14 @@ def resume(
         r = sessions[k].generate(ctx + turn_of(f"{k}|retained"), max_new_tokens=1, **GREEDY)
         return {"ttft_ms": r.stats.ttft_s * 1e3, "reused": r.stats.reused_tokens}
 
-    def restored(k: str) -> dict[str, float]:
+    def restored(k: str, cached: bool = False) -> dict[str, float]:
         m = restorers[k]
         fd = os.open(files[k], os.O_RDONLY)
-        try:  # NOTE: the file's pages leave the page cache: the restore reads the disk
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:  # NOTE: the file's pages leave the page cache (the restore reads the disk), or all come in
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED if cached else os.POSIX_FADV_DONTNEED)
+            if cached:
+                while os.read(fd, 64 << 20):
+                    pass
         finally:
             os.close(fd)
         m.settle()
@@ -271,10 +276,13 @@ def resume(
         r = models[k].generate(ctx + turn_of(f"{k}|fresh"), max_new_tokens=1, reuse=False, **GREEDY)
         return {"ttft_ms": r.stats.ttft_s * 1e3}
 
-    names = ("retained", "host", "restored", "fresh")
+    def page_cache(k: str) -> dict[str, float]:
+        return restored(k, cached=True)
+
+    names = ("retained", "host", "restored", "page_cache", "fresh")
     contenders = {}
     for k in models:
-        for name, fn in zip(names, (retained, host, restored, fresh), strict=True):
+        for name, fn in zip(names, (retained, host, restored, page_cache, fresh), strict=True):
             contenders[f"{k}|{name}"] = lambda k=k, fn=fn: fn(k)
     for fn in contenders.values():
         fn()
@@ -283,11 +291,18 @@ def resume(
     for k in models:
         med = {n: u.median(x["ttft_ms"] for x in runs[f"{k}|{n}"]) for n in names}
         restore_ms = u.median(x["restore_ms"] for x in runs[f"{k}|restored"])
+        cached_ms = u.median(x["restore_ms"] for x in runs[f"{k}|page_cache"])
         reused = {n: runs[f"{k}|{n}"][-1]["reused"] for n in ("retained", "host", "restored")}
         assert reused["retained"] == reused["restored"] == len(ctx), ("both turns reuse the context", reused)
         # a paged pool's host tier holds full pages: a context's last partial page is recomputed with the turn
         assert len(ctx) - reused["host"] < 64, ("the host tier gave the context back", reused)
-        data[k] = {**med, "restore_ms": restore_ms, "reused": reused, "file_bytes": sizes[k]}
+        data[k] = {
+            **med,
+            "restore_ms": restore_ms,
+            "page_cache_restore_ms": cached_ms,
+            "reused": reused,
+            "file_bytes": sizes[k],
+        }
         fresh_ms = med["fresh"]
         rows.append(
             [
@@ -295,6 +310,7 @@ def resume(
                 f"{med['retained']:,.1f}",
                 f"{med['host']:,.1f} ({med['host'] / fresh_ms:.3f})",
                 f"{med['restored']:,.1f} ({med['restored'] / fresh_ms:.3f}; {restore_ms:,.0f} restore)",
+                f"{med['page_cache']:,.1f} ({med['page_cache'] / fresh_ms:.3f}; {cached_ms:,.0f} restore)",
                 f"{fresh_ms:,.1f}",
                 f"{sizes[k] / 2**20:,.0f} MiB",
                 f"{reused['host']} / {reused['restored']}",
@@ -309,7 +325,8 @@ def resume(
         "engine",
         "retained TTFT ms",
         "from the host tier TTFT ms (/ fresh)",
-        "from its file TTFT ms (/ fresh)",
+        "from its file on disk TTFT ms (/ fresh)",
+        "from its file in the page cache TTFT ms (/ fresh)",
         "fresh prefill TTFT ms",
         "file",
         "reused: host / file",
