@@ -131,6 +131,13 @@ _VARS: tuple[Var, ...] = (
         "CPU float32 products of several rows (verify steps) run oneDNN over weights prepacked at load: faster "
         "speculative verify steps for a second copy of every product weight in memory (off by default)",
     ),
+    Var(
+        "CPU_SPLIT",
+        _flag(True),
+        "1",
+        "CPU float32 product weights split at load into a block of columns per torch thread, so a decode "
+        "step's one-row products run on every thread (read when a graph is lowered)",
+    ),
 )
 VARS: dict[str, Var] = {v.key: v for v in _VARS}
 

@@ -148,3 +148,31 @@ def test_cuda_failed_capture_falls_back_to_eager_and_leaves_the_process_usable(t
     for t in range(4):
         fresh.forward([t + 3], fresh.kv_len())
     assert fresh.info["cuda_graphs"] and fresh.info["graphs"]
+
+
+def test_a_cpu_load_builds_its_engine_on_a_thread_that_ends_with_it(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's torch work at load (lowering, the KV pool) runs on a passing thread, so that the loop thread
+    is the only thread left with an OpenMP pool (`engine/loop.py`); the model works, and a load error raised
+    there reaches the caller as itself."""
+    import onnxgen.engine.engine as engine_module
+    from onnxgen.errors import BackendUnavailable
+
+    seen: list[threading.Thread] = []
+    real = engine_module.build_executor
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "build_executor", spy)
+    model = onnxgen.load(str(tiny_dir), device="cpu", backend="native")
+    try:
+        assert len(seen) == 1 and seen[0] is not threading.current_thread() and not seen[0].is_alive()
+        assert len(model.generate([5, 6, 7], max_new_tokens=3, temperature=0).tokens) == 3
+    finally:
+        model.close()
+    with pytest.raises(BackendUnavailable):
+        onnxgen.load(str(tiny_dir), device="cpu", backend="ort", paged=True)
+    assert len(seen) == 2 and seen[1] is not threading.current_thread()

@@ -405,3 +405,46 @@ def test_rotary_write_with_qk_norms_normalises_each_head_then_rotates(
     got_v = torch.stack([st.values(1)[s // P, s % P] for s in slots])
     assert (got_k - wk).abs().max() <= tol * wk.abs().max()
     assert torch.equal(got_v, rows[:, (N + HKV) * D :].view(t, HKV, D))
+
+
+def test_interleaved_rotation_on_the_cpu_has_the_real_forms_bits() -> None:
+    """float32 interleaved pairs on the CPU rotate as complex numbers: each output the same two roundings as
+    `x1 * c - x2 * s` / `x2 * c + x1 * s` (what the other dtypes and devices compute)."""
+    from onnxgen.backends.native.rotary import rope
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 5, N + HKV, D, generator=g)
+    ang = torch.randn(5, 1, D // 2, generator=g)
+    c, s = ang.cos(), ang.sin()
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    want = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).reshape(x.shape)
+    got = rope(x, c, s, True)
+    assert got.shape == x.shape and got.dtype == torch.float32 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("pos0", "s"), [(0, 7), (40, 1), (40, 6)])
+def test_contiguous_cache_attention_on_the_cpu_groups_query_heads_without_copying_keys(
+    pos0: int, s: int
+) -> None:
+    """`attend` over a batch-1 KV buffer (the per-request decoder's) with grouped query heads: the float64
+    attention of each query head over its KV head's keys, causal after `pos0` cached positions."""
+    from onnxgen.backends.native.ops import RunCtx
+    from onnxgen.backends.native.ops.attention import attend
+    from onnxgen.kv.buffers import KVBuffers
+
+    g = torch.Generator().manual_seed(pos0 + s)
+    kv = KVBuffers(1, HKV, D, torch.float32, torch.device("cpu"))
+    kv.reserve(pos0 + s)
+    keys = torch.randn(1, HKV, pos0 + s, D, generator=g)
+    values = torch.randn(1, HKV, pos0 + s, D, generator=g)
+    kv.write(0, 0, keys[:, :, :pos0], values[:, :, :pos0])
+    q = torch.randn(1, N, s, D, generator=g)
+    ctx = RunCtx(kv, pos0, s, torch.arange(pos0, pos0 + s), static=False)
+    got = attend(ctx, 0, q, keys[:, :, pos0:], values[:, :, pos0:], scale=0.2)
+    k64 = keys.double().repeat_interleave(N // HKV, dim=1)
+    v64 = values.double().repeat_interleave(N // HKV, dim=1)
+    scores = q.double() @ k64.transpose(-1, -2) * 0.2
+    keep = torch.arange(pos0 + s)[None, :] <= torch.arange(pos0, pos0 + s)[:, None]
+    want = torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v64
+    assert got.shape == (1, N, s, D)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6

@@ -1,8 +1,15 @@
-"""`EngineLoop`: the one thread that drives an engine's steps.
+"""`EngineLoop`: the one thread that drives an engine's steps, and `on_passing_thread` for the work before it.
 
 Callers never step: they submit (`Engine.submit`) and wait on their request's future; the loop steps while
 any request is queued, waiting or running, and sleeps otherwise. It holds its engine only while stepping, so
 an engine nobody uses any more is collected, and its loop's finalizer ends the thread.
+
+The loop thread runs torch's CPU work (the native backend's steps). torch's OpenMP runtime (GNU libgomp)
+keeps a pool of worker threads per thread that starts parallel work, for the life of that thread; once the
+process holds more such workers than cores, every worker sleeps right after each parallel section instead
+of spinning, and each of a step's hundreds of sections waits for a wake-up (a native CPU step at 2 threads
+ran slower than at one). `on_passing_thread` runs a load's torch work (lowering, the pool's allocation) on a
+thread that ends with it, which takes its pool along: the loop thread's is then the only one.
 """
 
 from __future__ import annotations
@@ -11,12 +18,14 @@ import atexit
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from onnxgen.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _LIVE: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
 
@@ -121,3 +130,22 @@ class EngineLoop:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+
+def on_passing_thread(fn: Callable[[], T], name: str = "onnxgen-load") -> T:
+    """`fn()` run on a new thread that ends when it returns (see the module doc): its result, or its exception
+    raised here. The caller waits."""
+    box: dict[str, object] = {}
+
+    def body() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=body, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]

@@ -20,7 +20,7 @@ from typing import Any, TypedDict, Unpack
 from onnxgen.config import Config
 from onnxgen.engine.engine import Engine
 from onnxgen.engine.input import Prepared, Prompt
-from onnxgen.engine.loop import EngineLoop
+from onnxgen.engine.loop import EngineLoop, on_passing_thread
 from onnxgen.engine.output import Handle, Result
 from onnxgen.engine.request import Request
 from onnxgen.engine.session import Session
@@ -82,8 +82,11 @@ class Model:
     @classmethod
     def from_spec(cls, spec: ModelSpec, config: Config | None = None) -> Model:
         """Load `spec`'s package with `config` (what `onnxgen.load` does after reading the package), then
-        warm it up where `ModelConfig.warmup_for` says so (`engine.warmup`)."""
-        model = cls(Engine(spec, config))
+        warm it up where `ModelConfig.warmup_for` says so (`engine.warmup`). On the CPU the engine is built on
+        a thread that ends with the load (`loop.on_passing_thread`: the loop thread's OpenMP pool is then the
+        process's only one)."""
+        cpu = (config or Config()).model.device == "cpu"
+        model = cls(on_passing_thread(lambda: Engine(spec, config)) if cpu else Engine(spec, config))
         if model.config.model.warmup_for():
             from onnxgen.engine.warmup import warm_up
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import onnxgen.envs as envs
+from onnxgen.backends.native.kernels import cpu_gemm
 from onnxgen.backends.native.kernels.dispatch import load_switches
 from onnxgen.backends.native.lowering import Program, lower
 from onnxgen.errors import BackendUnavailable
@@ -141,6 +142,7 @@ def shared_program(spec: Any, dev: torch.device, int4: str | None = None) -> Pro
         spec.logits_name,
         int4,
         dev.type == "cpu" and envs.read("CPU_PREPACK"),  # products' packed weights (`kernels.cpu_gemm`)
+        cpu_gemm.split_parts() if dev.type == "cpu" else 1,  # their column blocks (`kernels.cpu_gemm`)
     )
     prog = _PROGRAMS.get(key)
     if prog is None:

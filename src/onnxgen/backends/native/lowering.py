@@ -678,18 +678,32 @@ _WEIGHT_INPUT = {"Linear": 1, "LinearSiluMul": 1, "LinearGeluMul": 1, "RmsLinear
 
 
 def _prepack_cpu(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> None:
-    """CPU float32 products over a `[K, N]` weight: the weight's oneDNN copy for their several-row products
-    (`kernels.cpu_gemm`), made once per weight and held by the node (`_packed`)."""
+    """CPU float32 products over a `[K, N]` weight (`kernels.cpu_gemm`): the weight's oneDNN copy for their
+    several-row products, made once per weight and held by the node (`_packed`); then the weight itself
+    replaced by its split layout (a block of columns per torch thread) where products are its only readers."""
     packed: dict[str, torch.Tensor | None] = {}
+    readers: dict[str, int] = {}  # weight name -> how many inputs of any node read it
+    for n in nodes:
+        for x in n.inputs:
+            if x:
+                readers[x] = readers.get(x, 0) + 1
+    as_weight: dict[str, int] = {}  # weight name -> how many products read it as their weight
     for n in nodes:
         i = _WEIGHT_INPUT.get(n.op) if n.domain == "onnxgen" else None
         if i is None or n.attrs.get("_transposed") or len(n.inputs) <= i or n.inputs[i] not in consts:
             continue
         name = n.inputs[i]
+        as_weight[name] = as_weight.get(name, 0) + 1
         if name not in packed:
             packed[name] = cpu_gemm.prepack(consts[name])
         if packed[name] is not None:
             n.attrs["_packed"] = packed[name]
+    parts = cpu_gemm.split_parts()
+    for name, count in as_weight.items():
+        if count == readers[name]:
+            blocks = cpu_gemm.split(consts[name], parts)
+            if blocks is not None:
+                consts[name] = blocks
 
 
 def _prepare_linear(

@@ -458,8 +458,8 @@ def _attend_one(
     """`q` `[m, N, D]` at positions `total - m .. total - 1`; `k`/`v` `[L, Hkv, D]` (views of the pool are
     fine): positions `total - L .. total - 1` (all of them, or from the first query's window start). float32
     inside; the keys and values are read in place by every query head of their group (no copy per head):
-    torch's fused attention (grouped heads), or with soft-capping or sinks the query heads of a KV head as one
-    product's rows."""
+    torch's fused attention (grouped heads), or with soft-capping, sinks or one query on the CPU the query
+    heads of a KV head as one product's rows."""
     m, n, d = q.shape
     length, hkv = k.shape[0], k.shape[1]
     g = n // hkv
@@ -471,7 +471,8 @@ def _attend_one(
         if window > 0:
             keep = keep & (kpos > qpos - window)
     kf, vf = k.float().permute(1, 0, 2), v.float().permute(1, 0, 2)  # [Hkv, L, D]
-    if softcap <= 0 and sink is None:
+    # one query on the CPU: the grouped products below (torch's fused CPU kernel costs several times more)
+    if softcap <= 0 and sink is None and (m > 1 or q.is_cuda):
         o = F.scaled_dot_product_attention(
             q.float().transpose(0, 1).unsqueeze(0), kf[None], vf[None], keep, scale=scale, enable_gqa=True
         )  # [1, N, m, D]

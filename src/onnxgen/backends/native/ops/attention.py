@@ -88,6 +88,8 @@ def attend(
         bias = bias[..., k0:] if bias is not None and bias.shape[-1] == total else bias
         mask = mask[..., k0:] if mask is not None and mask.shape[-1] == total else mask
     n, hkv = q.shape[1], kk.shape[1]
+    # CPU: the query heads of a KV head as one product's rows (below), never a copy of the keys per head
+    grouped = q.device.type != "cuda" and softcap <= 0 and sink is None and n != hkv and q.shape[0] == 1
     if (
         _FLASH[0]
         and q.device.type == "cuda"
@@ -110,7 +112,7 @@ def attend(
             import logging
 
             logging.getLogger(__name__).warning("flash attention unavailable (%s); using SDPA", exc)
-    if n != hkv:
+    if n != hkv and not grouped:
         kk = kk.repeat_interleave(n // hkv, dim=1)
         vv = vv.repeat_interleave(n // hkv, dim=1)
     if softcap > 0 or sink is not None:
@@ -141,12 +143,22 @@ def attend(
     # CPU: explicit math (torch's CPU flash kernel costs milliseconds per call at decode sizes), in
     # float32 whatever the storage dtype: scores, softmax and the weighted sum over the keys accumulate
     # as onnxruntime's kernels do, and the output is rounded once.
-    scores = torch.matmul(q.float(), kk.float().transpose(-1, -2)) * scale
+    qf, kf, vf = q.float(), kk.float(), vv.float()
+    g, d, length = n // hkv, q.shape[-1], kk.shape[2]
+    if grouped:  # [Hkv, G * S, D] rows (head, token) against each KV head's keys
+        scores = (
+            torch.matmul(qf.reshape(hkv, g * s, d), kf[0].transpose(-1, -2)).view(1, n, s, length) * scale
+        )
+    else:
+        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if causal:
         attn_mask = _causal_bias(pos0, s, total, window, k0, q.device, torch.float32)
     if attn_mask is not None:
         scores = scores + attn_mask.float()
-    return torch.matmul(torch.softmax(scores, dim=-1), vv.float()).to(q.dtype)
+    p = torch.softmax(scores, dim=-1)
+    if grouped:
+        return torch.matmul(p.view(hkv, g * s, length), vf[0]).view(1, n, s, d).to(q.dtype)
+    return torch.matmul(p, vf).to(q.dtype)
 
 
 def _causal_bias(
