@@ -35,7 +35,7 @@ PACK_ROWS = 8
 # end, `docs/benchmarks/cpu.md`: each new row count has oneDNN build a new kernel)
 FEW_ROWS = 16
 # products of up to this many rows over a split weight run as one batched product, a block per thread;
-# longer chunks run MKL's threaded GEMM per block (`docs/benchmarks/cpu.md`)
+# longer chunks (prefill) run MKL's threaded GEMM per block, which a single thread per block falls behind
 SPLIT_ROWS = 32
 _HUGE_PAGE = 2 << 20
 
