@@ -11,7 +11,9 @@
 or `import_path` in a Serve config file); `run_local` starts a local Ray for `onnxgen serve --replicas N`.
 
 Faults: a call that fails before its response starts (its replica died or was drained) is retried once, then
-answered 503 with `Retry-After`; a response that had started ends where the replica stopped. A session whose
+answered 503 with `Retry-After`; a response that had started ends where the replica stopped. A response's
+start is held until the first part of its body arrives, so a replica that dies between the two (a JSON answer
+whose headers went out but not its body) is retried too instead of leaving the client a broken response. A session whose
 replica is gone is rebound by the router and adopted empty where it lands (`ServerConfig.adopt_sessions`), or
 restored from its file with a shared `kv_dir`.
 """
@@ -107,10 +109,16 @@ class Ingress:
             return
         call = await read_call(scope, receive, self.isolate_keyless)
         for attempt in (1, 2):
-            started = False
+            started, head = False, None
             try:
                 async for msg in self.replicas.handle.remote(call):
-                    started = True
+                    if msg["type"] == "http.response.start":  # held until its body's first part has come
+                        head = msg
+                        continue
+                    if head is not None:
+                        started = True
+                        await send(head)
+                        head = None
                     await send(msg)
                 return
             except Exception as exc:
