@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from onnxgen.engine.loop import on_passing_thread
 from onnxgen.errors import InvalidRequest
 from onnxgen.kv.files import Expected, KVShape, SessionHeader, read_session, salt_tag, write_session
 from onnxgen.package.attachments import has_keys
 from onnxgen.package.fingerprint import package_fingerprint
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -99,21 +103,33 @@ def read(engine: Any, path: str | Path, salt: str | None) -> tuple[SessionHeader
     return header, layers
 
 
+def _kv_work(engine: Any, fn: Callable[[], T]) -> T:
+    """`fn()` (torch work on the KV, called with the engine's lock held by this thread), on the CPU on a thread
+    that ends with it while this one waits holding the lock: a caller's thread that ran torch's parallel work
+    would keep an OpenMP pool beside the loop thread's, and every later step would pay for the
+    oversubscription (`engine/loop.py`)."""
+    return on_passing_thread(fn, "onnxgen-kv") if engine.device == "cpu" else fn()
+
+
 def export(engine: Any, state: Any, drop: bool = False) -> list[tuple[Any, Any]]:
     """Host copies of `state`'s KV, taken under the engine's lock (`drop`: the state is freed then too)."""
-    with engine.kv_lock:
+
+    def run() -> list[tuple[Any, Any]]:
         try:
             return engine.executor.export(state)
         finally:
             if drop:
                 engine.executor.drop(state)
 
+    with engine.kv_lock:
+        return _kv_work(engine, run)
+
 
 def attach(engine: Any, tokens: tuple[int, ...], salt: str | None, layers: Any) -> Any:
     """A retained state holding `layers`, the KV of `tokens` under `salt`'s identity, attached under the lock."""
     identity = engine.inputs.identity(tokens, salt)
     with engine.kv_lock:
-        return engine.executor.restore(identity, layers)
+        return _kv_work(engine, lambda: engine.executor.restore(identity, layers))
 
 
 def save(engine: Any, state: Any, path: Any, salt: str | None, name: str, note: str = "") -> int:
