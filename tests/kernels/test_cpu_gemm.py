@@ -55,6 +55,24 @@ def test_nothing_is_packed_for_other_dtypes_or_when_switched_off(monkeypatch: py
     assert torch.equal(cpu_gemm.product(x, w, None), x @ w)
 
 
+def _last_logits(program, spec, tokens: list[int], pos0: int, kv) -> torch.Tensor:
+    """One forward of `tokens` at `pos0` as `NativeDecoder._run_eager` runs it: the last position's logits."""
+    from onnxgen.backends.native.ops import RunCtx
+
+    env = program.new_env()
+    s = len(tokens)
+    env[program.input_slots[spec.input_ids_name]] = torch.tensor([tokens])
+    kv.reserve(pos0 + s)
+    positions = torch.arange(pos0, pos0 + s)
+    if spec.position_ids_name in program.input_slots:
+        env[program.input_slots[spec.position_ids_name]] = positions.view(1, s)
+    if spec.attention_mask_name in program.input_slots:
+        env[program.input_slots[spec.attention_mask_name]] = torch.ones((1, pos0 + s), dtype=torch.int64)
+    out = program.execute(env, RunCtx(kv, pos0, s, positions))
+    kv.set_length(pos0 + s)
+    return out.reshape(-1, out.shape[-1])[-1].float()
+
+
 @needs_onednn
 def test_lowered_products_read_packed_weights_and_give_the_unpacked_logits(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
@@ -63,7 +81,6 @@ def test_lowered_products_read_packed_weights_and_give_the_unpacked_logits(
     a prefill chunk's logits (several rows through oneDNN) agree, and a decode step over the same KV gives
     the same bits."""
     from onnxgen.backends.native.lowering import lower
-    from onnxgen.backends.native.ops import RunCtx
     from onnxgen.kv.buffers import KVBuffers
     from onnxgen.package.spec import load_spec
 
@@ -76,30 +93,15 @@ def test_lowered_products_read_packed_weights_and_give_the_unpacked_logits(
     assert packed and all(n.attr("_packed") is not None for n in packed)
     assert not any(st.node.attr("_packed") is not None for st in off.steps)
 
-    ids = torch.tensor([[5, 17, 3, 42, 9, 11, 60]])
-
-    def run(program, tokens: torch.Tensor, pos0: int, kv: KVBuffers) -> torch.Tensor:
-        """One forward as `NativeDecoder._run_eager` runs it: the last position's logits."""
-        env = program.new_env()
-        env[program.input_slots[spec.input_ids_name]] = tokens
-        s = tokens.shape[1]
-        kv.reserve(pos0 + s)
-        positions = torch.arange(pos0, pos0 + s)
-        if spec.position_ids_name in program.input_slots:
-            env[program.input_slots[spec.position_ids_name]] = positions.view(1, s)
-        if spec.attention_mask_name in program.input_slots:
-            env[program.input_slots[spec.attention_mask_name]] = torch.ones((1, pos0 + s), dtype=torch.int64)
-        out = program.execute(env, RunCtx(kv, pos0, s, positions))
-        return out.reshape(-1, out.shape[-1])[-1].float()
-
+    ids = [5, 17, 3, 42, 9, 11, 60]
     kvs = [
         KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, torch.float32, cpu) for _ in range(2)
     ]
-    a, b = run(on, ids, 0, kvs[0]), run(off, ids, 0, kvs[1])
+    a, b = _last_logits(on, spec, ids, 0, kvs[0]), _last_logits(off, spec, ids, 0, kvs[1])
     assert float((a - b).norm() / b.norm()) < 1e-5 and int(a.argmax()) == int(b.argmax())
-    run(off, ids, 0, kvs[0])  # the same KV on both sides, then one decode step each
-    nxt = torch.tensor([[int(a.argmax())]])
-    assert torch.equal(run(on, nxt, 7, kvs[0]), run(off, nxt, 7, kvs[1]))
+    _last_logits(off, spec, ids, 0, kvs[0])  # the same KV on both sides, then one decode step each
+    nxt = [int(a.argmax())]
+    assert torch.equal(_last_logits(on, spec, nxt, 7, kvs[0]), _last_logits(off, spec, nxt, 7, kvs[1]))
 
 
 @pytest.mark.parametrize("rows", [1, 5, cpu_gemm.SPLIT_ROWS + 8])
@@ -138,7 +140,6 @@ def test_lowered_weights_split_where_products_alone_read_them(
     product's weight is split, the embedding table (read by a Gather) is not, and a prefill chunk's and a
     decode step's logits agree."""
     from onnxgen.backends.native.lowering import lower
-    from onnxgen.backends.native.ops import RunCtx
     from onnxgen.kv.buffers import KVBuffers
     from onnxgen.package.spec import load_spec
 
@@ -156,26 +157,12 @@ def test_lowered_weights_split_where_products_alone_read_them(
     gather = next(st for st in on.steps if st.node.op == "Gather")
     assert on.consts[gather.ins[0]].dim() == 2
 
-    def run(program, tokens: list[int], pos0: int, kv: KVBuffers) -> torch.Tensor:
-        env = program.new_env()
-        s = len(tokens)
-        env[program.input_slots[spec.input_ids_name]] = torch.tensor([tokens])
-        kv.reserve(pos0 + s)
-        positions = torch.arange(pos0, pos0 + s)
-        if spec.position_ids_name in program.input_slots:
-            env[program.input_slots[spec.position_ids_name]] = positions.view(1, s)
-        if spec.attention_mask_name in program.input_slots:
-            env[program.input_slots[spec.attention_mask_name]] = torch.ones((1, pos0 + s), dtype=torch.int64)
-        out = program.execute(env, RunCtx(kv, pos0, s, positions))
-        kv.set_length(pos0 + s)
-        return out.reshape(-1, out.shape[-1])[-1].float()
-
     kvs = [
         KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, torch.float32, cpu) for _ in range(2)
     ]
     prompt = [5, 17, 3, 42, 9, 11, 60]
-    a, b = run(on, prompt, 0, kvs[0]), run(off, prompt, 0, kvs[1])
+    a, b = _last_logits(on, spec, prompt, 0, kvs[0]), _last_logits(off, spec, prompt, 0, kvs[1])
     assert float((a - b).norm() / b.norm()) < 1e-5 and int(a.argmax()) == int(b.argmax())
     nxt = [int(b.argmax())]
-    a, b = run(on, nxt, len(prompt), kvs[0]), run(off, nxt, len(prompt), kvs[1])
+    a, b = _last_logits(on, spec, nxt, len(prompt), kvs[0]), _last_logits(off, spec, nxt, len(prompt), kvs[1])
     assert float((a - b).norm() / b.norm()) < 1e-5 and int(a.argmax()) == int(b.argmax())
