@@ -393,7 +393,7 @@ class PagedKV:
         them are shared, not written. Raises `DeviceOutOfMemory` when the pool cannot hold them."""
         import torch
 
-        from onnxgen.kv.storage import to_device_like
+        from onnxgen.kv.storage import from_host
 
         assert identity.digest is not None
         tokens, n, switch = identity.tokens, len(identity.tokens), self.rope_switch
@@ -412,8 +412,8 @@ class PagedKV:
             slots = (pages[pos // ps] * ps + pos % ps).to(storage.device)
             like = storage.data
             for layer, (k, v) in enumerate(layers):
-                hk = to_device_like(k[:, cached:n], like).transpose(0, 1)
-                hv = to_device_like(v[:, cached:n], like).transpose(0, 1)
+                hk = from_host(k[:, cached:n], like).transpose(0, 1)
+                hv = from_host(v[:, cached:n], like).transpose(0, 1)
                 storage.write(layer, slots, hk, hv)
         node = self.kv.commit(table, tokens)
         assert node is not None

@@ -145,10 +145,10 @@ def _checksum_v2(meta: dict[str, str], digests: Sequence[bytes]) -> str:
     return xxhash.xxh3_128(_meta_bytes(meta) + b"".join(digests)).hexdigest()
 
 
-def _read_hashing(f: Any, data: bytearray, h: Any | None) -> int:
-    """Format 1: fill `data` from `f` in `READ_CHUNK`s; with a hasher, each chunk is hashed on a worker thread
-    while the next is read (hashlib and file reads release the GIL), so a restore costs the slower of the two,
-    not their sum. Returns the bytes read (fewer than `len(data)` where the file ended)."""
+def _read_hashing(f: Any, data: Any, h: Any | None) -> int:
+    """Format 1: fill `data` (a writable buffer) from `f` in `READ_CHUNK`s; with a hasher, each chunk is hashed
+    on a worker thread while the next is read (hashlib and file reads release the GIL), so a restore costs the
+    slower of the two, not their sum. Returns the bytes read (fewer than `len(data)` where the file ended)."""
     from concurrent.futures import ThreadPoolExecutor
 
     view, got = memoryview(data), 0
@@ -348,11 +348,12 @@ def read_session(
             parsed = _parse_header(head)
             if isinstance(parsed, tuple) and parsed[1].get("format") == FORMAT:
                 return _read_v2(path, f, 8 + hlen, size - 8 - hlen, parsed, expect, sink)
-            data = bytearray(size - 8 - hlen)
+            host = HostSink(size - 8 - hlen)
             streamed = _hasher(parsed[1]) if isinstance(parsed, tuple) else None
-            got = _read_hashing(f, data, streamed)
+            got = _read_hashing(f, host.data, streamed)
     except OSError as exc:
         raise _fail(path, "unreadable", f"{type(exc).__name__}: {exc}") from exc
+    data = host.finish()
     if got != len(data):
         raise _fail(path, "truncated", "the file changed while it was read")
     if isinstance(parsed, Exception):
@@ -360,21 +361,15 @@ def read_session(
     table, meta = parsed
     if meta.get("format") != FORMAT_V1:
         raise _fail(path, "format", f"format {meta.get('format')!r}, expected {FORMAT!r}")
-    header, spans = _layout(path, table, meta)
-    if any(not 0 <= a <= b <= len(data) for *_, a, b in spans) or (spans and spans[-1][4] != len(data)):
-        raise _fail(path, "truncated", "its tensors run past the end of the file")
-    view = memoryview(data)
-    if streamed is not None and _in_order(
-        spans
-    ):  # the tensors fill the data section in order: hashed as read
-        digest = streamed.hexdigest()
+    header, spans = _layout(path, table, meta, len(data))
+    if streamed is not None and _in_order(spans):
+        digest = streamed.hexdigest()  # the tensors fill the data section in order: hashed as read
     else:
-        digest = _checksum_v1(meta, [view[a:b] for *_, a, b in spans])
+        digest = _checksum_v1(meta, [data[a:b] for *_, a, b in spans])
     if digest != meta.get("checksum"):
         raise _fail(path, "checksum", "its bytes do not match their checksum (corrupted or edited)")
     _check(path, header, expect)
-    host = HostSink(0)
-    return header, _tensors(path, header, spans, host, np.frombuffer(data, dtype=np.uint8))
+    return header, _tensors(path, header, spans, host, data)
 
 
 def _read_v2(
@@ -388,9 +383,7 @@ def _read_v2(
 ) -> tuple[SessionHeader, list[tuple[Any, Any]]]:
     """A format 2 file from its data section on (`base`: its offset in the file, `nbytes`: its size)."""
     table, meta = parsed
-    header, spans = _layout(path, table, meta)
-    if any(not 0 <= a <= b <= nbytes for *_, a, b in spans) or (spans and spans[-1][4] != nbytes):
-        raise _fail(path, "truncated", "its tensors run past the end of the file")
+    header, spans = _layout(path, table, meta, nbytes)
     try:
         chunk = int(meta["chunk"])
         if not MIN_CHUNK <= chunk <= MAX_CHUNK:
@@ -413,10 +406,10 @@ def _read_v2(
 
 
 def _layout(
-    path: Path, table: dict[str, Any], meta: dict[str, str]
+    path: Path, table: dict[str, Any], meta: dict[str, str], nbytes: int
 ) -> tuple[SessionHeader, list[tuple[str, str, tuple[int, ...], int, int]]]:
     """The header a file's metadata describes and its tensors' spans `(name, dtype, dims, start, end)` in
-    layer order."""
+    layer order, checked to lie inside the `nbytes` of its data section and to end where it does."""
     try:
         shape = KVShape(
             meta["fingerprint"],
@@ -441,6 +434,8 @@ def _layout(
                 spans.append((name, str(e["dtype"]), tuple(int(d) for d in e["shape"]), a, b))
     except Exception as exc:
         raise _fail(path, "format", "its header lacks a field or a tensor") from exc
+    if any(not 0 <= a <= b <= nbytes for *_, a, b in spans) or (spans and spans[-1][4] != nbytes):
+        raise _fail(path, "truncated", "its tensors run past the end of the file")
     return header, spans
 
 

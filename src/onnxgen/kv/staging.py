@@ -16,10 +16,12 @@ import queue
 import threading
 from typing import Any
 
+from onnxgen.kv.files import DTYPES
+
 DEFAULT_SLOTS = 16  # pinned pieces in flight at once (twice `kv.files.READERS`)
 MAX_PIECE = 64 << 20  # a file of larger pieces is read into host memory (the ring would pin too much)
 
-_TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_TORCH_DTYPES = {code: name for name, (code, _) in DTYPES.items()}  # safetensors code -> torch dtype name
 
 
 class PinnedRing:

@@ -34,24 +34,18 @@ def host_copy(a: Any) -> Any:
     return t.numpy()
 
 
-def to_device_like(a: Any, like: Any) -> Any:
-    """`a` (a host array as `host_copy` gives, possibly a strided view, or a torch tensor on any device) as a
-    tensor of `like`'s dtype and device (no copy where it already is one)."""
-    import numpy as np
-
-    if isinstance(a, np.ndarray):
-        return from_host(np.ascontiguousarray(a), like)
-    return a.to(device=like.device, dtype=like.dtype)
-
-
 def from_host(a: Any, like: Any) -> Any:
-    """`a` (a host array as `host_copy` gives) as an array of `like`'s kind, dtype and device."""
+    """`a` (a host array as `host_copy` gives, or a view of one along its first axes) as an array of `like`'s
+    kind, dtype and device; with a torch `like`, `a` may also be a torch tensor on any device (no copy where it
+    already is what `like` is)."""
     import numpy as np
 
     if isinstance(like, np.ndarray):
         return a.view(like.dtype) if like.dtype.name == "bfloat16" else a.astype(like.dtype, copy=False)
     import torch
 
+    if isinstance(a, torch.Tensor):
+        return a.to(device=like.device, dtype=like.dtype)
     if like.dtype == torch.bfloat16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(like.device)
     return torch.from_numpy(a).to(device=like.device, dtype=like.dtype)

@@ -13,9 +13,9 @@ or `import_path` in a Serve config file); `run_local` starts a local Ray for `on
 Faults: a call that fails before its response starts (its replica died or was drained) is retried once, then
 answered 503 with `Retry-After`; a response that had started ends where the replica stopped. A response's
 start is held until the first part of its body arrives, so a replica that dies between the two (a JSON answer
-whose headers went out but not its body) is retried too instead of leaving the client a broken response. A session whose
-replica is gone is rebound by the router and adopted empty where it lands (`ServerConfig.adopt_sessions`), or
-restored from its file with a shared `kv_dir`.
+whose headers went out but not its body) is retried too instead of leaving the client a broken response. A
+session whose replica is gone is rebound by the router and adopted empty where it lands
+(`ServerConfig.adopt_sessions`), or restored from its file with a shared `kv_dir`.
 """
 
 from __future__ import annotations
