@@ -542,6 +542,17 @@ def report(caption: str, tables: Sequence[tuple[str, str]], args: Any, data: Any
         print(f"\n{title}\n\n{text}" if title else f"\n{text}", flush=True)
 
 
+def kernels_by_name(prof: Any) -> list[tuple[str, float, int]]:
+    """A torch.profiler run's CUDA kernels summed by name: (name, ms, how many), most time first."""
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            row = by_name.setdefault(e.name, [0.0, 0])
+            row[0] += e.time_range.elapsed_us() / 1e3
+            row[1] += 1
+    return sorted(((k, v[0], int(v[1])) for k, v in by_name.items()), key=lambda r: -r[1])
+
+
 def fmt(x: float | None, digits: int = 1) -> str:
     """A number with thousands separators, or '-' for a missing one."""
     if x is None or x != x:

@@ -290,7 +290,7 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                     ]
                 )
         if args.profile:
-            profile_batch(next(iter(contenders.values())), conc[-1], args.new, args.device == "cuda")
+            profile_batch(next(iter(contenders.values())), conc[-1], args.new)
     finally:
         for c in clients.values():
             c.close()
@@ -312,32 +312,22 @@ def sweep(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
     return f"sweep: {p}, {args.new} new tokens each", u.table(rows, header), data
 
 
-def profile_batch(go: Callable[[], dict[str, Any]], batch: int, new: int, cuda: bool, top: int = 14) -> None:
-    """One more batch (`go`, the first contender at the largest concurrency) under torch.profiler: the device's
-    busy time per decode step against the wall's, and the kernels (on the CPU: the ops, self time) taking most
-    of it, summed by name."""
-    from collections import defaultdict
-
+def profile_batch(go: Callable[[], dict[str, Any]], batch: int, new: int, top: int = 14) -> None:
+    """One more batch (`go`, the first contender at the largest concurrency) under torch.profiler (CUDA): the
+    device's busy time per decode step against the wall's, and the kernels taking most of it, summed by name."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = go()
-    if cuda:
-        kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type.name == "CUDA"]
-    else:
-        kernels = [(e.name, e.self_cpu_time_total) for e in prof.events() if e.device_type.name == "CPU"]
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for name, us in kernels:
-        by_name[name][0] += us / 1e3
-        by_name[name][1] += 1
-    busy = sum(v[0] for v in by_name.values())
+    kernels = u.kernels_by_name(prof)
+    busy = sum(ms for _, ms, _ in kernels)
     steps = max(new, 1)
     print(
         f"\nprofiled batch of {batch}: wall {out['tokens'] / out['agg_tok_s'] * 1e3:,.0f} ms, kernels busy "
         f"{busy:,.0f} ms ({busy / steps:.2f} ms a step over {steps} steps, prefill included); "
-        f"{len(kernels):,} kernels; median decode step {out['ms_step']:.2f} ms"
+        f"{sum(n for *_, n in kernels):,} kernels; median decode step {out['ms_step']:.2f} ms"
     )
-    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+    for name, ms, n in kernels[:top]:
         print(f"  {ms / steps:8.3f} ms/step {100 * ms / busy:5.1f} %  x{n / steps:6.1f}  {name[:110]}")
 
 
@@ -737,7 +727,7 @@ def main() -> int:
     ap.add_argument("--api", default="python", help="python, http, http-stream (comma-separated)")
     ap.add_argument("--no-warmup", action="store_true", help="sweep: time an engine's first batches too")
     ap.add_argument(
-        "--profile", action="store_true", help="sweep: the largest batch once more under torch.profiler"
+        "--profile", action="store_true", help="sweep, CUDA: the largest batch once more under torch.profiler"
     )
     ap.add_argument("--speculative", default="off", choices=("off", "prompt_lookup", "default"))
     ap.add_argument("--clients", type=int, default=8)
@@ -774,6 +764,8 @@ def main() -> int:
         return 0
     u.check_args(ap, args)
     u.require_cuda(args.device, "batch.py")
+    if args.profile and args.device != "cuda":
+        ap.error("--profile profiles CUDA kernels: run it with --device cuda")
     u.set_threads(args.threads)
     pkg = u.models(args)[0]
     specs = u.engines(args.engine)

@@ -61,24 +61,18 @@ def profiled_step(
 
 def profiled_prefill(m: Any, prompt: list[int], top: int = 12) -> None:
     """One prefill of `prompt` (one token out) under torch.profiler: its kernels summed by name, most first."""
-    from collections import defaultdict
-
     from torch.profiler import ProfilerActivity, profile
 
     m.settle()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         r = m.generate(prompt, max_new_tokens=1, **GREEDY)
         m.settle()
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            by_name[e.name][0] += e.time_range.elapsed_us() / 1e3
-            by_name[e.name][1] += 1
-    busy = sum(v[0] for v in by_name.values())
+    kernels = u.kernels_by_name(prof)
+    busy = sum(ms for _, ms, _ in kernels)
     print(
         f"prefill of {len(prompt)}: TTFT {r.stats.ttft_s * 1e3:.1f} ms (profiled), kernels busy {busy:.1f} ms"
     )
-    for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+    for name, ms, n in kernels[:top]:
         print(f"  {ms:8.2f} ms {100 * ms / busy:5.1f} %  x{n:5d}  {name[:110]}")
 
 
