@@ -132,6 +132,13 @@ _VARS: tuple[Var, ...] = (
         "speculative verify steps for a second copy of every product weight in memory (off by default)",
     ),
     Var(
+        "CPU_KERNELS",
+        _flag(True),
+        "1",
+        "CPU float32 decode work (products of up to 16 rows, rotary + KV write, attention of decode and verify "
+        "steps) runs onnxgen's C kernels, compiled at first use with the system's C compiler (0: torch's ops)",
+    ),
+    Var(
         "CPU_SPLIT",
         _flag(True),
         "1",

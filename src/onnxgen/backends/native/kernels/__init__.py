@@ -15,6 +15,8 @@ concern's module; this package re-exports nothing.
     attention   `cache_attention` (a contiguous KV buffer) and `rope_qkv_write`
     advance     a captured decode step's tail: `decode_advance`, `greedy_advance`; `copy_page_prefix`
     triton/     the Triton device code (imported only when Triton runs)
+    cpu/        onnxgen's C kernels for the CPU's float32 decode work (products, rotary write, attention),
+                compiled at first use; each call falls back to the torch path where they do not apply
 
 Which `ONNXGEN_*` switches (`onnxgen.envs`) are read when: FORCE_TRITON, NO_TRITON and PDL when a program is
 loaded (`dispatch.load_switches`, and at first use); the GEMV's (NORM_LATE, FOLD_NORMS, GEMV_X2D, GEMV_ROWS),

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from onnxgen.backends.native.kernels.cpu import ops as cpu_kernels
 from onnxgen.backends.native.kernels.dispatch import KERNELS, launch_options, triton_cdiv, use_triton
 from onnxgen.backends.native.kernels.reference import cache_attention_ref, rms_norm_ref
 from onnxgen.backends.native.rotary import rope
@@ -168,6 +169,12 @@ def rope_qkv_write(
     kb, vb = kv.keys[layer], kv.values[layer]
     s = qkv.shape[1]
     if not use_triton(qkv):
+        if qk_norm is None:  # float32 on the CPU: the C kernel
+            q = cpu_kernels.rope_qkv_write(
+                qkv, cos_c, sin_c, positions, kb, vb, n, hkv, d, interleaved, slots, token_major
+            )
+            if q is not None:
+                return q
         v = qkv[..., (n + hkv) * d :].reshape(1, s, hkv, d)
         cos = cos_c.index_select(0, positions).unsqueeze(1)
         sin = sin_c.index_select(0, positions).unsqueeze(1)

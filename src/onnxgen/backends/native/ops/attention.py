@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from onnxgen.backends.native import paged
 from onnxgen.backends.native.kernels.attention import QKNorm, cache_attention, rope_qkv_write
+from onnxgen.backends.native.kernels.cpu import ops as cpu_kernels
 from onnxgen.backends.native.kernels.reference import softmax_with_sink
 from onnxgen.backends.native.ops.base import (
     AI,
@@ -81,6 +82,13 @@ def attend(
     if k is not None:  # None: the caller already wrote this step's k/v at [pos0, pos0 + s)
         kv.write(layer, pos0, k, v)
     total = pos0 + s
+    if s <= cpu_kernels.QUERY_TOKENS and bias is None and mask is None and q.shape[0] == 1:
+        positions = ctx.positions if ctx.positions is not None else torch.arange(pos0, total)
+        o = cpu_kernels.buffer_attention(
+            q[0].transpose(0, 1), kv.keys[layer], kv.values[layer], positions, scale, softcap, window, sink
+        )
+        if o is not None:  # float32 on the CPU: the C kernel ([S, N, D])
+            return o.transpose(0, 1).unsqueeze(0)
     kk, vv = kv.view(layer, total)
     k0 = max(0, pos0 + 1 - window) if window > 0 else 0  # keys below the first query's window: never read
     if k0:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from onnxgen.backends.native.kernels import cpu_gemm
+from onnxgen.backends.native.kernels.cpu import ops as cpu_kernels
 from onnxgen.backends.native.kernels.linear import Rope, linear, linear_rope, rms_linear
 from onnxgen.backends.native.kernels.norms import gelu_mul_halves, rms_norm, silu_mul_halves
 from onnxgen.backends.native.ops.base import AI, INTERNAL, MS, Builder, Fn, Node, is_rowwise, same_device
@@ -100,6 +101,8 @@ def _product(
         y = (y if residual is None else y + residual.float()).to(x.dtype)
     elif transposed and bias is None:
         return linear(x, w, rowwise=rowwise, residual=residual, out_dtype=out_dtype)
+    elif not transposed and (done := cpu_kernels.linear(x, w, bias=bias, residual=residual)) is not None:
+        y = done[0]  # decode-size float32 rows: the C kernel (bias and residual added before it returns)
     else:
         y = F.linear(x, w, bias) if transposed else cpu_gemm.product(x, w, packed)
         if bias is not None and not transposed:
@@ -119,6 +122,8 @@ def _linear_silu_mul(node: Node) -> Fn:
     def f(ctx: Any, x: Any, w: Any) -> tuple[Any, ...]:
         if transposed and not _upcast_cpu_matmul(x):
             return (linear(x, w, silu_halves=True, rowwise=is_rowwise(ctx)),)
+        if not transposed and (done := cpu_kernels.linear(x, w, silu_halves=True)) is not None:
+            return (done[0],)
         return (silu_mul_halves(_product(x, w, None, transposed, is_rowwise(ctx), packed=packed)),)
 
     return f
@@ -154,6 +159,11 @@ def _rms_linear(node: Node) -> Fn:
                 return done
         if transposed and not _upcast_cpu_matmul(x):
             return rms_linear(x, skip, nw, eps, w, silu, is_rowwise(ctx), out_dtype=out)
+        if (
+            not transposed
+            and (done := cpu_kernels.linear(x, w, norm=(skip, nw, eps), silu_halves=silu)) is not None
+        ):
+            return done if out is None else (done[0].to(out), done[1])
         h, s = rms_norm(x, skip, nw, eps)
         y = _product(h, w, None, transposed, is_rowwise(ctx), out_dtype=out, packed=packed)
         return (silu_mul_halves(y) if silu else y), s

@@ -1,0 +1,395 @@
+/* onnxgen's CPU kernels for decode-size float32 work (compiled at first use by `kernels/cpu/build.py`).
+
+   - og_linear: a few rows times a constant [K, N] weight (or its split layout [P, K, N / P]), with an
+     RMSNorm (+ skip sum) before it and a bias, a residual or silu(g) * u over [g | u] halves after it.
+   - og_rope_qkv_write: packed QKV rows rotated (q and k) and k, v written at their KV rows.
+   - og_attention: each query token over its own sequence's keys (paged or contiguous), causal, with a
+     window, soft-capping and attention sinks.
+
+   Contracts every function keeps (the Python side relies on them, tests check them):
+   - a row's values never depend on the other rows of the call (a verify step's rows equal plain decoding's);
+   - float32 in, float32 out, float32 accumulation; products rounded then summed where the torch reference
+     does so (compiled with -ffp-contract=off; the fused multiply-adds below are explicit);
+   - parallel work runs on the caller's OpenMP pool (libgomp is the one torch loaded: the same soname). */
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define OG_ROWS_MAX 16   /* rows of one og_linear call */
+#define OG_CHUNK 4096    /* the most columns of a weight block one work item computes */
+#define OG_KEYS 256      /* keys per attention split (a sequence's split count depends on its length only) */
+#define OG_SPLITS 16     /* at most this many splits per query token */
+#define OG_KEY_BLOCK 64  /* keys scored at once inside a split */
+#define OG_GROUP_MAX 64  /* query heads per KV head */
+#define OG_HEAD_MAX 256  /* head size */
+
+int og_version(void) { return 2; }
+
+/* ---------------------------------------------------------------------------------------------------------
+   Products */
+
+/* y[m, 0:cols] = x[m, 0:K] . w[0:K, 0:cols] (w's row stride ldw), the sum over k in the same order for
+   every row and every row count: four k at a time, each step rounded as an FMA chain. */
+static void chunk_product(const float *x, int64_t ldx, int rows, int K, const float *w, int64_t ldw,
+                          int cols, float *y, int64_t ldy) {
+    for (int m = 0; m < rows; m++) memset(y + m * ldy, 0, (size_t)cols * sizeof(float));
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float *w0 = w + (int64_t)k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+        for (int m = 0; m < rows; m++) {
+            const float *xm = x + m * ldx + k;
+            float *ym = y + m * ldy;
+            const __m256 b0 = _mm256_set1_ps(xm[0]), b1 = _mm256_set1_ps(xm[1]);
+            const __m256 b2 = _mm256_set1_ps(xm[2]), b3 = _mm256_set1_ps(xm[3]);
+            int c = 0;
+            for (; c + 8 <= cols; c += 8) {
+                __m256 acc = _mm256_loadu_ps(ym + c);
+                acc = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0 + c), acc);
+                acc = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1 + c), acc);
+                acc = _mm256_fmadd_ps(b2, _mm256_loadu_ps(w2 + c), acc);
+                acc = _mm256_fmadd_ps(b3, _mm256_loadu_ps(w3 + c), acc);
+                _mm256_storeu_ps(ym + c, acc);
+            }
+            for (; c < cols; c++) {
+                float a = ym[c];
+                a = fmaf(xm[0], w0[c], a);
+                a = fmaf(xm[1], w1[c], a);
+                a = fmaf(xm[2], w2[c], a);
+                a = fmaf(xm[3], w3[c], a);
+                ym[c] = a;
+            }
+        }
+    }
+    for (; k < K; k++) {
+        const float *wk = w + (int64_t)k * ldw;
+        for (int m = 0; m < rows; m++) {
+            const float xk = x[m * ldx + k];
+            float *ym = y + m * ldy;
+            const __m256 b = _mm256_set1_ps(xk);
+            int c = 0;
+            for (; c + 8 <= cols; c += 8)
+                _mm256_storeu_ps(ym + c, _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + c), _mm256_loadu_ps(ym + c)));
+            for (; c < cols; c++) ym[c] = fmaf(xk, wk[c], ym[c]);
+        }
+    }
+}
+
+/* h[m] = (x[m] (+ skip[m])) * rsqrt(mean((x + skip)^2) + eps) * nw, the sum written to sum_out[m] when
+   skip is given (onnxruntime's SkipSimplifiedLayerNormalization, float32 throughout). */
+static void rms_rows(const float *x, const float *skip, const float *nw, float eps, int rows, int K,
+                     float *h, float *sum_out) {
+    for (int m = 0; m < rows; m++) {
+        const float *xm = x + (int64_t)m * K;
+        float *hm = h + (int64_t)m * K;
+        if (skip) {
+            const float *sm = skip + (int64_t)m * K;
+            float *om = sum_out + (int64_t)m * K;
+            for (int k = 0; k < K; k++) om[k] = xm[k] + sm[k];
+            xm = om;
+        }
+        double ss = 0.0;
+        for (int k = 0; k < K; k++) ss += (double)xm[k] * (double)xm[k];
+        const float r = 1.0f / sqrtf((float)(ss / K) + eps);
+        for (int k = 0; k < K; k++) hm[k] = xm[k] * r * nw[k];
+    }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* out[rows, N'] = act(norm(x) @ W + bias + residual).
+
+   x [rows, K] contiguous; W: `parts` blocks of [K, nb] (block p at w + p * block_stride, row stride ldw,
+   columns p * nb ..): the split layout is parts = P, block_stride = K * nb, ldw = nb; a plain [K, N] weight
+   is parts = 1, ldw = N. nw (may be NULL): an RMSNorm's weight first (skip, sum_out: its residual sum),
+   into h [rows, K]. act 1: silu(y[:, :N/2]) * y[:, N/2:] into out [rows, N/2] (y [rows, N] scratch); act 0:
+   y is out. bias [N], residual [rows, N] (may be NULL; not with act 1). */
+int og_linear(const float *x, int rows, int K, const float *skip, const float *nw, float eps, float *h,
+              float *sum_out, const float *w, int parts, int64_t block_stride, int64_t ldw, int nb,
+              const float *bias, const float *residual, int act, float *y, float *out, int nthreads) {
+    if (rows < 1 || rows > OG_ROWS_MAX || K < 1 || nb < 1 || parts < 1) return -1;
+    const int64_t N = (int64_t)parts * nb;
+    if (nw) {
+        rms_rows(x, skip, nw, eps, rows, K, h, sum_out);
+        x = h;
+    }
+    /* whole rows of a block per work item (one sequential stream through it) where there are blocks for
+       every thread, else each block cut into about nthreads / parts column ranges; at most OG_CHUNK columns */
+    int width = nb;
+    if (parts < nthreads) width = ((nb * parts + nthreads - 1) / nthreads + 7) / 8 * 8;
+    if (width > OG_CHUNK) width = OG_CHUNK;
+    if (width < 8) width = 8;
+    const int chunks = (nb + width - 1) / width;
+    const int items = parts * chunks;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int it = 0; it < items; it++) {
+            const int p = it / chunks, c0 = (it % chunks) * width;
+            const int cols = nb - c0 < width ? nb - c0 : width;
+            const int64_t col = (int64_t)p * nb + c0;
+            chunk_product(x, K, rows, K, w + p * block_stride + c0, ldw, cols, y + col, N);
+            if (bias || residual) {
+                for (int m = 0; m < rows; m++) {
+                    float *ym = y + m * N + col;
+                    if (bias)
+                        for (int c = 0; c < cols; c++) ym[c] += bias[col + c];
+                    if (residual) {
+                        const float *rm = residual + m * N + col;
+                        for (int c = 0; c < cols; c++) ym[c] += rm[c];
+                    }
+                }
+            }
+        }
+        if (act == 1) {
+            const int64_t half = N / 2;
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < rows * half; i++) {
+                const int64_t m = i / half, c = i % half;
+                out[i] = silu(y[m * N + c]) * y[m * N + half + c];
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+   Rotary and the KV write */
+
+/* One head's rotation of its first 2 * half features at table row `row` (torch reference: products rounded,
+   then their sum); the rest copied. */
+static void rotate(const float *x, const float *cs, const float *sn, int d, int half, int interleaved,
+                   float *o) {
+    for (int i = 0; i < half; i++) {
+        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
+        const float x1 = x[a], x2 = x[b], c = cs[i], s = sn[i];
+        const float p1 = x1 * c, p2 = x2 * s, p3 = x2 * c, p4 = x1 * s;
+        o[a] = p1 - p2;
+        o[b] = p3 + p4;
+    }
+    for (int i = 2 * half; i < d; i++) o[i] = x[i];
+}
+
+/* qkv [S, (n + 2 hkv) d] rows (row stride ld): q heads rotated into qout (token t, head h at
+   qout + t * q_tok + h * q_head), k heads rotated and v heads copied to slot slots[t] of kb / vb (slot
+   stride kv_row, head stride kv_head); rotary table row positions[t] (cos_c / sin_c, row stride cs). */
+int og_rope_qkv_write(const float *qkv, int64_t ld, int S, int n, int hkv, int d, int half,
+                      const float *cos_c, const float *sin_c, int64_t cs, const int64_t *positions,
+                      const int64_t *slots, int interleaved, float *qout, int64_t q_tok, int64_t q_head,
+                      float *kb, float *vb, int64_t kv_row, int64_t kv_head) {
+    if (2 * half > d) return -1;
+    for (int t = 0; t < S; t++) {
+        const float *r = qkv + t * ld;
+        const float *c = cos_c + positions[t] * cs, *s = sin_c + positions[t] * cs;
+        for (int h = 0; h < n; h++) rotate(r + h * d, c, s, d, half, interleaved, qout + t * q_tok + h * q_head);
+        float *krow = kb + slots[t] * kv_row, *vrow = vb + slots[t] * kv_row;
+        for (int h = 0; h < hkv; h++) {
+            rotate(r + (int64_t)(n + h) * d, c, s, d, half, interleaved, krow + h * kv_head);
+            memcpy(vrow + h * kv_head, r + (int64_t)(n + hkv + h) * d, (size_t)d * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+   Attention */
+
+/* exp(x) for 8 floats: Cephes' single-precision polynomial after a range reduction by ln 2 (relative error
+   about 1e-7 over the range softmax uses, exp(x) for x <= 0); exp(-inf) = 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+    const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+    const __m256 zero_below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, half));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c1));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, c2));
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, half);
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(zero_below, y);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+/* the sums of eight vectors' lanes as one vector: lane i = sum of a[i] */
+static inline __m256 hsum8x8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+typedef struct {
+    const float *kb, *vb;
+    int64_t page_stride, row_stride, head_stride;
+    const int32_t *tables;
+    int64_t table_stride;
+    int page_size;
+} og_kv;
+
+static inline int64_t key_offset(const og_kv *kv, const int32_t *table, int64_t p, int head) {
+    return (int64_t)table[p / kv->page_size] * kv->page_stride + (p % kv->page_size) * kv->row_stride +
+           (int64_t)head * kv->head_stride;
+}
+
+/* The split count and keys per split of a query that reads `keys` keys: a function of its length only. */
+static inline void plan(int64_t keys, int *splits, int64_t *per) {
+    int64_t s = (keys + OG_KEYS - 1) / OG_KEYS;
+    if (s > OG_SPLITS) s = OG_SPLITS;
+    if (s < 1) s = 1;
+    *per = (keys + s - 1) / s;
+    *splits = (int)((keys + *per - 1) / *per);
+}
+
+/* The `g` query heads of one KV head over keys [lo, hi) of one sequence: the running maximum m, the sum l of
+   exp(score - m) and acc = sum exp(score - m) v (unnormalised), per head. d is a multiple of 8. */
+static void attend_split(const float *q, int64_t q_head, int g, int d, const og_kv *kv, const int32_t *table,
+                         int head, int64_t lo, int64_t hi, float scale, float softcap, float *m, float *l,
+                         float *acc) {
+    float scores[OG_GROUP_MAX * OG_KEY_BLOCK] __attribute__((aligned(32)));
+    const float *kp[OG_KEY_BLOCK], *vp[OG_KEY_BLOCK];
+    for (int j = 0; j < g; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+        memset(acc + j * d, 0, (size_t)d * sizeof(float));
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t b0 = lo; b0 < hi; b0 += OG_KEY_BLOCK) {
+        const int nk = hi - b0 < OG_KEY_BLOCK ? (int)(hi - b0) : OG_KEY_BLOCK;
+        for (int i = 0; i < nk; i++) {
+            const int64_t off = key_offset(kv, table, b0 + i, head);
+            kp[i] = kv->kb + off;
+            vp[i] = kv->vb + off;
+        }
+        for (int i = nk; i < (nk + 7) / 8 * 8; i++) kp[i] = kp[0]; /* a partial group reads key 0 again */
+        for (int j = 0; j < g; j++) {
+            const float *qj = q + j * q_head;
+            float *sj = scores + j * OG_KEY_BLOCK;
+            for (int i = 0; i < nk; i += 8) {
+                __m256 a[8];
+                for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+                for (int e = 0; e < d; e += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qj + e);
+                    for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[i + u] + e), a[u]);
+                }
+                _mm256_store_ps(sj + i, _mm256_mul_ps(hsum8x8(a), vscale));
+            }
+            if (softcap > 0.0f)
+                for (int i = 0; i < nk; i++) sj[i] = softcap * tanhf(sj[i] / softcap);
+            for (int i = nk; i < (nk + 7) / 8 * 8; i++) sj[i] = -INFINITY;
+            __m256 mx8 = _mm256_set1_ps(m[j]);
+            for (int i = 0; i < nk; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_load_ps(sj + i));
+            const float mx = hmax8(mx8);
+            const float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - mx);
+            const __m256 vmx = _mm256_set1_ps(mx);
+            __m256 sum8 = _mm256_setzero_ps();
+            for (int i = 0; i < nk; i += 8) {
+                const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(sj + i), vmx));
+                _mm256_store_ps(sj + i, p);
+                sum8 = _mm256_add_ps(sum8, p);
+            }
+            l[j] = l[j] * corr + hsum8(sum8);
+            m[j] = mx;
+            /* acc = acc * corr + sum_i p_i v_i, 64 features at a time in registers */
+            const __m256 vc = _mm256_set1_ps(corr);
+            float *aj = acc + j * d;
+            for (int e0 = 0; e0 < d; e0 += 64) {
+                const int w = d - e0 < 64 ? (d - e0) / 8 : 8;
+                __m256 r[8];
+                for (int c = 0; c < w; c++) r[c] = _mm256_mul_ps(_mm256_loadu_ps(aj + e0 + 8 * c), vc);
+                for (int i = 0; i < nk; i++) {
+                    const __m256 p = _mm256_set1_ps(sj[i]);
+                    const float *v = vp[i] + e0;
+                    for (int c = 0; c < w; c++) r[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), r[c]);
+                }
+                for (int c = 0; c < w; c++) _mm256_storeu_ps(aj + e0 + 8 * c, r[c]);
+            }
+        }
+    }
+}
+
+/* out[t, h] = softmax over keys (scale, soft-capped) of q[t, h] . k, times v, for T query tokens: token t of
+   sequence seq[t] (its page table row tables + seq[t] * table_stride) at position pos[t] reads keys
+   [lo, pos[t]] (lo = pos[t] - window + 1 with a window > 0, else 0). Query head h reads KV head h / (n / hkv).
+   sink (may be NULL): [n] logits in each head's denominator. q at q + t * q_tok + h * q_head, out likewise;
+   scratch: at least og_attention_scratch(T, n, d) floats. */
+int64_t og_attention_scratch(int T, int n, int d) { return (int64_t)T * n * OG_SPLITS * (d + 2); }
+
+int og_attention(const float *q, int64_t q_tok, int64_t q_head, int T, int n, int hkv, int d,
+                 const float *kb, const float *vb, int64_t page_stride, int64_t row_stride,
+                 int64_t head_stride, const int32_t *tables, int64_t table_stride, int page_size,
+                 const int32_t *seq, const int64_t *pos, float scale, float softcap, int window,
+                 const float *sink, float *out, int64_t o_tok, int64_t o_head, float *scratch, int nthreads) {
+    if (hkv < 1 || n % hkv || n / hkv > OG_GROUP_MAX || d > OG_HEAD_MAX || d % 8 || T < 1) return -1;
+    const int g = n / hkv;
+    const og_kv kv = {kb, vb, page_stride, row_stride, head_stride, tables, table_stride, page_size};
+    const int64_t part = (int64_t)g * (d + 2); /* one split's (m, l, acc) for a KV head's g query heads */
+    /* work items: (token, KV head, split) */
+    const int items = T * hkv * OG_SPLITS;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int it = 0; it < items; it++) {
+            const int t = it / (hkv * OG_SPLITS), head = (it / OG_SPLITS) % hkv, sp = it % OG_SPLITS;
+            const int64_t hi = pos[t] + 1, lo = window > 0 && hi - window > 0 ? hi - window : 0;
+            int splits;
+            int64_t per;
+            plan(hi - lo, &splits, &per);
+            if (sp >= splits) continue;
+            const int64_t a = lo + sp * per, b = a + per < hi ? a + per : hi;
+            float *slot = scratch + ((int64_t)(t * hkv + head) * OG_SPLITS + sp) * part;
+            attend_split(q + t * q_tok + (int64_t)head * g * q_head, q_head, g, d, &kv,
+                         tables + (int64_t)seq[t] * table_stride, head, a, b, scale, softcap, slot,
+                         slot + g, slot + 2 * g);
+        }
+        /* the splits of each (token, query head) combined in split order */
+#pragma omp for schedule(static)
+        for (int it = 0; it < T * n; it++) {
+            const int t = it / n, h = it % n, head = h / g, j = h % g;
+            const int64_t hi = pos[t] + 1, lo = window > 0 && hi - window > 0 ? hi - window : 0;
+            int splits;
+            int64_t per;
+            plan(hi - lo, &splits, &per);
+            const float *base = scratch + (int64_t)(t * hkv + head) * OG_SPLITS * part;
+            float mx = sink ? sink[h] : -INFINITY;
+            for (int s = 0; s < splits; s++) {
+                const float ms = base[s * part + j];
+                mx = ms > mx ? ms : mx;
+            }
+            float l = sink ? expf(sink[h] - mx) : 0.0f;
+            float *o = out + t * o_tok + h * o_head;
+            memset(o, 0, (size_t)d * sizeof(float));
+            for (int s = 0; s < splits; s++) {
+                const float *sl = base + s * part;
+                const float f = expf(sl[j] - mx);
+                l += sl[g + j] * f;
+                const float *acc = sl + 2 * g + (int64_t)j * d;
+                for (int e = 0; e < d; e++) o[e] += acc[e] * f;
+            }
+            const float inv = 1.0f / l;
+            for (int e = 0; e < d; e++) o[e] *= inv;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,255 @@
+"""Torch-facing calls of the C kernels (`kernels.c`): each returns its result, or None where the kernels do
+not apply (not float32 CPU tensors, a layout they do not read, too many rows, the library unavailable), and
+the caller runs its torch path. Results match the torch paths up to the summation order inside a dot
+product; a row's values never depend on the call's other rows.
+
+- `linear(x, w, ...)`: up to `ROWS` rows of `x @ w` over a `[K, N]` float32 weight or its split layout
+  `[P, K, N / P]` (`kernels.cpu_gemm`), with an RMSNorm (and skip sum) before it, a bias, a residual or
+  `silu(g) * u` over `[g | u]` after it.
+- `rope_qkv_write(...)`: `kernels.attention.rope_qkv_write`'s values (q and k rotated, k and v written).
+- `attention(...)`: query tokens over their sequences' keys, paged (`paged_attention`) or one contiguous
+  buffer (`buffer_attention`): decode and verify steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from onnxgen.backends.native.kernels.cpu.build import library
+
+ROWS = 16  # the most rows a `linear` call computes (og_linear's OG_ROWS_MAX)
+QUERY_TOKENS = 16  # the most query tokens per sequence the attention takes here (decode and verify steps)
+GROUP_MAX, HEAD_MAX = 64, 256  # query heads per KV head, head size (the C side's bounds)
+
+_F32 = torch.float32
+_local = threading.local()
+
+
+def usable(*xs: torch.Tensor | None) -> bool:
+    """Whether every given tensor is float32 on the CPU and the library runs here."""
+    return all(x is None or (x.device.type == "cpu" and x.dtype == torch.float32) for x in xs) and (
+        library() is not None
+    )
+
+
+def _ptr(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+def _scratch(n: int, use: str) -> torch.Tensor:
+    """A float32 buffer of at least n elements kept per thread and `use` (the kernels' working memory: a
+    call's results never live in it)."""
+    key = "scratch_" + use
+    buf = getattr(_local, key, None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(max(n, 1 << 16), dtype=torch.float32)
+        setattr(_local, key, buf)
+    return buf
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    silu_halves: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`(act(h @ w + bias + residual), sum)`, h = x or with `norm` = (skip, weight, eps) `rms_norm(x, skip)`'s
+    output (sum: `x + skip`, None without skip); `silu_halves`: `silu(g) * u` of the product's halves (not
+    with bias or residual). w: `[K, N]` or the split `[P, K, N / P]`, contiguous. None: not taken here."""
+    lib = library()
+    if lib is None or x.dtype is not _F32 or w.dtype is not _F32 or x.device.type != "cpu":
+        return None
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 1 <= rows <= ROWS or w.shape[-2] != k or not x.is_contiguous() or not w.is_contiguous():
+        return None
+    if w.dim() == 3:
+        parts, nb = w.shape[0], w.shape[2]
+        block = k * nb
+    elif w.dim() == 2:
+        parts, nb, block = 1, w.shape[1], 0
+    else:
+        return None
+    n = parts * nb
+    skip, nw, eps = norm if norm is not None else (None, None, 0.0)
+    if silu_halves and (bias is not None or residual is not None or n % 2):
+        return None
+    for t, size in ((skip, rows * k), (nw, k), (bias, n), (residual, rows * n)):
+        if t is not None and (t.dtype is not _F32 or not t.is_contiguous() or t.numel() != size):
+            return None
+    scratch = _scratch((rows * k if nw is not None else 0) + (rows * n if silu_halves else 0), "linear")
+    s = torch.empty_like(x) if skip is not None else None
+    out = torch.empty(*x.shape[:-1], n // 2 if silu_halves else n)
+    y = scratch[rows * k :] if nw is not None else scratch  # the whole product under silu_halves
+    rc = lib.og_linear(
+        x.data_ptr(), rows, k, _ptr(skip), _ptr(nw), float(eps), scratch.data_ptr(), _ptr(s), w.data_ptr(),
+        parts, block, nb, nb, _ptr(bias), _ptr(residual), int(silu_halves),
+        y.data_ptr() if silu_halves else out.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc == 0, f"og_linear refused rows={rows} K={k} parts={parts} nb={nb}"
+    return out, s
+
+
+def rope_qkv_write(
+    qkv: torch.Tensor,
+    cos_c: torch.Tensor,
+    sin_c: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n: int,
+    hkv: int,
+    d: int,
+    interleaved: bool,
+    slots: torch.Tensor,
+    token_major: bool,
+) -> torch.Tensor | None:
+    """`kernels.attention.rope_qkv_write` without q/k norms: packed QKV `[1, S, (n + 2 hkv) d]` -> rotated q
+    `[1, n, S, d]` (a view of `[1, S, n, d]` storage when `token_major`); rotated k and v written into
+    `keys` / `values` (`[1, hkv, rows, d]`, any head and row strides) at rows `slots`. None: not taken."""
+    s = qkv.shape[1]
+    half = cos_c.shape[1]
+    if (
+        not usable(qkv, cos_c, sin_c, keys, values)
+        or qkv.stride(-1) != 1
+        or qkv.stride(1) < qkv.shape[2]
+        or cos_c.stride(1) != 1
+        or cos_c.stride() != sin_c.stride()
+        or keys.stride(-1) != 1
+        or keys.stride() != values.stride()
+        or 2 * half > d
+        or positions.dtype != torch.int64
+        or slots.dtype != torch.int64
+    ):
+        return None
+    positions, slots = positions.contiguous(), slots.contiguous()
+    qout = torch.empty((1, s, n, d) if token_major else (1, n, s, d))
+    q = qout.transpose(1, 2) if token_major else qout  # [1, n, S, d] either way
+    rc = library().og_rope_qkv_write(  # type: ignore[union-attr]
+        qkv.data_ptr(), qkv.stride(1), s, n, hkv, d, half, cos_c.data_ptr(), sin_c.data_ptr(), cos_c.stride(0),
+        positions.data_ptr(), slots.data_ptr(), int(interleaved), q.data_ptr(), q.stride(2), q.stride(1),
+        keys.data_ptr(), values.data_ptr(), keys.stride(2), keys.stride(1),
+    )  # fmt: skip
+    assert rc == 0
+    return q
+
+
+def paged_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    page_table: torch.Tensor,
+    token_seq: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    sink: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """`q` `[T, N, D]` (token t of sequence `token_seq[t]` at `positions[t]`) over the pool's keys and values
+    (`[pages, page_size, Hkv, D]`, one layer's) read through `page_table` (`[B, max pages]` int32): causal,
+    from the window's first key with `window` > 0, soft-capped, `sink` (`[N]` float32) in each head's
+    denominator. Returns `[T, N, D]` float32, or None: not taken here."""
+    if keys.dim() != 4:
+        return None
+    return _attention(q, keys, values, keys.shape[2], keys.stride(0), keys.stride(1), keys.stride(2), page_table,
+                      keys.shape[1], token_seq, positions, scale, softcap, window, sink)  # fmt: skip
+
+
+def buffer_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    sink: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """`paged_attention` over one sequence's contiguous buffers (`[1, Hkv, rows, D]`, any strides): q `[T, N,
+    D]`, token t at `positions[t]`."""
+    if keys.dim() != 4 or keys.shape[0] != 1:
+        return None
+    return _attention(q, keys, values, keys.shape[1], 0, keys.stride(2), keys.stride(1), _zero_table(),
+                      keys.shape[2], _zeros(q.shape[0]), positions, scale, softcap, window, sink)  # fmt: skip
+
+
+def _zero_table() -> torch.Tensor:
+    t = getattr(_local, "zero_table", None)
+    if t is None:
+        t = _local.zero_table = torch.zeros(1, 1, dtype=torch.int32)
+    return t
+
+
+def _zeros(n: int) -> torch.Tensor:
+    z = getattr(_local, "zeros", None)
+    if z is None or z.numel() < n:
+        z = _local.zeros = torch.zeros(max(n, 64), dtype=torch.int32)
+    return z[:n]
+
+
+def _attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    hkv: int,
+    page_stride: int,
+    row_stride: int,
+    head_stride: int,
+    tables: torch.Tensor,
+    page_size: int,
+    token_seq: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    sink: torch.Tensor | None,
+) -> torch.Tensor | None:
+    t, n, d = q.shape
+    if (
+        not usable(q, keys, values, sink)
+        or q.stride(-1) != 1
+        or keys.stride(-1) != 1
+        or keys.stride() != values.stride()
+        or n % hkv
+        or n // hkv > GROUP_MAX
+        or d > HEAD_MAX
+        or d % 8
+        or tables.dtype != torch.int32
+        or not tables.is_contiguous()
+        or token_seq.dtype != torch.int32
+        or positions.dtype != torch.int64
+        or (sink is not None and (sink.numel() != n or not sink.is_contiguous()))
+    ):
+        return None
+    lib = library()
+    assert lib is not None
+    positions, token_seq = positions.contiguous(), token_seq.contiguous()
+    out = torch.empty(t, n, d)
+    scratch = _scratch(lib.og_attention_scratch(t, n, d), "attention")
+    rc = lib.og_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), t, n, hkv, d, keys.data_ptr(), values.data_ptr(), page_stride,
+        row_stride, head_stride, tables.data_ptr(), tables.stride(0), page_size, token_seq.data_ptr(),
+        positions.data_ptr(), float(scale), float(softcap), int(window), _ptr(sink), out.data_ptr(),
+        out.stride(0), out.stride(1), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    assert rc == 0
+    return out
+
+
+def token_sequences(q_starts: list[int]) -> torch.Tensor:
+    """Each token's sequence index (`[T]` int32) for a step whose sequence b holds tokens
+    `q_starts[b] .. q_starts[b + 1] - 1`."""
+    seq = [b for b in range(len(q_starts) - 1) for _ in range(q_starts[b + 1] - q_starts[b])]
+    return torch.tensor(seq, dtype=torch.int32)
+
+
+def most_tokens(q_starts: list[int]) -> int:
+    """The most query tokens any sequence of a step holds."""
+    return max((b - a for a, b in itertools.pairwise(q_starts)), default=0)
