@@ -423,21 +423,26 @@ def test_fused_program_equals_one_op_per_node(dtype: str, tmp_path_factory: pyte
     spec = load_spec(pkg)
     dev = torch.device("cpu")
     progs = {f: lower(spec.decoder_path, spec, dev, fuse=f) for f in (True, False)}
-    ops = {f: {st.node.op for st in p.steps} for f, p in progs.items()}
+    # the nodes each program runs, a CPU layer fused for the C kernels (`CpuLayer`) seen as its five
+    nodes = {
+        f: [n for st in p.steps for n in (st.node.attrs["_parts"] if st.node.op == "CpuLayer" else [st.node])]
+        for f, p in progs.items()
+    }
+    ops = {f: {n.op for n in ns} for f, ns in nodes.items()}
     assert "RmsLinear" in ops[True] and "SiluMul" not in ops[True]  # gate/up + SiLU, with the norm before it
-    assert any(st.node.attrs.get("silu") for st in progs[True].steps if st.node.op == "RmsLinear")
-    assert not {"LinearSiluMul", "RmsLinear"} & ops[False] and "SiluMul" in ops[False]
+    assert any(n.attrs.get("silu") for n in nodes[True] if n.op == "RmsLinear")
+    assert not {"LinearSiluMul", "RmsLinear", "CpuLayer"} & ops[False] and "SiluMul" in ops[False]
     # every skip-norm's sum formed by the o / down projection feeding it (its residual input), so no
     # skip-norm is left: the norms folded into the next projection, and the final norm, are plain
-    with_res = [st.node for st in progs[True].steps if st.node.op == "Linear" and any(st.node.inputs[5:])]
+    with_res = [n for n in nodes[True] if n.op == "Linear" and any(n.inputs[5:])]
     assert len(with_res) == 2 * spec.num_layers and "SkipSimplifiedLayerNormalization" not in ops[True]
     assert "SkipSimplifiedLayerNormalization" in ops[False]
     # the final norm too: the cut before the lm_head moved before it, so it folds into the lm_head
     assert not any(op.endswith("LayerNormalization") for op in ops[True])
-    assert [st.node.op for st in progs[True].steps][-2:] == ["SliceLast", "RmsLinear"]
+    assert [n.op for n in nodes[True]][-2:] == ["SliceLast", "RmsLinear"]
     # the logits' cast to float32 done by the lm_head product (half-precision packages end with one)
-    casts = {f: sum(st.node.op == "Cast" for st in p.steps) for f, p in progs.items()}
-    out_float = [st.node for st in progs[True].steps if st.node.attrs.get("_out_float")]
+    casts = {f: sum(n.op == "Cast" for n in ns) for f, ns in nodes.items()}
+    out_float = [n for n in nodes[True] if n.attrs.get("_out_float")]
     if dtype == "bfloat16":
         assert casts[True] == casts[False] - 1 and len(out_float) == 1
     ids = torch.tensor(_prompt(12, spec.vocab_size))

@@ -271,3 +271,50 @@ def test_a_failed_compile_leaves_nothing_behind(monkeypatch: pytest.MonkeyPatch,
 def test_the_library_shares_torchs_openmp_runtime() -> None:
     """One OpenMP runtime mapped after loading: the kernels' threads are torch's pool, not a second one."""
     assert len(build._openmp_runtimes()) <= 1
+
+
+def test_each_layer_runs_as_one_call_with_the_separate_kernels_bits(
+    tiny_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny builder-style package lowered with its layers fused (`CpuLayer`, one C call per layer for up to
+    16 tokens) and without: a 7-token prefill and a decode step give the same bits (the same C functions in
+    the same order), a 20-token prefill (the five ops, torch's products) too; and the torch path (kernels off)
+    agrees to float32 rounding with the same next token."""
+    from onnxgen.backends.native import lowering
+    from onnxgen.kv.buffers import KVBuffers
+    from onnxgen.package.spec import load_spec
+
+    from .test_cpu_gemm import _last_logits
+
+    spec = load_spec(tiny_dir)
+    cpu = torch.device("cpu")
+    fused = lowering.lower(spec.decoder_path, spec, cpu)
+    assert sum(st.node.op == "CpuLayer" for st in fused.steps) == spec.num_layers
+    monkeypatch.setattr(lowering, "_fuse_cpu_layers", lambda nodes, consts: nodes)
+    apart = lowering.lower(spec.decoder_path, spec, cpu)
+    assert not any(st.node.op == "CpuLayer" for st in apart.steps)
+    monkeypatch.setattr(ck, "library", lambda: None)  # every op's torch path
+    monkeypatch.setattr(lowering.cpu_kernels, "library", lambda: None)
+    torch_only = lowering.lower(spec.decoder_path, spec, cpu)
+    monkeypatch.undo()
+
+    def kv() -> KVBuffers:
+        return KVBuffers(spec.num_layers, spec.num_kv_heads, spec.head_size, torch.float32, cpu)
+
+    for prompt in ([5, 17, 3, 42, 9, 11, 60], list(range(3, 23))):
+        kvs = [kv(), kv()]
+        a, b = _last_logits(fused, spec, prompt, 0, kvs[0]), _last_logits(apart, spec, prompt, 0, kvs[1])
+        assert torch.equal(a, b)
+        nxt = [int(a.argmax())]
+        a2 = _last_logits(fused, spec, nxt, len(prompt), kvs[0])
+        assert torch.equal(a2, _last_logits(apart, spec, nxt, len(prompt), kvs[1]))
+        for layer in range(spec.num_layers):  # the KV each wrote
+            for buf in ("keys", "values"):
+                mine, theirs = getattr(kvs[0], buf)[layer], getattr(kvs[1], buf)[layer]
+                assert torch.equal(mine[:, :, : len(prompt) + 1], theirs[:, :, : len(prompt) + 1])
+    with monkeypatch.context() as m:
+        m.setattr(ck, "library", lambda: None)
+        ref = kv()
+        c = _last_logits(torch_only, spec, prompt, 0, ref)
+        c2 = _last_logits(torch_only, spec, nxt, len(prompt), ref)
+    assert _rel(a, c) < 1e-5 and _rel(a2, c2) < 1e-5 and int(a2.argmax()) == int(c2.argmax())

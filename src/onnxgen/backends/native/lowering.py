@@ -34,6 +34,7 @@ import torch
 import onnxgen.envs as envs
 from onnxgen.backends.native import ops as O
 from onnxgen.backends.native.kernels import cpu_gemm
+from onnxgen.backends.native.kernels.cpu import ops as cpu_kernels
 from onnxgen.backends.native.weights import ExternalData, tensor_from_proto
 from onnxgen.errors import NotCapturable, UnsupportedModel, UnsupportedOp
 
@@ -198,6 +199,8 @@ def lower(
     nodes = _dce(nodes, [spec.logits_name])
     if device.type == "cpu":
         _prepack_cpu(nodes, consts)
+        if fuse and decoder and cpu_kernels.library() is not None:
+            nodes = _fuse_cpu_layers(nodes, consts)
 
     # Placement: every constant a step reads.
     used: set[str] = {x for n in nodes for x in n.inputs if x}
@@ -704,6 +707,103 @@ def _prepack_cpu(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> None:
             blocks = cpu_gemm.split(consts[name], parts)
             if blocks is not None:
                 consts[name] = blocks
+
+
+def _fuse_cpu_layers(nodes: list[O.Node], consts: dict[str, torch.Tensor]) -> list[O.Node]:
+    """Each run of five consecutive nodes forming a pre-norm decoder layer the CPU's C kernels run whole
+    (`ops.cpu_layer`) replaced by one CpuLayer node: RmsLinear (no skip, QKV with `_rope`) -> packed
+    GroupQueryAttention (fused rotary, no bias or q/k norms, MRoPE's tables not) -> Linear (output product,
+    the layer input as its residual) -> RmsLinear (no skip, gate/up + SiLU) -> Linear (down product, the
+    attention block's sum as its residual), weights and norms constant, every value between them read only
+    inside the layer. Others stay as they are."""
+    readers: dict[str, int] = {}
+    for n in nodes:
+        for x in n.inputs:
+            if x:
+                readers[x] = readers.get(x, 0) + 1
+    out: list[O.Node] = []
+    i = 0
+    while i < len(nodes):
+        run = nodes[i : i + 5]
+        if len(run) == 5 and _is_cpu_layer(run, consts, readers):
+            a, b, c, d, e = run
+            inside = {a.outputs[0], b.outputs[0], c.outputs[0], d.outputs[0]}
+            ins = list(dict.fromkeys(x for p in run for x in p.inputs if x and x not in inside))
+            out.append(
+                O.Node(
+                    "CpuLayer",
+                    "onnxgen",
+                    f"{a.name}..{e.name}",
+                    ins,
+                    [e.outputs[0]],
+                    {"_parts": run},
+                    layer=b.layer,
+                )
+            )
+            i += 5
+            continue
+        out.append(nodes[i])
+        i += 1
+    return out
+
+
+def _is_cpu_layer(run: list[O.Node], consts: dict[str, torch.Tensor], readers: dict[str, int]) -> bool:
+    a, b, c, d, e = run
+
+    def inp(n: O.Node, k: int) -> str:
+        return n.inputs[k] if len(n.inputs) > k else ""
+
+    def used(n: O.Node, k: int) -> bool:
+        return len(n.outputs) > k and bool(n.outputs[k]) and readers.get(n.outputs[k], 0) > 0
+
+    ops = [(n.domain, n.op) for n in run]
+    if ops != [
+        ("onnxgen", "RmsLinear"),
+        ("com.microsoft", "GroupQueryAttention"),
+        ("onnxgen", "Linear"),
+        ("onnxgen", "RmsLinear"),
+        ("onnxgen", "Linear"),
+    ]:
+        return False
+    if any(n.attrs.get("_transposed") or n.attrs.get("_out_float") for n in run):
+        return False
+    rope = a.attr("_rope")
+    if rope is None or a.attr("silu", 0) or inp(a, 1) or not d.attr("silu", 0) or inp(d, 1):
+        return False
+    if (
+        a.attr("_rope_switch") != b.attr("_rope_switch")
+        or b.attr("_step_tables")
+        or not b.attr("do_rotary", 0)
+    ):
+        return False
+    if inp(b, 1) or inp(b, 2) or inp(b, 10) or inp(b, 14) or inp(b, 15) or b.layer != rope[0]:
+        return False
+    if inp(b, 0) != a.outputs[0] or inp(c, 0) != b.outputs[0] or inp(d, 0) != c.outputs[0]:
+        return False
+    if inp(e, 0) != d.outputs[0] or inp(c, 5) != inp(a, 0) or inp(e, 5) != c.outputs[0]:
+        return False
+    if (
+        any(inp(n, k) for n in (c, e) for k in (2, 3, 4))
+        or used(a, 1)
+        or used(b, 1)
+        or used(b, 2)
+        or used(d, 1)
+    ):
+        return False
+    if (inp(a, 4), inp(a, 5)) != (inp(b, 7), inp(b, 8)):
+        return False
+    constant = [inp(a, 2), inp(a, 3), inp(b, 7), inp(b, 8), inp(c, 1), inp(d, 2), inp(d, 3), inp(e, 1)]
+    if inp(b, 11):
+        constant.append(inp(b, 11))
+    if not all(x and x in consts for x in constant):
+        return False
+    # each value between the five read only by the next of them (the attention block's sum: by both MLP ops)
+    return (
+        readers.get(a.outputs[0]) == 1
+        and readers.get(b.outputs[0]) == 1
+        and readers.get(c.outputs[0]) == 2
+        and readers.get(d.outputs[0]) == 1
+    )
 
 
 def _prepare_linear(

@@ -5,8 +5,8 @@ A builder takes a `Node` (op type, domain, attributes, input/output names) and r
 families: `elementwise`, `tensor` (shapes, data movement, reductions), `linear`, `norms`, `rotary`,
 `attention` (the ops bound to the runtime's KV), `quant` (int4: dequantization at load, or the
 lowering's Int4Linear on packed weights), `moe` (mixture of experts: MoE, QMoE, their weights prepared at
-load by `prepare_moe`), `control` (`If` with constant branches) and `collective` (tensor parallelism's
-all-reduce).
+load by `prepare_moe`), `control` (`If` with constant branches), `collective` (tensor parallelism's
+all-reduce) and `cpu_layer` (a decoder layer fused for the CPU's C kernels).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from onnxgen.backends.native.ops import (
     attention,
     collective,
     control,
+    cpu_layer,
     elementwise,
     linear,
     moe,
@@ -49,7 +50,19 @@ __all__ = [
 ]
 
 BUILDERS: dict[tuple[str, str], Builder] = {}
-for _family in (elementwise, tensor, linear, norms, rotary, attention, quant, moe, control, collective):
+for _family in (
+    elementwise,
+    tensor,
+    linear,
+    norms,
+    rotary,
+    attention,
+    quant,
+    moe,
+    control,
+    collective,
+    cpu_layer,
+):
     _twice = BUILDERS.keys() & _family.BUILDERS.keys()
     assert not _twice, f"ops registered by two families: {sorted(_twice)}"
     BUILDERS.update(_family.BUILDERS)

@@ -357,7 +357,7 @@ def layer_windows(nodes: Any, num_layers: int) -> list[int]:
     """Each KV layer's attention window (GroupQueryAttention's `local_window_size`; 0: the layer attends to the
     whole context) from the lowered program's KV-bound `nodes`: what a layer's attention never reads again."""
     windows: dict[int, int] = {}
-    for n in nodes:
+    for n in (p for m in nodes for p in (m.attrs["_parts"] if m.op == "CpuLayer" else [m])):  # fused: its ops
         if n.layer is None:
             continue
         w = int(n.attr("local_window_size", -1)) if (n.domain, n.op) == (MS, "GroupQueryAttention") else 0

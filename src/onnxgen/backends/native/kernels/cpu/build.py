@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 COMPILERS = ("cc", "gcc", "clang")
-VERSION = 2  # og_version() of the source this module's bindings expect
+VERSION = 4  # og_version() of the source this module's bindings expect
 
 _reason: list[str] = []
 
@@ -124,7 +124,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.og_linear.argtypes = [P, I, I, P, P, F, P, P, P, I, L, L, I, P, P, I, P, P, I]
     lib.og_rope_qkv_write.argtypes = [P, L, I, I, I, I, I, P, P, L, P, P, I, P, L, L, P, P, L, L]
     lib.og_attention.argtypes = [P, L, L, I, I, I, I, P, P, L, L, L, P, L, I, P, P, F, F, I, P, P, L, L, P, I]
+    lib.og_layer.argtypes = [P]
+    lib.og_layer_scratch.argtypes = [I, I, I, I, I, L]
+    lib.og_layer_scratch.restype = L
     lib.og_attention_scratch.argtypes = [I, I, I]
     lib.og_attention_scratch.restype = L
-    for f in (lib.og_linear, lib.og_rope_qkv_write, lib.og_attention, lib.og_version):
+    for f in (lib.og_linear, lib.og_rope_qkv_write, lib.og_attention, lib.og_layer, lib.og_version):
         f.restype = ctypes.c_int

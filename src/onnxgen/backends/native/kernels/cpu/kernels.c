@@ -25,39 +25,33 @@
 #define OG_GROUP_MAX 64  /* query heads per KV head */
 #define OG_HEAD_MAX 256  /* head size */
 
-int og_version(void) { return 2; }
+int og_version(void) { return 4; }
 
 /* ---------------------------------------------------------------------------------------------------------
    Products */
 
 /* y[m, 0:cols] = x[m, 0:K] . w[0:K, 0:cols] (w's row stride ldw), the sum over k in the same order for
-   every row and every row count: four k at a time, each step rounded as an FMA chain. */
+   every row and every row count: eight k at a time (eight rows of w streamed together), an FMA chain per column. */
 static void chunk_product(const float *x, int64_t ldx, int rows, int K, const float *w, int64_t ldw,
                           int cols, float *y, int64_t ldy) {
     for (int m = 0; m < rows; m++) memset(y + m * ldy, 0, (size_t)cols * sizeof(float));
     int k = 0;
-    for (; k + 4 <= K; k += 4) {
-        const float *w0 = w + (int64_t)k * ldw, *w1 = w0 + ldw, *w2 = w1 + ldw, *w3 = w2 + ldw;
+    for (; k + 8 <= K; k += 8) {
+        const float *w0 = w + (int64_t)k * ldw;
         for (int m = 0; m < rows; m++) {
             const float *xm = x + m * ldx + k;
             float *ym = y + m * ldy;
-            const __m256 b0 = _mm256_set1_ps(xm[0]), b1 = _mm256_set1_ps(xm[1]);
-            const __m256 b2 = _mm256_set1_ps(xm[2]), b3 = _mm256_set1_ps(xm[3]);
+            __m256 b[8];
+            for (int u = 0; u < 8; u++) b[u] = _mm256_set1_ps(xm[u]);
             int c = 0;
             for (; c + 8 <= cols; c += 8) {
                 __m256 acc = _mm256_loadu_ps(ym + c);
-                acc = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0 + c), acc);
-                acc = _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1 + c), acc);
-                acc = _mm256_fmadd_ps(b2, _mm256_loadu_ps(w2 + c), acc);
-                acc = _mm256_fmadd_ps(b3, _mm256_loadu_ps(w3 + c), acc);
+                for (int u = 0; u < 8; u++) acc = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(w0 + u * ldw + c), acc);
                 _mm256_storeu_ps(ym + c, acc);
             }
             for (; c < cols; c++) {
                 float a = ym[c];
-                a = fmaf(xm[0], w0[c], a);
-                a = fmaf(xm[1], w1[c], a);
-                a = fmaf(xm[2], w2[c], a);
-                a = fmaf(xm[3], w3[c], a);
+                for (int u = 0; u < 8; u++) a = fmaf(xm[u], w0[u * ldw + c], a);
                 ym[c] = a;
             }
         }
@@ -98,22 +92,22 @@ static void rms_rows(const float *x, const float *skip, const float *nw, float e
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* out[rows, N'] = act(norm(x) @ W + bias + residual).
+/* A constant weight as the products read it: `parts` blocks of [K, nb] (block p at w + p * block_stride, row
+   stride ldw, columns p * nb ..): the split layout is parts = P, block_stride = K * nb, ldw = nb; a plain
+   [K, N] weight is parts = 1, ldw = N. */
+typedef struct {
+    const float *w;
+    int parts;
+    int64_t block_stride, ldw;
+    int nb;
+} og_weight;
 
-   x [rows, K] contiguous; W: `parts` blocks of [K, nb] (block p at w + p * block_stride, row stride ldw,
-   columns p * nb ..): the split layout is parts = P, block_stride = K * nb, ldw = nb; a plain [K, N] weight
-   is parts = 1, ldw = N. nw (may be NULL): an RMSNorm's weight first (skip, sum_out: its residual sum),
-   into h [rows, K]. act 1: silu(y[:, :N/2]) * y[:, N/2:] into out [rows, N/2] (y [rows, N] scratch); act 0:
-   y is out. bias [N], residual [rows, N] (may be NULL; not with act 1). */
-int og_linear(const float *x, int rows, int K, const float *skip, const float *nw, float eps, float *h,
-              float *sum_out, const float *w, int parts, int64_t block_stride, int64_t ldw, int nb,
-              const float *bias, const float *residual, int act, float *y, float *out, int nthreads) {
-    if (rows < 1 || rows > OG_ROWS_MAX || K < 1 || nb < 1 || parts < 1) return -1;
+/* y = x @ W (+ bias) (+ residual) over [rows, N], then with act 1 out[rows, N/2] = silu(y[:, :N/2]) * y[:, N/2:].
+   Called by every thread of a parallel region (orphaned work-sharing loops, a barrier at the end). */
+static void product_phase(const float *x, int rows, int K, const og_weight *W, const float *bias,
+                          const float *residual, int act, float *y, float *out, int nthreads) {
+    const int nb = W->nb, parts = W->parts;
     const int64_t N = (int64_t)parts * nb;
-    if (nw) {
-        rms_rows(x, skip, nw, eps, rows, K, h, sum_out);
-        x = h;
-    }
     /* whole rows of a block per work item (one sequential stream through it) where there are blocks for
        every thread, else each block cut into about nthreads / parts column ranges; at most OG_CHUNK columns */
     int width = nb;
@@ -122,35 +116,50 @@ int og_linear(const float *x, int rows, int K, const float *skip, const float *n
     if (width < 8) width = 8;
     const int chunks = (nb + width - 1) / width;
     const int items = parts * chunks;
-#pragma omp parallel num_threads(nthreads)
-    {
 #pragma omp for schedule(static)
-        for (int it = 0; it < items; it++) {
-            const int p = it / chunks, c0 = (it % chunks) * width;
-            const int cols = nb - c0 < width ? nb - c0 : width;
-            const int64_t col = (int64_t)p * nb + c0;
-            chunk_product(x, K, rows, K, w + p * block_stride + c0, ldw, cols, y + col, N);
-            if (bias || residual) {
-                for (int m = 0; m < rows; m++) {
-                    float *ym = y + m * N + col;
-                    if (bias)
-                        for (int c = 0; c < cols; c++) ym[c] += bias[col + c];
-                    if (residual) {
-                        const float *rm = residual + m * N + col;
-                        for (int c = 0; c < cols; c++) ym[c] += rm[c];
-                    }
+    for (int it = 0; it < items; it++) {
+        const int p = it / chunks, c0 = (it % chunks) * width;
+        const int cols = nb - c0 < width ? nb - c0 : width;
+        const int64_t col = (int64_t)p * nb + c0;
+        chunk_product(x, K, rows, K, W->w + p * W->block_stride + c0, W->ldw, cols, y + col, N);
+        if (bias || residual) {
+            for (int m = 0; m < rows; m++) {
+                float *ym = y + m * N + col;
+                if (bias)
+                    for (int c = 0; c < cols; c++) ym[c] += bias[col + c];
+                if (residual) {
+                    const float *rm = residual + m * N + col;
+                    for (int c = 0; c < cols; c++) ym[c] += rm[c];
                 }
             }
         }
-        if (act == 1) {
-            const int64_t half = N / 2;
+    }
+    if (act == 1) {
+        const int64_t half = N / 2;
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < rows * half; i++) {
-                const int64_t m = i / half, c = i % half;
-                out[i] = silu(y[m * N + c]) * y[m * N + half + c];
-            }
+        for (int64_t i = 0; i < rows * half; i++) {
+            const int64_t m = i / half, c = i % half;
+            out[i] = silu(y[m * N + c]) * y[m * N + half + c];
         }
     }
+}
+
+/* out[rows, N'] = act(norm(x) @ W + bias + residual).
+
+   x [rows, K] contiguous; W as `og_weight` describes. nw (may be NULL): an RMSNorm's weight first (skip,
+   sum_out: its residual sum), into h [rows, K]. act 1: silu(y[:, :N/2]) * y[:, N/2:] into out [rows, N/2]
+   (y [rows, N] scratch); act 0: y is out. bias [N], residual [rows, N] (may be NULL; not with act 1). */
+int og_linear(const float *x, int rows, int K, const float *skip, const float *nw, float eps, float *h,
+              float *sum_out, const float *w, int parts, int64_t block_stride, int64_t ldw, int nb,
+              const float *bias, const float *residual, int act, float *y, float *out, int nthreads) {
+    if (rows < 1 || rows > OG_ROWS_MAX || K < 1 || nb < 1 || parts < 1) return -1;
+    const og_weight W = {w, parts, block_stride, ldw, nb};
+    if (nw) {
+        rms_rows(x, skip, nw, eps, rows, K, h, sum_out);
+        x = h;
+    }
+#pragma omp parallel num_threads(nthreads)
+    product_phase(x, rows, K, &W, bias, residual, act, y, out, nthreads);
     return 0;
 }
 
@@ -174,11 +183,10 @@ static void rotate(const float *x, const float *cs, const float *sn, int d, int 
 /* qkv [S, (n + 2 hkv) d] rows (row stride ld): q heads rotated into qout (token t, head h at
    qout + t * q_tok + h * q_head), k heads rotated and v heads copied to slot slots[t] of kb / vb (slot
    stride kv_row, head stride kv_head); rotary table row positions[t] (cos_c / sin_c, row stride cs). */
-int og_rope_qkv_write(const float *qkv, int64_t ld, int S, int n, int hkv, int d, int half,
-                      const float *cos_c, const float *sin_c, int64_t cs, const int64_t *positions,
-                      const int64_t *slots, int interleaved, float *qout, int64_t q_tok, int64_t q_head,
-                      float *kb, float *vb, int64_t kv_row, int64_t kv_head) {
-    if (2 * half > d) return -1;
+static void rope_write(const float *qkv, int64_t ld, int S, int n, int hkv, int d, int half, const float *cos_c,
+                       const float *sin_c, int64_t cs, const int64_t *positions, const int64_t *slots,
+                       int interleaved, float *qout, int64_t q_tok, int64_t q_head, float *kb, float *vb,
+                       int64_t kv_row, int64_t kv_head) {
     for (int t = 0; t < S; t++) {
         const float *r = qkv + t * ld;
         const float *c = cos_c + positions[t] * cs, *s = sin_c + positions[t] * cs;
@@ -189,6 +197,15 @@ int og_rope_qkv_write(const float *qkv, int64_t ld, int S, int n, int hkv, int d
             memcpy(vrow + h * kv_head, r + (int64_t)(n + hkv + h) * d, (size_t)d * sizeof(float));
         }
     }
+}
+
+int og_rope_qkv_write(const float *qkv, int64_t ld, int S, int n, int hkv, int d, int half,
+                      const float *cos_c, const float *sin_c, int64_t cs, const int64_t *positions,
+                      const int64_t *slots, int interleaved, float *qout, int64_t q_tok, int64_t q_head,
+                      float *kb, float *vb, int64_t kv_row, int64_t kv_head) {
+    if (2 * half > d) return -1;
+    rope_write(qkv, ld, S, n, hkv, d, half, cos_c, sin_c, cs, positions, slots, interleaved, qout, q_tok, q_head,
+               kb, vb, kv_row, kv_head);
     return 0;
 }
 
@@ -329,6 +346,74 @@ static void attend_split(const float *q, int64_t q_head, int g, int d, const og_
     }
 }
 
+/* One attention call's work: query tokens and where their keys are. */
+typedef struct {
+    const float *q;
+    int64_t q_tok, q_head;
+    int T, n, hkv, d;
+    og_kv kv;
+    const int32_t *seq;
+    const int64_t *pos;
+    float scale, softcap;
+    int window;
+    const float *sink;
+    float *out;
+    int64_t o_tok, o_head;
+    float *scratch;
+} og_attn;
+
+static int attention_ok(int n, int hkv, int d, int T) {
+    return !(hkv < 1 || n % hkv || n / hkv > OG_GROUP_MAX || d > OG_HEAD_MAX || d % 8 || T < 1);
+}
+
+/* Called by every thread of a parallel region (orphaned work-sharing loops, a barrier at the end). */
+static void attention_phase(const og_attn *A) {
+    const int g = A->n / A->hkv, hkv = A->hkv, n = A->n, d = A->d;
+    const int64_t part = (int64_t)g * (d + 2); /* one split's (m, l, acc) for a KV head's g query heads */
+    const int items = A->T * hkv * OG_SPLITS;  /* (token, KV head, split) */
+#pragma omp for schedule(dynamic, 1)
+    for (int it = 0; it < items; it++) {
+        const int t = it / (hkv * OG_SPLITS), head = (it / OG_SPLITS) % hkv, sp = it % OG_SPLITS;
+        const int64_t hi = A->pos[t] + 1, lo = A->window > 0 && hi - A->window > 0 ? hi - A->window : 0;
+        int splits;
+        int64_t per;
+        plan(hi - lo, &splits, &per);
+        if (sp >= splits) continue;
+        const int64_t a = lo + sp * per, b = a + per < hi ? a + per : hi;
+        float *slot = A->scratch + ((int64_t)(t * hkv + head) * OG_SPLITS + sp) * part;
+        attend_split(A->q + t * A->q_tok + (int64_t)head * g * A->q_head, A->q_head, g, d, &A->kv,
+                     A->kv.tables + (int64_t)A->seq[t] * A->kv.table_stride, head, a, b, A->scale, A->softcap,
+                     slot, slot + g, slot + 2 * g);
+    }
+    /* the splits of each (token, query head) combined in split order */
+#pragma omp for schedule(static)
+    for (int it = 0; it < A->T * n; it++) {
+        const int t = it / n, h = it % n, head = h / g, j = h % g;
+        const int64_t hi = A->pos[t] + 1, lo = A->window > 0 && hi - A->window > 0 ? hi - A->window : 0;
+        int splits;
+        int64_t per;
+        plan(hi - lo, &splits, &per);
+        const float *base = A->scratch + (int64_t)(t * hkv + head) * OG_SPLITS * part;
+        float mx = A->sink ? A->sink[h] : -INFINITY;
+        for (int s = 0; s < splits; s++) {
+            const float ms = base[s * part + j];
+            mx = ms > mx ? ms : mx;
+        }
+        float l = A->sink ? expf(A->sink[h] - mx) : 0.0f;
+        float *o = A->out + t * A->o_tok + h * A->o_head;
+        memset(o, 0, (size_t)d * sizeof(float));
+        for (int s = 0; s < splits; s++) {
+            const float *sl = base + s * part;
+            const float f = expf(sl[j] - mx);
+            l += sl[g + j] * f;
+            const float *acc = sl + 2 * g + (int64_t)j * d;
+            for (int e = 0; e < d; e++) o[e] += acc[e] * f;
+        }
+        const float inv = 1.0f / l;
+        for (int e = 0; e < d; e++) o[e] *= inv;
+    }
+}
+
 /* out[t, h] = softmax over keys (scale, soft-capped) of q[t, h] . k, times v, for T query tokens: token t of
    sequence seq[t] (its page table row tables + seq[t] * table_stride) at position pos[t] reads keys
    [lo, pos[t]] (lo = pos[t] - window + 1 with a window > 0, else 0). Query head h reads KV head h / (n / hkv).
@@ -341,55 +426,84 @@ int og_attention(const float *q, int64_t q_tok, int64_t q_head, int T, int n, in
                  int64_t head_stride, const int32_t *tables, int64_t table_stride, int page_size,
                  const int32_t *seq, const int64_t *pos, float scale, float softcap, int window,
                  const float *sink, float *out, int64_t o_tok, int64_t o_head, float *scratch, int nthreads) {
-    if (hkv < 1 || n % hkv || n / hkv > OG_GROUP_MAX || d > OG_HEAD_MAX || d % 8 || T < 1) return -1;
-    const int g = n / hkv;
-    const og_kv kv = {kb, vb, page_stride, row_stride, head_stride, tables, table_stride, page_size};
-    const int64_t part = (int64_t)g * (d + 2); /* one split's (m, l, acc) for a KV head's g query heads */
-    /* work items: (token, KV head, split) */
-    const int items = T * hkv * OG_SPLITS;
+    if (!attention_ok(n, hkv, d, T)) return -1;
+    const og_attn A = {q, q_tok, q_head, T, n, hkv, d,
+                       {kb, vb, page_stride, row_stride, head_stride, tables, table_stride, page_size},
+                       seq, pos, scale, softcap, window, sink, out, o_tok, o_head, scratch};
 #pragma omp parallel num_threads(nthreads)
+    attention_phase(&A);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+   A decoder layer */
+
+/* A pre-norm decoder layer with packed QKV, rotary attention and a SiLU-gated MLP, for up to OG_ROWS_MAX
+   tokens (decode and verify steps):
+     qkv = rms(x, nw1) @ wqkv;  q, k, v rotated / written (og_rope_qkv_write);  a = attention (og_attention)
+     h1 = x + a @ wo;  out = h1 + silu_halves(rms(h1, nw2) @ wgu) @ wdown
+   each step the values of the separate calls above (the same functions in the same order), in one parallel
+   region. KV rows: kb / vb at slot * kv_row + head * kv_head; the attention's pages: page_stride (0: one
+   contiguous buffer of page_size rows, tables a zero row). */
+typedef struct {
+    const float *x;
+    float *out;
+    int rows, K;
+    const float *nw1, *nw2;
+    float eps1, eps2;
+    og_weight wqkv, wo, wgu, wdown;
+    int n, hkv, d, half, interleaved;
+    const float *cos_c, *sin_c;
+    int64_t cs;
+    const int64_t *rope_rows, *slots;
+    float *kb, *vb;
+    int64_t kv_row, kv_head, page_stride;
+    const int32_t *tables;
+    int64_t table_stride;
+    int page_size;
+    const int32_t *seq;
+    const int64_t *pos;
+    float scale, softcap;
+    int window;
+    const float *sink;
+    float *scratch; /* og_layer_scratch(...) floats */
+    int nthreads;
+} og_layer_args;
+
+int64_t og_layer_scratch(int rows, int K, int n, int hkv, int d, int64_t ngu) {
+    return (int64_t)rows * (2 * K + (int64_t)(n + 2 * hkv) * d + 2 * (int64_t)n * d + ngu + ngu / 2) +
+           og_attention_scratch(rows, n, d);
+}
+
+int og_layer(const og_layer_args *a) {
+    const int rows = a->rows, K = a->K, n = a->n, hkv = a->hkv, d = a->d;
+    if (rows < 1 || rows > OG_ROWS_MAX || !attention_ok(n, hkv, d, rows) || 2 * a->half > d) return -1;
+    const int64_t nqkv = (int64_t)(n + 2 * hkv) * d, ngu = (int64_t)a->wgu.parts * a->wgu.nb;
+    if ((int64_t)a->wqkv.parts * a->wqkv.nb != nqkv || (int64_t)a->wo.parts * a->wo.nb != K ||
+        (int64_t)a->wdown.parts * a->wdown.nb != K || ngu % 2)
+        return -2;
+    float *h = a->scratch, *qkv = h + (int64_t)rows * K, *q = qkv + rows * nqkv, *att = q + (int64_t)rows * n * d;
+    float *h1 = att + (int64_t)rows * n * d, *y = h1 + (int64_t)rows * K, *ff = y + rows * ngu;
+    float *partial = ff + rows * (ngu / 2);
+    const og_attn A = {q, (int64_t)n * d, d, rows, n, hkv, d,
+                       {a->kb, a->vb, a->page_stride, a->kv_row, a->kv_head, a->tables, a->table_stride,
+                        a->page_size},
+                       a->seq, a->pos, a->scale, a->softcap, a->window, a->sink, att, (int64_t)n * d, d, partial};
+    const int nt = a->nthreads;
+#pragma omp parallel num_threads(nt)
     {
-#pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < items; it++) {
-            const int t = it / (hkv * OG_SPLITS), head = (it / OG_SPLITS) % hkv, sp = it % OG_SPLITS;
-            const int64_t hi = pos[t] + 1, lo = window > 0 && hi - window > 0 ? hi - window : 0;
-            int splits;
-            int64_t per;
-            plan(hi - lo, &splits, &per);
-            if (sp >= splits) continue;
-            const int64_t a = lo + sp * per, b = a + per < hi ? a + per : hi;
-            float *slot = scratch + ((int64_t)(t * hkv + head) * OG_SPLITS + sp) * part;
-            attend_split(q + t * q_tok + (int64_t)head * g * q_head, q_head, g, d, &kv,
-                         tables + (int64_t)seq[t] * table_stride, head, a, b, scale, softcap, slot,
-                         slot + g, slot + 2 * g);
-        }
-        /* the splits of each (token, query head) combined in split order */
-#pragma omp for schedule(static)
-        for (int it = 0; it < T * n; it++) {
-            const int t = it / n, h = it % n, head = h / g, j = h % g;
-            const int64_t hi = pos[t] + 1, lo = window > 0 && hi - window > 0 ? hi - window : 0;
-            int splits;
-            int64_t per;
-            plan(hi - lo, &splits, &per);
-            const float *base = scratch + (int64_t)(t * hkv + head) * OG_SPLITS * part;
-            float mx = sink ? sink[h] : -INFINITY;
-            for (int s = 0; s < splits; s++) {
-                const float ms = base[s * part + j];
-                mx = ms > mx ? ms : mx;
-            }
-            float l = sink ? expf(sink[h] - mx) : 0.0f;
-            float *o = out + t * o_tok + h * o_head;
-            memset(o, 0, (size_t)d * sizeof(float));
-            for (int s = 0; s < splits; s++) {
-                const float *sl = base + s * part;
-                const float f = expf(sl[j] - mx);
-                l += sl[g + j] * f;
-                const float *acc = sl + 2 * g + (int64_t)j * d;
-                for (int e = 0; e < d; e++) o[e] += acc[e] * f;
-            }
-            const float inv = 1.0f / l;
-            for (int e = 0; e < d; e++) o[e] *= inv;
-        }
+#pragma omp single
+        rms_rows(a->x, NULL, a->nw1, a->eps1, rows, K, h, NULL);
+        product_phase(h, rows, K, &a->wqkv, NULL, NULL, 0, qkv, qkv, nt);
+#pragma omp single
+        rope_write(qkv, nqkv, rows, n, hkv, d, a->half, a->cos_c, a->sin_c, a->cs, a->rope_rows, a->slots,
+                   a->interleaved, q, (int64_t)n * d, d, a->kb, a->vb, a->kv_row, a->kv_head);
+        attention_phase(&A);
+        product_phase(att, rows, n * d, &a->wo, NULL, a->x, 0, h1, h1, nt);
+#pragma omp single
+        rms_rows(h1, NULL, a->nw2, a->eps2, rows, K, h, NULL);
+        product_phase(h, rows, K, &a->wgu, NULL, NULL, 1, y, ff, nt);
+        product_phase(ff, rows, (int)(ngu / 2), &a->wdown, NULL, h1, 0, a->out, a->out, nt);
     }
     return 0;
 }

@@ -13,8 +13,10 @@ product; a row's values never depend on the call's other rows.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
+from typing import Any
 
 import torch
 
@@ -253,3 +255,230 @@ def token_sequences(q_starts: list[int]) -> torch.Tensor:
 def most_tokens(q_starts: list[int]) -> int:
     """The most query tokens any sequence of a step holds."""
     return max((b - a for a, b in itertools.pairwise(q_starts)), default=0)
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("parts", ctypes.c_int),
+        ("block_stride", ctypes.c_int64),
+        ("ldw", ctypes.c_int64),
+        ("nb", ctypes.c_int),
+    ]
+
+
+class _LayerArgs(ctypes.Structure):
+    """`og_layer_args` (kernels.c), field for field."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("rows", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("nw1", ctypes.c_void_p),
+        ("nw2", ctypes.c_void_p),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+        ("wqkv", _Weight),
+        ("wo", _Weight),
+        ("wgu", _Weight),
+        ("wdown", _Weight),
+        ("n", ctypes.c_int),
+        ("hkv", ctypes.c_int),
+        ("d", ctypes.c_int),
+        ("half", ctypes.c_int),
+        ("interleaved", ctypes.c_int),
+        ("cos_c", ctypes.c_void_p),
+        ("sin_c", ctypes.c_void_p),
+        ("cs", ctypes.c_int64),
+        ("rope_rows", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("kb", ctypes.c_void_p),
+        ("vb", ctypes.c_void_p),
+        ("kv_row", ctypes.c_int64),
+        ("kv_head", ctypes.c_int64),
+        ("page_stride", ctypes.c_int64),
+        ("tables", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64),
+        ("page_size", ctypes.c_int),
+        ("seq", ctypes.c_void_p),
+        ("pos", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("window", ctypes.c_int),
+        ("sink", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
+def _weight(w: torch.Tensor, k: int) -> _Weight | None:
+    """A product weight as `og_weight` (`[K, N]` or the split `[P, K, N / P]`, contiguous float32), or None."""
+    if w.dtype is not _F32 or w.device.type != "cpu" or not w.is_contiguous() or w.shape[-2] != k:
+        return None
+    if w.dim() == 3:
+        return _Weight(w.data_ptr(), w.shape[0], k * w.shape[2], w.shape[2], w.shape[2])
+    if w.dim() == 2:
+        return _Weight(w.data_ptr(), 1, 0, w.shape[1], w.shape[1])
+    return None
+
+
+class Layer:
+    """A pre-norm decoder layer with packed QKV, rotary attention and a SiLU-gated MLP run by one C call
+    (`og_layer`) for up to `ROWS` tokens: the values of the separate calls `linear` (norm + QKV),
+    `rope_qkv_write`, `paged_attention` / `buffer_attention`, `linear` (output product + residual), `linear`
+    (norm + gate/up + SiLU) and `linear` (down product + residual), in one parallel region.
+
+    `Layer.make(...)` returns None where the constants are not for the kernels (the caller keeps the separate
+    ops); `run(...)` returns the layer's output, or None where a step is not for them."""
+
+    def __init__(self, args: _LayerArgs, keep: tuple[torch.Tensor, ...], ngu: int) -> None:
+        self._template = args  # the constants' fields; each thread fills its own copy's step fields
+        self._local = threading.local()  # a program is shared: decoders on other threads run it too
+        self._keep = keep  # the constants the struct points into
+        self._ngu = ngu
+
+    def _args(self) -> _LayerArgs:
+        a = getattr(self._local, "args", None)
+        if a is None:
+            a = self._local.args = _LayerArgs.from_buffer_copy(self._template)
+        return a
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        nw1: torch.Tensor,
+        eps1: float,
+        wqkv: torch.Tensor,
+        wo: torch.Tensor,
+        nw2: torch.Tensor,
+        eps2: float,
+        wgu: torch.Tensor,
+        wdown: torch.Tensor,
+        heads: tuple[int, int, int],
+        cos_c: torch.Tensor,
+        sin_c: torch.Tensor,
+        interleaved: bool,
+        scale: float,
+        softcap: float,
+        window: int,
+        sink: torch.Tensor | None,
+    ) -> Layer | None:
+        if library() is None:
+            return None
+        n, hkv, d = heads
+        k = nw1.numel()
+        ws = (_weight(wqkv, k), _weight(wo, n * d), _weight(wgu, k))
+        if any(w is None for w in ws) or wgu.numel() % (2 * k):
+            return None
+        ngu = wgu.numel() // k
+        down = _weight(wdown, ngu // 2)
+        consts = [nw1, nw2, cos_c, sin_c, *([sink] if sink is not None else [])]
+        if (
+            down is None
+            or any(t.dtype is not _F32 or t.device.type != "cpu" or not t.is_contiguous() for t in consts)
+            or nw2.numel() != k
+            or n % hkv
+            or n // hkv > GROUP_MAX
+            or d > HEAD_MAX
+            or d % 8
+            or 2 * cos_c.shape[1] > d
+            or cos_c.stride() != sin_c.stride()
+            or (sink is not None and sink.numel() != n)
+        ):
+            return None
+        if (
+            ws[0].parts * ws[0].nb != (n + 2 * hkv) * d
+            or ws[1].parts * ws[1].nb != k
+            or down.parts * down.nb != k
+        ):
+            return None
+        args = _LayerArgs()
+        args.K, args.nw1, args.nw2, args.eps1, args.eps2 = k, nw1.data_ptr(), nw2.data_ptr(), eps1, eps2
+        args.wqkv, args.wo, args.wgu, args.wdown = ws[0], ws[1], ws[2], down
+        args.n, args.hkv, args.d, args.half, args.interleaved = n, hkv, d, cos_c.shape[1], int(interleaved)
+        args.cos_c, args.sin_c, args.cs = cos_c.data_ptr(), sin_c.data_ptr(), cos_c.stride(0)
+        args.scale, args.softcap, args.window = scale, softcap, window
+        args.sink = _ptr(sink)
+        keep = (nw1, wqkv, wo, nw2, wgu, wdown, cos_c, sin_c, *([sink] if sink is not None else []))
+        return cls(args, keep, ngu)
+
+    def run_paged(self, x: torch.Tensor, rope_rows: torch.Tensor, ps: Any, layer: int) -> torch.Tensor | None:
+        """The layer over a paged step (`paged.PagedStep`, at most `QUERY_TOKENS` tokens of any sequence):
+        k and v written at the step's slots in `layer`'s pages, each token attending over its sequence's."""
+        keys = ps.storage.keys(layer)  # [pages, page_size, Hkv, D]
+        if keys.dtype is not _F32 or keys.device.type != "cpu" or keys.stride(-1) != 1:
+            return None
+        if ps._token_seq is None:
+            ps._token_seq = token_sequences(ps.q_starts)
+        a = self._args()
+        a.kb, a.vb = keys.data_ptr(), ps.storage.values(layer).data_ptr()
+        a.kv_row, a.kv_head, a.page_stride = keys.stride(1), keys.stride(2), keys.stride(0)
+        a.tables, a.table_stride, a.page_size = (
+            ps.page_table.data_ptr(),
+            ps.page_table.stride(0),
+            keys.shape[1],
+        )
+        return self._run(x, rope_rows, ps.slots, ps._token_seq, ps.positions)
+
+    def run_buffer(
+        self,
+        x: torch.Tensor,
+        rope_rows: torch.Tensor,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The layer over one sequence's contiguous KV buffers (`[1, Hkv, capacity, D]`): its tokens at
+        `positions`, k and v written there."""
+        if (
+            keys.dtype is not _F32
+            or keys.device.type != "cpu"
+            or keys.stride(-1) != 1
+            or keys.stride() != values.stride()
+        ):
+            return None
+        a = self._args()
+        a.kb, a.vb = keys.data_ptr(), values.data_ptr()
+        a.kv_row, a.kv_head, a.page_stride = keys.stride(2), keys.stride(1), 0
+        table = _zero_table()
+        a.tables, a.table_stride, a.page_size = table.data_ptr(), 1, keys.shape[2]
+        return self._run(x, rope_rows, positions, _zeros(positions.numel()), positions)
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        rope_rows: torch.Tensor,
+        slots: torch.Tensor,
+        seq: torch.Tensor,
+        pos: torch.Tensor,
+    ) -> torch.Tensor | None:
+        a = self._args()
+        rows = x.numel() // a.K
+        if (
+            not 1 <= rows <= ROWS
+            or x.dtype is not _F32
+            or not x.is_contiguous()
+            or rope_rows.dtype != torch.int64
+            or slots.dtype != torch.int64
+            or pos.dtype != torch.int64
+            or pos.numel() != rows
+        ):
+            return None
+        lib = library()
+        assert lib is not None
+        rope_rows, slots, pos = rope_rows.contiguous(), slots.contiguous(), pos.contiguous()
+        out = torch.empty_like(x)
+        scratch = _scratch(lib.og_layer_scratch(rows, a.K, a.n, a.hkv, a.d, self._ngu), "layer")
+        a.x, a.out, a.rows = x.data_ptr(), out.data_ptr(), rows
+        a.rope_rows, a.slots, a.seq, a.pos = (
+            rope_rows.data_ptr(),
+            slots.data_ptr(),
+            seq.data_ptr(),
+            pos.data_ptr(),
+        )
+        a.scratch, a.nthreads = scratch.data_ptr(), torch.get_num_threads()
+        rc = lib.og_layer(ctypes.byref(a))
+        assert rc == 0, f"og_layer refused ({rc}) rows={rows}"
+        return out
