@@ -17,9 +17,18 @@ needs_onednn = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch b
 
 
 @pytest.fixture(autouse=True)
-def _prepack_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prepacking is opt-in (`ONNXGEN_CPU_PREPACK=1`): on for this module unless a test turns it off."""
+def _prepack_on(monkeypatch: pytest.MonkeyPatch):
+    """Prepacking is opt-in (`ONNXGEN_CPU_PREPACK=1`): on for this module unless a test turns it off. The C
+    kernels (`kernels/cpu`, tested in test_cpu_kernels.py) are off here: they take the decode-size products
+    these layouts serve otherwise."""
+    from onnxgen.backends.native.kernels.cpu import build
+
     monkeypatch.setenv("ONNXGEN_CPU_PREPACK", "1")
+    monkeypatch.setenv("ONNXGEN_CPU_KERNELS", "0")
+    build.library.cache_clear()
+    yield
+    monkeypatch.undo()
+    build.library.cache_clear()
 
 
 @needs_onednn

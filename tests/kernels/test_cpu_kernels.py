@@ -314,7 +314,10 @@ def test_each_layer_runs_as_one_call_with_the_separate_kernels_bits(
                 assert torch.equal(mine[:, :, : len(prompt) + 1], theirs[:, :, : len(prompt) + 1])
     with monkeypatch.context() as m:
         m.setattr(ck, "library", lambda: None)
-        ref = kv()
+        ref, off = kv(), kv()
         c = _last_logits(torch_only, spec, prompt, 0, ref)
         c2 = _last_logits(torch_only, spec, nxt, len(prompt), ref)
+        # the fused program with the kernels switched off since: each layer runs its five ops
+        assert torch.equal(_last_logits(fused, spec, prompt, 0, off), c)
+        assert torch.equal(_last_logits(fused, spec, nxt, len(prompt), off), c2)
     assert _rel(a, c) < 1e-5 and _rel(a2, c2) < 1e-5 and int(a2.argmax()) == int(c2.argmax())

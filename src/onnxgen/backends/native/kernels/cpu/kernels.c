@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#define OG_PIECE 256     /* columns of a several-row product's piece (eight rows of w: 8 KiB) */
 #define OG_ROWS_MAX 16   /* rows of one og_linear call */
 #define OG_CHUNK 4096    /* the most columns of a weight block one work item computes */
 #define OG_KEYS 256      /* keys per attention split (a sequence's split count depends on its length only) */
@@ -25,7 +26,7 @@
 #define OG_GROUP_MAX 64  /* query heads per KV head */
 #define OG_HEAD_MAX 256  /* head size */
 
-int og_version(void) { return 4; }
+int og_version(void) { return 5; }
 
 /* ---------------------------------------------------------------------------------------------------------
    Products */
@@ -36,23 +37,28 @@ static void chunk_product(const float *x, int64_t ldx, int rows, int K, const fl
                           int cols, float *y, int64_t ldy) {
     for (int m = 0; m < rows; m++) memset(y + m * ldy, 0, (size_t)cols * sizeof(float));
     int k = 0;
+    /* several rows: the columns in pieces whose eight rows of w stay in L1 while every row reads them */
+    const int piece = rows == 1 ? cols : OG_PIECE;
     for (; k + 8 <= K; k += 8) {
         const float *w0 = w + (int64_t)k * ldw;
-        for (int m = 0; m < rows; m++) {
-            const float *xm = x + m * ldx + k;
-            float *ym = y + m * ldy;
-            __m256 b[8];
-            for (int u = 0; u < 8; u++) b[u] = _mm256_set1_ps(xm[u]);
-            int c = 0;
-            for (; c + 8 <= cols; c += 8) {
-                __m256 acc = _mm256_loadu_ps(ym + c);
-                for (int u = 0; u < 8; u++) acc = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(w0 + u * ldw + c), acc);
-                _mm256_storeu_ps(ym + c, acc);
-            }
-            for (; c < cols; c++) {
-                float a = ym[c];
-                for (int u = 0; u < 8; u++) a = fmaf(xm[u], w0[u * ldw + c], a);
-                ym[c] = a;
+        for (int c0 = 0; c0 < cols; c0 += piece) {
+            const int c1 = cols - c0 < piece ? cols : c0 + piece;
+            for (int m = 0; m < rows; m++) {
+                const float *xm = x + m * ldx + k;
+                float *ym = y + m * ldy;
+                __m256 b[8];
+                for (int u = 0; u < 8; u++) b[u] = _mm256_set1_ps(xm[u]);
+                int c = c0;
+                for (; c + 8 <= c1; c += 8) {
+                    __m256 acc = _mm256_loadu_ps(ym + c);
+                    for (int u = 0; u < 8; u++) acc = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(w0 + u * ldw + c), acc);
+                    _mm256_storeu_ps(ym + c, acc);
+                }
+                for (; c < c1; c++) {
+                    float a = ym[c];
+                    for (int u = 0; u < 8; u++) a = fmaf(xm[u], w0[u * ldw + c], a);
+                    ym[c] = a;
+                }
             }
         }
     }
