@@ -5,6 +5,7 @@
    - og_rope_qkv_write: packed QKV rows rotated (q and k) and k, v written at their KV rows.
    - og_attention: each query token over its own sequence's keys (paged or contiguous), causal, with a
      window, soft-capping and attention sinks.
+   - og_layer: a whole pre-norm decoder layer (the calls above in order) in one parallel region.
 
    Contracts every function keeps (the Python side relies on them, tests check them):
    - a row's values never depend on the other rows of the call (a verify step's rows equal plain decoding's);
