@@ -183,22 +183,13 @@ def test_contiguous_buffer_attention_equals_dense_attention() -> None:
 
 
 def test_attention_the_kernel_does_not_take_returns_none() -> None:
+    """A float64 query, and a head size that is not a multiple of 8: the torch path runs instead."""
     st, step, q = _pool([(10, 1)], 10, 8)
     ps = paged.build_step(step, st, P, torch.device("cpu"))
-    seq = ck.token_sequences(ps.q_starts)
-    keys, values = st.keys(0), st.values(0)
-    assert (
-        ck.paged_attention(q.double(), keys, values, ps.page_table, seq, ps.positions, 0.1, 0, -1, None)
-        is None
-    )
-    odd = torch.randn(1, 8, 60)  # a head size that is not a multiple of 8
-    st2 = PageStorage(1, 4, P, HKV, 60, torch.float32, "cpu")
-    assert (
-        ck.paged_attention(
-            odd, st2.keys(0), st2.values(0), ps.page_table, seq, ps.positions, 0.1, 0, -1, None
-        )
-        is None
-    )
+    assert ck.paged_attention(q.double(), ps, 0, 0.1, 0, -1, None) is None
+    st2, step2, odd = _pool([(10, 1)], 10, 8, d=60)
+    ps2 = paged.build_step(step2, st2, P, torch.device("cpu"))
+    assert ck.paged_attention(odd, ps2, 0, 0.1, 0, -1, None) is None
 
 
 def test_the_rotary_write_keeps_the_torch_paths_bits_for_partial_rotation() -> None:

@@ -52,7 +52,7 @@ class PagedStep:
     per_token: bool = False
     _work: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _tables: list[Sequence[int]] | None = None
-    _token_seq: torch.Tensor | None = None  # each token's sequence index, for the CPU kernels' attention
+    _token_seq: torch.Tensor | None = None  # each token's sequence (`kernels.cpu.ops.token_seq`)
 
     @property
     def num_tokens(self) -> int:
@@ -164,13 +164,8 @@ def attention(
     `FORCE_TRITON`), the torch reference elsewhere."""
     if use_triton(q):
         return attention_triton(ps, layer, q, scale, softcap, window, sink=sink)
-    if cpu_kernels.most_tokens(ps.q_starts) <= cpu_kernels.QUERY_TOKENS:  # decode and verify steps
-        if ps._token_seq is None:
-            ps._token_seq = cpu_kernels.token_sequences(ps.q_starts)
-        keys, values = ps.storage.keys(layer), ps.storage.values(layer)
-        o = cpu_kernels.paged_attention(
-            q, keys, values, ps.page_table, ps._token_seq, ps.positions, scale, softcap, window, sink
-        )
+    if cpu_kernels.most_tokens(ps) <= cpu_kernels.QUERY_TOKENS:  # decode and verify steps
+        o = cpu_kernels.paged_attention(q, ps, layer, scale, softcap, window, sink)
         if o is not None:
             return o
     return attention_ref(ps, layer, q, scale, softcap, window, sink)

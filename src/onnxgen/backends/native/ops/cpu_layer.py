@@ -10,6 +10,7 @@ node keeps the five as `_parts`; its inputs are theirs from outside the layer, i
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from onnxgen.backends.native.kernels.cpu import ops as cpu_kernels
@@ -49,7 +50,7 @@ def _cpu_layer(node: Node) -> Fn:
             cos_c=vals[b.inputs[7]],
             sin_c=vals[b.inputs[8]],
             interleaved=bool(b.attr("rotary_interleaved", 0)),
-            scale=float(b.attr("scale", 0.0) or 0.0) or heads[2] ** -0.5,
+            scale=float(b.attr("scale", 0.0) or 0.0) or 1.0 / math.sqrt(heads[2]),  # as GroupQueryAttention's
             softcap=float(b.attr("softcap", 0.0) or 0.0),
             window=int(b.attr("local_window_size", -1)),
             sink=None if sink is None else sink.reshape(-1).float().contiguous(),
@@ -57,7 +58,7 @@ def _cpu_layer(node: Node) -> Fn:
 
     def fast(ctx: RunCtx, x: Any, lay: cpu_kernels.Layer) -> Any:
         if ctx.paged is not None:
-            if cpu_kernels.most_tokens(ctx.paged.q_starts) > cpu_kernels.QUERY_TOKENS:
+            if cpu_kernels.most_tokens(ctx.paged) > cpu_kernels.QUERY_TOKENS:
                 return None
             return lay.run_paged(x, rope_rows(ctx, switch), ctx.paged, layer)
         if ctx.static or ctx.positions is None or ctx.n > cpu_kernels.QUERY_TOKENS:

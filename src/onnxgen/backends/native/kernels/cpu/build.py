@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 COMPILERS = ("cc", "gcc", "clang")
-VERSION = 6  # og_version() of the source this module's bindings expect
+VERSION = 7  # og_version() of the source this module's bindings expect
 
 _reason: list[str] = []
 
@@ -121,7 +121,7 @@ def _openmp_runtimes() -> set[str]:
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument and result types of the library's functions (pointers passed as integers)."""
     P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # noqa: E741
-    lib.og_linear.argtypes = [P, I, I, P, P, F, P, P, P, I, L, L, I, P, P, I, P, P, I]
+    lib.og_linear.argtypes = [P, I, I, P, P, F, P, P, P, P, P, I, P, P, I]
     lib.og_rope_qkv_write.argtypes = [P, L, I, I, I, I, I, P, P, L, P, P, I, P, L, L, P, P, L, L]
     lib.og_attention.argtypes = [P, L, L, I, I, I, I, P, P, L, L, L, P, L, I, P, P, F, F, I, P, P, L, L, P, I]
     lib.og_layer.argtypes = [P]

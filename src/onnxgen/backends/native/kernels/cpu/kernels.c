@@ -29,13 +29,11 @@
 #define OG_GROUP_MAX 64  /* query heads per KV head */
 #define OG_HEAD_MAX 256  /* head size */
 
-int og_version(void) { return 6; }
+int og_version(void) { return 7; }
 
 /* ---------------------------------------------------------------------------------------------------------
    Products */
 
-/* y[m, 0:cols] = x[m, 0:K] . w[0:K, 0:cols] (w's row stride ldw), the sum over k in the same order for
-   every row and every row count: eight k at a time (eight rows of w streamed together), an FMA chain per column. */
 /* R rows (1..4) of y[:, 0:16] += x[:, 0:kb] . P (a packed [kb, 16] tile), the sums in registers over the kb. */
 static inline __attribute__((always_inline)) void packed_tile(const int R, const float *x, int64_t ldx, int kb,
                                                                const float *P, float *y, int64_t ldy) {
@@ -58,6 +56,8 @@ static inline __attribute__((always_inline)) void packed_tile(const int R, const
     }
 }
 
+/* y[m, 0:cols] = x[m, 0:K] . w[0:K, 0:cols] (w's row stride ldw). Every y[m, c] is one FMA chain over k in
+   order from 0, whichever path below computes it: a row's bits do not depend on the row count. */
 static void chunk_product(const float *x, int64_t ldx, int rows, int K, const float *w, int64_t ldw,
                           int cols, float *y, int64_t ldy) {
     for (int m = 0; m < rows; m++) memset(y + m * ldy, 0, (size_t)cols * sizeof(float));
@@ -216,16 +216,15 @@ static void product_phase(const float *x, int rows, int K, const og_weight *W, c
    sum_out: its residual sum), into h [rows, K]. act 1: silu(y[:, :N/2]) * y[:, N/2:] into out [rows, N/2]
    (y [rows, N] scratch); act 0: y is out. bias [N], residual [rows, N] (may be NULL; not with act 1). */
 int og_linear(const float *x, int rows, int K, const float *skip, const float *nw, float eps, float *h,
-              float *sum_out, const float *w, int parts, int64_t block_stride, int64_t ldw, int nb,
-              const float *bias, const float *residual, int act, float *y, float *out, int nthreads) {
-    if (rows < 1 || rows > OG_ROWS_MAX || K < 1 || nb < 1 || parts < 1) return -1;
-    const og_weight W = {w, parts, block_stride, ldw, nb};
+              float *sum_out, const og_weight *W, const float *bias, const float *residual, int act, float *y,
+              float *out, int nthreads) {
+    if (rows < 1 || rows > OG_ROWS_MAX || K < 1 || W->nb < 1 || W->parts < 1) return -1;
     if (nw) {
         rms_rows(x, skip, nw, eps, rows, K, h, sum_out);
         x = h;
     }
 #pragma omp parallel num_threads(nthreads)
-    product_phase(x, rows, K, &W, bias, residual, act, y, out, nthreads);
+    product_phase(x, rows, K, W, bias, residual, act, y, out, nthreads);
     return 0;
 }
 

@@ -7,8 +7,10 @@ product; a row's values never depend on the call's other rows.
   `[P, K, N / P]` (`kernels.cpu_gemm`), with an RMSNorm (and skip sum) before it, a bias, a residual or
   `silu(g) * u` over `[g | u]` after it.
 - `rope_qkv_write(...)`: `kernels.attention.rope_qkv_write`'s values (q and k rotated, k and v written).
-- `attention(...)`: query tokens over their sequences' keys, paged (`paged_attention`) or one contiguous
-  buffer (`buffer_attention`): decode and verify steps.
+- `paged_attention(...)` / `buffer_attention(...)`: query tokens over their sequences' keys, in a paged step's
+  pages or one sequence's contiguous buffers (`KVRead` says where: `paged_kv`, `buffer_kv`): decode and
+  verify steps.
+- `Layer`: a whole pre-norm decoder layer in one call (`ops.cpu_layer`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -69,16 +71,12 @@ def linear(
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 1 <= rows <= ROWS or w.shape[-2] != k or not x.is_contiguous() or not w.is_contiguous():
+    if not 1 <= rows <= ROWS or not x.is_contiguous():
         return None
-    if w.dim() == 3:
-        parts, nb = w.shape[0], w.shape[2]
-        block = k * nb
-    elif w.dim() == 2:
-        parts, nb, block = 1, w.shape[1], 0
-    else:
+    weight = _weight(w, k)
+    if weight is None:
         return None
-    n = parts * nb
+    n = weight.parts * weight.nb
     skip, nw, eps = norm if norm is not None else (None, None, 0.0)
     if silu_halves and (bias is not None or residual is not None or n % 2):
         return None
@@ -90,11 +88,11 @@ def linear(
     out = torch.empty(*x.shape[:-1], n // 2 if silu_halves else n)
     y = scratch[rows * k :] if nw is not None else scratch  # the whole product under silu_halves
     rc = lib.og_linear(
-        x.data_ptr(), rows, k, _ptr(skip), _ptr(nw), float(eps), scratch.data_ptr(), _ptr(s), w.data_ptr(),
-        parts, block, nb, nb, _ptr(bias), _ptr(residual), int(silu_halves),
+        x.data_ptr(), rows, k, _ptr(skip), _ptr(nw), float(eps), scratch.data_ptr(), _ptr(s),
+        ctypes.byref(weight), _ptr(bias), _ptr(residual), int(silu_halves),
         y.data_ptr() if silu_halves else out.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    assert rc == 0, f"og_linear refused rows={rows} K={k} parts={parts} nb={nb}"
+    assert rc == 0, f"og_linear refused rows={rows} K={k} parts={weight.parts} nb={weight.nb}"
     return out, s
 
 
@@ -142,26 +140,80 @@ def rope_qkv_write(
     return q
 
 
-def paged_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    page_table: torch.Tensor,
-    token_seq: torch.Tensor,
-    positions: torch.Tensor,
-    scale: float,
-    softcap: float,
-    window: int,
-    sink: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """`q` `[T, N, D]` (token t of sequence `token_seq[t]` at `positions[t]`) over the pool's keys and values
-    (`[pages, page_size, Hkv, D]`, one layer's) read through `page_table` (`[B, max pages]` int32): causal,
-    from the window's first key with `window` > 0, soft-capped, `sink` (`[N]` float32) in each head's
-    denominator. Returns `[T, N, D]` float32, or None: not taken here."""
-    if keys.dim() != 4:
+def most_tokens(ps: Any) -> int:
+    """The most query tokens any sequence of a paged step (`paged.PagedStep`) holds (1: a decode step)."""
+    return max((b - a for a, b in itertools.pairwise(ps.q_starts)), default=0)
+
+
+def token_seq(ps: Any) -> torch.Tensor:
+    """Each token's sequence index in a paged step (`[T]` int32), made once and kept by the step."""
+    if ps._token_seq is None:
+        q = ps.q_starts
+        ps._token_seq = torch.tensor(
+            [b for b in range(len(q) - 1) for _ in range(q[b + 1] - q[b])], dtype=torch.int32
+        )
+    return ps._token_seq
+
+
+class KVRead(NamedTuple):
+    """Where a call's query tokens find their keys: a layer's keys and values (the same strides), its heads, how
+    a key's position maps to memory (page p, row r: `tables[seq[t]][p] * page_stride + r * row_stride`, head h
+    at `h * head_stride`; a contiguous buffer is one page of all its rows, page stride 0), each token's
+    sequence `seq` (`[T]` int32)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    hkv: int
+    page_stride: int
+    row_stride: int
+    head_stride: int
+    page_size: int
+    tables: torch.Tensor
+    seq: torch.Tensor
+
+
+def paged_kv(ps: Any, layer: int) -> KVRead | None:
+    """`layer`'s pages of a paged step (`paged.PagedStep`: `[pages, page_size, Hkv, D]`, its page table and
+    each token's sequence), or None where the kernels do not read them."""
+    keys, values = ps.storage.keys(layer), ps.storage.values(layer)
+    table = ps.page_table
+    if (
+        keys.dim() != 4
+        or not _readable(keys, values)
+        or table.dtype != torch.int32
+        or not table.is_contiguous()
+    ):
         return None
-    return _attention(q, keys, values, keys.shape[2], keys.stride(0), keys.stride(1), keys.stride(2), page_table,
-                      keys.shape[1], token_seq, positions, scale, softcap, window, sink)  # fmt: skip
+    return KVRead(keys, values, keys.shape[2], keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[1],
+                  table, token_seq(ps))  # fmt: skip
+
+
+def buffer_kv(keys: torch.Tensor, values: torch.Tensor, tokens: int) -> KVRead | None:
+    """One sequence's contiguous buffers (`[1, Hkv, rows, D]`, any strides) read by `tokens` query tokens, or
+    None where the kernels do not read them."""
+    if keys.dim() != 4 or keys.shape[0] != 1 or not _readable(keys, values):
+        return None
+    return KVRead(keys, values, keys.shape[1], 0, keys.stride(2), keys.stride(1), keys.shape[2], _zero_table(),
+                  _zeros(tokens))  # fmt: skip
+
+
+def _readable(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    return usable(keys, values) and keys.stride(-1) == 1 and keys.stride() == values.stride()
+
+
+def heads_fit(n: int, hkv: int, d: int) -> bool:
+    """Whether the attention takes `n` query heads over `hkv` KV heads of size `d` (og_attention's bounds)."""
+    return n % hkv == 0 and n // hkv <= GROUP_MAX and d <= HEAD_MAX and d % 8 == 0
+
+
+def paged_attention(
+    q: torch.Tensor, ps: Any, layer: int, scale: float, softcap: float, window: int, sink: torch.Tensor | None
+) -> torch.Tensor | None:
+    """`q` `[T, N, D]` (the step's tokens, at `ps.positions`) over their sequences' keys in `layer`'s pages:
+    causal, from the window's first key with `window` > 0, soft-capped, `sink` (`[N]` float32) in each head's
+    denominator. Returns `[T, N, D]` float32, or None: not taken here."""
+    kv = paged_kv(ps, layer)
+    return None if kv is None else _attention(q, kv, ps.positions, scale, softcap, window, sink)
 
 
 def buffer_attention(
@@ -176,10 +228,8 @@ def buffer_attention(
 ) -> torch.Tensor | None:
     """`paged_attention` over one sequence's contiguous buffers (`[1, Hkv, rows, D]`, any strides): q `[T, N,
     D]`, token t at `positions[t]`."""
-    if keys.dim() != 4 or keys.shape[0] != 1:
-        return None
-    return _attention(q, keys, values, keys.shape[1], 0, keys.stride(2), keys.stride(1), _zero_table(),
-                      keys.shape[2], _zeros(q.shape[0]), positions, scale, softcap, window, sink)  # fmt: skip
+    kv = buffer_kv(keys, values, q.shape[0])
+    return None if kv is None else _attention(q, kv, positions, scale, softcap, window, sink)
 
 
 def _zero_table() -> torch.Tensor:
@@ -198,15 +248,7 @@ def _zeros(n: int) -> torch.Tensor:
 
 def _attention(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    hkv: int,
-    page_stride: int,
-    row_stride: int,
-    head_stride: int,
-    tables: torch.Tensor,
-    page_size: int,
-    token_seq: torch.Tensor,
+    kv: KVRead,
     positions: torch.Tensor,
     scale: float,
     softcap: float,
@@ -215,46 +257,26 @@ def _attention(
 ) -> torch.Tensor | None:
     t, n, d = q.shape
     if (
-        not usable(q, keys, values, sink)
+        not usable(q, sink)
         or q.stride(-1) != 1
-        or keys.stride(-1) != 1
-        or keys.stride() != values.stride()
-        or n % hkv
-        or n // hkv > GROUP_MAX
-        or d > HEAD_MAX
-        or d % 8
-        or tables.dtype != torch.int32
-        or not tables.is_contiguous()
-        or token_seq.dtype != torch.int32
+        or not heads_fit(n, kv.hkv, d)
         or positions.dtype != torch.int64
         or (sink is not None and (sink.numel() != n or not sink.is_contiguous()))
     ):
         return None
     lib = library()
     assert lib is not None
-    positions, token_seq = positions.contiguous(), token_seq.contiguous()
+    positions = positions.contiguous()
     out = torch.empty(t, n, d)
     scratch = _scratch(lib.og_attention_scratch(t, n, d), "attention")
     rc = lib.og_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), t, n, hkv, d, keys.data_ptr(), values.data_ptr(), page_stride,
-        row_stride, head_stride, tables.data_ptr(), tables.stride(0), page_size, token_seq.data_ptr(),
-        positions.data_ptr(), float(scale), float(softcap), int(window), _ptr(sink), out.data_ptr(),
-        out.stride(0), out.stride(1), scratch.data_ptr(), torch.get_num_threads(),
+        q.data_ptr(), q.stride(0), q.stride(1), t, n, kv.hkv, d, kv.keys.data_ptr(), kv.values.data_ptr(),
+        kv.page_stride, kv.row_stride, kv.head_stride, kv.tables.data_ptr(), kv.tables.stride(0), kv.page_size,
+        kv.seq.data_ptr(), positions.data_ptr(), float(scale), float(softcap), int(window), _ptr(sink),
+        out.data_ptr(), out.stride(0), out.stride(1), scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     assert rc == 0
     return out
-
-
-def token_sequences(q_starts: list[int]) -> torch.Tensor:
-    """Each token's sequence index (`[T]` int32) for a step whose sequence b holds tokens
-    `q_starts[b] .. q_starts[b + 1] - 1`."""
-    seq = [b for b in range(len(q_starts) - 1) for _ in range(q_starts[b + 1] - q_starts[b])]
-    return torch.tensor(seq, dtype=torch.int32)
-
-
-def most_tokens(q_starts: list[int]) -> int:
-    """The most query tokens any sequence of a step holds."""
-    return max((b - a for a, b in itertools.pairwise(q_starts)), default=0)
 
 
 class _Weight(ctypes.Structure):
@@ -379,10 +401,7 @@ class Layer:
             down is None
             or any(t.dtype is not _F32 or t.device.type != "cpu" or not t.is_contiguous() for t in consts)
             or nw2.numel() != k
-            or n % hkv
-            or n // hkv > GROUP_MAX
-            or d > HEAD_MAX
-            or d % 8
+            or not heads_fit(n, hkv, d)
             or 2 * cos_c.shape[1] > d
             or cos_c.stride() != sin_c.stride()
             or (sink is not None and sink.numel() != n)
@@ -407,20 +426,8 @@ class Layer:
     def run_paged(self, x: torch.Tensor, rope_rows: torch.Tensor, ps: Any, layer: int) -> torch.Tensor | None:
         """The layer over a paged step (`paged.PagedStep`, at most `QUERY_TOKENS` tokens of any sequence):
         k and v written at the step's slots in `layer`'s pages, each token attending over its sequence's."""
-        keys = ps.storage.keys(layer)  # [pages, page_size, Hkv, D]
-        if keys.dtype is not _F32 or keys.device.type != "cpu" or keys.stride(-1) != 1:
-            return None
-        if ps._token_seq is None:
-            ps._token_seq = token_sequences(ps.q_starts)
-        a = self._args()
-        a.kb, a.vb = keys.data_ptr(), ps.storage.values(layer).data_ptr()
-        a.kv_row, a.kv_head, a.page_stride = keys.stride(1), keys.stride(2), keys.stride(0)
-        a.tables, a.table_stride, a.page_size = (
-            ps.page_table.data_ptr(),
-            ps.page_table.stride(0),
-            keys.shape[1],
-        )
-        return self._run(x, rope_rows, ps.slots, ps._token_seq, ps.positions)
+        kv = paged_kv(ps, layer)
+        return None if kv is None else self._run(x, rope_rows, ps.slots, ps.positions, kv)
 
     def run_buffer(
         self,
@@ -432,27 +439,11 @@ class Layer:
     ) -> torch.Tensor | None:
         """The layer over one sequence's contiguous KV buffers (`[1, Hkv, capacity, D]`): its tokens at
         `positions`, k and v written there."""
-        if (
-            keys.dtype is not _F32
-            or keys.device.type != "cpu"
-            or keys.stride(-1) != 1
-            or keys.stride() != values.stride()
-        ):
-            return None
-        a = self._args()
-        a.kb, a.vb = keys.data_ptr(), values.data_ptr()
-        a.kv_row, a.kv_head, a.page_stride = keys.stride(2), keys.stride(1), 0
-        table = _zero_table()
-        a.tables, a.table_stride, a.page_size = table.data_ptr(), 1, keys.shape[2]
-        return self._run(x, rope_rows, positions, _zeros(positions.numel()), positions)
+        kv = buffer_kv(keys, values, positions.numel())
+        return None if kv is None else self._run(x, rope_rows, positions, positions, kv)
 
     def _run(
-        self,
-        x: torch.Tensor,
-        rope_rows: torch.Tensor,
-        slots: torch.Tensor,
-        seq: torch.Tensor,
-        pos: torch.Tensor,
+        self, x: torch.Tensor, rope_rows: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, kv: KVRead
     ) -> torch.Tensor | None:
         a = self._args()
         rows = x.numel() // a.K
@@ -464,6 +455,7 @@ class Layer:
             or slots.dtype != torch.int64
             or pos.dtype != torch.int64
             or pos.numel() != rows
+            or kv.hkv != a.hkv
         ):
             return None
         lib = library()
@@ -473,12 +465,15 @@ class Layer:
         out = torch.empty_like(x)
         scratch = _scratch(lib.og_layer_scratch(rows, a.K, a.n, a.hkv, a.d, self._ngu), "layer")
         a.x, a.out, a.rows = x.data_ptr(), out.data_ptr(), rows
-        a.rope_rows, a.slots, a.seq, a.pos = (
-            rope_rows.data_ptr(),
-            slots.data_ptr(),
-            seq.data_ptr(),
-            pos.data_ptr(),
+        a.rope_rows, a.slots, a.pos = rope_rows.data_ptr(), slots.data_ptr(), pos.data_ptr()
+        a.kb, a.vb, a.kv_row, a.kv_head = (
+            kv.keys.data_ptr(),
+            kv.values.data_ptr(),
+            kv.row_stride,
+            kv.head_stride,
         )
+        a.page_stride, a.page_size = kv.page_stride, kv.page_size
+        a.tables, a.table_stride, a.seq = kv.tables.data_ptr(), kv.tables.stride(0), kv.seq.data_ptr()
         a.scratch, a.nthreads = scratch.data_ptr(), torch.get_num_threads()
         rc = lib.og_layer(ctypes.byref(a))
         assert rc == 0, f"og_layer refused ({rc}) rows={rows}"
