@@ -56,16 +56,21 @@ def test_products_equal_torch_on_every_layout(k: int, n: int, parts: int, rows: 
     assert got[0].shape == (rows, n) and _rel(got[0], x.double() @ w.double()) < 1e-6
 
 
-def test_a_rows_values_do_not_depend_on_the_other_rows() -> None:
-    """What a verify step relies on: each of its rows has the bits of the same row computed alone."""
-    _, laid = _weight(576, 3072, 2)
-    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(2))
-    nw = torch.rand(576, generator=torch.Generator().manual_seed(3)) + 0.5
-    together = ck.linear(x, laid, norm=(None, nw, 1e-5), silu_halves=True)
-    assert together is not None
-    for i in range(16):
-        alone = ck.linear(x[i : i + 1], laid, norm=(None, nw, 1e-5), silu_halves=True)
-        assert alone is not None and torch.equal(alone[0][0], together[0][i])
+@pytest.mark.parametrize(("k", "n"), [(576, 3072), (576, 960), (150, 200)])
+def test_a_rows_values_do_not_depend_on_the_other_rows(k: int, n: int) -> None:
+    """What a verify step relies on: each of its rows has the bits of the same row computed alone, in calls of
+    every row count. Wide blocks (streamed), narrow ones (tiled from three rows on), and a narrow one with a
+    column tail and a K that leaves rows after the tiles."""
+    _, laid = _weight(k, n, 2)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2))
+    nw = torch.rand(k, generator=torch.Generator().manual_seed(3)) + 0.5
+    alone = [ck.linear(x[i : i + 1], laid, norm=(None, nw, 1e-5), silu_halves=True) for i in range(16)]
+    for rows in (2, 3, 4, 5, 9, 16):
+        together = ck.linear(x[:rows], laid, norm=(None, nw, 1e-5), silu_halves=True)
+        assert together is not None
+        for i in range(rows):
+            one = alone[i]
+            assert one is not None and torch.equal(one[0][0], together[0][i]), (rows, i)
 
 
 @pytest.mark.parametrize("skip", [False, True])

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 COMPILERS = ("cc", "gcc", "clang")
-VERSION = 7  # og_version() of the source this module's bindings expect
+VERSION = 8  # og_version() of the source this module's bindings expect
 
 _reason: list[str] = []
 

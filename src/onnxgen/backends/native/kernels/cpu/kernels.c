@@ -18,9 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define OG_KB 64          /* rows of w a several-row product packs at a time */
-#define OG_PACK_COLS 512  /* chunks up to this wide pack their weight for four rows or more */
-#define OG_PIECE 256     /* columns of a several-row product's piece (eight rows of w: 8 KiB) */
+#define OG_KB 64          /* rows of w a tiled product sums in registers at a time */
+#define OG_TILE_COLS 512  /* chunks up to this wide run tiled for OG_TILE_ROWS rows or more */
+#define OG_TILE_ROWS 3
+#define OG_PIECE 256      /* columns of a several-row product's piece (eight rows of w: 8 KiB) */
 #define OG_ROWS_MAX 16   /* rows of one og_linear call */
 #define OG_CHUNK 4096    /* the most columns of a weight block one work item computes */
 #define OG_KEYS 256      /* keys per attention split (a sequence's split count depends on its length only) */
@@ -29,21 +30,22 @@
 #define OG_GROUP_MAX 64  /* query heads per KV head */
 #define OG_HEAD_MAX 256  /* head size */
 
-int og_version(void) { return 7; }
+int og_version(void) { return 8; }
 
 /* ---------------------------------------------------------------------------------------------------------
    Products */
 
-/* R rows (1..4) of y[:, 0:16] += x[:, 0:kb] . P (a packed [kb, 16] tile), the sums in registers over the kb. */
-static inline __attribute__((always_inline)) void packed_tile(const int R, const float *x, int64_t ldx, int kb,
-                                                               const float *P, float *y, int64_t ldy) {
+/* R rows (1..4) of y[:, 0:16] += x[:, 0:kb] . w[0:kb, 0:16] (w's row stride ldw), the sums in registers over
+   the kb rows. */
+static inline __attribute__((always_inline)) void tile(const int R, const float *x, int64_t ldx, int kb,
+                                                        const float *w, int64_t ldw, float *y, int64_t ldy) {
     __m256 a[4][2];
     for (int r = 0; r < R; r++) {
         a[r][0] = _mm256_loadu_ps(y + r * ldy);
         a[r][1] = _mm256_loadu_ps(y + r * ldy + 8);
     }
     for (int k = 0; k < kb; k++) {
-        const __m256 w0 = _mm256_load_ps(P + 16 * k), w1 = _mm256_load_ps(P + 16 * k + 8);
+        const __m256 w0 = _mm256_loadu_ps(w + ldw * k), w1 = _mm256_loadu_ps(w + ldw * k + 8);
         for (int r = 0; r < R; r++) {
             const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
             a[r][0] = _mm256_fmadd_ps(b, w0, a[r][0]);
@@ -62,32 +64,27 @@ static void chunk_product(const float *x, int64_t ldx, int rows, int K, const fl
                           int cols, float *y, int64_t ldy) {
     for (int m = 0; m < rows; m++) memset(y + m * ldy, 0, (size_t)cols * sizeof(float));
     int k = 0;
-    if (rows >= 4 && cols <= OG_PACK_COLS) {
-        /* several rows: blocks of OG_KB rows of w by OG_PIECE columns packed into 16-column tiles, each tile's
-           sums kept in registers over the block for up to four rows at a time */
-        float pack[OG_KB * OG_PIECE] __attribute__((aligned(32)));
+    if (rows >= OG_TILE_ROWS && cols <= OG_TILE_COLS) {
+        /* several rows over a narrow chunk: 16-column tiles of OG_KB rows of w read in place (each row of w a
+           few KiB from the next, so a tile's lines share few pages), their sums in registers for up to four
+           rows at a time; the next tile's lines fetched while this one is summed */
         const int tiled = cols / 16 * 16;
         for (; k + OG_KB <= K; k += OG_KB) {
-            for (int c0 = 0; c0 < tiled; c0 += OG_PIECE) {
-                const int width = tiled - c0 < OG_PIECE ? tiled - c0 : OG_PIECE;
-                for (int kk = 0; kk < OG_KB; kk++) {
-                    const float *src = w + (int64_t)(k + kk) * ldw + c0;
-                    for (int t = 0; t < width; t += 16) {
-                        _mm256_store_ps(pack + t * OG_KB + 16 * kk, _mm256_loadu_ps(src + t));
-                        _mm256_store_ps(pack + t * OG_KB + 16 * kk + 8, _mm256_loadu_ps(src + t + 8));
+            const float *wk = w + (int64_t)k * ldw;
+            for (int t = 0; t < tiled; t += 16) {
+                if (t + 16 < tiled)
+                    for (int kk = 0; kk < OG_KB; kk++)
+                        _mm_prefetch((const char *)(wk + kk * ldw + t + 16), _MM_HINT_T0);
+                for (int m = 0; m < rows; m += 4) {
+                    const float *xm = x + m * ldx + k;
+                    float *ym = y + m * ldy + t;
+                    switch (rows - m < 4 ? rows - m : 4) {
+                    case 4: tile(4, xm, ldx, OG_KB, wk + t, ldw, ym, ldy); break;
+                    case 3: tile(3, xm, ldx, OG_KB, wk + t, ldw, ym, ldy); break;
+                    case 2: tile(2, xm, ldx, OG_KB, wk + t, ldw, ym, ldy); break;
+                    default: tile(1, xm, ldx, OG_KB, wk + t, ldw, ym, ldy);
                     }
                 }
-                for (int t = 0; t < width; t += 16)
-                    for (int m = 0; m < rows; m += 4) {
-                        const float *xm = x + m * ldx + k;
-                        float *ym = y + m * ldy + c0 + t;
-                        switch (rows - m < 4 ? rows - m : 4) {
-                        case 4: packed_tile(4, xm, ldx, OG_KB, pack + t * OG_KB, ym, ldy); break;
-                        case 3: packed_tile(3, xm, ldx, OG_KB, pack + t * OG_KB, ym, ldy); break;
-                        case 2: packed_tile(2, xm, ldx, OG_KB, pack + t * OG_KB, ym, ldy); break;
-                        default: packed_tile(1, xm, ldx, OG_KB, pack + t * OG_KB, ym, ldy);
-                        }
-                    }
             }
             /* the columns past the last whole tile: one k at a time over the same block */
             for (int kk = k; kk < k + OG_KB; kk++)
@@ -97,7 +94,7 @@ static void chunk_product(const float *x, int64_t ldx, int rows, int K, const fl
         }
     }
     /* one row, a wide chunk's rows (columns in pieces whose eight rows of w stay in L1 for every row), and
-       the rows of k a packed product's blocks left: eight rows of w at a time */
+       the rows of k a tiled product's blocks left: eight rows of w at a time */
     const int piece = rows == 1 ? cols : OG_PIECE;
     for (; k + 8 <= K; k += 8) {
         const float *w0 = w + (int64_t)k * ldw;
@@ -109,6 +106,21 @@ static void chunk_product(const float *x, int64_t ldx, int rows, int K, const fl
                 __m256 b[8];
                 for (int u = 0; u < 8; u++) b[u] = _mm256_set1_ps(xm[u]);
                 int c = c0;
+                for (; c + 32 <= c1; c += 32) {  /* four independent chains in flight */
+                    __m256 a0 = _mm256_loadu_ps(ym + c), a1 = _mm256_loadu_ps(ym + c + 8);
+                    __m256 a2 = _mm256_loadu_ps(ym + c + 16), a3 = _mm256_loadu_ps(ym + c + 24);
+                    for (int u = 0; u < 8; u++) {
+                        const float *wu = w0 + u * ldw + c;
+                        a0 = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(wu), a0);
+                        a1 = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(wu + 8), a1);
+                        a2 = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(wu + 16), a2);
+                        a3 = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(wu + 24), a3);
+                    }
+                    _mm256_storeu_ps(ym + c, a0);
+                    _mm256_storeu_ps(ym + c + 8, a1);
+                    _mm256_storeu_ps(ym + c + 16, a2);
+                    _mm256_storeu_ps(ym + c + 24, a3);
+                }
                 for (; c + 8 <= c1; c += 8) {
                     __m256 acc = _mm256_loadu_ps(ym + c);
                     for (int u = 0; u < 8; u++) acc = _mm256_fmadd_ps(b[u], _mm256_loadu_ps(w0 + u * ldw + c), acc);
