@@ -624,18 +624,28 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
     from ray import serve
 
     from onnxgen.serve.app import RunningServer, ServerConfig, create_app
-    from onnxgen.serve.cluster.deployment import ClusterConfig, application
+    from onnxgen.serve.cluster.deployment import ClusterConfig, application, deploy
 
+    def say(line: str) -> None:
+        print(f"[{time.perf_counter() - t0:.0f} s] {line}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
     pkg = u.models(args)[0]
     opts = {"threads": args.threads or 1, **next(iter(u.engines(args.engine).values()))}
     capacity = {"max_queue": 4 * args.agents}
     one = RunningServer(create_app(u.load(pkg, args.device, opts), ServerConfig(**capacity)))
+    say("1 server loaded")
     # on a GPU the replicas share the card(s) Ray sees: N replicas on one card take 1/N of it each
     gpus = 0.0
     if args.device == "cuda":
         import torch
 
         gpus = min(1.0, torch.cuda.device_count() / args.cluster)
+    # Ray's actors log to files, not here: a start that hangs (Serve's controller or proxy failing to start, say)
+    # prints the errors those files hold and ends the process rather than waiting for an outer time limit
+    watchdog = threading.Timer(args.ready_timeout + 60, _give_up, ("Ray Serve did not start",))
+    watchdog.daemon = True
+    watchdog.start()
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         with socket.socket() as sock:
@@ -643,6 +653,7 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
             port = sock.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         out = [("1 server", one.url)]
+        apps = []
         for mode in args.routers.split(","):
             config = ClusterConfig(
                 replicas=args.cluster,
@@ -651,13 +662,57 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
                 load={**opts, "device": args.device},
                 server=capacity,
             )
-            serve.run(application(str(pkg.path), config), name=mode, route_prefix=f"/{mode}")
+            apps.append((mode, f"/{mode}", application(str(pkg.path), config)))
             out.append((f"{args.cluster} replicas, {mode}", f"http://127.0.0.1:{port}/{mode}"))
+        try:
+            deploy(
+                apps, timeout_s=args.ready_timeout, progress=say
+            )  # every mode's replicas load side by side
+        except Exception:
+            print(_ray_errors(), file=sys.stderr, flush=True)
+            raise
+        watchdog.cancel()
+        say(f"{args.cluster} replicas for each of {args.routers} serving")
         yield out
     finally:
         serve.shutdown()
         ray.shutdown()
         one.stop()
+
+
+def _ray_errors(limit: int = 40) -> str:
+    """What went wrong by the logs of this machine's newest Ray session (its actors' and daemons' output, which a
+    driver started with `log_to_driver=False` does not show): the last lines of each `.err` file (its
+    actor's stderr, INFO lines left out) and the error lines of the others, oldest file first."""
+    import glob
+    import os
+
+    paths = [p for p in glob.glob("/tmp/ray/session_latest/logs/**/*", recursive=True) if os.path.isfile(p)]
+    lines = []
+    for path in sorted(paths, key=os.path.getmtime):
+        try:
+            with open(path, errors="replace") as f:
+                text = [line.rstrip() for line in f if line.strip()]
+        except OSError:
+            continue
+        if path.endswith(".err"):  # an actor's stderr: its log lines below WARNING left out
+            text = [
+                x
+                for x in text
+                if not x.startswith(("INFO ", "DEBUG ", ":actor_name:", ":task_name:", ":job_id:"))
+            ]
+        else:
+            text = [x for x in text if any(w in x for w in ("Traceback", "Error:", " ERROR ", "No module"))]
+        lines += [f"{os.path.basename(path)}: {line[:300]}" for line in text[-5:]]
+    return "Ray's logs, last error lines:\n" + ("\n".join(lines[-limit:]) or "(none)")
+
+
+def _give_up(what: str) -> None:
+    """A watchdog's end: what did not happen and Ray's last error lines, then the process exits (status 3)."""
+    import os
+
+    print(f"{what} in time\n{_ray_errors()}", file=sys.stderr, flush=True)
+    os._exit(3)
 
 
 def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
@@ -677,6 +732,7 @@ def trace(args: Any, loaded: dict[str, Any]) -> tuple[str, str, Any]:
                 nonce = hash((mode, run, time.time())) % 100000
                 for label, _ in servers if run % 2 == 0 else servers[::-1]:
                     runs[label].append(_trace_run(args, https[label], models[label], mode, nonce))
+                print(f"trace run {run + 1}/{args.runs} (session ids {mode})", file=sys.stderr, flush=True)
             base = runs[servers[0][0]]
             for label, _ in servers:
                 same = all(r["texts"] == b["texts"] for r, b in zip(runs[label], base, strict=True))
@@ -744,6 +800,12 @@ def main() -> int:
         "--cluster", type=int, default=0, help="trace: N replicas per --routers mode, started here"
     )
     ap.add_argument("--routers", default="affinity,round_robin", help="trace with --cluster: router modes")
+    ap.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600,
+        help="trace with --cluster: seconds for the replicas to serve",
+    )
     ap.add_argument("--label", default="server", help="trace: the server's name in the table")
     ap.add_argument("--sessions", default="off", help="trace: on (onnxgen's X-Session-Id), off, or both")
     ap.add_argument("--eos", default="2", help="trace: EOS ids to suppress, comma-separated")

@@ -127,7 +127,8 @@ if [ -f .ray/ray.tar.xz ] && [ ! -f /tmp/site/.ray_installed ]; then  # Ray Serv
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .ray/deps/*.whl >/dev/null 2>&1 && touch /tmp/site/.ray_installed
 fi
-quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|FutureWarning\|_warn_once\|forward_call"; }
+# (Ray's signal handler prints a native stack on SIGTERM: dropped, so a timed-out run's last lines stay readable)
+quiet() { grep -v "Loading weights\|Writing model\|UserWarning\|FutureWarning\|_warn_once\|forward_call\|logging.cc:\|^ *@ \|^PC: @"; }
 run() { local limit=$1; shift; timeout "$limit" python3 "$@" ${BENCH_ARGS:-} 2>&1 | quiet | tail -40; }
 
 for section in "${@}"; do
@@ -192,7 +193,7 @@ for section in "${@}"; do
         cluster) if [ -f /tmp/site/.ray_installed ]; then
                      run 560 benchmarks/batch.py --model builder:1b --device cuda --sections trace --cluster 2 \
                          --routers affinity,round_robin --agents 16 --turns 6 --system 200 --new 16 --runs 5 \
-                         --engine backend=native,paged=true,max_sessions=32,kv_bytes=4000000000
+                         --ready-timeout 300 --engine backend=native,paged=true,max_sessions=32,kv_bytes=4000000000
                  else
                      echo "cluster: no Ray on the host (carry .ray: see prepare)"
                  fi ;;

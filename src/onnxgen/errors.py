@@ -195,6 +195,12 @@ class SessionLimit(OnnxgenError):
     """An API key already holds the maximum number of server sessions."""
 
 
+class ClusterStartError(OnnxgenError):
+    """Ray Serve applications of onnxgen did not come up (`serve.cluster.deployment.deploy`): one failed to
+    deploy, or was not running in time. The message names each deployment's state and Serve's own message
+    (e.g. replicas waiting for resources: what each asks and what the cluster has)."""
+
+
 class SessionFileError(OnnxgenError):
     """A session file cannot be restored (`Model.restore_session`): `reason` names why ("unreadable",
     "format", "truncated", "checksum", "package", "backend", "dtype", "shape", "salt", "tokens"), `path` the

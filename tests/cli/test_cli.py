@@ -190,7 +190,9 @@ def test_serve_replicas_starts_the_cluster_with_the_servers_options(tiny_dir, mo
     from onnxgen.serve.cluster import deployment
 
     seen = {}
-    monkeypatch.setattr(deployment, "run_local", lambda model, config, host, port: seen.update(locals()))
+    monkeypatch.setattr(
+        deployment, "run_local", lambda model, config, host, port, progress: seen.update(locals())
+    )
     argv = [
         "serve",
         str(tiny_dir),
@@ -221,7 +223,22 @@ def test_serve_replicas_starts_the_cluster_with_the_servers_options(tiny_dir, mo
         "threads": 1,
     }
     assert "2 replica(s)" in capsys.readouterr().err
+    seen["progress"]("waiting for onnxgen (15 s): ...")
+    assert "waiting for onnxgen (15 s)" in capsys.readouterr().err  # what replicas wait for reaches the user
     assert main(["serve", str(tiny_dir), "--replicas", "0"]) != 0
+
+
+def test_replicas_share_the_visible_cards_by_default(monkeypatch):
+    """`--replicas N --device cuda` without `--replica-gpus`: a card each where there are N, else the cards
+    shared evenly, so that N replicas on one card can all be placed; nothing on the CPU."""
+    import torch
+
+    from onnxgen.cli.serve import replica_gpus
+
+    assert replica_gpus("cpu", 2) == 0.0
+    for cards, replicas, each in ((1, 2, 0.5), (1, 4, 0.25), (4, 2, 1.0), (2, 2, 1.0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=cards: n)
+        assert replica_gpus("cuda", replicas) == each
 
 
 def test_generate_with_tensor_parallel_equals_one_process(tiny_dir, capsys):

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,7 @@ def test_a_replica_adopts_a_session_begun_elsewhere(tiny_model):
 def cluster(tiny_dir: Path):
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    from onnxgen.serve.cluster.deployment import ClusterConfig, application
+    from onnxgen.serve.cluster.deployment import ClusterConfig, application, deploy
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
@@ -163,9 +164,19 @@ def cluster(tiny_dir: Path):
         # imbalance 8: a trace's 16 conversations, 8 a replica, keep their replica (the default, 4, yields to
         # momentary differences in load at times: 94-99 % of one server's cached share in runs here)
         config = ClusterConfig(replicas=2, load=load, stats_period_s=0.5, imbalance=8)
-        serve.run(application(str(tiny_dir), config), name="onnxgen", route_prefix="/")
         rr = ClusterConfig(**{**config.__dict__, "mode": "round_robin"})
-        serve.run(application(str(tiny_dir), rr), name="rr", route_prefix="/rr")  # the baseline, at /rr
+        lines: list[str] = []
+        deploy(  # both at once; the baseline (round-robin) at /rr
+            [
+                ("onnxgen", "/", application(str(tiny_dir), config)),
+                ("rr", "/rr", application(str(tiny_dir), rr)),
+            ],
+            timeout_s=300,
+            every_s=0.5,
+            progress=lines.append,
+        )
+        apps = serve.status().applications
+        assert apps["onnxgen"].status == "RUNNING" and apps["rr"].status == "RUNNING"
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -372,3 +383,34 @@ def test_a_session_whose_replica_dies_is_answered_elsewhere(cluster):
     assert {replica for _, replica, _, _ in after} - {home} == {replica for _, replica, _, _ in after}
     assert [t[0] for t in after] == [t[0] for t in before]
     assert after[1][3] >= after[0][2]  # adopted there: its next turn reuses the turn recomputed there
+
+
+def test_replicas_that_cannot_be_placed_stop_with_what_they_wait_for(cluster: str, tiny_dir: Path) -> None:
+    """Replicas asking for more CPUs than the local Ray has never start: `deploy` raises a typed error naming
+    the application and its replicas' state within its timeout (not a hang), says so while it waits, deletes
+    what it started, and the applications already serving keep serving."""
+    from ray import serve
+
+    from onnxgen.errors import ClusterStartError
+    from onnxgen.serve.cluster.deployment import ClusterConfig, application, deploy
+
+    big = ClusterConfig(replicas=1, num_cpus=64, load={"backend": "native", "threads": 1})
+    lines: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(ClusterStartError) as err:
+        deploy(
+            [("huge", "/huge", application(str(tiny_dir), big))],
+            timeout_s=3,
+            every_s=1,
+            progress=lines.append,
+        )
+    assert time.monotonic() - t0 < 60
+    text = str(err.value)
+    assert "huge" in text and "not running after 3 s" in text and "onnxgen-replica" in text
+    assert lines and all(line.startswith("waiting for huge") for line in lines)
+    deadline = time.monotonic() + 60
+    while "huge" in serve.status().applications and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "huge" not in serve.status().applications
+    models = httpx.get(f"{cluster}/v1/models", timeout=30)
+    assert models.status_code == 200 and models.json()["data"]

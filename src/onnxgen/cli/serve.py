@@ -129,7 +129,8 @@ def register(sub: Any) -> None:
         type=float,
         default=None,
         metavar="F",
-        help="with --replicas: GPUs per replica (default: 1 with --device cuda, else 0)",
+        help="with --replicas: GPUs per replica (default with --device cuda: 1 where there is a card per "
+        "replica, else the cards shared evenly, e.g. 0.5 for 2 replicas on one card; else 0)",
     )
     p.set_defaults(func=run)
 
@@ -216,6 +217,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def replica_gpus(device: str, replicas: int) -> float:
+    """GPUs each replica asks Ray for by default: a card each where there are enough, else the visible cards
+    shared evenly (two replicas on one card: half each); none on the CPU."""
+    if device != "cuda":
+        return 0.0
+    import torch
+
+    return min(1.0, torch.cuda.device_count() / replicas)
+
+
 def run_replicas(args: argparse.Namespace, config: Any) -> int:
     """`--replicas N`: the same server in N Ray Serve replicas behind one ingress, on a local Ray."""
     import dataclasses
@@ -245,7 +256,7 @@ def run_replicas(args: argparse.Namespace, config: Any) -> int:
         **({"tool_parser": args.tool_parser} if args.tool_parser else {}),
         **({"kv_dir": str(Path(args.kv_dir))} if args.kv_dir else {}),
     }
-    gpus = args.replica_gpus if args.replica_gpus is not None else (1.0 if args.device == "cuda" else 0.0)
+    gpus = args.replica_gpus if args.replica_gpus is not None else replica_gpus(args.device, args.replicas)
     server = {
         f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "isolate_keyless"
     }
@@ -262,5 +273,7 @@ def run_replicas(args: argparse.Namespace, config: Any) -> int:
         f"http://{args.host}:{args.port}/v1 · router {args.router} · Ray Serve (Ctrl-C stops)",
         file=sys.stderr,
     )
-    run_local(str(path), cluster, host=args.host, port=args.port)
+    run_local(
+        str(path), cluster, host=args.host, port=args.port, progress=lambda line: print(line, file=sys.stderr)
+    )
     return 0

@@ -8,7 +8,8 @@
                           the digests of its sessions and of the prefixes it served
 
 `build(args)` is a Ray Serve application builder (`serve run onnxgen.serve.cluster.deployment:build model=...`,
-or `import_path` in a Serve config file); `run_local` starts a local Ray for `onnxgen serve --replicas N`.
+or `import_path` in a Serve config file); `run_local` starts a local Ray for `onnxgen serve --replicas N`;
+`deploy` runs applications at once and waits until they serve, saying what they wait for.
 
 Faults: a call that fails before its response starts (its replica died or was drained) is retried once, then
 answered 503 with `Retry-After`; a response that had started ends where the replica stopped. A response's
@@ -24,14 +25,14 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from onnxgen.errors import APIError
+from onnxgen.errors import APIError, ClusterStartError
 from onnxgen.serve.cluster.bridge import HttpCall, read_call, run
 from onnxgen.serve.cluster.keys import session_digest
 from onnxgen.serve.errors import body_for
@@ -165,7 +166,8 @@ async def _answer(send: Any, path: str, err: APIError) -> None:
 class ClusterConfig:
     """How the application is laid out: `replicas` of the model, each with `num_cpus` / `num_gpus` of Ray's
     resources and at most `max_ongoing` requests in flight; the router's `mode` ("affinity", "round_robin",
-    "load") and `imbalance`; how often replicas publish their routing stats (`stats_period_s`)."""
+    "load") and `imbalance`; how often replicas publish their routing stats (`stats_period_s`); how long
+    `run_local` waits for the replicas to load their model and serve (`ready_timeout_s`)."""
 
     replicas: int = 2
     num_cpus: float = 0.0
@@ -175,12 +177,15 @@ class ClusterConfig:
     imbalance: int = 4
     stats_period_s: float = 1.0
     isolate_keyless: bool = False
+    ready_timeout_s: float = 900.0
     load: dict[str, Any] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.ready_timeout_s <= 0:
+            raise ValueError(f"ready_timeout_s must be > 0, got {self.ready_timeout_s}")
 
 
 def application(model: str, config: ClusterConfig) -> Any:
@@ -222,6 +227,7 @@ def build(args: dict[str, Any]) -> Any:
         "num_cpus": float,
         "num_gpus": float,
         "stats_period_s": float,
+        "ready_timeout_s": float,
     }
     for name, cast in casts.items():
         if name in args:
@@ -231,9 +237,73 @@ def build(args: dict[str, Any]) -> Any:
     return application(model, ClusterConfig(**args))
 
 
-def run_local(model: str, config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+def deploy(
+    apps: Sequence[tuple[str, str, Any]],
+    *,
+    timeout_s: float = 900.0,
+    every_s: float = 15.0,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Run the applications `(name, route prefix, bound application)` on the connected Serve at once (their
+    replicas load side by side) and return when every one is running. While they come up, `progress` gets a
+    line every `every_s` seconds with each deployment's state, replica states and Serve's message (replicas
+    that cannot be placed say what they ask for and what the cluster has). An application that fails to
+    deploy, or one not running after `timeout_s`, raises `ClusterStartError` with the same description; the
+    applications of this call are deleted first, so nothing half-started keeps resources."""
+    names = [name for name, _, _ in apps]
+    serve.run_many(
+        [serve.RunTarget(target=app, name=name, route_prefix=prefix) for name, prefix, app in apps],
+        wait_for_applications_running=False,
+    )
+    start = last = time.monotonic()
+    while True:
+        states = serve.status().applications
+        now = time.monotonic()
+        failed = [n for n in names if n in states and states[n].status == "DEPLOY_FAILED"]
+        if not failed and all(n in states and states[n].status == "RUNNING" for n in names):
+            return
+        if failed or now - start > timeout_s:
+            why = (
+                f"{', '.join(failed)} failed to deploy" if failed else f"not running after {timeout_s:.0f} s"
+            )
+            text = _describe(states, names)
+            for name in names:
+                serve.delete(name, _blocking=False)
+            raise ClusterStartError(f"Ray Serve application(s) {', '.join(names)}: {why}. {text}")
+        if progress is not None and now - last >= every_s:
+            progress(f"waiting for {', '.join(names)} ({now - start:.0f} s): {_describe(states, names)}")
+            last = now
+        time.sleep(0.25)
+
+
+def _describe(states: dict[str, Any], names: Sequence[str]) -> str:
+    """Each application's state and its deployments' (state, replica states, message), on one line."""
+    parts = []
+    for name in names:
+        app = states.get(name)
+        if app is None:
+            parts.append(f"{name}: not created yet")
+            continue
+        deps = "; ".join(
+            f"{dep}: {d.status} {dict(d.replica_states)}" + (f" ({d.message})" if d.message else "")
+            for dep, d in app.deployments.items()
+        )
+        parts.append(f"{name}: {app.status}" + (f" ({app.message})" if app.message else "") + f" [{deps}]")
+    return " | ".join(parts)
+
+
+def run_local(
+    model: str,
+    config: ClusterConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    progress: Callable[[str], None] | None = None,
+) -> None:
     """Start a local Ray, serve the application on `host:port` until interrupted (Ctrl-C or SIGTERM), then
-    shut Serve and Ray down."""
+    shut Serve and Ray down. Replicas not serving within `config.ready_timeout_s` raise `ClusterStartError`
+    (`deploy`); `progress` (default: the log at INFO) hears what they wait for every 15 s meanwhile, and when
+    they serve."""
+    say = progress or log.info
     import signal
 
     import ray
@@ -245,9 +315,10 @@ def run_local(model: str, config: ClusterConfig, host: str = "127.0.0.1", port: 
 
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(application(model, config), name="onnxgen", route_prefix="/")
     try:
+        serve.start(http_options={"host": host, "port": port})
+        deploy([("onnxgen", "/", application(model, config))], timeout_s=config.ready_timeout_s, progress=say)
+        say(f"onnxgen: {config.replicas} replica(s) serving on http://{host}:{port}")
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
