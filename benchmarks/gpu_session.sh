@@ -45,7 +45,9 @@
 #             parity against transformers below and past the switch, decoding across it, sessions growing past it
 #   longropebench gpu_decode.py (a prompt past the switch) and batch.py (1 and 64 requests) on that shape
 #   cluster   batch.py trace on the 1B shape: one server against two Ray Serve replicas sharing the card, affinity
-#             and round-robin routing, 16 conversations x 6 turns (needs .ray carried: see prepare)
+#             and round-robin routing, 16 conversations x 6 turns (needs .ray carried: see prepare). Five engines
+#             load on the card at once, without the load-time warm-up (the first of the 5 runs meets first uses;
+#             the median does not); stages and replica states print as they come, Ray's errors if it stalls
 #   compare   compare.py .carry/base . on the 1B shape: batch-1 decode and 64 concurrent requests
 #   cpucompare compare.py .carry/base . on the host's CPU (quiet, 2 threads a side): SmolLM2-135M's shape in
 #             fp32 on the native backend, batch-1 decode and 64 concurrent requests
@@ -193,7 +195,8 @@ for section in "${@}"; do
         cluster) if [ -f /tmp/site/.ray_installed ]; then
                      run 560 benchmarks/batch.py --model builder:1b --device cuda --sections trace --cluster 2 \
                          --routers affinity,round_robin --agents 16 --turns 6 --system 200 --new 16 --runs 5 \
-                         --ready-timeout 300 --engine backend=native,paged=true,max_sessions=32,kv_bytes=4000000000
+                         --ready-timeout 380 \
+                         --engine backend=native,paged=true,max_sessions=32,kv_bytes=4000000000,warmup=false
                  else
                      echo "cluster: no Ray on the host (carry .ray: see prepare)"
                  fi ;;
