@@ -647,11 +647,13 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
     watchdog.daemon = True
     watchdog.start()
     ray.init(include_dashboard=False, log_to_driver=False)
+    say("Ray started")
     try:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        say("Serve started")
         out = [("1 server", one.url)]
         apps = []
         for mode in args.routers.split(","):
