@@ -636,18 +636,20 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
     one = RunningServer(create_app(u.load(pkg, args.device, opts), ServerConfig(**capacity)))
     say("1 server loaded")
     # on a GPU the replicas share the card(s) Ray sees: N replicas on one card take 1/N of it each
-    gpus = 0.0
+    gpus, cards = 0.0, None
     if args.device == "cuda":
         import torch
 
-        gpus = min(1.0, torch.cuda.device_count() / args.cluster)
+        cards = torch.cuda.device_count()
+        gpus = min(1.0, cards / args.cluster)
     # Ray's actors log to files, not here: a start that hangs (Serve's controller or proxy failing to start, say)
     # prints the errors those files hold and ends the process rather than waiting for an outer time limit
     watchdog = threading.Timer(args.ready_timeout + 60, _give_up, ("Ray Serve did not start",))
     watchdog.daemon = True
     watchdog.start()
-    ray.init(include_dashboard=False, log_to_driver=False)
-    say("Ray started")
+    # the cards this process sees, told to Ray rather than left to its own detection
+    ray.init(include_dashboard=False, log_to_driver=False, num_gpus=cards)
+    say(f"Ray started ({ray.cluster_resources()})")
     try:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

@@ -313,8 +313,13 @@ def run_local(
 
     signal.signal(signal.SIGTERM, interrupt)
 
-    if not ray.is_initialized():
-        ray.init(include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():  # replicas on CUDA: the cards this process sees, told to Ray (not detected)
+        cards = None
+        if config.num_gpus > 0:
+            import torch
+
+            cards = torch.cuda.device_count()
+        ray.init(include_dashboard=False, log_to_driver=False, num_gpus=cards)
     try:
         serve.start(http_options={"host": host, "port": port})
         deploy([("onnxgen", "/", application(model, config))], timeout_s=config.ready_timeout_s, progress=say)
