@@ -624,7 +624,7 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
     from ray import serve
 
     from onnxgen.serve.app import RunningServer, ServerConfig, create_app
-    from onnxgen.serve.cluster.deployment import ClusterConfig, application, deploy
+    from onnxgen.serve.cluster.deployment import ClusterConfig, application, deploy, replica_gpus, start_ray
 
     def say(line: str) -> None:
         print(f"[{time.perf_counter() - t0:.0f} s] {line}", file=sys.stderr, flush=True)
@@ -635,20 +635,13 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
     capacity = {"max_queue": 4 * args.agents}
     one = RunningServer(create_app(u.load(pkg, args.device, opts), ServerConfig(**capacity)))
     say("1 server loaded")
-    # on a GPU the replicas share the card(s) Ray sees: N replicas on one card take 1/N of it each
-    gpus, cards = 0.0, None
-    if args.device == "cuda":
-        import torch
-
-        cards = torch.cuda.device_count()
-        gpus = min(1.0, cards / args.cluster)
+    gpus = replica_gpus(args.device, args.cluster)  # N replicas on one card take 1/N of it each
     # Ray's actors log to files, not here: a start that hangs (Serve's controller or proxy failing to start, say)
     # prints the errors those files hold and ends the process rather than waiting for an outer time limit
     watchdog = threading.Timer(args.ready_timeout + 60, _give_up, ("Ray Serve did not start",))
     watchdog.daemon = True
     watchdog.start()
-    # the cards this process sees, told to Ray rather than left to its own detection
-    ray.init(include_dashboard=False, log_to_driver=False, num_gpus=cards)
+    start_ray(cuda=args.device == "cuda")
     say(f"Ray started ({ray.cluster_resources()})")
     try:
         with socket.socket() as sock:
@@ -668,10 +661,8 @@ def _servers(args: Any) -> Iterator[list[tuple[str, str]]]:
             )
             apps.append((mode, f"/{mode}", application(str(pkg.path), config)))
             out.append((f"{args.cluster} replicas, {mode}", f"http://127.0.0.1:{port}/{mode}"))
-        try:
-            deploy(
-                apps, timeout_s=args.ready_timeout, progress=say
-            )  # every mode's replicas load side by side
+        try:  # every mode's replicas load side by side
+            deploy(apps, timeout_s=args.ready_timeout, progress=say)
         except Exception:
             print(_ray_errors(), file=sys.stderr, flush=True)
             raise

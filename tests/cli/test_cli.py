@@ -231,9 +231,10 @@ def test_serve_replicas_starts_the_cluster_with_the_servers_options(tiny_dir, mo
 def test_replicas_share_the_visible_cards_by_default(monkeypatch):
     """`--replicas N --device cuda` without `--replica-gpus`: a card each where there are N, else the cards
     shared evenly, so that N replicas on one card can all be placed; nothing on the CPU."""
+    pytest.importorskip("ray.serve")
     import torch
 
-    from onnxgen.cli.serve import replica_gpus
+    from onnxgen.serve.cluster.deployment import replica_gpus
 
     assert replica_gpus("cpu", 2) == 0.0
     for cards, replicas, each in ((1, 2, 0.5), (1, 4, 0.25), (4, 2, 1.0), (2, 2, 1.0)):

@@ -217,16 +217,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def replica_gpus(device: str, replicas: int) -> float:
-    """GPUs each replica asks Ray for by default: a card each where there are enough, else the visible cards
-    shared evenly (two replicas on one card: half each); none on the CPU."""
-    if device != "cuda":
-        return 0.0
-    import torch
-
-    return min(1.0, torch.cuda.device_count() / replicas)
-
-
 def run_replicas(args: argparse.Namespace, config: Any) -> int:
     """`--replicas N`: the same server in N Ray Serve replicas behind one ingress, on a local Ray."""
     import dataclasses
@@ -235,7 +225,7 @@ def run_replicas(args: argparse.Namespace, config: Any) -> int:
     if args.replicas < 1:
         raise InvalidRequest(f"--replicas must be >= 1, got {args.replicas}", field="replicas")
     try:
-        from onnxgen.serve.cluster.deployment import ClusterConfig, run_local
+        from onnxgen.serve.cluster.deployment import ClusterConfig, replica_gpus, run_local
     except ImportError as exc:
         raise InvalidRequest(
             f"--replicas needs the cluster extra: pip install 'onnxgen[cluster]' ({exc})"

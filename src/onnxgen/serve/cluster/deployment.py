@@ -227,7 +227,6 @@ def build(args: dict[str, Any]) -> Any:
         "num_cpus": float,
         "num_gpus": float,
         "stats_period_s": float,
-        "ready_timeout_s": float,
     }
     for name, cast in casts.items():
         if name in args:
@@ -235,6 +234,29 @@ def build(args: dict[str, Any]) -> Any:
     if isinstance(args.get("isolate_keyless"), str):
         args["isolate_keyless"] = args["isolate_keyless"].lower() in ("1", "true", "yes")
     return application(model, ClusterConfig(**args))
+
+
+def replica_gpus(device: str, replicas: int) -> float:
+    """GPUs each of `replicas` asks Ray for by default: a card each where there are enough, else the visible
+    cards shared evenly (two replicas on one card: half each); none on the CPU."""
+    if device != "cuda":
+        return 0.0
+    import torch
+
+    return min(1.0, torch.cuda.device_count() / replicas)
+
+
+def start_ray(cuda: bool) -> None:
+    """A local Ray for replicas: no dashboard, actors' output in their log files; with `cuda`, told the cards
+    this process sees rather than left to its own detection."""
+    import ray
+
+    cards = None
+    if cuda:
+        import torch
+
+        cards = torch.cuda.device_count()
+    ray.init(include_dashboard=False, log_to_driver=False, num_gpus=cards)
 
 
 def deploy(
@@ -313,13 +335,8 @@ def run_local(
 
     signal.signal(signal.SIGTERM, interrupt)
 
-    if not ray.is_initialized():  # replicas on CUDA: the cards this process sees, told to Ray (not detected)
-        cards = None
-        if config.num_gpus > 0:
-            import torch
-
-            cards = torch.cuda.device_count()
-        ray.init(include_dashboard=False, log_to_driver=False, num_gpus=cards)
+    if not ray.is_initialized():
+        start_ray(cuda=config.num_gpus > 0)
     try:
         serve.start(http_options={"host": host, "port": port})
         deploy([("onnxgen", "/", application(model, config))], timeout_s=config.ready_timeout_s, progress=say)
